@@ -1,0 +1,188 @@
+"""Typed configuration: the schema of every config node, registered in Hydra's ConfigStore.
+
+Typed nodes make a misspelt key fail at composition (on the command line and inside presets).
+Residual nodes are generated from the residual registry, so the `residual=` options never drift
+from the code; ablation presets are generated from the ablation registry.
+:func:`validate` checks every value that composition cannot (divisibility, ranges, choices) and
+raises before any compute, naming the bad value and the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from data.config import DataConfig
+from data.config import validate as validate_data
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ModelConfig:
+    """Sizes of the shared MoE backbone (SPEC §6). `conf/model/*.yaml` fill these in."""
+
+    name: str = "tiny"
+    d_model: int = 64  # hidden size d
+    n_blocks: int = 4  # Transformer blocks; sublayers L = 2 * n_blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 2  # key/value heads (GQA); divides n_heads
+    seq_len: int = 128  # tokens per training window
+    dense_hidden: int = 192  # SwiGLU hidden size of the first (dense) block
+    n_experts: int = 8  # routed experts per MoE layer
+    top_k: int = 2  # routed experts per token
+    n_shared: int = 1  # shared experts (always on)
+    expert_hidden: int = 64  # SwiGLU hidden size of each (fine-grained) expert
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing: bias step per optimizer step
+    route_scale: float = 1.0  # multiplies the renormalised gates
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    norm_eps: float = 1e-6
+    moe_impl: str = "grouped_mm"  # "grouped_mm" (one grouped GEMM per projection) | "sliced" (reference)
+    doc_mask: bool = True  # attention never crosses a document boundary in packed windows
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and hardware. `conf/trainer/{cpu,gpu}.yaml`."""
+
+    accelerator: str = "cpu"  # "cpu" | "gpu" | "auto"
+    devices: int = 1
+    precision: str = "32-true"  # "32-true" | "bf16-mixed" | "16-mixed"
+    max_steps: int = 300
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 30
+    weight_decay: float = 0.1  # on matrices only
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    accumulate_grad_batches: int = 1
+    val_every: int = 50  # steps between validations
+    val_batches: int = 8  # batches per validation
+    log_every: int = 10  # steps between logged train metrics
+    ckpt_every: int = 100  # steps between checkpoints (last.ckpt is always kept)
+    progress_bar: bool = True
+    threads: int = 0  # CPU intra-op threads (0: leave torch's default)
+    compile: bool = False  # torch.compile the backbone
+
+
+@dataclass
+class MlflowConfig:
+    enabled: bool = True
+    tracking_uri: Optional[str] = None  # default: sqlite:///<repo>/mlruns/mlflow.db
+    experiment: str = "residuals"
+    run_name: Optional[str] = None
+    depth_heatmaps: bool = True  # log depth-attention heatmaps at the end of a run
+
+
+@dataclass
+class AblationInfo:
+    """Filled by an ablation preset (`ablation=<name>`): what it answers and against what."""
+
+    name: str = MISSING
+    question: str = MISSING
+    baseline: str = MISSING  # the residual / ablation it is compared with
+    changes: str = MISSING  # human-readable summary of the config it changes
+    paper: str = ""  # the paper's reported number, where there is one
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    residual: Any = MISSING  # a typed node generated from the residual registry
+    ablation: Optional[AblationInfo] = None
+    sweep: Any = None
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    seed: int = 0
+    resume: Optional[str] = None  # a checkpoint path, a run dir, or "last"
+    plugins: list[str] = field(default_factory=list)  # modules that register extra residuals
+    name: Optional[str] = None  # run name suffix (defaults to residual[+ablation])
+
+
+def register_configs() -> None:
+    """Store the schemas and the registry-generated nodes in Hydra's ConfigStore (idempotent)."""
+    import ablations
+    import residuals
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(group="model", name="base_model", node=ModelConfig)
+    cs.store(group="trainer", name="base_trainer", node=TrainerConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    for name in residuals.names():
+        cs.store(group="residual", name=name, node=residuals.config_for(name))
+    for ab in ablations.all_ablations():
+        cs.store(group="ablation", name=ab.name, node=ab.preset(), package="_global_")
+
+
+def tracking_uri(cfg: DictConfig | None = None) -> str:
+    uri = cfg.mlflow.tracking_uri if cfg is not None else None
+    return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlruns' / 'mlflow.db'}"
+
+
+def _choice(what: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{what}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check what composition cannot, before any compute. Raises ValueError naming value and choices."""
+    import residuals
+
+    m, t = cfg.model, cfg.trainer
+    for key in ("d_model", "n_blocks", "n_heads", "n_kv_heads", "seq_len", "dense_hidden", "n_experts",
+                "top_k", "expert_hidden"):
+        if m[key] < 1:
+            raise ValueError(f"model.{key}={m[key]} must be a positive integer")
+    if m.d_model % m.n_heads:
+        raise ValueError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                         f"valid n_heads for this d_model: {[h for h in range(1, m.d_model + 1) if m.d_model % h == 0]}")
+    if (m.d_model // m.n_heads) % 2:
+        raise ValueError(f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
+    if m.n_heads % m.n_kv_heads:
+        raise ValueError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}; "
+                         f"valid: {[h for h in range(1, m.n_heads + 1) if m.n_heads % h == 0]}")
+    if not 1 <= m.top_k <= m.n_experts:
+        raise ValueError(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
+    if m.n_shared < 0:
+        raise ValueError(f"model.n_shared={m.n_shared} must be >= 0")
+    _choice("model.moe_impl", m.moe_impl, ("grouped_mm", "sliced"))
+    if m.moe_impl == "grouped_mm" and (m.d_model % 8 or m.expert_hidden % 8):
+        raise ValueError(f"model.moe_impl=grouped_mm needs d_model ({m.d_model}) and expert_hidden "
+                         f"({m.expert_hidden}) to be multiples of 8 (grouped GEMM alignment); "
+                         "use model.moe_impl=sliced for other sizes")
+    _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
+    _choice("trainer.precision", t.precision, ("32-true", "bf16-mixed", "16-mixed", "bf16-true"))
+    for key in ("max_steps", "val_every", "val_batches", "log_every", "ckpt_every", "accumulate_grad_batches"):
+        if t[key] < 1:
+            raise ValueError(f"trainer.{key}={t[key]} must be a positive integer")
+    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
+        raise ValueError(f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.max_steps={t.max_steps})")
+    if not (t.lr > 0 and 0 <= t.min_lr_ratio <= 1):
+        raise ValueError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr_ratio={t.min_lr_ratio} in [0, 1]")
+    validate_data(cfg.data)
+    res_cls = residuals.get(cfg.residual.name)
+    res_cfg = residual_config(cfg)
+    res_cls.validate(res_cfg, d_model=m.d_model, n_sublayers=2 * m.n_blocks)
+
+
+def residual_config(cfg: DictConfig):
+    """The residual node as its registered dataclass (fields checked against the variant's Config)."""
+    import residuals
+
+    cls = residuals.get(cfg.residual.name).Config
+    node = OmegaConf.to_container(cfg.residual, resolve=True)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(node) - known
+    if unknown:
+        raise ValueError(f"residual {cfg.residual.name!r} has no field(s) {sorted(unknown)}; fields: {sorted(known)}")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))

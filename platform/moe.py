@@ -1,0 +1,114 @@
+"""DeepSeek-V3-style MoE feed-forward with sigmoid top-k routing and aux-loss-free balancing.
+
+SPEC §6: shared expert(s) plus E fine-grained routed SwiGLU experts. Affinities s = σ(u·e_i) come
+from an fp32 router; the top-k experts are chosen on s + bias, where `bias` is a non-gradient
+buffer nudged after each optimizer step toward balanced load (`update_bias`); the gates are the
+selected s renormalised. Dispatch sorts the (token, expert) assignments by expert and runs one
+grouped GEMM per projection over the contiguous groups (no loop over experts on the hot path).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_matmul(x: Tensor, w: Tensor, offsets: Tensor, impl: str) -> Tensor:
+    """Rows x[offsets[g-1]:offsets[g]] times w[g], for every group g.
+
+    x: (N, K) sorted by group; w: (G, K, M); offsets: (G,) int32 cumulative group ends -> (N, M).
+    `impl="grouped_mm"` runs one grouped GEMM; `impl="sliced"` is the reference twin (a loop over
+    contiguous slices). On CUDA under autocast the grouped GEMM runs in the autocast dtype (bf16).
+    """
+    if impl == "sliced":
+        ends = offsets.tolist()
+        starts = [0] + ends[:-1]
+        return torch.cat([x[s:e] @ w[g].to(x.dtype) for g, (s, e) in enumerate(zip(starts, ends))], dim=0)
+    if impl != "grouped_mm":
+        raise ValueError(f"unknown grouped matmul impl {impl!r}; choose grouped_mm or sliced")
+    if _grouped_mm is None:
+        raise RuntimeError("this torch has no grouped_mm; use model.moe_impl=sliced")
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    with torch.autocast(x.device.type, enabled=False):
+        return _grouped_mm(x.to(dtype), w.to(dtype), offs=offsets)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w3 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, d: int, n_experts: int, top_k: int, expert_hidden: int, n_shared: int,
+                 bias_update_rate: float, route_scale: float = 1.0, impl: str = "grouped_mm"):
+        super().__init__()
+        self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
+        self.bias_update_rate, self.route_scale = bias_update_rate, route_scale
+        self.shared = SwiGLU(d, expert_hidden * n_shared) if n_shared > 0 else None
+        self.router = nn.Parameter(torch.empty(n_experts, d))  # e_i, used in fp32
+        # Routed expert weights, stacked for grouped GEMMs: (E, d, h), (E, d, h), (E, h, d).
+        self.w1 = nn.Parameter(torch.empty(n_experts, d, expert_hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, d, expert_hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, expert_hidden, d))
+        self.register_buffer("bias", torch.zeros(n_experts))  # balancing bias: no gradient, checkpointed
+        self.register_buffer("load", torch.zeros(n_experts), persistent=False)  # assignments since update
+        self.last_stats: dict[str, Tensor] = {}
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x: (N, d) -> expert indices (N, k) and gates (N, k), in fp32."""
+        scores = torch.sigmoid(x.float() @ self.router.float().t())  # (N, E)
+        idx = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # bias steers choice only
+        gates = scores.gather(-1, idx)
+        gates = gates / gates.sum(-1, keepdim=True) * self.route_scale
+        return idx, gates
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, d)
+        idx, gates = self.route(x)  # (N, k)
+        flat = idx.flatten()  # (N*k,) expert of each assignment
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        token = order // self.top_k  # (N*k,) source token of each sorted assignment
+        counts = torch.bincount(flat, minlength=self.n_experts)  # (E,)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        xs = x[token]  # (N*k, d)
+        h = F.silu(grouped_matmul(xs, self.w1, offsets, self.impl)) * grouped_matmul(xs, self.w3, offsets, self.impl)
+        y = grouped_matmul(h, self.w2, offsets, self.impl)  # (N*k, d)
+        y = y * gates.flatten()[order].unsqueeze(-1).to(y.dtype)
+        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        if self.training:
+            self.load += counts.detach().float()
+        self._stats(counts)
+        return out.reshape(shape).to(x.dtype)
+
+    @torch.no_grad()
+    def _stats(self, counts: Tensor) -> None:
+        p = counts.float() / counts.sum().clamp_min(1)
+        entropy = -(p * p.clamp_min(1e-12).log()).sum() / math.log(self.n_experts) if self.n_experts > 1 else p.sum()
+        self.last_stats = {"max_over_mean": p.max() * self.n_experts, "min_over_mean": p.min() * self.n_experts,
+                           "entropy": entropy}
+
+    @torch.no_grad()
+    def update_bias(self) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+        load = self.load
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load)
+        if load.sum() > 0:
+            self.bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.load.zero_()

@@ -1,0 +1,75 @@
+"""Train the backbone with a residual mechanism: `python -m platform.run [overrides]`.
+
+Examples (from the repo root):
+    python -m platform.run                                   # tiny model, embedded corpus, CPU
+    python -m platform.run ablation=wo_conv                  # a registered ablation of the paper
+    python -m platform.run model=tiny trainer.max_steps=200 residual=vanilla seed=3
+    python -m platform.run model=small trainer=gpu           # bf16 on a GPU
+    python -m platform.run resume=last                       # continue the newest run exactly
+    python -m platform.run plugins=[my_pkg.my_residual] residual=my_residual
+`python -m platform.list` lists the registered residuals and ablations with their descriptions.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+
+def preload_plugins(argv: list[str]) -> None:
+    """Import `plugins=[...]` modules before Hydra composes, so their residuals are valid options."""
+    import residuals
+
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "plugins" and value:
+            mods = [m.strip().strip("'\"") for m in value.strip("[]").split(",") if m.strip()]
+            residuals.load_plugins(mods)
+
+
+def check_choices(argv: list[str]) -> None:
+    """Fail fast, before Hydra composes, on an unknown `residual=` or `ablation=` name."""
+    import ablations
+    import residuals
+
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if key == "residual" and value not in residuals.names():
+            raise SystemExit(f"error: unknown residual {value!r}; registered residuals: {', '.join(residuals.names())}")
+        if key == "ablation" and value not in ("null", "") and value not in ablations.names():
+            raise SystemExit(f"error: unknown ablation {value!r}; registered ablations: "
+                             f"{', '.join(ablations.names()) or '(none yet)'}")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def _main(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    from .train import train
+
+    overrides = list(HydraConfig.get().overrides.task)
+    result = train(cfg, cli_overrides=overrides if cfg.resume else None)
+    print(f"final val/loss {result.val_loss:.4f} after {result.steps} steps in {result.wall_s:.1f}s "
+          f"(run dir {result.run_dir})")
+    return result.val_loss
+
+
+def main() -> None:
+    from .config import register_configs
+
+    preload_plugins(sys.argv[1:])
+    check_choices(sys.argv[1:])
+    register_configs()
+    _main()
+
+
+if __name__ == "__main__":
+    main()

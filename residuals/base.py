@@ -1,0 +1,107 @@
+"""The residual protocol, and the vanilla PreNorm residual.
+
+A residual mechanism decides what each sublayer reads and how its output is folded back in
+(cf. the read/write view of hyper-connections). The backbone calls, for every sublayer l::
+
+    state = res.begin(embedding, ctx)          # once
+    h = res.read(state, l)                     # (B, T, d): the sublayer's input h_l
+    state = res.write(state, l, sublayer(h))   # fold v_l = f_l(h_l) back in
+    x = res.end(state)                         # once: what the final RMSNorm and LM head see
+
+One mechanism instance serves the whole model (it owns the per-sublayer parameters and whatever
+state it carries across depth: streams, lists of sources, block summaries). The backbone never
+branches on a variant's name; everything a variant needs arrives through ``ctx``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from .registry import register
+
+
+@dataclass
+class ResidualConfig:
+    """Fields common to every variant. Subclasses add their own (typed, with defaults)."""
+
+    name: str = "???"
+
+
+@dataclass
+class Context:
+    """What a mechanism may use besides the sublayer outputs."""
+
+    doc_ids: Tensor  # (B, T) int64: document of each token; token-axis ops stop at boundaries
+    record: bool = False  # keep depth-attention weights for inspection (see Residual.recorded)
+
+
+class Residual(nn.Module):
+    """Base class of residual mechanisms. Subclass, add a nested ``Config``, ``@register`` it."""
+
+    name: ClassVar[str] = "?"
+    Config: ClassVar[type[ResidualConfig]] = ResidualConfig
+
+    def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):
+        super().__init__()
+        self.cfg, self.d_model, self.n_sublayers = cfg, d_model, n_sublayers
+        self.recorded: dict[str, Tensor] = {}  # filled when ctx.record: name -> (sources, consumers)
+
+    @classmethod
+    def validate(cls, cfg: ResidualConfig, *, d_model: int, n_sublayers: int) -> None:
+        """Raise ValueError (naming the bad value and the valid range) before any compute."""
+
+    # --- the protocol -------------------------------------------------------------------------
+    def begin(self, embedding: Tensor, ctx: Context) -> Any:
+        raise NotImplementedError
+
+    def read(self, state: Any, layer: int) -> Tensor:
+        raise NotImplementedError
+
+    def write(self, state: Any, layer: int, out: Tensor) -> Any:
+        raise NotImplementedError
+
+    def end(self, state: Any) -> Tensor:
+        raise NotImplementedError
+
+    # --- accounting (analytic, per token, forward) --------------------------------------------
+    def extra_flops_per_token(self) -> float:
+        """FLOPs per token beyond the vanilla residual's additions, forward pass."""
+        return 0.0
+
+    def state_per_token(self) -> float:
+        """Persistent per-token state carried between sublayers, in units of d (at the deepest point)."""
+        return 1.0
+
+
+@register("vanilla")
+class Vanilla(Residual):
+    """PreNorm residual: x_{l+1} = x_l + f_l(x_l) (SPEC §1). The sublayer applies its own norm."""
+
+    @dataclass
+    class Config(ResidualConfig):
+        pass
+
+    def begin(self, embedding: Tensor, ctx: Context) -> Tensor:
+        return embedding  # (B, T, d)
+
+    def read(self, state: Tensor, layer: int) -> Tensor:
+        return state
+
+    def write(self, state: Tensor, layer: int, out: Tensor) -> Tensor:
+        return state + out
+
+    def end(self, state: Tensor) -> Tensor:
+        return state
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last axis, computed in fp32 and cast back (shared by the variants)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)

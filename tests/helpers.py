@@ -1,0 +1,47 @@
+"""Shared test helpers: config composition and a tiny backbone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_cfg(*overrides: str) -> DictConfig:
+    from platform.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def tiny_model_cfg(**changes):
+    """A smaller-than-tiny backbone for unit tests."""
+    cfg = make_cfg("model=tiny", *[f"model.{k}={v}" for k, v in changes.items()])
+    return cfg.model
+
+
+def build_backbone(residual: str = "vanilla", vocab: int = 97, residual_overrides: tuple = (), **model_changes):
+    from platform.config import residual_config
+    from platform.model import Backbone
+
+    cfg = make_cfg("model=tiny", f"residual={residual}", *residual_overrides,
+                   *[f"model.{k}={v}" for k, v in model_changes.items()])
+    return Backbone(cfg.model, vocab, residual_config(cfg))
+
+
+def packed_batch(B: int, T: int, vocab: int, n_docs: int = 3, seed: int = 0):
+    """Random tokens and doc ids with several documents per row (boundaries at random places)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (B, T), generator=g)
+    doc_ids = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        cuts = sorted(torch.randperm(T - 2, generator=g)[: n_docs - 1].add(1).tolist())
+        for c in cuts:
+            doc_ids[b, c:] += 1
+        doc_ids[b] += 10 * b
+    return tokens, doc_ids

@@ -1,0 +1,88 @@
+"""MoE routing and dispatch (SPEC §6)."""
+
+import pytest
+import torch
+
+from platform.moe import MoE
+
+
+def make_moe(impl="grouped_mm", E=8, k=2, d=16, h=8, shared=1, seed=0):
+    torch.manual_seed(seed)
+    moe = MoE(d, E, k, h, shared, bias_update_rate=1e-2, impl=impl)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return moe
+
+
+@pytest.mark.parametrize("E,k,N", [(8, 2, 37), (5, 1, 11), (4, 4, 9)])
+def test_grouped_mm_matches_sliced_forward_and_backward(E, k, N):
+    fast, ref = make_moe("grouped_mm", E, k), make_moe("sliced", E, k)
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randn(N, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = fast(x), ref(x2)
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    for (n, p), (_, p2) in zip(fast.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, p2.grad, rtol=1e-5, atol=1e-5, msg=n)
+
+
+def test_moe_equals_explicit_per_token_mixture():
+    moe = make_moe(E=6, k=2, shared=0)
+    x = torch.randn(13, 16)
+    idx, gates = moe.route(x)
+    expected = torch.zeros(13, 16)
+    for t in range(13):
+        for j in range(2):
+            e = idx[t, j]
+            hidden = torch.nn.functional.silu(x[t] @ moe.w1[e]) * (x[t] @ moe.w3[e])
+            expected[t] += gates[t, j] * (hidden @ moe.w2[e])
+    torch.testing.assert_close(moe(x), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_routing_topk_gates_and_bias():
+    moe = make_moe(E=8, k=3)
+    x = torch.randn(50, 16)
+    idx, gates = moe.route(x)
+    scores = torch.sigmoid(x @ moe.router.t())
+    assert torch.equal(idx.sort(-1).values, scores.topk(3, -1).indices.sort(-1).values)
+    torch.testing.assert_close(gates.sum(-1), torch.ones(50))
+    # A large bias on expert 5 makes every token pick it, but its gate still comes from the score.
+    moe.bias[5] = 100.0
+    idx, gates = moe.route(x)
+    assert (idx == 5).any(-1).all()
+    sel = scores.gather(-1, idx)
+    torch.testing.assert_close(gates, sel / sel.sum(-1, keepdim=True))
+
+
+def test_bias_update_moves_toward_balance():
+    moe = make_moe(E=4, k=1)
+    moe.train()
+    with torch.no_grad():
+        moe.router.zero_()
+        moe.router[2] += 5.0  # every token prefers expert 2
+    x = torch.randn(64, 16).abs()
+    moe(x)
+    load = moe.load.clone()
+    assert load[2] == load.max() and load.sum() == 64
+    moe.update_bias()
+    assert moe.bias[2] < 0, "over-loaded expert's bias must go down"
+    assert (moe.bias[[0, 1, 3]] > 0).all(), "under-loaded experts' biases must go up"
+    assert moe.load.sum() == 0, "load counter resets after the update"
+
+
+def test_load_stats():
+    moe = make_moe(E=4, k=1)
+    with torch.no_grad():
+        moe.router.zero_()
+        moe.router[1] += 5.0
+    moe(torch.randn(32, 16).abs())
+    s = moe.last_stats
+    assert s["max_over_mean"] == pytest.approx(4.0) and s["entropy"] == pytest.approx(0.0, abs=1e-6)
+    moe.bias.copy_(torch.tensor([0.0, -100.0, 0.0, 0.0]))
+    moe.bias[0] = 50.0
+    moe(torch.randn(32, 16).abs())
+    assert moe.last_stats["max_over_mean"] == pytest.approx(4.0)
