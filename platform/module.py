@@ -66,11 +66,13 @@ class LMModule(L.LightningModule):
         self.last_train_loss = float(loss.detach())
         return loss
 
+    def optimizer_step(self, *args, **kwargs):
+        super().optimizer_step(*args, **kwargs)
+        # Aux-loss-free balancing: one bias nudge per optimizer step (before any checkpoint is taken).
+        for _, moe in self.model.moe_layers():
+            moe.update_bias()
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        # Aux-loss-free balancing: one bias nudge per optimizer step.
-        if (batch_idx + 1) % self.tcfg.accumulate_grad_batches == 0:
-            for _, moe in self.model.moe_layers():
-                moe.update_bias()
         step = self.global_step
         if step % self.tcfg.log_every == 0:
             if self.device.type == "cuda":

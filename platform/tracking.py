@@ -6,7 +6,6 @@ import os
 import socket
 from pathlib import Path
 
-from .config import REPO_ROOT
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "true")
@@ -14,11 +13,30 @@ os.environ.setdefault("DO_NOT_TRACK", "true")
 PID_TAG, HOST_TAG = "platform.pid", "platform.host"
 
 
+def make_logger(**kwargs):
+    """Lightning's MLFlowLogger, logging each metric at the number of optimizer steps completed.
+
+    Lightning passes the count *before* the current step finishes (a metric of step 12 arrives
+    as 11); shifting by one makes train and validation curves line up with `trainer.max_steps`.
+    """
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    class StepAlignedMLFlowLogger(MLFlowLogger):
+        def log_metrics(self, metrics, step=None):
+            super().log_metrics(metrics, None if step is None else step + 1)
+
+    return StepAlignedMLFlowLogger(**kwargs)
+
+
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
-    """Artifacts of the default local store live under `mlruns/artifacts/<experiment>`."""
+    """Artifacts of a local SQLite store live beside it: `<db folder>/artifacts/<experiment>`.
+
+    For the default store that is `mlruns/artifacts/<experiment>`; a server decides for itself.
+    """
     if tracking_uri.startswith("sqlite:///"):
-        return (REPO_ROOT / "mlruns" / "artifacts" / experiment).as_uri()
-    return None  # a server or other store decides itself
+        db = Path(tracking_uri[len("sqlite:///"):])
+        return (db.parent / "artifacts" / experiment).resolve().as_uri()
+    return None
 
 
 def ensure_experiment(client, experiment: str, tracking_uri: str) -> str:

@@ -57,8 +57,10 @@ def _resume_config(cfg: DictConfig, ckpt: Path, cli_overrides: list[str] | None)
         raise FileNotFoundError(f"cannot resume: {saved_path} (the run's resolved config) is missing")
     saved = OmegaConf.load(saved_path)
     if cli_overrides is None:  # programmatic call: the given config must describe the same run
+        now = OmegaConf.to_container(cfg, resolve=True)
+        before = OmegaConf.to_container(saved, resolve=True)
         for key in ("model", "residual", "data", "seed"):
-            if OmegaConf.to_container(saved[key]) != OmegaConf.to_container(cfg[key]):
+            if before[key] != now[key]:
                 raise ValueError(f"cannot resume {ckpt}: config.{key} differs from the saved run's")
         merged = cfg.copy()
     else:
@@ -102,7 +104,6 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
           run_dir: Path | None = None, cli_overrides: list[str] | None = None,
           extra_tags: dict | None = None) -> RunResult:
     from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-    from lightning.pytorch.loggers import MLFlowLogger
 
     from data import CorpusDataModule
 
@@ -141,7 +142,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
         tags = {**tracking.run_tags(parent_run_id), **(extra_tags or {}),
                 "residual": cfg.residual.name, "ablation": cfg.ablation.name if cfg.ablation else "none",
                 "model": cfg.model.name, "run_dir": str(run_dir)}
-        logger = MLFlowLogger(experiment_name=cfg.mlflow.experiment, run_name=run_name(cfg), tracking_uri=uri,
+        logger = tracking.make_logger(experiment_name=cfg.mlflow.experiment, run_name=run_name(cfg), tracking_uri=uri,
                               tags=tags if run_id is None else None, run_id=run_id, log_model=False)
         if run_id is not None:  # resumed: the same MLflow run goes on
             client.update_run(run_id, status="RUNNING")

@@ -1,0 +1,141 @@
+"""Training end to end: learning, exact kill-and-resume, NaN stop, MLflow bookkeeping."""
+
+import math
+import os
+
+import lightning as L
+import mlflow
+import pytest
+import torch
+
+from platform.train import train
+from tests.helpers import make_cfg
+
+# A smaller-than-tiny setup so each run takes seconds on one thread.
+FAST = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.seq_len=64", "model.dense_hidden=64",
+        "model.expert_hidden=32", "model.n_experts=4", "data.vocab_size=512", "data.batch_size=8",
+        "trainer.progress_bar=false", "trainer.threads=1", "trainer.warmup_steps=5", "trainer.val_batches=2",
+        "mlflow.depth_heatmaps=false"]
+
+
+class LossRecorder(L.Callback):
+    def __init__(self):
+        self.losses = {}
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = float(outputs["loss"])
+
+
+class InterruptAt(L.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+class PoisonAt(L.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                module.model.head.weight.fill_(float("nan"))
+
+
+def cfg_for(tmp_path, *overrides):
+    return make_cfg(*FAST, f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db", *overrides)
+
+
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
+    common = ("trainer.max_steps=24", "trainer.ckpt_every=8", "trainer.val_every=12", "residual=vanilla")
+    full = LossRecorder()
+    ra = train(cfg_for(tmp_path, *common), callbacks=[full], run_dir=tmp_path / "a")
+    assert ra.steps == 24 and len(full.losses) == 24
+
+    first = LossRecorder()
+    with pytest.raises(SystemExit):
+        train(cfg_for(tmp_path, *common), callbacks=[first, InterruptAt(16)], run_dir=tmp_path / "b")
+    assert (tmp_path / "b" / "checkpoints" / "last.ckpt").is_file()
+    second = LossRecorder()
+    rb = train(cfg_for(tmp_path, *common, f"resume={tmp_path / 'b'}"), callbacks=[second])
+    assert sorted(first.losses) == list(range(1, 17)) and sorted(second.losses) == list(range(17, 25))
+    resumed = {**first.losses, **second.losses}
+    for step, loss in full.losses.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6, abs=1e-6), f"step {step}"
+    assert rb.val_loss == pytest.approx(ra.val_loss, rel=1e-6)
+
+    # MLflow: the interrupted run was marked KILLED, then the same run went on to FINISHED.
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert rb.mlflow_run_id == (tmp_path / "b" / "mlflow_run_id").read_text().strip()
+    run = client.get_run(rb.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    hist = client.get_metric_history(rb.mlflow_run_id, "train/loss")
+    steps = {m.step for m in hist}
+    assert min(steps) < 16 < max(steps), steps  # one run's history spans the interruption
+
+
+def test_mlflow_run_params_metrics_artifacts(tmp_path):
+    r = train(cfg_for(tmp_path, "trainer.max_steps=12", "trainer.val_every=6", "trainer.log_every=2"),
+              run_dir=tmp_path / "run")
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.get_run(r.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    p = run.data.params
+    assert p["residual/name"] == "vanilla" and p["model/d_model"] == "32" and p["seed"] == "0"
+    assert int(p["params/total"]) > 0
+    for key in ("train/loss", "val/loss", "val/ppl", "perf/tokens_per_s", "perf/peak_mem_mb", "lr",
+                "moe/layer3/max_over_mean", "moe/layer3/entropy", "final/val_loss"):
+        assert client.get_metric_history(r.mlflow_run_id, key), key
+    val = client.get_metric_history(r.mlflow_run_id, "val/loss")
+    assert [m.step for m in val][-1] == 12 and math.isfinite(val[-1].value)
+    arts = {a.path for a in client.list_artifacts(r.mlflow_run_id, "hydra")}
+    assert "hydra/config.yaml" in arts
+    plots = {a.path for a in client.list_artifacts(r.mlflow_run_id, "plots")}
+    assert "plots/loss_curve.png" in plots
+    local = client.download_artifacts(r.mlflow_run_id, "plots/loss_curve.png", str(tmp_path))
+    assert open(local, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nan_loss_stops_with_message_and_marks_failed(tmp_path):
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 6; stopping. Last good checkpoint: .*last.ckpt"):
+        train(cfg_for(tmp_path, "trainer.max_steps=20", "trainer.ckpt_every=3"), callbacks=[PoisonAt(6)],
+              run_dir=tmp_path / "nan")
+    assert (tmp_path / "nan" / "checkpoints" / "last.ckpt").is_file()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("residuals").experiment_id])
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_orphaned_running_runs_are_reaped(tmp_path):
+    from platform import tracking
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp = tracking.ensure_experiment(client, "residuals", uri)
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    tags = tracking.run_tags()
+    orphan = client.create_run(exp, tags={**tags, tracking.PID_TAG: str(dead)}).info.run_id
+    alive = client.create_run(exp, tags=tags).info.run_id
+    assert tracking.reap_orphans(client, exp) == [orphan]
+    assert client.get_run(orphan).info.status == "KILLED"
+    assert client.get_run(alive).info.status == "RUNNING"
+
+
+@pytest.mark.slow
+def test_tiny_default_learns_well_below_unigram_entropy(tmp_path):
+    from data import CorpusDataModule
+
+    cfg = make_cfg(f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "trainer.progress_bar=false",
+                   "residual=vanilla", "mlflow.depth_heatmaps=false")
+    dm = CorpusDataModule(cfg.data, seq_len=cfg.model.seq_len, seed=0, max_steps=1)
+    dm.prepare_data()
+    dm.setup("fit")
+    unigram = dm.val_unigram_entropy()
+    r = train(cfg, run_dir=tmp_path / "run")
+    assert r.val_loss < unigram - 1.0, (r.val_loss, unigram)
