@@ -165,8 +165,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("max_steps", "val_every", "val_batches", "log_every", "ckpt_every", "accumulate_grad_batches"):
         if t[key] < 1:
             raise ValueError(f"trainer.{key}={t[key]} must be a positive integer")
-    if t.warmup_steps < 0 or t.warmup_steps >= t.max_steps:
-        raise ValueError(f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.max_steps={t.max_steps})")
+    if t.warmup_steps < 0:
+        raise ValueError(f"trainer.warmup_steps={t.warmup_steps} must be >= 0")
     if not (t.lr > 0 and 0 <= t.min_lr_ratio <= 1):
         raise ValueError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr_ratio={t.min_lr_ratio} in [0, 1]")
     validate_data(cfg.data)
@@ -186,3 +186,16 @@ def residual_config(cfg: DictConfig):
     if unknown:
         raise ValueError(f"residual {cfg.residual.name!r} has no field(s) {sorted(unknown)}; fields: {sorted(known)}")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), node))
+
+
+def compose(*overrides: str) -> DictConfig:
+    """Compose the config like the command line does (Hydra's Compose API), without running."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(str(REPO_ROOT / "conf"), version_base="1.3"):
+        return hydra_compose("config", overrides=list(overrides))

@@ -123,8 +123,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    dm = CorpusDataModule(cfg.data, seq_len=cfg.model.seq_len, seed=cfg.seed, max_steps=cfg.trainer.max_steps
-                          * cfg.trainer.accumulate_grad_batches)
+    dm = CorpusDataModule(cfg.data, seq_len=cfg.model.seq_len, seed=cfg.seed, max_steps=cfg.trainer.max_steps)
     dm.prepare_data()
     dm.setup("fit")
     module = LMModule(cfg.model, cfg.trainer, residual_config(cfg), vocab_size=dm.vocab_size)

@@ -36,7 +36,7 @@ def test_unknown_residual_lists_registered():
     (["model.expert_hidden=60"], r"multiples of 8"),
     (["trainer.precision=fp8"], r"precision='fp8' is not valid; choose one of"),
     (["trainer.accelerator=tpu"], r"accelerator='tpu'"),
-    (["trainer.warmup_steps=400"], r"warmup_steps=400"),
+    (["trainer.warmup_steps=-1"], r"warmup_steps=-1"),
     (["trainer.max_steps=0"], r"max_steps=0"),
     (["data.source=web"], r"web"),
 ])
