@@ -42,11 +42,15 @@ def check_choices(argv: list[str]) -> None:
     for arg in argv:
         key, _, value = arg.partition("=")
         key = key.lstrip("+~")
-        if key == "residual" and value not in residuals.names():
-            raise SystemExit(f"error: unknown residual {value!r}; registered residuals: {', '.join(residuals.names())}")
-        if key == "ablation" and value not in ("null", "") and value not in ablations.names():
-            raise SystemExit(f"error: unknown ablation {value!r}; registered ablations: "
-                             f"{', '.join(ablations.names()) or '(none yet)'}")
+        if key not in ("residual", "ablation") or "(" in value:  # leave sweep functions to Hydra
+            continue
+        for name in value.split(","):  # multirun: a,b,c
+            if key == "residual" and name not in residuals.names():
+                raise SystemExit(f"error: unknown residual {name!r}; registered residuals: "
+                                 f"{', '.join(residuals.names())}")
+            if key == "ablation" and name not in ("null", "") and name not in ablations.names():
+                raise SystemExit(f"error: unknown ablation {name!r}; registered ablations: "
+                                 f"{', '.join(ablations.names()) or '(none yet)'}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

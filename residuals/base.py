@@ -76,6 +76,13 @@ class Residual(nn.Module):
         """Persistent per-token state carried between sublayers, in units of d (at the deepest point)."""
         return 1.0
 
+    def io_per_sublayer(self) -> float:
+        """Paper-style residual I/O per token per sublayer, reads + writes, in units of d.
+
+        PreNorm: read x_l (d) and f_l(x_l) (d), write x_{l+1} (d) = 3d (SPEC §1).
+        """
+        return 3.0
+
 
 @register("vanilla")
 class Vanilla(Residual):

@@ -1,0 +1,237 @@
+"""AttnRes: every sublayer reads a softmax mixture of all earlier sublayer outputs (SPEC §3).
+
+Paper: "Attention Residuals", Kimi Team, arXiv 2603.15031.
+
+Sources are v_0 (the token embedding) and every sublayer output v_{i+1} = f_i(h_i) (the output,
+not a running sum). Consumer l (sublayer l, and l = L for the final output) owns a pseudo-query
+w_l and a key-RMSNorm gain:
+
+    h_l = Σ_{i≤l} softmax_i( w_l · RMSNorm_l(v_i) ) · v_i          (fp32 softmax, no 1/√d)
+
+w_l is zero at init, so at step 0 every h_l is the plain mean of its sources. The ablation fields:
+``key_norm`` (raw keys), ``heads`` (channel-split multi-head depth attention, the paper's
+16-head ablation) and ``query="input"`` (q_l = w_l + W_l·RMSNorm(latest source), W_l zero-init).
+
+This file also holds what the depth-attention variants share (attnres_block, msar, msar_block
+build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, accounting),
+:class:`PseudoQueries` (per consumer and view: w, key gain, optional input projection) and
+:class:`DepthAttentionConfig` (the fields they all have).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from kernels.depth_attn import depth_attn
+
+from .base import Context, Residual, ResidualConfig, rms_norm
+from .registry import register
+
+QUERY_KINDS = ("static", "input")
+
+
+def check_choice(owner: str, field: str, value: object, choices: Sequence[object]) -> None:
+    """ValueError naming the config key, the bad value and the choices (``owner``: the variant)."""
+    if value not in choices:
+        raise ValueError(f"residual.{field}={value!r} is not valid for residual={owner}; "
+                         f"choose one of: {', '.join(map(str, choices))}")
+
+
+def depth_attn_flops(n_sources: int, d: int, *, views: int = 1, heads: int = 1, key_norm: bool = True) -> int:
+    """Forward FLOPs per token of one consumer's depth attention over ``n_sources`` sources.
+
+    Per view and source: key RMSNorm 4d (square, sum, scale, gain), logit 2d, softmax ~5 per head
+    (max, subtract, exp, sum, divide), weighted sum 2d. The RMSNorm is counted per consumer, as the
+    reference computes it; a fused kernel can share it across consumers.
+    """
+    return views * n_sources * ((4 * d if key_norm else 0) + 4 * d + 5 * heads)
+
+
+@dataclass
+class DepthAttentionConfig(ResidualConfig):
+    """Fields every depth-attention variant has."""
+
+    key_norm: bool = True  # RMSNorm the keys (learnable gain, init 1); False: keys are the raw sources
+    query: str = "static"  # "static": learned w_l; "input": w_l + W_l·RMSNorm(latest source), W_l zero-init
+
+
+@dataclass(frozen=True)
+class SourceState:
+    """Between sublayers of full depth attention: every source so far."""
+
+    ctx: Context
+    sources: tuple[Tensor, ...]  # (v_0 = embedding, v_1, ..., v_l), each (B, T, d)
+
+
+class PseudoQueries(nn.Module):
+    """Per consumer and view: pseudo-query w (zero-init), key-RMSNorm gain (init 1) and, for
+    ``query="input"``, a zero-init projection W so that q = w + W·RMSNorm(latest source)."""
+
+    def __init__(self, n_consumers: int, n_views: int, d: int, *, key_norm: bool, query: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_consumers, n_views, d))  # w: zero -> plain mean at init
+        self.key_gain = nn.Parameter(torch.ones(n_consumers, n_views, d)) if key_norm else None
+        self.proj = nn.Parameter(torch.zeros(n_consumers, n_views, d, d)) if query == "input" else None
+
+    def forward(self, consumer: int, latest: Tensor) -> Tensor:
+        """Queries of one consumer: (V, d), or (V, B, T, d) when input-dependent."""
+        w = self.weight[consumer]  # (V, d)
+        if self.proj is None:
+            return w
+        x = rms_norm(latest).to(w.dtype)  # (B, T, d)
+        return w[:, None, None, :] + torch.einsum("btd,ved->vbte", x, self.proj[consumer])
+
+    def gain(self, consumer: int) -> Tensor | None:
+        return None if self.key_gain is None else self.key_gain[consumer]  # (V, d)
+
+    def flops(self) -> int:
+        """Per consumer and token: RMSNorm of the latest source, then W·x + w per view."""
+        n_views, d = self.weight.shape[1:]
+        return 0 if self.proj is None else 3 * d + n_views * (2 * d * d + d)
+
+
+class DepthAttentionResidual(Residual):
+    """What the depth-attention variants share: the protocol over a list of sources, recording
+    of the softmax weights, and accounting. Consumer l < L is sublayer l; consumer L is the final
+    output. Subclasses implement ``_retrieve`` and the cost hooks; ``attnres_block.BlockSummaries``
+    replaces the full source list with block summaries.
+    """
+
+    def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):
+        super().__init__(cfg, d_model, n_sublayers)
+        type(self).validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
+        self.n_consumers = n_sublayers + 1
+
+    @classmethod
+    def validate(cls, cfg: DepthAttentionConfig, *, d_model: int, n_sublayers: int) -> None:
+        super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
+        check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
+
+    # --- which sources each consumer sees: here every one (full depth attention) ---------------
+    def n_sources(self, consumer: int) -> int:
+        return consumer + 1  # v_0 .. v_consumer
+
+    def block_of(self, consumer: int) -> int:
+        """The block a consumer belongs to (where per-block parameters live): here a Transformer
+        block, i.e. an attention + MLP pair; the final output is a block of its own."""
+        return consumer // 2
+
+    def initial_state(self, embedding: Tensor, ctx: Context) -> SourceState:
+        return SourceState(ctx, (embedding,))
+
+    def sources(self, state: SourceState) -> list[Tensor]:
+        return list(state.sources)
+
+    # --- the protocol --------------------------------------------------------------------------
+    def begin(self, embedding: Tensor, ctx: Context):
+        if ctx.record:
+            self.recorded = {}
+        return self.initial_state(embedding, ctx)
+
+    def read(self, state, layer: int) -> Tensor:
+        return self._retrieve(self.sources(state), layer, state.ctx)
+
+    def write(self, state: SourceState, layer: int, out: Tensor) -> SourceState:
+        return SourceState(state.ctx, state.sources + (out,))
+
+    def end(self, state) -> Tensor:
+        return self._retrieve(self.sources(state), self.n_sublayers, state.ctx)
+
+    def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
+        """h for ``consumer`` from its sources (each (B, T, d)); returns (B, T, d)."""
+        raise NotImplementedError
+
+    def _record(self, ctx: Context, consumer: int, weights: Tensor) -> None:
+        """Keep weights (V, S, B, T), averaged over batch and tokens, as column ``consumer`` of
+        ``recorded["view{j}"]`` (sources x consumers; zero where a source does not exist)."""
+        if not ctx.record:
+            return
+        shape = (self.n_sources(self.n_sublayers), self.n_consumers)
+        for j, w in enumerate(weights.detach().float().mean(dim=(-2, -1))):  # (S,)
+            table = self.recorded.setdefault(f"view{j}", torch.zeros(shape, device=w.device))
+            table[: w.shape[0], consumer] = w
+
+    # --- accounting ------------------------------------------------------------------------------
+    def consumer_flops(self, n_sources: int) -> int:
+        """Forward FLOPs per token of one consumer that attends over ``n_sources`` sources."""
+        raise NotImplementedError
+
+    def attention_views(self) -> int:
+        """Depth-attention results per consumer, each (B, T, d)."""
+        return 1
+
+    def retrieval_io(self) -> float:
+        """Reads+writes (units of d) per consumer after the depth attention: writing h for AttnRes."""
+        return 1.0
+
+    def extra_flops_per_token(self) -> float:
+        """Sum of ``consumer_flops`` over the L+1 consumers. The block variants' partial sums stand in
+        for vanilla's additions and are not counted; the full variants do not subtract vanilla's
+        L·d additions (small next to full AttnRes's ~4(L+1)(L+2)·d)."""
+        return float(sum(self.consumer_flops(self.n_sources(c)) for c in range(self.n_consumers)))
+
+    def state_per_token(self) -> float:
+        """Single-stream (B, T, d) tensors held between sublayers at the deepest point (the final
+        output), in units of d: every source (L+1) here, b_0 + summaries + partial (N+1) for the
+        block variants; views are never stored. This counts storage. The paper's I/O figures (5.5d
+        for Block AttnRes, 21.5d for MSAR) count reads+writes per sublayer: see io_per_sublayer."""
+        return float(self.n_sources(self.n_sublayers))
+
+    def io_per_sublayer(self) -> float:
+        """Paper-style reads+writes per sublayer in units of d, averaged over the L sublayers.
+        Full depth attention in one pass: read every source, then ``retrieval_io``."""
+        reads = sum(self.n_sources(layer) for layer in range(self.n_sublayers)) / self.n_sublayers
+        return reads + self.retrieval_io()
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """(..., d) -> (heads, ..., d / heads): channel groups become depth-attention views."""
+    return x.unflatten(-1, (heads, -1)).movedim(-2, 0)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(heads, ..., d / heads) -> (..., d)."""
+    return x.movedim(0, -2).flatten(-2)
+
+
+@register("attnres")
+class AttnRes(DepthAttentionResidual):
+    """Full AttnRes: one depth attention per consumer over all L+1 sources (SPEC §3)."""
+
+    @dataclass
+    class Config(DepthAttentionConfig):
+        heads: int = 1  # channel-split heads, each over d/heads channels with its query slice and own key RMSNorm
+
+    @classmethod
+    def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
+        super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
+        if not (isinstance(cfg.heads, int) and cfg.heads >= 1 and d_model % cfg.heads == 0):
+            divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
+            raise ValueError(f"residual.heads={cfg.heads!r} must divide d_model={d_model} (channel-split heads); "
+                             f"choose one of: {', '.join(map(str, divisors))}")
+
+    def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
+        super().__init__(cfg, d_model, n_sublayers)
+        self.queries = PseudoQueries(self.n_consumers, 1, d_model, key_norm=cfg.key_norm, query=cfg.query)
+
+    def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
+        heads = self.cfg.heads
+        query = self.queries(consumer, latest=sources[-1])[0]  # (d,) or (B, T, d)
+        gain = self.queries.gain(consumer)  # (1, d) or None
+        out, weights = depth_attn(
+            split_heads(torch.stack(sources), heads),  # (H, S, B, T, d/H)
+            split_heads(query, heads),  # (H, d/H) or (H, B, T, d/H)
+            None if gain is None else split_heads(gain[0], heads),  # (H, d/H)
+            key_norm=self.cfg.key_norm,
+            return_weights=True,
+        )  # out (H, B, T, d/H), weights (H, S, B, T)
+        self._record(ctx, consumer, weights)
+        return merge_heads(out)  # (B, T, d)
+
+    def consumer_flops(self, n_sources: int) -> int:
+        cost = depth_attn_flops(n_sources, self.d_model, heads=self.cfg.heads, key_norm=self.cfg.key_norm)
+        return cost + self.queries.flops()

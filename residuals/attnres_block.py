@@ -1,0 +1,101 @@
+"""Block AttnRes: depth attention over block summaries instead of every sublayer output (SPEC §3).
+
+Paper: "Attention Residuals", Kimi Team, arXiv 2603.15031 (Block AttnRes).
+
+The L sublayers form N = L / S blocks of S sublayers. Between sublayers the state is b_0 = the
+embedding (a permanent source, never summed into a block), the completed block summaries
+b_1 .. b_{n-1} (plain sums of their sublayers' outputs) and the running partial sum of the current
+block. Sublayer i of block n attends over [b_0, ..., b_{n-1}, partial] (no partial at the block's
+first sublayer); the final output attends over [b_0, ..., b_N]. Persistent state: N+1 tensors.
+With ``query="input"`` the latest source is the last of that list (the partial, or at a block start
+the newest summary).
+
+S must be even, so block boundaries fall between Transformer blocks. S = 1 is allowed as the
+special case N = L: every summary is then a single sublayer output and this is full AttnRes
+exactly (``tests/residuals/test_attnres.py`` checks outputs and gradients).
+
+:class:`BlockSummaries` turns any :class:`~residuals.attnres.DepthAttentionResidual` into its block
+form (``msar_block`` uses it too); :class:`BlockFields` adds ``block_size`` to its config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .attnres import AttnRes
+from .base import Context
+from .registry import register
+
+
+@dataclass
+class BlockFields:
+    """Config fields of the block variants (mixed into their Config)."""
+
+    block_size: int = 4  # sublayers per block S: even and dividing the sublayer count, or 1 (full AttnRes)
+
+
+@dataclass(frozen=True)
+class BlockState:
+    """Between sublayers of a block variant: single-stream block summaries only."""
+
+    ctx: Context
+    summaries: tuple[Tensor, ...]  # (b_0 = embedding, b_1, ..., b_{n-1}), each (B, T, d)
+    partial: Tensor | None  # (B, T, d): sum of the current block's outputs so far; None at a block start
+
+
+class BlockSummaries:
+    """Mixin, first among the bases: ``class X(BlockSummaries, SomeDepthAttentionResidual)``.
+    Replaces the full list of sources with [b_0, completed summaries, partial]."""
+
+    @classmethod
+    def validate(cls, cfg, *, d_model: int, n_sublayers: int) -> None:
+        super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
+        valid = [1] + [s for s in range(2, n_sublayers + 1, 2) if n_sublayers % s == 0]
+        if cfg.block_size not in valid:
+            raise ValueError(
+                f"residual.block_size={cfg.block_size!r} must be even (blocks end between Transformer blocks) "
+                f"and divide n_sublayers={n_sublayers}, or be 1 (full depth attention); "
+                f"choose one of: {', '.join(map(str, valid))}")
+
+    @property
+    def n_blocks(self) -> int:
+        return self.n_sublayers // self.cfg.block_size
+
+    def n_sources(self, consumer: int) -> int:
+        if consumer == self.n_sublayers:
+            return 1 + self.n_blocks  # b_0 .. b_N
+        size = self.cfg.block_size
+        return 1 + consumer // size + (consumer % size > 0)  # b_0, completed summaries, partial
+
+    def block_of(self, consumer: int) -> int:
+        return consumer // self.cfg.block_size  # the final output is a block of its own
+
+    def initial_state(self, embedding: Tensor, ctx: Context) -> BlockState:
+        return BlockState(ctx, (embedding,), None)
+
+    def sources(self, state: BlockState) -> list[Tensor]:
+        return [*state.summaries, *([] if state.partial is None else [state.partial])]
+
+    def write(self, state: BlockState, layer: int, out: Tensor) -> BlockState:
+        partial = out if state.partial is None else state.partial + out  # (B, T, d)
+        if (layer + 1) % self.cfg.block_size:
+            return BlockState(state.ctx, state.summaries, partial)
+        return BlockState(state.ctx, state.summaries + (partial,), None)  # block complete: b_n
+
+    def io_per_sublayer(self) -> float:
+        """Two-phase computation (SPEC §3), reads+writes per sublayer in units of d. Phase 1 reads
+        the cached summaries once for the S queries of a block: the paper's N/S. Phase 2, per
+        sublayer: read each attention view's phase-1 result, the partial and the new output, write
+        the partial (3), then ``retrieval_io``. Block AttnRes: N/S + 5, the paper's (N/S + 5)·d."""
+        return self.n_blocks / self.cfg.block_size + self.attention_views() + 3 + self.retrieval_io()
+
+
+@register("attnres_block")
+class AttnResBlock(BlockSummaries, AttnRes):
+    """Block AttnRes: AttnRes over [b_0, completed block summaries, partial] (SPEC §3)."""
+
+    @dataclass
+    class Config(BlockFields, AttnRes.Config):
+        """AttnRes's fields plus ``block_size``."""

@@ -1,0 +1,165 @@
+"""MSAR: multi-stream depth attention, each stream over its own token-axis view of the sources.
+
+Paper: "Multi-Stream Attention Residuals" (preprint). Only reviews of it are available, so this is
+the reconstruction of SPEC §4; every choice it leaves open is a field of ``Config``.
+
+View expansion, views j = 0..m-1 (view 0 the identity, m = 1 + len(kernels)):
+
+    E_j(v)[t] = Σ_{τ<k_j} c_τ^{(j)} ⊙ v[t-τ]     causal depthwise conv, reset at document boundaries
+
+Per view, an AttnRes depth attention (own zero-init query and key-RMSNorm gain per consumer):
+
+    r^{(j)} = Σ_i softmax_i( w^{(j)} · RMSNorm(E_j(v_i)) ) · E_j(v_i)
+
+Fusion, mHC's H^pre over the m streams: R = [r^{(0)}; ...; r^{(m-1)}] ∈ R^{m×d},
+g = σ(α·RMSNorm(vec R)·φ + b) ∈ R^m, h = Σ_j g_j r^{(j)}, with φ = 0, α = 0.01, b = logit(1/m) at
+init, so g = 1/m. Only single-stream sources are stored; views are made on demand from them, per
+consumer (E_j is linear, so expanding a block summary is exact: ``msar_block``).
+
+The controls and ablations are fields: ``view="identity"`` (m queries over identical sources:
+wo_conv), ``view="scalar"`` (views β_ij·v_i, H^post-style write-back: hpost_streams, whose keys are
+identical after RMSNorm since β > 0), ``expand_values=False`` (expanded keys, identity values),
+``placement="post"`` (one AttnRes h, then h = Σ_j g_j E_j(h): token mixing without streams).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from kernels.causal_conv import causal_conv
+from kernels.depth_attn import depth_attn
+
+from .attnres import DepthAttentionConfig, DepthAttentionResidual, PseudoQueries, check_choice, depth_attn_flops
+from .base import Context, rms_norm
+from .registry import register
+
+VIEWS = ("conv", "identity", "scalar")
+TAPS = ("per_sublayer", "per_block", "shared")
+CONV_INITS = ("box", "dirac")
+FUSIONS = ("sigmoid", "softmax")
+PLACEMENTS = ("streams", "post")
+
+
+@register("msar")
+class Msar(DepthAttentionResidual):
+    """MSAR over every source (full depth attention, L+1 single-stream sources). With
+    ``taps="per_block"`` the consumers of a Transformer block share taps (in msar_block: of a block)."""
+
+    @dataclass
+    class Config(DepthAttentionConfig):
+        kernels: list[int] = field(default_factory=lambda: [4, 8, 12])  # k_j of views 1..m-1; m = 1 + len
+        view: str = "conv"  # "conv": E_j = causal conv; "identity": E_j = id (wo_conv); "scalar": β_ij·v_i
+        expand_values: bool = True  # False: keys from the views, values the plain sources
+        taps: str = "per_sublayer"  # conv taps per consumer, "per_block" (see block_of), or "shared"
+        conv_init: str = "box"  # "box": c_τ = 1/k_j (causal mean); "dirac": c_0 = 1, the rest 0
+        conv_init_noise: float = 0.0  # std of Gaussian noise added to Dirac taps
+        fusion: str = "sigmoid"  # g = σ(α·RMSNorm(vec R)·φ + b), or "softmax" over the m streams
+        placement: str = "streams"  # "streams": m depth attentions; "post": one, then Σ_j g_j E_j(h)
+
+    @classmethod
+    def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
+        super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
+        for name, choices in (("view", VIEWS), ("taps", TAPS), ("conv_init", CONV_INITS),
+                              ("fusion", FUSIONS), ("placement", PLACEMENTS)):
+            check_choice(cls.name, name, getattr(cfg, name), choices)
+        kernels = list(cfg.kernels)
+        if not kernels:
+            raise ValueError("residual.kernels=[] leaves one view (m = 1 + len(kernels)) and makes "
+                             "b = logit(1/m) infinite; give kernel sizes >= 2, or use residual=attnres")
+        if any(not isinstance(k, int) or k < 2 for k in kernels) or len(set(kernels)) != len(kernels):
+            raise ValueError(f"residual.kernels={kernels} must be distinct integers >= 2 "
+                             f"(view 0 is already the identity, k = 1)")
+        if not cfg.conv_init_noise >= 0:
+            raise ValueError(f"residual.conv_init_noise={cfg.conv_init_noise!r} must be >= 0")
+        if cfg.placement == "post" and (cfg.view != "conv" or not cfg.expand_values):
+            raise ValueError(f"residual.placement='post' applies the convs to h once: it needs residual.view=conv "
+                             f"and residual.expand_values=true, got view={cfg.view!r}, "
+                             f"expand_values={cfg.expand_values!r}")
+
+    def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
+        super().__init__(cfg, d_model, n_sublayers)
+        m, d, consumers = 1 + len(cfg.kernels), d_model, self.n_consumers
+        self.n_views = m
+        self.queries = PseudoQueries(consumers, self.attention_views(), d, key_norm=cfg.key_norm, query=cfg.query)
+        if cfg.view == "conv":
+            groups = {"per_sublayer": consumers, "per_block": self.block_of(n_sublayers) + 1, "shared": 1}[cfg.taps]
+            # view j >= 1: taps (groups, k_j, d)
+            self.conv_taps = nn.ParameterList(nn.Parameter(self._initial_taps(groups, k, d)) for k in cfg.kernels)
+        elif cfg.view == "scalar":
+            # β_ij = 2σ(logit) per source position i and view j >= 1, like mHC's H^post: positive, 1 at init
+            self.write_back_logits = nn.Parameter(torch.zeros(self.n_sources(n_sublayers), m - 1))
+        self.fusion_proj = nn.Parameter(torch.zeros(consumers, m * d, m))  # φ: zero -> g constant at init
+        self.fusion_scale = nn.Parameter(torch.full((consumers,), 0.01))  # α
+        # b: σ(b) = 1/m, i.e. b = logit(1/m); softmax is 1/m for any constant b
+        bias = -math.log(m - 1) if cfg.fusion == "sigmoid" else 0.0
+        self.fusion_bias = nn.Parameter(torch.full((consumers, m), bias))
+
+    def _initial_taps(self, groups: int, k: int, d: int) -> Tensor:
+        if self.cfg.conv_init == "box":
+            return torch.full((groups, k, d), 1.0 / k)  # causal mean over the last k tokens
+        taps = torch.zeros(groups, k, d)
+        taps[:, 0] = 1.0  # Dirac: E_j = identity
+        return taps + self.cfg.conv_init_noise * torch.randn_like(taps)
+
+    def _tap_group(self, consumer: int) -> int:
+        return {"per_sublayer": consumer, "per_block": self.block_of(consumer), "shared": 0}[self.cfg.taps]
+
+    def attention_views(self) -> int:
+        return self.n_views if self.cfg.placement == "streams" else 1
+
+    # --- the computation -----------------------------------------------------------------------
+    def expand(self, x: Tensor, consumer: int, doc_ids: Tensor) -> Tensor:
+        """Views E_j(x) of single-stream tensors x (S, B, T, d), as ``consumer`` sees them:
+        (m, S, B, T, d). Linear in x, so the views of a block summary are exact."""
+        if self.cfg.view == "identity":
+            return x.expand(self.n_views, *x.shape)
+        if self.cfg.view == "scalar":
+            beta = 2 * torch.sigmoid(self.write_back_logits[: x.shape[0]])  # (S, m-1): these source positions
+            return torch.stack([x, *(x * b[:, None, None, None] for b in beta.unbind(1))])
+        group = self._tap_group(consumer)
+        return torch.stack([x, *(causal_conv(x, taps[group], doc_ids) for taps in self.conv_taps)])
+
+    def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
+        x = torch.stack(sources)  # (S, B, T, d)
+        queries = self.queries(consumer, latest=sources[-1])  # (V, d) or (V, B, T, d)
+        gain = self.queries.gain(consumer)  # (V, d) or None
+        if self.cfg.placement == "post":
+            h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True)  # (1, B, T, d)
+            streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
+        else:
+            views = self.expand(x, consumer, ctx.doc_ids)  # (m, S, B, T, d)
+            values, keys = (views, None) if self.cfg.expand_values else (x, views)
+            streams, weights = depth_attn(values, queries, gain, key_sources=keys,
+                                          key_norm=self.cfg.key_norm, return_weights=True)  # (m, B, T, d)
+        self._record(ctx, consumer, weights)  # weights (V, S, B, T)
+        return self._fuse(streams, consumer)
+
+    def _fuse(self, streams: Tensor, consumer: int) -> Tensor:
+        """h = Σ_j g_j r^{(j)} with g = σ(α·RMSNorm(vec R)·φ + b) (or softmax); fp32 like mHC's φ."""
+        ct = torch.promote_types(streams.dtype, torch.float32)
+        with torch.autocast(device_type=streams.device.type, enabled=False):
+            r = streams.to(ct)  # (m, B, T, d)
+            x = rms_norm(r.movedim(0, -2).flatten(-2))  # (B, T, m·d)
+            z = self.fusion_scale[consumer] * (x @ self.fusion_proj[consumer].to(ct)) + self.fusion_bias[consumer]
+            g = torch.sigmoid(z) if self.cfg.fusion == "sigmoid" else torch.softmax(z, dim=-1)  # (B, T, m)
+            h = torch.einsum("btm,mbtd->btd", g, r)
+        return h.to(streams.dtype)
+
+    # --- accounting ------------------------------------------------------------------------------
+    def consumer_flops(self, n_sources: int) -> int:
+        m, d, cfg = self.n_views, self.d_model, self.cfg
+        expanded = n_sources if cfg.placement == "streams" else 1  # tensors expanded per consumer
+        per_tensor = {"conv": sum(2 * k * d for k in cfg.kernels), "scalar": (m - 1) * d, "identity": 0}[cfg.view]
+        attention = depth_attn_flops(n_sources, d, views=self.attention_views(), key_norm=cfg.key_norm)
+        # RMSNorm(vec R) 3md, ·φ 2md·m, α·z + b and σ ~4m, Σ_j g_j r^{(j)} 2md
+        fusion = 3 * m * d + 2 * m * d * m + 4 * m + 2 * m * d
+        return expanded * per_tensor + attention + fusion + self.queries.flops()
+
+    def retrieval_io(self) -> float:
+        """Streams: write the m streams, read them for RMSNorm·φ and again for Σ g r, write h
+        (3m + 1). Post: write the attention's h, read it twice (views made on the fly), write h (4)."""
+        return 3.0 * self.n_views + 1 if self.cfg.placement == "streams" else 4.0

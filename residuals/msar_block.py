@@ -1,0 +1,27 @@
+"""Block MSAR: MSAR over block summaries (SPEC §4, built like Block AttnRes, SPEC §3).
+
+Paper: "Multi-Stream Attention Residuals" (preprint; reconstructed in SPEC §4).
+
+Between sublayers only single-stream tensors are kept: b_0 = the embedding, the completed block
+summaries and the running partial sum of the current block, N+1 tensors (B, T, d) at most, as in
+Block AttnRes. The views are never stored across sublayers: each consumer expands the summaries it
+attends over into its m views on demand. E_j is linear, so E_j(b_n) = Σ_{k∈block n} E_j(v_k) and
+expanding a summary is exact. With ``block_size=1`` this is ``msar`` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .attnres_block import BlockFields, BlockSummaries
+from .msar import Msar
+from .registry import register
+
+
+@register("msar_block")
+class MsarBlock(BlockSummaries, Msar):
+    """MSAR over [b_0, completed block summaries, partial]; taps="per_block" means per block of S."""
+
+    @dataclass
+    class Config(BlockFields, Msar.Config):
+        """MSAR's fields plus ``block_size``."""

@@ -1,0 +1,258 @@
+"""AttnRes and Block AttnRes (SPEC §3) through a fake stack of sublayers.
+
+The fake stack (also used by test_msar.py) has L sublayers that are small random per-token linear
+maps; the even ones ("attention") also take a causal mean over earlier tokens of the same document,
+so a leak across tokens or documents anywhere in a mechanism shows up in the final output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from kernels.depth_attn import depth_attn
+from residuals import Context, config_for, get
+
+D, L, B, T = 16, 8, 2, 11
+# two packed rows, several documents each
+DOC_IDS = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2],
+                        [5, 5, 5, 6, 6, 6, 6, 6, 6, 6, 7]])
+
+
+def make(name: str, d: int = D, n_sublayers: int = L, **fields):
+    return get(name)(config_for(name, **fields), d, n_sublayers)
+
+
+def doc_causal_mean(x: Tensor, doc_ids: Tensor) -> Tensor:
+    """(B, T, d): mean over the earlier tokens (and itself) of the same document."""
+    n = x.shape[1]
+    allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    return (allowed.to(x.dtype) / allowed.sum(-1, keepdim=True)) @ x
+
+
+class FakeStack(nn.Module):
+    def __init__(self, d: int = D, n_sublayers: int = L, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.maps = nn.ModuleList(nn.Linear(d, d) for _ in range(n_sublayers))
+
+    def forward(self, res, embedding: Tensor, ctx: Context):
+        """Returns (final output, reads h_0..h_{L-1} + final, outputs v_1..v_L, states after each write)."""
+        state = res.begin(embedding, ctx)
+        reads, outs, states = [], [], []
+        for layer, f in enumerate(self.maps):
+            h = res.read(state, layer)
+            out = f(h)
+            if layer % 2 == 0:
+                out = doc_causal_mean(out, ctx.doc_ids)
+            state = res.write(state, layer, out)
+            reads.append(h), outs.append(out), states.append(state)
+        final = res.end(state)
+        return final, reads + [final], outs, states
+
+
+def embedding(seed: int = 1, dtype=torch.float32, d: int = D) -> Tensor:
+    return torch.randn(B, T, d, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Move every parameter off its init (a test at init alone would miss the queries)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            scale = 0.1 / p.shape[-1] ** 0.5 if name.endswith("proj") else 0.5
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return module
+
+
+def block_sources(emb: Tensor, outs: list[Tensor], consumer: int, block_size: int) -> list[Tensor]:
+    """What consumer l attends over, written from SPEC §3: [b_0, completed summaries, partial]."""
+    n, pos = divmod(consumer, block_size)
+    summaries = [emb] + [sum(outs[b * block_size:(b + 1) * block_size]) for b in range(n)]
+    return summaries + ([sum(outs[n * block_size:consumer])] if pos else [])
+
+
+def held_tensors(state) -> list[Tensor]:
+    """Every tensor a state holds between sublayers (the context aside)."""
+    held = []
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if f.name != "ctx":
+            held += [v for v in (value if isinstance(value, (tuple, list)) else [value]) if v is not None]
+    assert all(isinstance(v, Tensor) for v in held)
+    return held
+
+
+def grads_through_stack(res, stack: FakeStack, seed: int = 3) -> tuple[Tensor, dict[str, Tensor]]:
+    """Final output, and by name the gradients of a random projection of it (random upstream
+    gradient) w.r.t. the embedding, the mechanism's parameters and the stack's."""
+    emb = embedding().requires_grad_()
+    final, *_ = stack(res, emb, Context(DOC_IDS))
+    upstream = torch.randn(final.shape, generator=torch.Generator().manual_seed(seed))
+    named = {"embedding": emb, **{f"res.{k}": p for k, p in res.named_parameters()},
+             **{f"stack.{k}": p for k, p in stack.named_parameters()}}
+    grads = torch.autograd.grad((final * upstream).sum(), list(named.values()))
+    return final, dict(zip(named, grads))
+
+
+def assert_same_grads(a: dict[str, Tensor], b: dict[str, Tensor], names=None) -> None:
+    names = sorted(a) if names is None else names
+    assert names and set(names) <= set(a) & set(b)
+    for k in names:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def assert_causal(res, d: int = D) -> None:
+    """Perturbing token t of a document changes no output before t nor in any other document."""
+    stack = FakeStack(d)
+    emb = embedding(d=d)
+    with torch.no_grad():
+        base, *_ = stack(res, emb, Context(DOC_IDS))
+        for t in (2, 5, 8):  # inside a document, at a document start, inside another document
+            emb2 = emb.clone()
+            emb2[0, t] += 3 * torch.randn(d)
+            out, *_ = stack(res, emb2, Context(DOC_IDS))
+            diff = (out - base).abs().amax(-1)  # (B, T)
+            may_change = torch.zeros(B, T, dtype=torch.bool)
+            may_change[0] = (DOC_IDS[0] == DOC_IDS[0, t]) & (torch.arange(T) >= t)
+            assert diff[~may_change].max() <= 1e-6, f"token {t} leaked: {diff}"
+            assert diff[0, t] > 1e-4
+
+
+ATTNRES = [
+    ("attnres", {}),
+    ("attnres", {"heads": 4}),
+    ("attnres", {"key_norm": False}),
+    ("attnres", {"query": "input"}),
+    ("attnres_block", {}),
+    ("attnres_block", {"block_size": 2, "heads": 2}),
+    ("attnres_block", {"block_size": 8, "query": "input"}),
+    ("attnres_block", {"block_size": 1}),
+]
+IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in f.items()) or 'default'}" for n, f in ATTNRES]
+
+
+def sources_of(name: str, fields: dict, emb: Tensor, outs: list[Tensor], consumer: int) -> list[Tensor]:
+    size = fields.get("block_size", 4) if name == "attnres_block" else 1
+    return block_sources(emb, outs, consumer, size)
+
+
+@pytest.mark.parametrize("name, fields", ATTNRES, ids=IDS)
+def test_init_reads_the_plain_mean_of_the_sources(name, fields):
+    res, emb = make(name, **fields), embedding()
+    _, reads, outs, _ = FakeStack()(res, emb, Context(DOC_IDS))
+    for consumer, h in enumerate(reads):
+        expected = torch.stack(sources_of(name, fields, emb, outs, consumer)).mean(0)
+        torch.testing.assert_close(h, expected, rtol=1e-5, atol=1e-6, msg=f"consumer {consumer}")
+
+
+@pytest.mark.parametrize("name, fields", [c for c in ATTNRES if "heads" not in c[1] and "query" not in c[1]],
+                         ids=[i for i, c in zip(IDS, ATTNRES) if "heads" not in c[1] and "query" not in c[1]])
+def test_trained_reads_are_depth_attention_over_the_right_sources(name, fields):
+    res, emb = randomize(make(name, **fields)), embedding()
+    with torch.no_grad():
+        _, reads, outs, _ = FakeStack()(res, emb, Context(DOC_IDS))
+        for consumer, h in enumerate(reads):
+            key_norm = fields.get("key_norm", True)
+            gain = res.queries.key_gain[consumer] if key_norm else None
+            expected = depth_attn(sources_of(name, fields, emb, outs, consumer), res.queries.weight[consumer],
+                                  gain, key_norm=key_norm)[0]
+            torch.testing.assert_close(h, expected, rtol=1e-5, atol=1e-5, msg=f"consumer {consumer}")
+
+
+@pytest.mark.parametrize("fields", [{}, {"heads": 2}, {"query": "input"}, {"key_norm": False}],
+                         ids=["default", "heads=2", "query=input", "key_norm=False"])
+def test_block_size_one_is_full_attnres(fields):
+    full = randomize(make("attnres", **fields))
+    block = make("attnres_block", block_size=1, **fields)
+    block.load_state_dict(full.state_dict())
+    stack = FakeStack()
+    out_full, grads_full = grads_through_stack(full, stack)
+    out_block, grads_block = grads_through_stack(block, stack)
+    torch.testing.assert_close(out_block, out_full, rtol=1e-6, atol=1e-6)
+    assert sorted(grads_block) == sorted(grads_full)
+    assert_same_grads(grads_block, grads_full)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_block_state_holds_summaries_and_partial_only(block_size):
+    res = make("attnres_block", block_size=block_size)
+    _, _, _, states = FakeStack()(res, embedding(), Context(DOC_IDS))
+    counts = []
+    for layer, state in enumerate(states):
+        held = held_tensors(state)
+        completed, in_block = divmod(layer + 1, block_size)
+        assert len(held) == 1 + completed + (in_block > 0)  # b_0, completed summaries, partial
+        assert all(t.shape == (B, T, D) for t in held)
+        counts.append(len(held))
+    assert max(counts) == res.state_per_token() == L // block_size + 1
+
+
+def test_full_state_holds_every_source():
+    res = make("attnres")
+    _, _, _, states = FakeStack()(res, embedding(), Context(DOC_IDS))
+    assert [len(held_tensors(s)) for s in states] == list(range(2, L + 2))
+    assert res.state_per_token() == L + 1
+
+
+@pytest.mark.parametrize("name, fields", ATTNRES, ids=IDS)
+def test_causal_across_packed_documents(name, fields):
+    assert_causal(randomize(make(name, **fields)))
+
+
+@pytest.mark.parametrize("name, fields", [("attnres", {}), ("attnres", {"heads": 2}), ("attnres_block", {})],
+                         ids=["attnres", "attnres-heads=2", "attnres_block"])
+def test_recorded_weights_per_view(name, fields):
+    res = make(name, **fields)
+    FakeStack()(res, embedding(), Context(DOC_IDS, record=True))
+    assert sorted(res.recorded) == [f"view{j}" for j in range(fields.get("heads", 1))]
+    n_max = res.n_sources(L)
+    for table in res.recorded.values():
+        assert table.shape == (n_max, L + 1)
+        for consumer in range(L + 1):
+            n = res.n_sources(consumer)
+            torch.testing.assert_close(table[:n, consumer], torch.full((n,), 1 / n))  # mean at init
+            assert (table[n:, consumer] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["attnres", "attnres_block"])
+def test_low_precision_in_same_dtype_out(name):
+    res = randomize(make(name))
+    stack = FakeStack().to(torch.bfloat16)
+    final, reads, _, _ = stack(res, embedding(dtype=torch.bfloat16), Context(DOC_IDS))
+    assert final.dtype == torch.bfloat16 and all(h.dtype == torch.bfloat16 for h in reads)
+    assert torch.isfinite(final.float()).all()
+
+
+def test_accounting():
+    full, block = make("attnres"), make("attnres_block", block_size=4)
+    per_source = 8 * D + 5  # key RMSNorm 4d, logit 2d, softmax 5, weighted sum 2d
+    assert full.extra_flops_per_token() == per_source * sum(c + 1 for c in range(L + 1))
+    assert block.extra_flops_per_token() == per_source * sum(block.n_sources(c) for c in range(L + 1))
+    assert full.state_per_token() == L + 1 and block.state_per_token() == L // 4 + 1
+    # N = 2 blocks of S = 4: N/S = 0.5, the paper's (N/S + 5)·d = 5.5d
+    assert block.io_per_sublayer() == 5.5
+    assert full.io_per_sublayer() == (L + 1) / 2 + 1  # read the 1..L sources (mean), write h
+    assert sum(p.numel() for p in full.parameters()) == 2 * D * (L + 1)  # query + key gain per consumer
+    assert make("attnres", key_norm=False).extra_flops_per_token() < full.extra_flops_per_token()
+    assert make("attnres", query="input").extra_flops_per_token() > full.extra_flops_per_token()
+
+
+@pytest.mark.parametrize("name, fields, match", [
+    ("attnres", {"heads": 3}, r"residual.heads=3 must divide d_model=16 .*choose one of: 1, 2, 4, 8, 16$"),
+    ("attnres", {"heads": 0}, r"residual.heads=0"),
+    ("attnres", {"query": "dynamic"}, r"residual.query='dynamic' is not valid for residual=attnres; choose one of: static, input$"),
+    ("attnres_block", {"block_size": 3}, r"residual.block_size=3 .* choose one of: 1, 2, 4, 8$"),
+    ("attnres_block", {"block_size": 6}, r"residual.block_size=6 .*divide n_sublayers=8"),
+    ("attnres_block", {"block_size": 0}, r"residual.block_size=0"),
+    ("attnres_block", {"heads": 5}, r"residual.heads=5"),
+], ids=["heads-not-dividing", "heads-zero", "query", "odd-block", "block-not-dividing", "block-zero", "block-heads"])
+def test_bad_config_values(name, fields, match):
+    cfg = config_for(name, **fields)
+    with pytest.raises(ValueError, match=match):
+        get(name).validate(cfg, d_model=D, n_sublayers=L)
+    with pytest.raises(ValueError, match=match):
+        get(name)(cfg, D, L)

@@ -1,0 +1,221 @@
+"""MSAR and Block MSAR (SPEC §4): views, their ablations, block equivalence, state, causality."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.causal_conv import causal_conv
+from residuals import Context, config_for, get
+from residuals.base import rms_norm
+from tests.residuals.test_attnres import (
+    B, D, DOC_IDS, L, T, FakeStack, assert_causal, assert_same_grads, block_sources, embedding, grads_through_stack,
+    held_tensors, make, randomize,
+)
+
+KERNELS = [4, 8, 12]
+M = 1 + len(KERNELS)
+
+
+def box_views(x, kernels=KERNELS):
+    """E_j(x) at the default init (causal box 1/k_j), written from SPEC §4: list of m tensors."""
+    return [x] + [causal_conv(x, torch.full((k, x.shape[-1]), 1.0 / k), DOC_IDS) for k in kernels]
+
+
+def init_oracle(sources, fields):
+    """h at init: g = 1/m, zero queries -> every stream is the mean of its (expanded) sources."""
+    x = torch.stack(sources)  # (S, B, T, d)
+    if fields.get("placement") == "post":
+        return torch.stack(box_views(x.mean(0))).mean(0)
+    if fields.get("expand_values", True):
+        return torch.stack([v.mean(0) for v in box_views(x)]).mean(0)
+    return x.mean(0)
+
+
+INIT_CASES = [
+    ("msar", {}),
+    ("msar", {"fusion": "softmax"}),
+    ("msar", {"expand_values": False}),
+    ("msar", {"placement": "post"}),
+    ("msar", {"taps": "shared", "key_norm": False}),
+    ("msar", {"query": "input"}),
+    ("msar_block", {}),
+    ("msar_block", {"block_size": 2, "taps": "per_block"}),
+]
+
+
+def _id(name, fields):
+    return f"{name}-{'-'.join(f'{k}={v}' for k, v in fields.items()) or 'default'}"
+
+
+@pytest.mark.parametrize("name, fields", INIT_CASES, ids=[_id(*c) for c in INIT_CASES])
+def test_init_reads_the_mean_of_the_views(name, fields):
+    res, emb = make(name, **fields), embedding()
+    _, reads, outs, _ = FakeStack()(res, emb, Context(DOC_IDS))
+    size = fields.get("block_size", 4) if name == "msar_block" else 1
+    for consumer, h in enumerate(reads):
+        expected = init_oracle(block_sources(emb, outs, consumer, size), fields)
+        torch.testing.assert_close(h, expected, rtol=1e-5, atol=1e-5, msg=f"consumer {consumer}")
+
+
+@pytest.mark.parametrize("expand_values", [True, False])
+def test_dirac_taps_equal_identity_views(expand_values):
+    """Dirac taps make every conv view the identity: MSAR becomes wo_conv exactly."""
+    dirac = make("msar", conv_init="dirac", expand_values=expand_values)
+    randomize(dirac)
+    with torch.no_grad():
+        for taps in dirac.conv_taps:
+            taps.zero_()[:, 0] = 1.0
+    identity = make("msar", view="identity", expand_values=expand_values)
+    missing, unexpected = identity.load_state_dict(dirac.state_dict(), strict=False)
+    assert not missing and all(k.startswith("conv_taps.") for k in unexpected)
+    stack = FakeStack()
+    out_dirac, grads_dirac = grads_through_stack(dirac, stack)
+    out_identity, grads_identity = grads_through_stack(identity, stack)
+    torch.testing.assert_close(out_dirac, out_identity, rtol=1e-6, atol=1e-6)
+    assert set(grads_dirac) - set(grads_identity) == {f"res.conv_taps.{j}" for j in range(M - 1)}
+    assert_same_grads(grads_dirac, grads_identity, sorted(grads_identity))
+
+
+def test_dirac_init_with_noise():
+    taps = make("msar", conv_init="dirac", conv_init_noise=0.0).conv_taps[0]
+    assert (taps[:, 0] == 1).all() and (taps[:, 1:] == 0).all()
+    noisy = make("msar", conv_init="dirac", conv_init_noise=0.1).conv_taps[0]
+    assert 0.05 < (noisy - taps).std() < 0.2
+
+
+def _sources():
+    return torch.randn(5, B, T, D, generator=torch.Generator().manual_seed(7)) * 2
+
+
+def test_wo_conv_views_are_identical():
+    res = randomize(make("msar", view="identity"))
+    x = _sources()
+    views = res.expand(x, consumer=3, doc_ids=DOC_IDS)  # (m, S, B, T, d)
+    assert views.shape == (M, *x.shape)
+    assert all(torch.equal(v, x) for v in views)
+
+
+def test_scalar_write_back_keys_collapse_after_rmsnorm():
+    """The paper's failure mode of H^post-style streams: β·v normalises to the same key for every view."""
+    res = randomize(make("msar", view="scalar"), seed=5)  # write-back scalars β = 2σ(·) away from 1
+    x = _sources()
+    views = res.expand(x, consumer=3, doc_ids=DOC_IDS)
+    keys = rms_norm(views)
+    assert (views[1:] - views[0]).abs().max() > 0.1  # the values differ ...
+    assert (keys[1:] - keys[0]).abs().max() < 1e-5  # ... the keys do not (up to RMSNorm eps)
+    conv = randomize(make("msar"))  # contrast: conv views give different keys
+    assert (rms_norm(conv.expand(x, 3, DOC_IDS))[1:] - keys[0]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("fields", [{}, {"view": "scalar"}, {"taps": "shared", "expand_values": False},
+                                    {"placement": "post", "fusion": "softmax"}, {"view": "identity", "query": "input"}],
+                         ids=["default", "scalar", "shared-keys-only", "post-softmax", "identity-input"])
+def test_block_size_one_is_full_msar(fields):
+    full = randomize(make("msar", **fields))
+    block = make("msar_block", block_size=1, **fields)
+    block.load_state_dict(full.state_dict())
+    stack = FakeStack()
+    out_full, grads_full = grads_through_stack(full, stack)
+    out_block, grads_block = grads_through_stack(block, stack)
+    torch.testing.assert_close(out_block, out_full, rtol=1e-6, atol=1e-6)
+    assert sorted(grads_block) == sorted(grads_full)
+    assert_same_grads(grads_block, grads_full)
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_block_state_is_single_stream(block_size):
+    res = make("msar_block", block_size=block_size)
+    _, _, _, states = FakeStack()(res, embedding(), Context(DOC_IDS))
+    counts = []
+    for layer, state in enumerate(states):
+        held = held_tensors(state)
+        completed, in_block = divmod(layer + 1, block_size)
+        assert len(held) == 1 + completed + (in_block > 0)  # b_0, completed summaries, partial
+        assert all(t.shape == (B, T, D) for t in held)  # no view axis
+        counts.append(len(held))
+    assert max(counts) == res.state_per_token() == L // block_size + 1
+
+
+VARIANTS = [
+    ("msar", {}),
+    ("msar", {"view": "identity"}),
+    ("msar", {"view": "scalar"}),
+    ("msar", {"expand_values": False}),
+    ("msar", {"taps": "per_block"}),
+    ("msar", {"taps": "shared"}),
+    ("msar", {"conv_init": "dirac", "conv_init_noise": 0.1}),
+    ("msar", {"fusion": "softmax"}),
+    ("msar", {"placement": "post"}),
+    ("msar", {"query": "input", "key_norm": False}),
+    ("msar", {"kernels": [2, 13]}),
+    ("msar_block", {}),
+    ("msar_block", {"block_size": 2, "view": "scalar"}),
+    ("msar_block", {"taps": "per_block", "placement": "post"}),
+]
+
+
+@pytest.mark.parametrize("name, fields", VARIANTS, ids=[_id(*c) for c in VARIANTS])
+def test_causal_across_packed_documents(name, fields):
+    assert_causal(randomize(make(name, **fields)))
+
+
+@pytest.mark.parametrize("placement, views", [("streams", M), ("post", 1)])
+def test_recorded_weights_per_view(placement, views):
+    res = make("msar", placement=placement)
+    FakeStack()(res, embedding(), Context(DOC_IDS, record=True))
+    assert sorted(res.recorded) == [f"view{j}" for j in range(views)]
+    for table in res.recorded.values():
+        assert table.shape == (L + 1, L + 1)
+        torch.testing.assert_close(table.sum(0), torch.ones(L + 1))
+        assert (table.tril(-1) == 0).all()  # consumer l (column) sees sources (rows) 0..l only
+
+
+def test_low_precision_in_same_dtype_out():
+    res = randomize(make("msar_block"))
+    stack = FakeStack().to(torch.bfloat16)
+    final, reads, _, _ = stack(res, embedding(dtype=torch.bfloat16), Context(DOC_IDS))
+    assert final.dtype == torch.bfloat16 and all(h.dtype == torch.bfloat16 for h in reads)
+    assert torch.isfinite(final.float()).all()
+
+
+def test_accounting():
+    msar, block, attnres = make("msar"), make("msar_block", block_size=4), make("attnres")
+    per_consumer = (2 * D * M  # m queries, m key gains
+                    + sum(KERNELS) * D  # conv taps of views 1..m-1
+                    + M * D * M + 1 + M)  # φ, α, b
+    assert sum(p.numel() for p in msar.parameters()) == (L + 1) * per_consumer
+    assert msar.state_per_token() == L + 1 and block.state_per_token() == L // 4 + 1
+    assert msar.extra_flops_per_token() > block.extra_flops_per_token() > attnres.extra_flops_per_token() / 2
+    assert make("msar", view="identity").extra_flops_per_token() < msar.extra_flops_per_token()
+    # Block MSAR, N/S = 0.5: phase 1 0.5, m phase-1 results, partial+output+partial write 3,
+    # write m streams, read them twice, write h: 0.5 + 4m + 4
+    assert block.io_per_sublayer() == 0.5 + 4 * M + 4
+    assert make("msar_block", placement="post").io_per_sublayer() == make("attnres_block").io_per_sublayer() + 3
+
+
+BAD = [
+    ("msar", {"view": "streams"}, r"residual.view='streams' is not valid for residual=msar; "
+                                  r"choose one of: conv, identity, scalar$"),
+    ("msar", {"taps": "per_layer"}, r"residual.taps='per_layer' .*choose one of: per_sublayer, per_block, shared$"),
+    ("msar", {"conv_init": "normal"}, r"residual.conv_init='normal' .*choose one of: box, dirac$"),
+    ("msar", {"fusion": "tanh"}, r"residual.fusion='tanh' .*choose one of: sigmoid, softmax$"),
+    ("msar", {"placement": "pre"}, r"residual.placement='pre' .*choose one of: streams, post$"),
+    ("msar", {"query": "token"}, r"residual.query='token' .*choose one of: static, input$"),
+    ("msar", {"kernels": []}, r"residual.kernels=\[\] leaves one view"),
+    ("msar", {"kernels": [4, 0]}, r"residual.kernels=\[4, 0\] must be distinct integers >= 2"),
+    ("msar", {"kernels": [1, 4]}, r"residual.kernels=\[1, 4\] must be distinct integers >= 2"),
+    ("msar", {"kernels": [4, 4]}, r"residual.kernels=\[4, 4\] must be distinct"),
+    ("msar", {"conv_init_noise": -0.1}, r"residual.conv_init_noise=-0.1 must be >= 0"),
+    ("msar", {"placement": "post", "view": "scalar"}, r"residual.placement='post' .* view='scalar'"),
+    ("msar_block", {"block_size": 3}, r"residual.block_size=3 .* choose one of: 1, 2, 4, 8$"),
+    ("msar_block", {"block_size": 6}, r"residual.block_size=6 .*divide n_sublayers=8"),
+    ("msar_block", {"fusion": "relu"}, r"residual.fusion='relu' is not valid for residual=msar_block"),
+]
+
+
+@pytest.mark.parametrize("name, fields, match", BAD, ids=[_id(n, f) for n, f, _ in BAD])
+def test_bad_config_values(name, fields, match):
+    cfg = config_for(name, **fields)
+    with pytest.raises(ValueError, match=match):
+        get(name)(cfg, D, L)
