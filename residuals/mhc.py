@@ -1,0 +1,286 @@
+"""mHC: Manifold-Constrained Hyper-Connections (DeepSeek-AI, arXiv 2512.24880), SPEC §2.
+
+The residual stream is widened to n parallel streams X_l ∈ R^{n×d} per token; the embedding is
+copied into all of them. Sublayer l reads a non-negative mix of the streams, and its output is
+written back with non-negative weights while the streams are mixed by a doubly stochastic matrix:
+
+    X_{l+1} = H^res_l X_l + H^post_lᵀ f_l(H^pre_l X_l)                                (paper Eq. 3)
+
+The coefficients are computed per token from the flattened streams x = vec(X_l) ∈ R^{nd} (Eq. 7-8):
+
+    x' = RMSNorm(x),  z = x' φ_l ∈ R^{n²+2n}
+    H^pre  = σ(α^pre_l · z_pre + b^pre_l)                 (1×n)
+    H^post = 2σ(α^post_l · z_post + b^post_l)             (1×n)
+    H^res  = Sinkhorn-Knopp(α^res_l · mat(z_res) + b^res_l)   (n×n, Eq. 9)
+
+Everything about the coefficients runs in fp32 with autocast off (fp64 when the streams are fp64,
+so that gradcheck means something); the streams keep the dtype they came in with.
+
+Initialisation (not fixed by the paper; every choice is a config field):
+
+- α = 0.01 (paper Table 5). b^pre = logit(1/n), so the n read weights sum to 1 and, with identical
+  streams, h_l is exactly the single-stream residual. b^post = 0, so H^post = 1 (each stream gets the
+  whole output, as in a plain residual). b^res = c·I.
+- With φ = 0 and these symmetric biases the model is exactly invariant under permuting the streams,
+  and gradient descent preserves that symmetry: every stream stays equal to the plain residual stream
+  forever and mHC degenerates to a gated single-stream residual (tests/residuals/test_mhc.py shows it).
+  Hence the default φ is small and random (``phi_init_std``), which breaks the symmetry while
+  leaving step 0 within ~α·phi_init_std (1%) of the plain residual.
+- c (``b_res_diag``) sets how much H^res mixes the streams at step 0: with φ ≈ 0,
+  H^res = (e^c I + (J − I)) / (e^c + n − 1), which shrinks any difference between streams by
+  λ = (e^c − 1)/(e^c + n − 1) per sublayer. c = 4 gives a near-identity start (n = 4: diagonal
+  0.95, λ = 0.93; HC initialises its residual matrix to exactly I), so stream differences survive
+  depth and the streams can specialise; c = 1 would give λ = 0.30, re-averaging the streams at
+  every sublayer.
+
+Parameters that are not matrices (α, biases, the optional norm gain and head) are stored flat (1-D)
+so that the platform's "weight decay on matrices only" rule (ndim ≥ 2) leaves them alone; φ, a
+projection, is decayed like any other weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .base import Context, Residual, ResidualConfig
+from .registry import register
+
+OUTPUTS = ("sum", "head")
+
+
+def sinkhorn(logits: Tensor, iters: int) -> Tensor:
+    """Sinkhorn-Knopp on exp(logits) over the last two axes, in the log domain (paper Eq. 9).
+
+    Each iteration normalises the columns, then the rows (M^(t) = T_r(T_c(M^(t-1)))), so the rows sum
+    to 1 up to rounding and the columns to within the convergence error. The log domain never
+    overflows, whatever the logits. Call it in fp32 (or fp64).
+    """
+    log_m = logits
+    for _ in range(iters):
+        log_m = log_m - torch.logsumexp(log_m, dim=-2, keepdim=True)  # T_c: columns sum to 1
+        log_m = log_m - torch.logsumexp(log_m, dim=-1, keepdim=True)  # T_r: rows sum to 1
+    return log_m.exp()
+
+
+def mhc_coefficients(
+    streams: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    *,
+    sinkhorn_iters: int,
+    norm_gain: Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The mHC coefficients of every token (paper Eq. 7-8), fp32 (fp64 for fp64 streams), autocast off.
+
+    streams (..., n, d); phi (nd, n²+2n), columns [pre | post | res, row-major]; alpha (3,) as
+    [pre, post, res]; b_pre, b_post (n,); b_res (n, n); norm_gain (nd,) or None.
+    Returns H^pre (..., n), H^post (..., n), H^res (..., n, n).
+    """
+    n, d = streams.shape[-2:]
+    ct = torch.float64 if streams.dtype == torch.float64 else torch.float32
+    with torch.autocast(device_type=streams.device.type, enabled=False):
+        x = streams.reshape(*streams.shape[:-2], n * d).to(ct)  # vec(X_l): (..., nd)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # RMSNorm over all nd
+        if norm_gain is not None:
+            x = x * norm_gain.to(ct)
+        z = x @ phi.to(ct)  # (..., n² + 2n)
+        a = alpha.to(ct)
+        h_pre = torch.sigmoid(a[0] * z[..., :n] + b_pre.to(ct))
+        h_post = 2.0 * torch.sigmoid(a[1] * z[..., n:2 * n] + b_post.to(ct))
+        res_logits = a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + b_res.to(ct)
+        if torch.is_grad_enabled() and res_logits.requires_grad:
+            # Recompute the iterations in backward rather than keep 2·iters (…, n, n) intermediates
+            # per token and sublayer (~20% of the streams' own memory at n = 4; paper §4.3.2).
+            h_res = checkpoint(sinkhorn, res_logits, sinkhorn_iters, use_reentrant=False)
+        else:
+            h_res = sinkhorn(res_logits, sinkhorn_iters)
+    return h_pre, h_post, h_res
+
+
+@dataclass
+class MHCState:
+    """What mHC carries between sublayers."""
+
+    streams: Tensor  # (B, T, n, d): X_l
+    record: bool = False  # ctx.record: keep the coefficients for `MHC.recorded`
+    # (layer, H^post, H^res) computed by read() from X_l, consumed by write() for the same layer
+    pending: Optional[tuple[int, Tensor, Tensor]] = None
+    trace: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer -> detached coeffs
+
+
+@register("mhc")
+class MHC(Residual):
+    """n residual streams mixed by input-dependent doubly stochastic matrices (SPEC §2)."""
+
+    @dataclass
+    class Config(ResidualConfig):
+        n: int = 4  # parallel residual streams (expansion rate; paper: 4)
+        sinkhorn_iters: int = 20  # Sinkhorn-Knopp iterations (paper: 20)
+        alpha_init: float = 0.01  # initial α^pre, α^post, α^res: scale of the input-dependent part
+        b_pre: Optional[float] = None  # H^pre bias init; None: logit(1/n), read weights sum to 1 (0 for n=1)
+        b_post: float = 0.0  # H^post bias init; 0 gives H^post = 2σ(0) = 1 per stream
+        b_res_diag: float = 4.0  # b^res = c·I; c = 4: H^res starts near I (see module docstring)
+        phi_init_std: float = 1.0  # φ ~ N(0, phi_init_std²/nd): the std of z at step 0; 0: streams never split
+        norm_gain: bool = False  # learnable gain in the RMSNorm over nd (redundant: φ absorbs it)
+        output: str = "sum"  # "sum": sum of the n streams | "head": learned weights, init to the sum
+
+    def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
+        super().__init__(cfg, d_model, n_sublayers)
+        self.validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
+        n, L = cfg.n, n_sublayers
+        nd, k = n * d_model, n * n + 2 * n
+        phi = torch.zeros(L, nd, k)
+        if cfg.phi_init_std > 0:
+            nn.init.normal_(phi, std=cfg.phi_init_std / math.sqrt(nd))  # fan-in scaled: z ~ N(0, std²)
+        self.phi = nn.Parameter(phi)  # (L, nd, n²+2n), fp32 (paper Eq. 10)
+        self.alpha = nn.Parameter(torch.full((L * 3,), float(cfg.alpha_init)))  # (L, 3) flat: pre, post, res
+        self.b_pre = nn.Parameter(torch.full((L * n,), self.b_pre_init(cfg)))  # (L, n) flat
+        self.b_post = nn.Parameter(torch.full((L * n,), float(cfg.b_post)))  # (L, n) flat
+        self.b_res = nn.Parameter((cfg.b_res_diag * torch.eye(n)).repeat(L, 1, 1).flatten())  # (L, n, n) flat
+        self.norm_gain = nn.Parameter(torch.ones(L * nd)) if cfg.norm_gain else None  # (L, nd) flat
+        self.head = nn.Parameter(torch.ones(n)) if cfg.output == "head" else None  # (n,): init = sum
+
+    @staticmethod
+    def b_pre_init(cfg: Config) -> float:
+        if cfg.b_pre is not None:
+            return float(cfg.b_pre)
+        # logit(1/n): the n read weights sum to 1. For n = 1 logit(1) = ∞; use 0 (h = x/2), which the
+        # sublayer's own PreNorm undoes.
+        return math.log(1.0 / (cfg.n - 1)) if cfg.n > 1 else 0.0
+
+    @classmethod
+    def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
+        if not isinstance(cfg.n, int) or cfg.n < 1:
+            raise ValueError(f"residual.n={cfg.n!r} must be an integer >= 1 (number of streams; paper: 4)")
+        if not isinstance(cfg.sinkhorn_iters, int) or cfg.sinkhorn_iters < 1:
+            raise ValueError(f"residual.sinkhorn_iters={cfg.sinkhorn_iters!r} must be an integer >= 1 (paper: 20)")
+        if cfg.output not in OUTPUTS:
+            raise ValueError(f"residual.output={cfg.output!r} is not valid; choose one of: {', '.join(OUTPUTS)}")
+        if not cfg.phi_init_std >= 0:
+            raise ValueError(f"residual.phi_init_std={cfg.phi_init_std!r} must be >= 0")
+        for key in ("alpha_init", "b_post", "b_res_diag", "b_pre"):
+            value = getattr(cfg, key)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"residual.{key}={value!r} must be a finite number")
+
+    # --- coefficients --------------------------------------------------------------------------
+    def coefficients(self, streams: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """H^pre (B, T, n), H^post (B, T, n), H^res (B, T, n, n) of sublayer ``layer``, fp32."""
+        n, nd = self.cfg.n, self.cfg.n * self.d_model
+        gain = None if self.norm_gain is None else self.norm_gain.view(-1, nd)[layer]
+        return mhc_coefficients(
+            streams,
+            self.phi[layer],
+            self.alpha.view(-1, 3)[layer],
+            self.b_pre.view(-1, n)[layer],
+            self.b_post.view(-1, n)[layer],
+            self.b_res.view(-1, n, n)[layer],
+            sinkhorn_iters=self.cfg.sinkhorn_iters,
+            norm_gain=gain,
+        )
+
+    # --- the protocol --------------------------------------------------------------------------
+    def begin(self, embedding: Tensor, ctx: Context) -> MHCState:
+        b, t, d = embedding.shape
+        streams = embedding.unsqueeze(-2).expand(b, t, self.cfg.n, d)  # the embedding in every stream
+        return MHCState(streams=streams, record=ctx.record)
+
+    def read(self, state: MHCState, layer: int) -> Tensor:
+        x = state.streams  # (B, T, n, d)
+        h_pre, h_post, h_res = self.coefficients(x, layer)  # computed once, from X_l
+        state.pending = (layer, h_post, h_res)
+        if state.record:
+            state.trace[layer] = (h_pre.detach(), h_post.detach(), h_res.detach())
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            h = torch.matmul(h_pre.unsqueeze(-2), x.to(h_pre.dtype)).squeeze(-2)  # H^pre X_l: (B, T, d)
+        return h.to(x.dtype)
+
+    def write(self, state: MHCState, layer: int, out: Tensor) -> MHCState:
+        if state.pending is None or state.pending[0] != layer:
+            got = None if state.pending is None else state.pending[0]
+            raise RuntimeError(f"mhc.write(layer={layer}) needs read(layer={layer}) first; pending layer: {got}")
+        _, h_post, h_res = state.pending
+        x = state.streams  # (B, T, n, d)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            # Mixing in fp32: H^res's rows sum to 1, and bf16 coefficients would let the streams drift.
+            mixed = torch.matmul(h_res, x.to(h_res.dtype))  # H^res X_l: (B, T, n, d)
+            new = mixed + h_post.unsqueeze(-1) * out.to(h_post.dtype).unsqueeze(-2)  # + H^postᵀ f_l
+        return MHCState(streams=new.to(x.dtype), record=state.record, trace=state.trace)
+
+    def end(self, state: MHCState) -> Tensor:
+        x = state.streams  # (B, T, n, d)
+        if state.record:
+            self.recorded = self._summarise(state.trace)
+        if self.head is None:
+            return x.sum(-2)
+        return torch.einsum("n,btnd->btd", self.head.to(x.dtype), x)
+
+    def _summarise(self, trace: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
+        """Token means of the coefficients per sublayer (rows: sublayers), for heatmaps.
+
+        h_pre, h_post: (L, n). h_res: (L, n*n), row-major, entry i*n+j = weight of stream j in new
+        stream i. h_res_composite: (L, n*n), token mean of H^res_{L-1}···H^res_l, the map the residual
+        path applies from X_l to X_L (paper Fig. 7-8; its row / column sums are the forward / backward gains).
+        """
+        n, L = self.cfg.n, self.n_sublayers
+        out = {k: torch.full((L, m), float("nan")) for k, m in
+               (("h_pre", n), ("h_post", n), ("h_res", n * n), ("h_res_composite", n * n))}
+        composite = None
+        for layer in sorted(trace, reverse=True):
+            h_pre, h_post, h_res = trace[layer]
+            composite = h_res if composite is None else composite @ h_res  # (B, T, n, n)
+            means = {"h_pre": h_pre, "h_post": h_post, "h_res": h_res.flatten(-2),
+                     "h_res_composite": composite.flatten(-2)}
+            for key, value in means.items():
+                out[key][layer] = value.float().flatten(0, -2).mean(0).cpu()
+        return out
+
+    # --- accounting (analytic, per token, forward) ---------------------------------------------
+    def extra_flops_per_token(self) -> float:
+        """Forward FLOPs per token over the vanilla residual, summed over the model.
+
+        A multiply-add counts 2; σ and exp count 1 per element. Per sublayer: RMSNorm over nd (3nd,
+        +nd with a gain), z = x'φ (2·nd·(n²+2n)), α·z + b (2(n²+2n)), σ and the ×2 (3n), exp (n²),
+        Sinkhorn in its plain form (per iteration a column and a row pass, each a sum and a divide:
+        4n²), h = H^pre X (2nd), H^res X (2n²d), + H^postᵀ out (2nd), minus vanilla's own addition (d).
+        Once: the output (sum: (n-1)d; head: (2n-1)d). The log-domain Sinkhorn does a few more
+        elementwise ops than counted; they are O(n²) and negligible next to the projection.
+        """
+        n, d, L, it = self.cfg.n, self.d_model, self.n_sublayers, self.cfg.sinkhorn_iters
+        k = n * n + 2 * n
+        per_sublayer = (
+            3 * n * d + (n * d if self.cfg.norm_gain else 0)
+            + 2 * n * d * k
+            + 2 * k + 3 * n + n * n + 4 * n * n * it
+            + 2 * n * d + 2 * n * n * d + 2 * n * d
+            - d
+        )
+        output = (n - 1) * d if self.cfg.output == "sum" else (2 * n - 1) * d
+        return float(L * per_sublayer + output)
+
+    def state_per_token(self) -> float:
+        return float(self.cfg.n)  # the n streams, in units of d
+
+    def io_per_sublayer(self, fused: bool = False) -> float:
+        """Elements read + written per token per sublayer for the residual path, in units of d.
+
+        Counted as the paper's Table 2 (forward, the sublayer's internal I/O excluded): computing the
+        coefficients reads nd and writes n²+2n; H^pre reads nd+n, writes d; H^post reads d+n, writes
+        nd; H^res reads nd+n², writes nd; the merge reads 2nd, writes nd. Total (8n+2)d + 2(n²+2n)
+        elements: 34d + 48 for n = 4 (the SPEC's "≈ 34d"). ``fused=True``: the paper's kernels (§4.3.1)
+        fuse H^post, H^res and the merge into one kernel that reads (n+1)d + n²+n and writes nd, so the
+        total is (4n+2)d + 2(n²+2n): 18d + 48 for n = 4. Vanilla is 3d.
+        """
+        n, d = self.cfg.n, self.d_model
+        per_d = 4 * n + 2 if fused else 8 * n + 2
+        return per_d + 2 * (n * n + 2 * n) / d
