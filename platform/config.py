@@ -46,6 +46,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     moe_impl: str = "grouped_mm"  # "grouped_mm" (one grouped GEMM per projection) | "sliced" (reference)
     doc_mask: bool = True  # attention never crosses a document boundary in packed windows
+    checkpoint_reads: bool = False  # recompute the residual's read in backward (saves the memory of views)
 
 
 @dataclass
@@ -94,13 +95,48 @@ class AblationInfo:
 
 
 @dataclass
+class SweepParam:
+    """One searched config value (`conf/sweep/*.yaml`, under `sweep.params.<name>`; see platform/sweep.py)."""
+
+    key: str = MISSING  # the config key it sets, e.g. "trainer.lr" or "residual.kernels"
+    type: str = MISSING  # "int" | "float" | "categorical" | "kernel_set"
+    low: Optional[float] = None  # int/float: bounds (inclusive); kernel_set: smallest kernel size
+    high: Optional[float] = None  # int/float: bounds (inclusive); kernel_set: largest kernel size
+    step: Optional[float] = None  # int/float: grid step (int default 1)
+    log: bool = False  # int/float: sample on a log scale
+    choices: Optional[list[Any]] = None  # categorical: the values; kernel_set: explicit sets (else all valid)
+    streams: Optional[list[int]] = None  # kernel_set: [min m, max m], m = 1 + len(kernels)
+
+
+@dataclass
+class SweepConfig:
+    """An Optuna study (`python -m platform.sweep sweep=<preset>`); presets live in `conf/sweep/`."""
+
+    study_name: str = MISSING
+    storage: Optional[str] = None  # any SQLAlchemy URL; default sqlite:///<repo>/mlruns/optuna.db
+    n_trials: int = 20  # finished trials (complete + pruned + failed) the study should reach
+    timeout: Optional[float] = None  # seconds for this invocation; no new trial starts after it
+    sampler: str = "tpe"  # "tpe" | "random" | "grid"
+    pruner: str = "median"  # "median" | "none"
+    seed: int = 0  # sampler seed (offset by the number of existing trials on resume)
+    startup_trials: int = 4  # TPE: random trials before the model-based ones
+    pruner_startup_trials: int = 3  # median pruner: complete trials before any pruning
+    pruner_warmup_steps: int = 0  # median pruner: no pruning before this step
+    heartbeat_s: int = 60  # trials of any host silent for 2x this are failed (0: off; same-host deaths are found by pid)
+    max_failures: int = 3  # stop after this many consecutive failed trials
+    out_dir: Optional[str] = None  # trial run dirs, plots, report; default outputs/sweeps/<study_name>
+    report: Optional[str] = None  # also write the study's markdown table here
+    params: dict[str, SweepParam] = field(default_factory=dict)  # the search space, by Optuna parameter name
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     trainer: TrainerConfig = MISSING
     residual: Any = MISSING  # a typed node generated from the residual registry
     ablation: Optional[AblationInfo] = None
-    sweep: Any = None
+    sweep: Optional[SweepConfig] = None  # set by a sweep preset (`sweep=<name>`)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     seed: int = 0
     resume: Optional[str] = None  # a checkpoint path, a run dir, or "last"

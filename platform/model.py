@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 import residuals
 from residuals import Context
@@ -120,7 +121,11 @@ class Backbone(nn.Module):
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
         ctx = Context(doc_ids=doc_ids, record=record)
         state = self.residual.begin(self.embed(tokens), ctx)  # embedding v_0: (B, T, d)
+        recompute = self.cfg.checkpoint_reads and self.training and torch.is_grad_enabled()
         for layer, sublayer in enumerate(self.sublayers):
-            h = self.residual.read(state, layer)  # h_l: (B, T, d)
+            if recompute:  # keep only the read's inputs; redo it in backward (views, softmax, ...)
+                h = checkpoint(self.residual.read, state, layer, use_reentrant=False)
+            else:
+                h = self.residual.read(state, layer)  # h_l: (B, T, d)
             state = self.residual.write(state, layer, sublayer(h, ctx))
         return self.head(self.norm(self.residual.end(state)))

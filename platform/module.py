@@ -104,7 +104,8 @@ class LMModule(L.LightningModule):
         t = self.tcfg
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr, betas=(t.beta1, t.beta2), fused=self.device.type == "cuda")
+            lr=t.lr, betas=(t.beta1, t.beta2),
+            foreach=self.device.type == "cuda")  # not fused: Lightning clips gradients between unscale and step
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,12 +185,22 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
     except (KeyboardInterrupt, SystemExit):
         status = "KILLED"
         raise
-    except BaseException:
+    except BaseException as e:
         status = "FAILED"
+        if _is_pruned(e):  # stopped on purpose by a sweep's pruner: not a failure
+            status = "KILLED"
+            if logger is not None and logger._initialized:
+                logger.experiment.set_tag(logger.run_id, "pruned", "true")
         raise
     finally:
         if logger is not None and logger._initialized:
             logger.experiment.set_terminated(logger.run_id, status)
+
+
+def _is_pruned(e: BaseException) -> bool:
+    """An `optuna.TrialPruned` raised by a sweep's pruning callback (optuna is only imported by sweeps)."""
+    optuna = sys.modules.get("optuna")
+    return optuna is not None and isinstance(e, optuna.TrialPruned)
 
 
 def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult) -> None:

@@ -5,18 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_cfg(*overrides: str) -> DictConfig:
-    from platform.config import register_configs
+    from platform.config import compose
 
-    register_configs()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose(*overrides)
 
 
 def tiny_model_cfg(**changes):

@@ -109,3 +109,22 @@ def test_external_plugin_trains_from_the_command_line(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final val/loss" in out.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpointed_reads_give_identical_loss_and_gradients(name):
+    torch.manual_seed(1)
+    plain = build_backbone(name, vocab=VOCAB).train()
+    torch.manual_seed(1)
+    ckpt = build_backbone(name, vocab=VOCAB, checkpoint_reads=True).train()
+    tokens, docs = packed_batch(2, 19, VOCAB)
+    out_a, out_b = plain(tokens, docs), ckpt(tokens, docs)
+    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0)
+    g = torch.randn_like(out_a)
+    out_a.backward(g)
+    out_b.backward(g)
+    for (n, pa), (_, pb) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        if pa.grad is None:
+            assert pb.grad is None, n
+        else:
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=1e-7, msg=n)
