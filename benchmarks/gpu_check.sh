@@ -26,7 +26,7 @@ fi
 LOG=export.txt run python3 -m data.export --out /tmp/shards
 for res in vanilla msar_block; do
   LOG=train_${res}.txt run python3 -m platform.run model=small trainer=gpu residual=$res trainer.max_steps=$STEPS \
-    trainer.val_every=100 trainer.progress_bar=false data.source=shards data.path=/tmp/shards \
+    trainer.val_every=100 trainer.progress_bar=false data.batch_size=16 data.source=shards data.path=/tmp/shards \
     mlflow.tracking_uri=sqlite:////tmp/mlflow.db
   grep -E "final val/loss" "$OUTDIR/train_${res}.txt" >> "$OUTDIR/summary.txt"
 done
