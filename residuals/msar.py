@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from kernels.causal_conv import causal_conv
 from kernels.depth_attn import depth_attn
+from kernels.msar_attn import msar_attn
 
 from .attnres import DepthAttentionConfig, DepthAttentionResidual, PseudoQueries, check_choice, depth_attn_flops
 from .base import Context, rms_norm
@@ -42,6 +43,7 @@ TAPS = ("per_sublayer", "per_block", "shared")
 CONV_INITS = ("box", "dirac")
 FUSIONS = ("sigmoid", "softmax")
 PLACEMENTS = ("streams", "post")
+KERNELS = ("torch", "triton", "auto")
 
 
 @register("msar")
@@ -59,12 +61,13 @@ class Msar(DepthAttentionResidual):
         conv_init_noise: float = 0.0  # std of Gaussian noise added to Dirac taps
         fusion: str = "sigmoid"  # g = σ(α·RMSNorm(vec R)·φ + b), or "softmax" over the m streams
         placement: str = "streams"  # "streams": m depth attentions; "post": one, then Σ_j g_j E_j(h)
+        kernel: str = "torch"  # views + depth attention: "torch" (reference), "triton" (fused), "auto" (triton on CUDA)
 
     @classmethod
     def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
         super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
         for name, choices in (("view", VIEWS), ("taps", TAPS), ("conv_init", CONV_INITS),
-                              ("fusion", FUSIONS), ("placement", PLACEMENTS)):
+                              ("fusion", FUSIONS), ("placement", PLACEMENTS), ("kernel", KERNELS)):
             check_choice(cls.name, name, getattr(cfg, name), choices)
         kernels = list(cfg.kernels)
         if not kernels:
@@ -75,6 +78,12 @@ class Msar(DepthAttentionResidual):
                              f"(view 0 is already the identity, k = 1)")
         if not cfg.conv_init_noise >= 0:
             raise ValueError(f"residual.conv_init_noise={cfg.conv_init_noise!r} must be >= 0")
+        if cfg.kernel != "torch" and (cfg.view != "conv" or cfg.placement != "streams" or not cfg.expand_values
+                                      or cfg.query != "static"):
+            raise ValueError(f"residual.kernel={cfg.kernel!r}: the fused kernel computes conv views attended as "
+                             "keys and values with static queries; it needs view=conv, placement=streams, "
+                             f"expand_values=true, query=static (got view={cfg.view!r}, placement={cfg.placement!r}, "
+                             f"expand_values={cfg.expand_values!r}, query={cfg.query!r}); use residual.kernel=torch")
         if cfg.placement == "post" and (cfg.view != "conv" or not cfg.expand_values):
             raise ValueError(f"residual.placement='post' applies the convs to h once: it needs residual.view=conv "
                              f"and residual.expand_values=true, got view={cfg.view!r}, "
@@ -127,7 +136,12 @@ class Msar(DepthAttentionResidual):
         x = torch.stack(sources)  # (S, B, T, d)
         queries = self.queries(consumer, latest=sources[-1])  # (V, d) or (V, B, T, d)
         gain = self.queries.gain(consumer)  # (V, d) or None
-        if self.cfg.placement == "post":
+        if self.cfg.kernel != "torch":  # fused views + depth attention (validated: conv, streams, static)
+            group = self._tap_group(consumer)
+            streams, weights = msar_attn(x, [taps[group] for taps in self.conv_taps], queries, gain, ctx.doc_ids,
+                                         key_norm=self.cfg.key_norm, return_weights=True,
+                                         backend=self.cfg.kernel)  # (m, B, T, d)
+        elif self.cfg.placement == "post":
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True)  # (1, B, T, d)
             streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
         else:
