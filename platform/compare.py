@@ -4,7 +4,7 @@ Examples (from the repo root):
     python -m platform.compare compare.runs=[vanilla,msar_block] compare.seeds=[0,1,2] trainer.max_steps=300
     python -m platform.compare compare.runs=[wo_conv,attnres_mhc_sum] trainer.max_steps=300   # + their baseline
     python -m platform.compare compare.runs=[vanilla,msar_block] compare.train=false          # only read MLflow
-    python -m platform.compare compare.runs=[vanilla,msar_block] compare.seeds=null compare.train=false  # every seed found
+    python -m platform.compare compare.runs=[msar_block] compare.seeds=null compare.train=false   # every seed found
 
 `compare.*` options (typed; a misspelt one fails):
     runs          residual or ablation names (an ablation when one of that name is registered)
@@ -395,7 +395,8 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
         "both have the same seeds (seed-to-seed variation cancels), else *Welch*; `*`: the interval excludes 0. "
         "Paper numbers are at full scale and not comparable in absolute value. "
         f"Tokens/s: median over logged intervals and seeds; peak memory: "
-        f"{'process max RSS (CPU)' if cfg0.trainer.accelerator == 'cpu' else 'max allocated (GPU)'}, median over seeds.",
+        + ("process max RSS (CPU)" if cfg0.trainer.accelerator == "cpu" else "max allocated (GPU)")
+        + ", median over seeds.",
         "",
         "## Runs",
         "",
@@ -429,7 +430,8 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
 def _log_comparison(client, exp_id, name, cc, base, rows, out_dir, plot) -> str:
     from mlflow.entities import Metric, Param
 
-    tags = {**tracking.run_tags(), "platform.kind": "comparison", "compare.variants": ",".join(r.variant.name for r in rows)}
+    tags = {**tracking.run_tags(), "platform.kind": "comparison",
+            "compare.variants": ",".join(r.variant.name for r in rows)}
     run_id = client.create_run(exp_id, tags=tags, run_name=f"compare-{name}"[:250]).info.run_id
     params = [Param("compare/runs", ",".join(cc.runs)), Param("compare/seeds", str(cc.seeds)),
               Param("compare/base_overrides", " ".join(base)[:6000]), Param("compare/level", str(cc.level))]

@@ -103,7 +103,7 @@ class SweepParam:
     low: Optional[float] = None  # int/float: bounds (inclusive); kernel_set: smallest kernel size
     high: Optional[float] = None  # int/float: bounds (inclusive); kernel_set: largest kernel size
     step: Optional[float] = None  # int/float: grid step (int default 1)
-    log: bool = False  # int/float: sample on a log scale
+    log: bool = False  # int/float/kernel_set: sample on a log scale
     choices: Optional[list[Any]] = None  # categorical: the values; kernel_set: explicit sets (else all valid)
     streams: Optional[list[int]] = None  # kernel_set: [min m, max m], m = 1 + len(kernels)
 
@@ -122,11 +122,13 @@ class SweepConfig:
     startup_trials: int = 4  # TPE: random trials before the model-based ones
     pruner_startup_trials: int = 3  # median pruner: complete trials before any pruning
     pruner_warmup_steps: int = 0  # median pruner: no pruning before this step
-    heartbeat_s: int = 60  # trials of any host silent for 2x this are failed (0: off; same-host deaths are found by pid)
+    heartbeat_s: int = 60  # trials silent for 2x this are failed, any host (0: off; same-host deaths: by pid)
     max_failures: int = 3  # stop after this many consecutive failed trials
     out_dir: Optional[str] = None  # trial run dirs, plots, report; default outputs/sweeps/<study_name>
     report: Optional[str] = None  # also write the study's markdown table here
-    params: dict[str, SweepParam] = field(default_factory=dict)  # the search space, by Optuna parameter name
+    # The search space, by Optuna parameter name; each entry is a SweepParam, checked by platform.sweep before
+    # any trial (typed as Any so that `+sweep.params.<name>={...}` can add one from the command line).
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

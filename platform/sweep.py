@@ -28,6 +28,9 @@ uniform, and TPE learns around the rest. Rejection sampling would keep the plots
 on invalid sets (about half of the m = 6 draws); one categorical over all sets would lose the
 ordering TPE exploits. With explicit `choices` (or `sampler=grid`) a kernel set is one categorical
 parameter, encoded "4-8-12".
+
+A trial that draws a point already evaluated takes that trial's value instead of training again
+(same config, same seed: the same number). The README lists every `sweep.*` option.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ GRID_LIMIT = 2000  # points; a grid beyond this is a mistake, not a plan
 STATE_NAMES = {TrialState.COMPLETE: "complete", TrialState.PRUNED: "pruned", TrialState.FAIL: "fail",
                TrialState.RUNNING: "running", TrialState.WAITING: "waiting"}
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
+COST_KEYS = ("extra_params", "extra_params_pct", "extra_active_pct", "extra_flops", "extra_flops_pct")
 
 
 def default_storage() -> str:
@@ -115,7 +119,8 @@ def check_kernel_set(kernels: Sequence[int], low: int = 2, high: int | None = No
     if ks[0] < max(2, low) or (high is not None and ks[-1] > high):
         raise ValueError(f"kernel set {ks}: sizes must lie in [{max(2, low)}, {high if high is not None else '∞'}]")
     if streams is not None and not streams[0] <= 1 + len(ks) <= streams[1]:
-        raise ValueError(f"kernel set {ks}: m = 1 + {len(ks)} = {1 + len(ks)} streams, outside [{streams[0]}, {streams[1]}]")
+        raise ValueError(f"kernel set {ks}: m = 1 + {len(ks)} = {1 + len(ks)} streams, "
+                         f"outside [{streams[0]}, {streams[1]}]")
     return ks
 
 
@@ -143,8 +148,17 @@ def parse_space(sweep: DictConfig, cfg: DictConfig | None = None) -> list[Param]
     if not params:
         raise ValueError("sweep.params is empty: a preset must define the search space (see conf/sweep/)")
     space, seen_keys, kernel_entries = [], set(), 0
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .config import SweepParam
+
     for name, spec in params.items():
         where = f"sweep.params.{name}"
+        try:  # the schema: unknown fields and wrong types fail here, naming the entry
+            spec = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(SweepParam), spec or {}))
+        except OmegaConfBaseException as e:
+            raise ValueError(f"{where}: {str(e).splitlines()[0]}; fields: "
+                             f"{', '.join(SweepParam.__dataclass_fields__)}") from None
         key, kind = spec.get("key"), spec.get("type")
         if kind not in PARAM_TYPES:
             raise ValueError(f"{where}.type={kind!r} is not valid; choose one of: {', '.join(PARAM_TYPES)}")
@@ -294,8 +308,7 @@ def trial_cost(cfg: DictConfig, overrides: Sequence[str]) -> dict[str, float]:
 
     rest = tuple(o for o in overrides if override_key(o) not in ("model", "residual"))
     a = account(cfg.model.name, cfg.residual.name, vocab=cfg.data.vocab_size, extra_overrides=rest)
-    return {k: float(a[k]) for k in ("extra_params", "extra_params_pct", "extra_active_pct", "extra_flops",
-                                     "extra_flops_pct")}
+    return {k: float(a[k]) for k in COST_KEYS}
 
 
 class TrialCallback(L.Callback):
@@ -368,13 +381,21 @@ class Objective:
         values = suggest(trial, ctx.space, grid=ctx.grid)
         overrides = [f"{k}={hydra_value(v)}" for k, v in values.items()]
         trial.set_user_attr("overrides", " ".join(overrides))
+        same = next((t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                     if t.params == trial.params), None)
+        if same is not None:  # same config and seed: training again would give the same number
+            trial.set_user_attr("duplicate_of", same.number)
+            for k in COST_KEYS:
+                if k in same.user_attrs:
+                    trial.set_user_attr(k, same.user_attrs[k])
+            return same.value
         try:
             cfg = compose(*ctx.base_overrides, *overrides)
             cfg.sweep = None  # the trial's run is a plain run: its config reproduces it with platform.run
             cfg.mlflow.run_name = f"{ctx.study_name}-t{trial.number:03d}"
             validate(cfg)
-        except ValueError as e:  # a combination the model cannot take (e.g. a block size)
-            trial.set_user_attr("invalid_reason", str(e))
+        except Exception as e:  # a combination the config or the model cannot take (e.g. a block size)
+            trial.set_user_attr("invalid_reason", f"{type(e).__name__}: {e}"[:2000])
             raise InvalidTrial(str(e)) from e
         try:
             cost = trial_cost(cfg, [*ctx.base_overrides, *overrides])
@@ -512,7 +533,9 @@ def machine_description() -> str:
 
     if torch.cuda.is_available():
         return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-    return f"{os.cpu_count()}-core CPU ({__import__('platform').machine()}), torch {torch.__version__}"
+    import platform  # this package, which carries the standard library's platform functions
+
+    return f"{os.cpu_count()}-core CPU ({platform.machine()}), torch {torch.__version__}"
 
 
 def study_report(study: optuna.Study, ctx: SweepContext, command: str) -> str:
@@ -538,11 +561,16 @@ def study_report(study: optuna.Study, ctx: SweepContext, command: str) -> str:
         else:
             value = "—"
         note = ua.get("fail_reason") or ua.get("invalid_reason") or ""
+        if "duplicate_of" in ua:
+            note = f"same parameters as trial {ua['duplicate_of']}: its value, not trained again"
         cost_f = f"{ua['extra_flops']:,.0f} ({ua['extra_flops_pct']:.2f}%)" if "extra_flops" in ua else "—"
         cost_p = f"{ua['extra_params']:,.0f} ({ua['extra_params_pct']:.2f}%)" if "extra_params" in ua else "—"
-        wall = f"{ua['wall_s']:.0f}" if "wall_s" in ua else (
-            f"{(t.datetime_complete - t.datetime_start).total_seconds():.0f}" if t.datetime_complete and t.datetime_start
-            else "—")
+        if "wall_s" in ua:
+            wall = f"{ua['wall_s']:.0f}"
+        elif t.datetime_complete and t.datetime_start:
+            wall = f"{(t.datetime_complete - t.datetime_start).total_seconds():.0f}"
+        else:
+            wall = "—"
         rows.append([t.number, STATE_NAMES[t.state], *(_fmt_value(shown[k]) if k in shown else "" for k in names),
                      value, cost_f, cost_p, wall, (ua.get("mlflow_run_id") or "")[:8], note[:80]])
     headers = ["trial", "state", *names, "val loss", "extra FLOPs/token (%)", "extra params (%)", "wall s",
@@ -558,7 +586,8 @@ def study_report(study: optuna.Study, ctx: SweepContext, command: str) -> str:
         f"- model `{cfg.model.name}`, residual `{cfg.residual.name}`, objective: final `val/loss` "
         f"(nats/token, {t.val_batches} validation batches) after {t.max_steps} steps = "
         f"{token_budget(cfg):,} training tokens per trial",
-        f"- sampler `{cfg.sweep.sampler}`, pruner `{cfg.sweep.pruner}`, storage `{storage_label(cfg.sweep.storage or default_storage())}`",
+        f"- sampler `{cfg.sweep.sampler}`, pruner `{cfg.sweep.pruner}`, "
+        f"storage `{storage_label(cfg.sweep.storage or default_storage())}`",
         f"- trials: {counts['complete']} complete, {counts['pruned']} pruned, {counts['fail']} failed, "
         f"{counts['running']} running (target {cfg.sweep.n_trials})",
         "",
@@ -613,6 +642,7 @@ def study_plots(study: optuna.Study, out_dir: Path) -> dict[str, Path | str]:
             with _quiet_experimental(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 fig = _figure(draw())
+                _tidy_log_axes(fig)
                 path = out_dir / f"{name}.png"
                 fig.savefig(path, dpi=110, bbox_inches="tight")
             made[name] = path
@@ -624,9 +654,32 @@ def study_plots(study: optuna.Study, out_dir: Path) -> dict[str, Path | str]:
     return made
 
 
+def _tidy_log_axes(fig) -> None:
+    """Log-scaled parameters (kernel sizes, lr) over short ranges get no or cluttered labels from
+    matplotlib's defaults: label a few round numbers (1, 1.2, 1.5, 2, ... 8 x 10^e) in plain notation."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
+
+    for ax in fig.axes:
+        for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+            if scale != "log":
+                continue
+            lo, hi = sorted(axis.get_view_interval())
+            if not (lo > 0 and hi > lo):
+                continue
+            exps = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+            marks = (m * 10.0**e for e in exps for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8))
+            nice = sorted(v for v in marks if lo <= v <= hi)
+            if len(nice) > 6:  # about six, evenly spread on the log axis
+                nice = [nice[round(i * (len(nice) - 1) / 5)] for i in range(6)]
+            axis.set_major_locator(FixedLocator(nice))
+            axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+            axis.set_minor_formatter(NullFormatter())
+
+
 def _plot_loss_vs_cost(complete, out_dir: Path) -> Path | None:
     """Compute-matched view: each complete trial's loss against its extra FLOPs per token."""
-    pts = [(t.user_attrs["extra_flops_pct"], t.value, t) for t in complete if "extra_flops_pct" in t.user_attrs]
+    pts = [(t.user_attrs["extra_flops_pct"], t.value, t) for t in complete
+           if "extra_flops_pct" in t.user_attrs and "duplicate_of" not in t.user_attrs]
     if not pts:
         return None
     import matplotlib.pyplot as plt
@@ -706,7 +759,8 @@ def _announce(ctx: SweepContext, trial: optuna.Trial) -> None:
     best = _best(study)
     best_txt = f"best so far {best.value:.4f} (trial {best.number})" if best else "no complete trial yet"
     elapsed = time.time() - ctx.started
-    msg = f"{ctx.study_name} · trial {trial.number} · {done + 1}/{ctx.n_trials} · {best_txt} · {elapsed / 60:.1f} min"
+    msg = (f"{ctx.study_name} · trial {trial.number} · {done + 1}/{ctx.n_trials} · {best_txt} · "
+           f"{elapsed / 60:.1f} min")
     if ctx.console is not None:
         ctx.console.rule(f"[bold]{msg}")
     else:
@@ -723,6 +777,8 @@ def _after_trial(ctx: SweepContext):
         why = t.user_attrs.get("fail_reason") or t.user_attrs.get("invalid_reason") or ""
         if t.state == TrialState.PRUNED:
             why = f"at step {t.user_attrs.get('pruned_at_step')}"
+        if "duplicate_of" in t.user_attrs:
+            why = f"(same parameters as trial {t.user_attrs['duplicate_of']}: not trained again)"
         style = {"complete": "green", "pruned": "yellow", "fail": "red"}.get(state, "white")
         line = f"trial {t.number} [{style}]{state}[/{style}] {value} {shown} {why}".rstrip()
         if ctx.console is not None:
@@ -926,10 +982,14 @@ def main(argv: Sequence[str] | None = None) -> optuna.Study | None:
         return None
     preload_plugins(argv)
     check_choices(argv)
+    presets = sorted(p.stem for p in (REPO_ROOT / "conf" / "sweep").glob("*.yaml"))
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+") == "sweep" and value not in presets:
+            raise SystemExit(f"error: unknown sweep preset {value!r}; presets: {', '.join(presets)}")
     register_configs()
     cfg = compose(*argv)
     if cfg.sweep is None:
-        presets = sorted(p.stem for p in (REPO_ROOT / "conf" / "sweep").glob("*.yaml"))
         raise SystemExit(f"error: choose a sweep preset, sweep=<name>; presets: {', '.join(presets)}")
     try:
         return run_sweep(cfg, argv, console=Console())

@@ -78,7 +78,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_mlflow_run_params_metrics_artifacts(tmp_path):
-    r = train(cfg_for(tmp_path, "trainer.max_steps=12", "trainer.val_every=6", "trainer.log_every=2"),
+    r = train(cfg_for(tmp_path, "residual=vanilla", "trainer.max_steps=12", "trainer.val_every=6", "trainer.log_every=2"),
               run_dir=tmp_path / "run")
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(r.mlflow_run_id)
