@@ -166,8 +166,13 @@ def test_trained_reads_are_depth_attention_over_the_right_sources(name, fields):
 @pytest.mark.parametrize("fields", [{}, {"heads": 2}, {"query": "input"}, {"key_norm": False}],
                          ids=["default", "heads=2", "query=input", "key_norm=False"])
 def test_block_size_one_is_full_attnres(fields):
-    full = randomize(make("attnres", **fields))
-    block = make("attnres_block", block_size=1, **fields)
+    assert_block_size_one_is_full("attnres", "attnres_block", fields)
+
+
+def assert_block_size_one_is_full(full_name: str, block_name: str, fields: dict) -> None:
+    """With one sublayer per block, the block variant computes exactly the full one (outputs, grads)."""
+    full = randomize(make(full_name, **fields))
+    block = make(block_name, block_size=1, **fields)
     block.load_state_dict(full.state_dict())
     stack = FakeStack()
     out_full, grads_full = grads_through_stack(full, stack)

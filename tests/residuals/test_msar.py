@@ -9,7 +9,8 @@ from kernels.causal_conv import causal_conv
 from residuals import Context, config_for, get
 from residuals.base import rms_norm
 from tests.residuals.test_attnres import (
-    B, D, DOC_IDS, L, T, FakeStack, assert_causal, assert_same_grads, block_sources, embedding, grads_through_stack,
+    B, D, DOC_IDS, L, T, FakeStack, assert_block_size_one_is_full, assert_causal, assert_same_grads, block_sources,
+    embedding, grads_through_stack,
     held_tensors, make, randomize,
 )
 
@@ -112,15 +113,7 @@ def test_scalar_write_back_keys_collapse_after_rmsnorm():
                                     {"placement": "post", "fusion": "softmax"}, {"view": "identity", "query": "input"}],
                          ids=["default", "scalar", "shared-keys-only", "post-softmax", "identity-input"])
 def test_block_size_one_is_full_msar(fields):
-    full = randomize(make("msar", **fields))
-    block = make("msar_block", block_size=1, **fields)
-    block.load_state_dict(full.state_dict())
-    stack = FakeStack()
-    out_full, grads_full = grads_through_stack(full, stack)
-    out_block, grads_block = grads_through_stack(block, stack)
-    torch.testing.assert_close(out_block, out_full, rtol=1e-6, atol=1e-6)
-    assert sorted(grads_block) == sorted(grads_full)
-    assert_same_grads(grads_block, grads_full)
+    assert_block_size_one_is_full("msar", "msar_block", fields)
 
 
 @pytest.mark.parametrize("block_size", [2, 4])
