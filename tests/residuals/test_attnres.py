@@ -184,7 +184,13 @@ def assert_block_size_one_is_full(full_name: str, block_name: str, fields: dict)
 
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 def test_block_state_holds_summaries_and_partial_only(block_size):
-    res = make("attnres_block", block_size=block_size)
+    assert_block_state_is_single_stream("attnres_block", block_size)
+
+
+def assert_block_state_is_single_stream(name: str, block_size: int) -> None:
+    """Between sublayers a block variant holds b_0, the completed summaries and the partial sum,
+    each (B, T, d) (no view or stream axis), and reports that count as its state."""
+    res = make(name, block_size=block_size)
     _, _, _, states = FakeStack()(res, embedding(), Context(DOC_IDS))
     counts = []
     for layer, state in enumerate(states):
