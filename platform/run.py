@@ -44,13 +44,14 @@ def check_choices(argv: list[str]) -> None:
         key = key.lstrip("+~")
         if key not in ("residual", "ablation") or "(" in value:  # leave sweep functions to Hydra
             continue
+        registry = residuals if key == "residual" else ablations
         for name in value.split(","):  # multirun: a,b,c
-            if key == "residual" and name not in residuals.names():
-                raise SystemExit(f"error: unknown residual {name!r}; registered residuals: "
-                                 f"{', '.join(residuals.names())}")
-            if key == "ablation" and name not in ("null", "") and name not in ablations.names():
-                raise SystemExit(f"error: unknown ablation {name!r}; registered ablations: "
-                                 f"{', '.join(ablations.names()) or '(none yet)'}")
+            if name in ("null", "") and key == "ablation":
+                continue
+            try:
+                registry.get(name)  # its KeyError names the value and lists the registered ones
+            except KeyError as e:
+                raise SystemExit(f"error: {e.args[0]}") from None
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
