@@ -19,9 +19,9 @@ register(Ablation(
     paper="1.731 with vs 1.737 without (AttnRes, 436M-active MoE)"))
 
 register(Ablation(
-    name="conv_dirac",
-    question="Does the conv init matter? Dirac taps (+ small noise) instead of the causal box.",
-    baseline="msar_block", residual="msar_block", changes={"conv_init": "dirac", "conv_init_noise": 0.01}))
+    name="conv_box",
+    question="Does the conv init matter? Causal-box taps (1/k_j) instead of the default Dirac + 0.01 noise.",
+    baseline="msar_block", residual="msar_block", changes={"conv_init": "box", "conv_init_noise": 0.0}))
 
 register(Ablation(
     name="fusion_softmax",

@@ -42,6 +42,9 @@ def check_choices(argv: list[str]) -> None:
     for arg in argv:
         key, _, value = arg.partition("=")
         key = key.lstrip("+~")
+        if key == "residual.kernel":
+            raise SystemExit(f"error: residual.kernel={value}: renamed to residual.backend "
+                             "(auto | torch | triton); residual.kernels (the conv sizes) is unchanged")
         if key not in ("residual", "ablation") or "(" in value:  # leave sweep functions to Hydra
             continue
         registry = residuals if key == "residual" else ablations

@@ -32,6 +32,7 @@ from .base import Context, Residual, ResidualConfig, rms_norm
 from .registry import register
 
 QUERY_KINDS = ("static", "input")
+BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
 
 
 def check_choice(owner: str, field: str, value: object, choices: Sequence[object]) -> None:
@@ -57,6 +58,7 @@ class DepthAttentionConfig(ResidualConfig):
 
     key_norm: bool = True  # RMSNorm the keys (learnable gain, init 1); False: keys are the raw sources
     query: str = "static"  # "static": learned w_l; "input": w_l + W_l·RMSNorm(latest source), W_l zero-init
+    backend: str = "auto"  # "torch" (reference), "triton" (fused op), "auto" (fused on CUDA, reference on CPU)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class DepthAttentionResidual(Residual):
     def validate(cls, cfg: DepthAttentionConfig, *, d_model: int, n_sublayers: int) -> None:
         super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
         check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
+        check_choice(cls.name, "backend", cfg.backend, BACKENDS)
 
     # --- which sources each consumer sees: here every one (full depth attention) ---------------
     def n_sources(self, consumer: int) -> int:

@@ -25,6 +25,8 @@ def box_views(x, kernels=KERNELS):
 def init_oracle(sources, fields):
     """h at init: g = 1/m, zero queries -> every stream is the mean of its (expanded) sources."""
     x = torch.stack(sources)  # (S, B, T, d)
+    if fields.get("conv_init") == "dirac":  # noise-free Dirac taps: every view is the identity
+        return x.mean(0)
     if fields.get("placement") == "post":
         return torch.stack(box_views(x.mean(0))).mean(0)
     if fields.get("expand_values", True):
@@ -34,6 +36,8 @@ def init_oracle(sources, fields):
 
 INIT_CASES = [
     ("msar", {}),
+    ("msar", {"conv_init": "dirac"}),
+    ("msar_block", {"conv_init": "dirac"}),
     ("msar", {"fusion": "softmax"}),
     ("msar", {"expand_values": False}),
     ("msar", {"placement": "post"}),
@@ -50,6 +54,7 @@ def _id(name, fields):
 
 @pytest.mark.parametrize("name, fields", INIT_CASES, ids=[_id(*c) for c in INIT_CASES])
 def test_init_reads_the_mean_of_the_views(name, fields):
+    fields = {"conv_init": "box", **fields, "conv_init_noise": 0.0}  # box unless the case says otherwise
     res, emb = make(name, **fields), embedding()
     _, reads, outs, _ = FakeStack()(res, emb, Context(DOC_IDS))
     size = fields.get("block_size", 4) if name == "msar_block" else 1
@@ -206,7 +211,7 @@ def test_bad_config_values(name, fields, match):
 
 @pytest.mark.parametrize("name", ["msar", "msar_block"])
 def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name):
-    # The whole backbone with residual.kernel=triton (under Triton's interpreter on CPU) against the
+    # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
     # PyTorch reference: outputs and every gradient, random upstream gradient, packed documents.
     from tests.helpers import build_backbone, packed_batch
 
@@ -214,7 +219,7 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name):
     ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]",))
     torch.manual_seed(0)
     fused = build_backbone(name, vocab=37, n_blocks=2,
-                           residual_overrides=("residual.kernels=[2,3]", "residual.kernel=triton"))
+                           residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton"))
     with torch.no_grad():
         for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
             p_ref.add_(0.2 * torch.randn_like(p_ref))
@@ -236,5 +241,5 @@ def test_fused_kernel_refuses_what_it_does_not_compute():
 
     for extra in ("residual.view=identity", "residual.placement=post", "residual.expand_values=false",
                   "residual.query=input"):
-        with pytest.raises(ValueError, match=r"residual.kernel='triton'.*use residual.kernel=torch"):
-            validate(make_cfg("residual=msar_block", "residual.kernel=triton", extra))
+        with pytest.raises(ValueError, match=r"residual.backend='triton'.*use residual.backend=torch"):
+            validate(make_cfg("residual=msar_block", "residual.backend=triton", extra))
