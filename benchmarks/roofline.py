@@ -1,0 +1,114 @@
+"""Ceilings and bookkeeping shared by the op benchmarks (CUDA only).
+
+Every op benchmark compares its time with a roofline measured *in the same process*, because
+timings on a shared host swing 13-17% between invocations:
+
+    floor = max(bytes / copy_bandwidth, cuda_core_flops / fp32_rate)
+
+- ``copy_bandwidth``: a large device-to-device copy, counting bytes read plus bytes written.
+- ``fp32_rate``: an fp32 matrix product with TF32 off (CUDA cores, no tensor cores).
+- ``bf16_rate``: a bf16 matrix product (tensor cores), for MFU of whole-model runs.
+
+``Table`` prints a markdown table and writes it under benchmarks/results/ with the command, the GPU
+and the date, as every benchmark result here is.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of ``fn()`` timed with CUDA events (triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + write counted)."""
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n_bytes / (ms * 1e-3)
+
+
+def matmul_rate(dtype: torch.dtype, n: int = 8192) -> float:
+    """FLOP/s of an n×n×n matrix product on random data; fp32 with TF32 off uses CUDA cores."""
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ms = bench_ms(lambda: a @ b)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+@dataclass
+class Ceilings:
+    copy_bytes_per_s: float
+    fp32_flops_per_s: float
+    bf16_flops_per_s: float
+
+    @classmethod
+    def measure(cls) -> "Ceilings":
+        return cls(copy_bandwidth(), matmul_rate(torch.float32, 4096), matmul_rate(torch.bfloat16))
+
+    def floor_ms(self, n_bytes: float, flops: float) -> float:
+        """Roofline time: the larger of the memory and the arithmetic term."""
+        return 1e3 * max(n_bytes / self.copy_bytes_per_s, flops / self.fp32_flops_per_s)
+
+    def binding(self, n_bytes: float, flops: float) -> str:
+        return "bytes" if n_bytes / self.copy_bytes_per_s >= flops / self.fp32_flops_per_s else "flops"
+
+    def describe(self) -> str:
+        return (f"copy {self.copy_bytes_per_s / 1e12:.2f} TB/s (read+write), fp32 CUDA cores "
+                f"{self.fp32_flops_per_s / 1e12:.1f} TFLOP/s, bf16 matmul {self.bf16_flops_per_s / 1e12:.0f} TFLOP/s")
+
+
+@dataclass
+class Table:
+    """A markdown table with a provenance header; ``write`` saves it under benchmarks/results/."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, *cells) -> None:
+        self.rows.append([c if isinstance(c, str) else f"{c:.4g}" if isinstance(c, float) else str(c) for c in cells])
+
+    def markdown(self) -> str:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        head = [f"# {self.title}", "",
+                f"- command: `python -m {' '.join([_module_name(), *sys.argv[1:]])}`",
+                f"- GPU: {gpu}; torch {torch.__version__}; date {dt.date.today().isoformat()}",
+                *[f"- {n}" for n in self.notes], ""]
+        lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        return "\n".join(head + lines) + "\n"
+
+    def write(self, name: str) -> Path:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path = RESULTS / f"{name}.md"
+        text = self.markdown()
+        path.write_text(text)
+        print(text)
+        return path
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else str(sys.argv[0])
