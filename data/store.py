@@ -4,14 +4,17 @@
 <folder>/
   tokenizer.json        the byte-level BPE (Hugging Face tokenizers format)
   train.tokens.npy      (N_train,) uint16 (uint32 for vocabularies above 65536)
-  train.doc_ids.npy     (N_train,) int32, document id per token
+  train.docs.npy        (D_train, 2) int64, one row per document in stream order: [doc id, tokens]
   val.tokens.npy        (N_val,)
-  val.doc_ids.npy       (N_val,)
+  val.docs.npy          (D_val, 2)
   manifest.json         sizes, dtypes, file digests, and the config and key it was built from
 ```
-The manifest is written last, so a folder without one is incomplete and never read. Loading
-memory-maps the arrays (milliseconds) and needs only numpy; ``tokenizers`` is used when installed,
-to load ``tokenizer.json``, and is not needed to train on the ids.
+The manifest is written last, so a folder without one is incomplete and never read. Document ids
+are stored per document, not per token (format 2; format 1 stored an int32 per token, twice the
+size of the tokens, and is still read), so 15M uint16 tokens make ~30 MB that can travel to an
+offline host. Loading memory-maps the tokens, expands the document ids (milliseconds) and needs
+only numpy; ``tokenizers`` is used when installed, to load ``tokenizer.json``, and is not needed
+to train on the ids.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from data.tokenizer import token_dtype
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 SPLITS = ("train", "val")
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -56,6 +60,21 @@ def _save_array(path: Path, array: np.ndarray) -> None:
     write_atomic(path, write)
 
 
+def doc_runs(doc_ids: np.ndarray) -> np.ndarray:
+    """(D, 2) int64 ``[doc id, run length]`` of a per-token id array: the inverse of ``expand_runs``."""
+    doc_ids = np.asarray(doc_ids)
+    if not len(doc_ids):
+        return np.zeros((0, 2), dtype=np.int64)
+    starts = np.flatnonzero(np.diff(doc_ids, prepend=doc_ids[0] - 1))
+    lengths = np.diff(np.append(starts, len(doc_ids)))
+    return np.stack([doc_ids[starts].astype(np.int64), lengths], axis=1)
+
+
+def expand_runs(runs: np.ndarray) -> np.ndarray:
+    """The per-token int32 document ids of ``[doc id, run length]`` rows."""
+    return np.repeat(runs[:, 0].astype(np.int32), runs[:, 1])
+
+
 def save_prepared(prepared: PreparedCorpus, folder: str | Path, **manifest_extra: Any) -> Path:
     """Write ``prepared`` into ``folder``; ``manifest_extra`` (key, config, ...) goes into the manifest."""
     folder = Path(folder)
@@ -68,10 +87,10 @@ def save_prepared(prepared: PreparedCorpus, folder: str | Path, **manifest_extra
     for name in SPLITS:
         stream: TokenStream = getattr(prepared, name)
         _save_array(folder / f"{name}.tokens.npy", np.ascontiguousarray(stream.tokens, dtype=dtype))
-        _save_array(folder / f"{name}.doc_ids.npy", np.ascontiguousarray(stream.doc_ids, dtype=np.int32))
-        documents = int(np.count_nonzero(np.diff(stream.doc_ids))) + 1 if len(stream) else 0
-        splits[name] = {"tokens": len(stream), "documents": documents}
-    files = [TOKENIZER_FILE] + [f"{s}.{kind}.npy" for s in SPLITS for kind in ("tokens", "doc_ids")]
+        runs = doc_runs(stream.doc_ids)
+        _save_array(folder / f"{name}.docs.npy", runs)
+        splits[name] = {"tokens": len(stream), "documents": len(runs)}
+    files = [TOKENIZER_FILE] + [f"{s}.{kind}.npy" for s in SPLITS for kind in ("tokens", "docs")]
     manifest = {
         "format": FORMAT_VERSION,
         "vocab_size": prepared.vocab_size,
@@ -97,8 +116,9 @@ def load_prepared(folder: str | Path, *, verify: bool = False) -> PreparedCorpus
     if not is_complete(folder):
         raise FileNotFoundError(f"{folder} has no {MANIFEST}: not a (complete) exported corpus")
     manifest = json.loads((folder / MANIFEST).read_text())
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{folder}: format {manifest.get('format')!r}, this code reads {FORMAT_VERSION}")
+    version = manifest.get("format")
+    if version not in READABLE_FORMATS:
+        raise ValueError(f"{folder}: format {version!r}, this code reads {list(READABLE_FORMATS)}")
     if verify:
         for name, expected in manifest["files"].items():
             if file_digest(folder / name) != expected:
@@ -106,7 +126,10 @@ def load_prepared(folder: str | Path, *, verify: bool = False) -> PreparedCorpus
     streams = {}
     for name in SPLITS:
         tokens = np.load(folder / f"{name}.tokens.npy", mmap_mode="r")
-        doc_ids = np.load(folder / f"{name}.doc_ids.npy", mmap_mode="r")
+        if version == 1:
+            doc_ids = np.load(folder / f"{name}.doc_ids.npy", mmap_mode="r")
+        else:
+            doc_ids = expand_runs(np.load(folder / f"{name}.docs.npy"))
         expected = manifest["splits"][name]["tokens"]
         if len(tokens) != expected or tokens.dtype.name != manifest["token_dtype"]:
             raise ValueError(f"{folder}: {name} tokens are {tokens.dtype}[{len(tokens)}], the manifest "

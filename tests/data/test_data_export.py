@@ -82,3 +82,34 @@ def test_cli_flags_mirror_the_config(small_cfg, small_prepared, tmp_path: Path, 
     assert np.array_equal(np.load(out / "train.tokens.npy"), small_prepared.train.tokens)
     with pytest.raises(SystemExit, match="data.vocab_size=100"):
         main(["--out", str(out), "--vocab-size", "100"])
+
+
+def test_doc_ids_are_stored_per_document(shards, small_prepared):
+    from data.store import doc_runs, expand_runs
+
+    runs = np.load(shards / "train.docs.npy")
+    assert runs.shape == (len(np.unique(small_prepared.train.doc_ids)), 2)
+    assert np.array_equal(expand_runs(runs), small_prepared.train.doc_ids)
+    ids = np.array([5, 5, 5, 2, 2, 9, 5], dtype=np.int32)  # the same id may come back later in a stream
+    assert doc_runs(ids).tolist() == [[5, 3], [2, 2], [9, 1], [5, 1]]
+    assert np.array_equal(expand_runs(doc_runs(ids)), ids) and doc_runs(ids[:0]).shape == (0, 2)
+
+
+def test_format_1_shards_still_load(shards, small_prepared, tmp_path: Path):
+    from data.store import expand_runs
+
+    old = tmp_path / "v1"
+    old.mkdir()
+    manifest = json.loads((shards / "manifest.json").read_text())
+    for split in ("train", "val"):
+        (old / f"{split}.tokens.npy").write_bytes((shards / f"{split}.tokens.npy").read_bytes())
+        np.save(old / f"{split}.doc_ids.npy", expand_runs(np.load(shards / f"{split}.docs.npy")))
+    (old / "tokenizer.json").write_bytes((shards / "tokenizer.json").read_bytes())
+    manifest.update(format=1, files={})
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    loaded = load_prepared(old)
+    assert np.array_equal(loaded.val.doc_ids, small_prepared.val.doc_ids)
+    manifest["format"] = 7
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"format 7, this code reads \[1, 2\]"):
+        load_prepared(old)
