@@ -1,0 +1,534 @@
+"""Loss versus training compute per residual, and the compute multiplier at which vanilla matches each variant.
+
+    python -m platform.scaling [scaling.*] [overrides]              # e.g. trainer=gpu data=large
+    python -m platform.scaling scaling.train=false                  # only fit what MLflow holds
+
+Each variant is trained at every size (`scaling.sizes`: model presets, optionally followed by
+overrides, e.g. "tiny model.d_model=32"; `scaling.steps`: trainer.max_steps per size) and seed,
+in this process through `platform.train.train` (configs from Hydra's Compose API, as sweeps do).
+A run already FINISHED in MLflow with the same config (tag `scaling.key`: a hash of the model,
+data, trainer and residual config and the seed, without knobs that do not change the numbers) is
+read instead of trained, so the command resumes, and one process per GPU can share the work
+(`scaling.variants=[...]` on each, then `scaling.train=false` to fit them all).
+
+Compute of a run: training FLOPs = 3 x the analytic forward FLOPs per token (the backbone's,
+`platform.accounting`, plus the residual's own extra) x the training tokens (backward ~ 2x forward).
+
+The fit (pure functions, `fit_power_law`): L_v(C) = E + A_v (C / C0)^(-alpha) with one irreducible
+loss E, one exponent alpha (or one per variant with `scaling.shared_alpha=false`) and one
+coefficient A_v per variant, C0 = the geometric mean of the runs' compute. For a given E the model
+is linear in log(L - E), so it is solved by least squares, and E is found by minimising the squared
+error in loss (a grid, then golden-section refinement), or fixed with `scaling.E=<value>`. The
+multiplier of variant v at compute C is C'/C where vanilla reaches L_v(C) at C'; with a shared
+exponent it is (A_ref / A_v)^(1/alpha) at every C (> 1: vanilla needs more compute). Its interval
+is a bootstrap percentile interval: seeds resampled within each (variant, size) when every cell has
+two or more, else residuals resampled around the fit.
+
+Writes `<report_dir>/<name>.md` (table), `.png` (points and curves), `.json`, and logs them to an
+MLflow run tagged `platform.kind=scaling`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TRAINING_FLOPS_FACTOR = 3.0  # forward + backward ~ 3 forward passes
+# Knobs that do not change a run's numbers: runs that differ only in these are the same run.
+KEY_IGNORED = {"trainer": ("progress_bar", "threads", "ckpt_every", "log_every", "compile"),
+               "data": ("num_workers", "cache_dir")}
+
+
+# --- the fit (pure) ---------------------------------------------------------------------------------------
+@dataclass
+class PowerLawFit:
+    """L_g(C) = E + exp(log_A[g]) * (C / C0) ** -alpha[g] for every group g (variant)."""
+
+    E: float
+    alpha: dict[str, float]
+    log_A: dict[str, float]
+    C0: float
+    reference: str
+    sse: float  # squared error of the fit in loss units
+    n: int  # points fitted
+
+    def predict(self, group: str, compute) -> np.ndarray:
+        x = np.log(np.asarray(compute, dtype=float) / self.C0)
+        return self.E + np.exp(self.log_A[group] - self.alpha[group] * x)
+
+    def multiplier(self, group: str, compute: float) -> float:
+        """C'/C with L_reference(C') = L_group(C): the compute vanilla needs, relative to the variant's."""
+        gap = float(self.predict(group, compute)) - self.E
+        ref = self.reference
+        log_c = math.log(self.C0) + (self.log_A[ref] - math.log(gap)) / self.alpha[ref]
+        return math.exp(log_c - math.log(compute))
+
+
+def _fit_given_E(x, loss, codes, n_groups, E, shared_alpha):
+    """Least squares of log(L - E) = a_g - alpha_(g) x; returns (coefficients, squared error in loss)."""
+    onehot = np.eye(n_groups)[codes]  # (n, G)
+    slope = -x[:, None] if shared_alpha else -x[:, None] * onehot  # (n, 1) or (n, G)
+    X = np.concatenate([onehot, slope], axis=1)
+    coef, *_ = np.linalg.lstsq(X, np.log(loss - E), rcond=None)
+    pred = E + np.exp(X @ coef)
+    return coef, float(np.sum((loss - pred) ** 2))
+
+
+def fit_power_law(compute, loss, groups: Sequence[str], reference: str, *, E: float | None = None,
+                  shared_alpha: bool = True, grid: int = 64) -> PowerLawFit:
+    """Fit L = E + A_g (C/C0)^-alpha to points (compute, loss, group); see the module docstring.
+
+    Needs at least two distinct compute values per group; E, when fixed, must lie below every loss.
+    """
+    compute, loss = np.asarray(compute, dtype=float), np.asarray(loss, dtype=float)
+    names = list(dict.fromkeys(groups))
+    if reference not in names:
+        raise ValueError(f"reference={reference!r} has no points; groups: {names}")
+    if not (len(compute) == len(loss) == len(groups)):
+        raise ValueError(f"{len(compute)} compute values, {len(loss)} losses, {len(groups)} groups")
+    if np.any(compute <= 0) or not np.all(np.isfinite(loss)):
+        raise ValueError("compute must be > 0 and every loss finite")
+    codes = np.array([names.index(g) for g in groups])
+    for i, g in enumerate(names):
+        if len(np.unique(compute[codes == i])) < 2:
+            raise ValueError(f"group {g!r} needs points at two or more compute values to fit a slope")
+    C0 = float(np.exp(np.mean(np.log(compute))))
+    x = np.log(compute / C0)
+    top = float(loss.min())
+    if E is not None and not 0 <= E < top:
+        raise ValueError(f"E={E} must be >= 0 and below the smallest loss {top:.4f}")
+
+    def sse(e: float) -> float:
+        return _fit_given_E(x, loss, codes, len(names), e, shared_alpha)[1]
+
+    if E is None:
+        hi = top * (1 - 1e-6)
+        candidates = np.linspace(0.0, hi, grid)
+        errors = [sse(e) for e in candidates]
+        i = int(np.argmin(errors))
+        a, b = candidates[max(i - 1, 0)], candidates[min(i + 1, grid - 1)]
+        golden = (math.sqrt(5) - 1) / 2
+        for _ in range(50):  # golden-section search inside the best grid bracket
+            c, d = b - golden * (b - a), a + golden * (b - a)
+            if sse(c) < sse(d):
+                b = d
+            else:
+                a = c
+        E = min((a + b) / 2, candidates[i], key=sse)
+    coef, error = _fit_given_E(x, loss, codes, len(names), E, shared_alpha)
+    G = len(names)
+    alphas = [coef[G]] * G if shared_alpha else list(coef[G:])
+    return PowerLawFit(E=float(E), alpha={g: float(alphas[i]) for i, g in enumerate(names)},
+                       log_A={g: float(coef[i]) for i, g in enumerate(names)}, C0=C0, reference=reference,
+                       sse=error, n=len(loss))
+
+
+def bootstrap_multipliers(compute, loss, groups: Sequence[str], cells: Sequence, reference: str, at: float, *,
+                          E: float | None = None, shared_alpha: bool = True, n_boot: int = 1000,
+                          level: float = 0.95, seed: int = 0) -> dict[str, tuple[float, float, int]]:
+    """Percentile interval of each group's multiplier at compute ``at``: ``{group: (low, high, n_ok)}``.
+
+    ``cells`` labels each point's (group, size): when every cell has two or more points (seeds) they
+    are resampled within their cell; otherwise residuals are resampled around the full fit. Refits
+    whose exponent is not positive (no decrease with compute) count as failures (``n_boot - n_ok``).
+    """
+    compute, loss = np.asarray(compute, dtype=float), np.asarray(loss, dtype=float)
+    groups = list(groups)
+    rng = np.random.default_rng(seed)
+    by_cell: dict = {}
+    for i, c in enumerate(cells):
+        by_cell.setdefault(c, []).append(i)
+    resample_seeds = all(len(v) >= 2 for v in by_cell.values())
+    full = fit_power_law(compute, loss, groups, reference, E=E, shared_alpha=shared_alpha)
+    fitted = np.array([full.predict(g, c) for g, c in zip(groups, compute)])
+    residuals = loss - fitted
+    names = list(dict.fromkeys(groups))
+    draws: dict[str, list[float]] = {g: [] for g in names}
+    for _ in range(n_boot):
+        if resample_seeds:
+            idx = np.concatenate([rng.choice(v, size=len(v), replace=True) for v in by_cell.values()])
+            c, y, g = compute[idx], loss[idx], [groups[i] for i in idx]
+        else:
+            c, y, g = compute, fitted + rng.choice(residuals, size=len(loss), replace=True), groups
+        try:
+            fit = fit_power_law(c, y, g, reference, E=E, shared_alpha=shared_alpha)
+        except (ValueError, np.linalg.LinAlgError):
+            continue
+        if min(fit.alpha.values()) <= 0:
+            continue
+        for name in names:
+            draws[name].append(fit.multiplier(name, at))
+    tail = 100 * (1 - level) / 2
+    out = {}
+    for name, values in draws.items():
+        if values:
+            low, high = np.percentile(values, [tail, 100 - tail])
+            out[name] = (float(low), float(high), len(values))
+        else:
+            out[name] = (math.nan, math.nan, 0)
+    return out
+
+
+# --- configuration -----------------------------------------------------------------------------------------
+@dataclass
+class ScalingConfig:
+    variants: list[str] = field(default_factory=lambda: ["vanilla", "attnres_block", "msar_block"])
+    reference: str = "vanilla"  # the variant the multipliers are measured against
+    # Model presets (conf/model/), each optionally followed by overrides ("tiny model.d_model=32").
+    sizes: list[str] = field(default_factory=lambda: ["scale_xs", "scale_s", "small", "scale_m"])
+    steps: list[int] = field(default_factory=lambda: [250, 350, 500, 700])  # trainer.max_steps per size
+    seeds: list[int] = field(default_factory=lambda: [0])
+    train: bool = True  # train what MLflow lacks; false: fit only what it holds
+    E: Optional[float] = None  # fix the irreducible loss instead of fitting it
+    shared_alpha: bool = True  # one exponent for all variants (a constant multiplier)
+    n_boot: int = 1000  # bootstrap refits for the intervals
+    level: float = 0.95
+    name: str = "scaling"
+    report_dir: str = "benchmarks/results"  # <name>.md, .png, .json go here
+    out_dir: Optional[str] = None  # run dirs; default outputs/scaling/<name>
+    log_mlflow: bool = True  # log the table and plot to an MLflow run tagged platform.kind=scaling
+
+
+def parse_args(argv: Sequence[str]) -> tuple[ScalingConfig, list[str]]:
+    """Split `scaling.*` options (typed) from the config overrides that every run shares."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(ScalingConfig)
+    base = []
+    for text, ov in zip(argv, OverridesParser.create().parse_overrides(list(argv))):
+        key = ov.key_or_group
+        if not key.startswith("scaling."):
+            if key.lstrip("+~") in ("model", "residual", "ablation", "seed", "trainer.max_steps"):
+                raise ValueError(f"{text!r}: sizes, variants, seeds and steps come from scaling.sizes, "
+                                 "scaling.variants, scaling.seeds and scaling.steps")
+            base.append(text)
+            continue
+        OmegaConf.update(node, key[len("scaling."):], ov.value(), merge=False)
+    sc: ScalingConfig = OmegaConf.to_object(node)
+    check(sc)
+    return sc, base
+
+
+def check(sc: ScalingConfig) -> None:
+    """Every scaling.* value that can be wrong, before any training."""
+    import ablations
+    import residuals
+
+    known = sorted({*residuals.names(), *ablations.names()})
+    for v in sc.variants:
+        if v not in known:
+            raise ValueError(f"scaling.variants: {v!r} is not a residual or ablation; valid: {', '.join(known)}")
+    if sc.reference not in sc.variants:
+        raise ValueError(f"scaling.reference={sc.reference!r} must be one of scaling.variants={sc.variants}")
+    if len(sc.variants) != len(set(sc.variants)):
+        raise ValueError(f"scaling.variants={sc.variants} has duplicates")
+    if len(sc.sizes) < 2 or len(sc.steps) != len(sc.sizes):
+        raise ValueError(f"scaling.sizes ({len(sc.sizes)}) needs two or more entries and scaling.steps "
+                         f"({len(sc.steps)}) one per size")
+    if any(s < 1 for s in sc.steps):
+        raise ValueError(f"scaling.steps={sc.steps} must be positive")
+    if not sc.seeds:
+        raise ValueError("scaling.seeds is empty")
+    if not 0 < sc.level < 1:
+        raise ValueError(f"scaling.level={sc.level} must be in (0, 1)")
+    if sc.n_boot < 0:
+        raise ValueError(f"scaling.n_boot={sc.n_boot} must be >= 0")
+    if sc.E is not None and sc.E < 0:
+        raise ValueError(f"scaling.E={sc.E} must be >= 0 (or null to fit it)")
+
+
+def size_overrides(size: str) -> list[str]:
+    """"small" -> ["model=small"]; "tiny model.d_model=32" -> ["model=tiny", "model.d_model=32"]."""
+    preset, *rest = size.split()
+    return [f"model={preset}", *rest]
+
+
+def variant_override(name: str) -> str:
+    import ablations
+
+    return f"ablation={name}" if name in ablations.names() else f"residual={name}"
+
+
+def run_key(cfg) -> str:
+    """Hash of what decides a run's numbers: model, data, trainer, residual config and the seed."""
+    from omegaconf import OmegaConf
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    payload = {g: {k: v for k, v in c[g].items() if k not in KEY_IGNORED.get(g, ())}
+               for g in ("model", "data", "trainer", "residual")}
+    payload["seed"] = c["seed"]
+    return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def training_tokens(cfg) -> int:
+    t = cfg.trainer
+    return int(t.max_steps * t.accumulate_grad_batches * t.devices * cfg.data.batch_size * cfg.model.seq_len)
+
+
+@dataclass
+class Point:
+    variant: str
+    size: str
+    seed: int
+    steps: int
+    tokens: int
+    flops_per_token: float  # forward, backbone + residual
+    compute: float  # training FLOPs
+    loss: float  # final validation loss
+    run_id: str
+    trained_now: bool
+
+
+# --- training / reading runs ---------------------------------------------------------------------------
+def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tuple[list[Point], list[str]]:
+    """Every (variant, size, seed) point: read from MLflow by key, trained when missing and allowed."""
+    from .config import compose, validate
+    from .train import train
+
+    out_dir = Path(sc.out_dir) if sc.out_dir else _root() / "outputs" / "scaling" / sc.name
+    out_dir = out_dir if out_dir.is_absolute() else _root() / out_dir
+    cfgs = []
+    for size, steps in zip(sc.sizes, sc.steps):  # compose and validate everything before training anything
+        for variant in sc.variants:
+            for seed in sc.seeds:
+                cfg = compose(*base, *size_overrides(size), variant_override(variant), f"seed={seed}",
+                              f"trainer.max_steps={steps}")
+                if not cfg.mlflow.enabled:
+                    raise ValueError("mlflow.enabled=false: the scaling fit reads its runs from MLflow")
+                validate(cfg)
+                cfgs.append((variant, size, seed, steps, cfg))
+    points, missing = [], []
+    for variant, size, seed, steps, cfg in cfgs:
+        key = run_key(cfg)
+        found = client.search_runs([exp_id], filter_string=f"tags.`scaling.key` = '{key}' and "
+                                   "attributes.status = 'FINISHED'", max_results=1,
+                                   order_by=["attributes.start_time DESC"])
+        trained_now = False
+        if not found and sc.train:
+            cfg.mlflow.run_name = f"{sc.name}-{variant}-{size.split()[0]}-s{seed}"
+            label = f"{variant} @ {size} ({steps} steps), seed {seed}"
+            print(f"scaling: training {label}", flush=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            result = train(cfg, run_dir=out_dir / "runs" / f"{variant}_{size.split()[0]}_s{seed}_{stamp}",
+                           extra_tags={"platform.kind": "scaling-run", "scaling.key": key,
+                                       "scaling.size": size, "scaling.name": sc.name})
+            found = [client.get_run(result.mlflow_run_id)]
+            trained_now = True
+        if not found:
+            missing.append(f"{variant} @ {size}, seed {seed} (no FINISHED run with scaling.key {key})")
+            continue
+        run = found[0]
+        params, metrics = run.data.params, run.data.metrics
+        fwd = float(params["flops/backbone_per_token"]) + float(params["flops/residual_extra_per_token"])
+        tokens = training_tokens(cfg)
+        points.append(Point(variant, size, seed, steps, tokens, fwd, TRAINING_FLOPS_FACTOR * fwd * tokens,
+                            float(metrics.get("final/val_loss", math.nan)), run.info.run_id, trained_now))
+    return points, missing
+
+
+def machine_description() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"{os.cpu_count()}-core CPU, torch {torch.__version__}"
+
+
+def _root() -> Path:
+    from .config import REPO_ROOT
+
+    return REPO_ROOT
+
+
+# --- report -----------------------------------------------------------------------------------------------
+def analyse(points: list[Point], sc: ScalingConfig) -> dict:
+    """The fit, the multipliers at the largest compute of the reference, and their intervals."""
+    good = [p for p in points if math.isfinite(p.loss)]
+    compute = [p.compute for p in good]
+    loss = [p.loss for p in good]
+    groups = [p.variant for p in good]
+    fit = fit_power_law(compute, loss, groups, sc.reference, E=sc.E, shared_alpha=sc.shared_alpha)
+    at = max(p.compute for p in good if p.variant == sc.reference)
+    intervals = bootstrap_multipliers(compute, loss, groups, [(p.variant, p.size) for p in good], sc.reference, at,
+                                      E=sc.E, shared_alpha=sc.shared_alpha, n_boot=sc.n_boot, level=sc.level)
+    return {"fit": fit, "at": at, "intervals": intervals,
+            "multipliers": {v: fit.multiplier(v, at) for v in fit.log_A}}
+
+
+def markdown(points: list[Point], analysis: dict, sc: ScalingConfig, command: str, machine: str,
+             base: Sequence[str]) -> str:
+    from .stats import markdown_table
+
+    fit, at, ivs = analysis["fit"], analysis["at"], analysis["intervals"]
+    level = round(100 * sc.level)
+    runs = []
+    for size, steps in zip(sc.sizes, sc.steps):
+        for v in sc.variants:
+            cell = [p for p in points if p.variant == v and p.size == size]
+            if not cell:
+                runs.append([f"`{size}`", v, steps, "-", "-", "-", "missing"])
+                continue
+            losses = ", ".join(f"{p.loss:.4f}" for p in sorted(cell, key=lambda p: p.seed))
+            runs.append([f"`{size}`", v, steps, f"{cell[0].tokens:,}", f"{cell[0].flops_per_token / 1e6:.2f}",
+                         f"{cell[0].compute:.3e}", losses])
+    fits = []
+    for v in fit.log_A:
+        low, high, ok = ivs.get(v, (math.nan, math.nan, 0))
+        m = analysis["multipliers"][v]
+        shown = "1 (reference)" if v == sc.reference else f"{m:.3f} [{low:.3f}, {high:.3f}]"
+        fits.append([v, f"{math.exp(fit.log_A[v]):.4f}", f"{fit.alpha[v]:.4f}", shown,
+                     "-" if v == sc.reference else f"{ok}/{sc.n_boot}"])
+    return "\n".join([
+        f"# Scaling fit `{sc.name}`",
+        "",
+        f"- command: `{command}`",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; machine: {machine}",
+        f"- shared overrides: `{' '.join(base) or '(none)'}`; seeds {sc.seeds}",
+        "- compute = 3 x analytic forward FLOPs per token (backbone + residual) x training tokens",
+        "",
+        markdown_table(["size", "variant", "steps", "tokens", "fwd MFLOP/token", "compute (FLOPs)",
+                        "final val loss (per seed)"], runs),
+        "",
+        f"Fit: L_v(C) = E + A_v (C / C0)^-alpha_v, E = {fit.E:.4f}"
+        + (" (fixed)" if sc.E is not None else " (fitted)") + f", C0 = {fit.C0:.3e} FLOPs, "
+        + ("one exponent for all variants" if sc.shared_alpha else "one exponent per variant")
+        + f"; {fit.n} points, RMS error {math.sqrt(fit.sse / fit.n):.4f}.",
+        "",
+        markdown_table(["variant", "A_v", "alpha_v", f"compute multiplier [{level}% interval]", "bootstrap fits"],
+                       fits),
+        "",
+        f"Multiplier: the compute vanilla needs to reach the variant's fitted loss, relative to the variant's "
+        f"(> 1: the variant is better), at C = {at:.3e} FLOPs (the largest reference run)"
+        + ("; with a shared exponent it is the same at every C" if sc.shared_alpha else "") + ". "
+        f"Interval: bootstrap percentiles ({sc.n_boot} refits; seeds resampled within each size when there "
+        "are two or more per cell, else residuals around the fit). "
+        "Paper (MoE, from a scaling fit; full scale): MSAR 1.58x; mHC and AttnRes 1.30-1.35x; Block AttnRes "
+        "1.25x in the AttnRes paper.",
+        "",
+    ])
+
+
+def plot(points: list[Point], analysis: dict, out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fit = analysis["fit"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lo, hi = min(p.compute for p in points), max(p.compute for p in points)
+    grid = np.geomspace(lo / 1.5, hi * 1.5, 100)
+    for i, v in enumerate(fit.log_A):
+        color = f"C{i}"
+        mine = [p for p in points if p.variant == v]
+        ax.plot([p.compute for p in mine], [p.loss for p in mine], "o", color=color, alpha=0.8)
+        label = v if v == fit.reference else f"{v} ({analysis['multipliers'][v]:.2f}x)"
+        ax.plot(grid, fit.predict(v, grid), "-", color=color, label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("training compute (FLOPs)")
+    ax.set_ylabel("final validation loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def run_scaling(sc: ScalingConfig, base: Sequence[str], command: str) -> dict:
+    import mlflow
+
+    from . import tracking
+    from .config import compose, tracking_uri
+
+    cfg0 = compose(*base, *size_overrides(sc.sizes[0]), variant_override(sc.variants[0]))
+    uri = tracking_uri(cfg0)
+    client = mlflow.MlflowClient(uri)
+    exp_id = tracking.ensure_experiment(client, cfg0.mlflow.experiment, uri)
+    tracking.reap_orphans(client, exp_id)
+    points, missing = collect(sc, base, client, exp_id)
+    report_dir = Path(sc.report_dir) if Path(sc.report_dir).is_absolute() else _root() / sc.report_dir
+    report_dir.mkdir(parents=True, exist_ok=True)
+    analysis = analyse(points, sc)
+    text = markdown(points, analysis, sc, command, machine_description(), base)
+    if missing:
+        text += "\n## Missing\n\n" + "\n".join(f"- {m}" for m in missing) + "\n"
+    files = {"md": report_dir / f"{sc.name}.md", "png": report_dir / f"{sc.name}.png",
+             "json": report_dir / f"{sc.name}.json"}
+    files["md"].write_text(text)
+    plot(points, analysis, files["png"], f"{sc.name}: loss vs compute")
+    fit = analysis["fit"]
+    files["json"].write_text(json.dumps({
+        "config": asdict(sc), "base_overrides": list(base), "points": [asdict(p) for p in points],
+        "fit": asdict(fit), "at": analysis["at"], "multipliers": analysis["multipliers"],
+        "intervals": {k: list(v) for k, v in analysis["intervals"].items()}}, indent=2))
+    if sc.log_mlflow:
+        _log(client, exp_id, sc, base, analysis, files)
+    print(text)
+    return {"points": points, "missing": missing, "files": files, **analysis}
+
+
+def _log(client, exp_id: str, sc: ScalingConfig, base, analysis: dict, files: dict) -> str:
+    from mlflow.entities import Metric, Param
+
+    from . import tracking
+
+    run_id = client.create_run(exp_id, tags={**tracking.run_tags(), "platform.kind": "scaling"},
+                               run_name=f"scaling-{sc.name}"[:250]).info.run_id
+    fit, now = analysis["fit"], int(time.time() * 1000)
+    params = [Param("scaling/variants", ",".join(sc.variants)), Param("scaling/sizes", ",".join(sc.sizes)[:6000]),
+              Param("scaling/steps", str(sc.steps)), Param("scaling/seeds", str(sc.seeds)),
+              Param("scaling/base_overrides", " ".join(base)[:6000]), Param("scaling/shared_alpha", str(sc.shared_alpha))]
+    metrics = [Metric("fit/E", fit.E, now, 0)]
+    for v in fit.log_A:
+        low, high, _ = analysis["intervals"][v]
+        for k, value in (("alpha", fit.alpha[v]), ("A", math.exp(fit.log_A[v])),
+                         ("multiplier", analysis["multipliers"][v]), ("multiplier_low", low),
+                         ("multiplier_high", high)):
+            if math.isfinite(value):
+                metrics.append(Metric(f"{v}/{k}", float(value), now, 0))
+    client.log_batch(run_id, metrics=metrics, params=params)
+    for f in files.values():
+        client.log_artifact(run_id, str(f))
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def main(argv: Sequence[str] | None = None):
+    from .config import register_configs
+    from .run import preload_plugins
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return None
+    preload_plugins(argv)
+    register_configs()
+    try:
+        sc, base = parse_args(argv)
+        result = run_scaling(sc, base, command="python -m platform.scaling " + " ".join(argv))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+    if result["missing"]:
+        raise SystemExit(1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
