@@ -402,7 +402,7 @@ def markdown(points: list[Point], analysis: dict, sc: ScalingConfig, command: st
         "- compute = 3 x analytic forward FLOPs per token (backbone + residual) x training tokens",
         "",
         markdown_table(["size", "variant", "steps", "tokens", "fwd MFLOP/token", "compute (FLOPs)",
-                        "final val loss (per seed)"], runs),
+                        "final val loss (per seed)"], runs).rstrip(),
         "",
         f"Fit: L_v(C) = E + A_v (C / C0)^-alpha_v, E = {fit.E:.4f}"
         + (" (fixed)" if sc.E is not None else " (fitted)") + f", C0 = {fit.C0:.3e} FLOPs, "
@@ -410,7 +410,7 @@ def markdown(points: list[Point], analysis: dict, sc: ScalingConfig, command: st
         + f"; {fit.n} points, RMS error {math.sqrt(fit.sse / fit.n):.4f}.",
         "",
         markdown_table(["variant", "A_v", "alpha_v", f"compute multiplier [{level}% interval]", "bootstrap fits"],
-                       fits),
+                       fits).rstrip(),
         "",
         f"Multiplier: the compute vanilla needs to reach the variant's fitted loss, relative to the variant's "
         f"(> 1: the variant is better), at C = {at:.3e} FLOPs (the largest reference run)"
