@@ -5,7 +5,7 @@
 
 Modules: ``config`` (DataConfig, validate), ``corpus`` (sources, split), ``tokenizer``, ``packing``,
 ``store`` (on-disk format), ``pipeline`` (cache), ``datamodule``, ``export`` (shards CLI),
-``build_corpus`` (regenerates the shipped corpus).
+``build_corpus`` (regenerates the shipped corpus; ``--large`` builds the large one, ``large_corpus``).
 
 Names are imported on first use, so ``import data`` stays cheap and the command-line modules do not
 pull in Lightning or ``datasets``.

@@ -1,6 +1,6 @@
 """The large offline corpus: about 15M tokens of English for GPU runs, built from Debian packages.
 
-    python -m data.build_corpus --large        # ~2-3 minutes on two cores; see --help
+    python -m data.build_corpus --large        # 0.5-2 minutes on two cores; see --help
 
 Sources, in this fixed order (licences in ``data/corpus/LICENSES.md``):
 - ``embedded``: the shipped corpus ``data/corpus/english.jsonl.gz`` (Shakespeare's plays by scene,
@@ -259,7 +259,8 @@ def build_large(*, embedded: Path = EMBEDDED, gcide_dict: Path = GCIDE_DICT, gci
     splits = manifest["splits"]
     return {
         "documents": stats.documents, "chars": stats.chars, "duplicates_dropped": stats.duplicates,
-        "gcide_entries": stats.gcide_entries, "text_bytes": corpus_out.stat().st_size,
+        "gcide_entries": stats.gcide_entries,
+        "text_bytes": sum(len(doc["text"].encode("utf-8")) for doc in docs), "jsonl_bytes": corpus_out.stat().st_size,
         "train_tokens": splits["train"]["tokens"], "val_tokens": splits["val"]["tokens"],
         "train_documents": splits["train"]["documents"], "val_documents": splits["val"]["documents"],
         "vocab_size": manifest["vocab_size"], "shard_bytes": shard_bytes, "build_s": time.perf_counter() - start,
@@ -275,7 +276,8 @@ def epochs(train_tokens: int, steps: int, tokens_per_step: int = 16 * 1024) -> f
 def summary_lines(summary: dict) -> list[str]:
     mib = summary["shard_bytes"] / 2**20
     lines = [
-        f"corpus: {summary['corpus']} ({summary['text_bytes'] / 1e6:.1f} MB of text)",
+        f"corpus: {summary['corpus']} ({summary['text_bytes'] / 1e6:.1f} MB of UTF-8 text, "
+        f"{summary['text_bytes'] / (summary['train_tokens'] + summary['val_tokens']):.2f} bytes per token)",
         "documents per source: " + ", ".join(f"{k} {v:,}" for k, v in summary["documents"].items())
         + f" (gcide: {summary['gcide_entries']:,} entries)",
         "exact duplicates dropped: " + ", ".join(f"{k} {v:,}" for k, v in summary["duplicates_dropped"].items()),
