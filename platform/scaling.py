@@ -143,7 +143,8 @@ def bootstrap_multipliers(compute, loss, groups: Sequence[str], cells: Sequence,
     """Percentile interval of each group's multiplier at compute ``at``: ``{group: (low, high, n_ok)}``.
 
     ``cells`` labels each point's (group, size): when every cell has two or more points (seeds) they
-    are resampled within their cell; otherwise residuals are resampled around the full fit. Refits
+    are resampled within their cell; otherwise residuals (inflated for the parameters fitted) are
+    resampled around the full fit. Refits
     whose exponent is not positive (no decrease with compute) count as failures (``n_boot - n_ok``).
     """
     compute, loss = np.asarray(compute, dtype=float), np.asarray(loss, dtype=float)
@@ -155,8 +156,11 @@ def bootstrap_multipliers(compute, loss, groups: Sequence[str], cells: Sequence,
     resample_seeds = all(len(v) >= 2 for v in by_cell.values())
     full = fit_power_law(compute, loss, groups, reference, E=E, shared_alpha=shared_alpha)
     fitted = np.array([full.predict(g, c) for g, c in zip(groups, compute)])
-    residuals = loss - fitted
     names = list(dict.fromkeys(groups))
+    # Fitted residuals are smaller than the noise by the parameters the fit spent: inflate them by
+    # sqrt(n / (n - p)), p = the A's, the exponent(s) and E when it is fitted.
+    n_params = len(names) * (1 if shared_alpha else 2) + (1 if shared_alpha else 0) + (E is None)
+    residuals = (loss - fitted) * math.sqrt(len(loss) / max(len(loss) - n_params, 1))
     draws: dict[str, list[float]] = {g: [] for g in names}
     for _ in range(n_boot):
         if resample_seeds:
