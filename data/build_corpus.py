@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             summary = large.build_large(embedded=args.embedded, gcide_dict=args.gcide, pydoc=args.pydoc,
                                         corpus_out=args.out or large.CORPUS_OUT, shards_out=args.shards_out,
                                         vocab_size=args.vocab_size, cache_dir=args.cache_dir)
-        except large.SourceMissing as error:
+        except (large.SourceMissing, ValueError) as error:  # a missing package, or a bad --vocab-size
             raise SystemExit(f"error: {error}") from None
         print("\n".join(large.summary_lines(summary)))
         return

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.config import REPO_ROOT, DataConfig
+from data.config import REPO_ROOT, DataConfig, validate
 
 EMBEDDED = REPO_ROOT / "data" / "corpus" / "english.jsonl.gz"
 GCIDE_DICT = Path("/usr/share/dictd/gcide.dict.dz")
@@ -50,9 +50,9 @@ SOURCE_ORDER = ("shakespeare", "kjv", "gcide", "pydoc")
 
 # What to install when a source is missing, by the flag that points at it.
 INSTALL = {
-    "--embedded": "it is part of the repository: `git checkout data/corpus/english.jsonl.gz`",
-    "--gcide": "the Debian package dict-gcide: `apt-get install dict-gcide`",
-    "--pydoc": "the Debian package python3.11-doc: `apt-get install python3.11-doc`",
+    "--embedded": "restore it from the repository: `git checkout -- data/corpus/english.jsonl.gz`",
+    "--gcide": "install the Debian package dict-gcide: `apt-get install dict-gcide`",
+    "--pydoc": "install the Debian package python3.11-doc: `apt-get install python3.11-doc`",
 }
 
 
@@ -62,7 +62,7 @@ class SourceMissing(FileNotFoundError):
 
 def require(path: Path, flag: str, what: str) -> Path:
     if not path.exists():
-        raise SourceMissing(f"{what} not found at {path}: install {INSTALL[flag]} (or pass {flag} <path>)")
+        raise SourceMissing(f"{what} not found at {path}: {INSTALL[flag]} (or pass {flag} <path>)")
     return path
 
 
@@ -162,7 +162,7 @@ def pydoc_pages(root: Path) -> Iterator[tuple[str, str]]:
     """``(title, text)`` per ``*.rst.txt`` page under ``root``, sorted by path; title = the page's path."""
     pages = sorted(root.rglob("*.rst.txt"))
     if not pages:
-        raise SourceMissing(f"no *.rst.txt pages under {root}: install {INSTALL['--pydoc']} (or pass --pydoc <path>)")
+        raise SourceMissing(f"no *.rst.txt pages under {root}: {INSTALL['--pydoc']} (or pass --pydoc <path>)")
     for page in pages:
         text = page.read_text(encoding="utf-8", errors="replace").strip()
         if text:
@@ -248,11 +248,12 @@ def build_large(*, embedded: Path = EMBEDDED, gcide_dict: Path = GCIDE_DICT, gci
     from data.export import export_shards
 
     start = time.perf_counter()
+    # Settings are checked before any reading, so a bad vocabulary fails in milliseconds.
+    cfg = validate(DataConfig(source="files", path=str(corpus_out), vocab_size=vocab_size,
+                              val_fraction=val_fraction, cache_dir=cache_dir))
     gcide_index = gcide_index or gcide_dict.with_name(gcide_dict.name.split(".")[0] + ".index")
     docs, stats = collect_documents(embedded, gcide_dict, gcide_index, pydoc, gcide_doc_chars)
     write_jsonl(docs, corpus_out)
-    cfg = DataConfig(source="files", path=str(corpus_out), vocab_size=vocab_size, val_fraction=val_fraction,
-                     cache_dir=cache_dir)
     manifest = export_shards(cfg, shards_out)
     shutil.copyfile(LICENSES, shards_out / LICENSES.name)
     shard_bytes = sum(p.stat().st_size for p in shards_out.iterdir() if p.is_file())

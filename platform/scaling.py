@@ -432,6 +432,7 @@ def plot(points: list[Point], analysis: dict, out: Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fit = analysis["fit"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -444,6 +445,7 @@ def plot(points: list[Point], analysis: dict, out: Path, title: str) -> Path:
         label = v if v == fit.reference else f"{v} ({analysis['multipliers'][v]:.2f}x)"
         ax.plot(grid, fit.predict(v, grid), "-", color=color, label=label)
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())  # decades only: no overlapping labels
     ax.set_xlabel("training compute (FLOPs)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title(title)

@@ -155,3 +155,12 @@ def test_a_missing_source_names_the_package_to_install(sources, tmp_path: Path, 
 
 def test_epochs():
     assert large.epochs(16 * 1024 * 100, steps=300) == pytest.approx(3.0)
+
+
+def test_bad_vocabulary_is_one_line_error(sources, tmp_path: Path):
+    with pytest.raises(SystemExit, match=r"error: data.vocab_size=100 is too small"):
+        build_corpus.main(["--large", "--embedded", str(sources["embedded"]), "--gcide", str(sources["gcide"]),
+                           "--pydoc", str(sources["pydoc"]), "--out", str(tmp_path / "x.jsonl"),
+                           "--shards-out", str(tmp_path / "s"), "--vocab-size", "100",
+                           "--cache-dir", str(tmp_path / "cache")])
+    assert not (tmp_path / "x.jsonl").exists()
