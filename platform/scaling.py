@@ -294,6 +294,7 @@ class Point:
     flops_per_token: float  # forward, backbone + residual
     compute: float  # training FLOPs
     loss: float  # final validation loss
+    wall_s: float  # training wall-clock of the run
     run_id: str
     trained_now: bool
 
@@ -328,9 +329,13 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tupl
             label = f"{variant} @ {size} ({steps} steps), seed {seed}"
             print(f"scaling: training {label}", flush=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            result = train(cfg, run_dir=out_dir / "runs" / f"{variant}_{size.split()[0]}_s{seed}_{stamp}",
-                           extra_tags={"platform.kind": "scaling-run", "scaling.key": key,
-                                       "scaling.size": size, "scaling.name": sc.name})
+            try:
+                result = train(cfg, run_dir=out_dir / "runs" / f"{variant}_{size.split()[0]}_s{seed}_{stamp}",
+                               extra_tags={"platform.kind": "scaling-run", "scaling.key": key,
+                                           "scaling.size": size, "scaling.name": sc.name})
+            except Exception as e:  # one failed run (NaN, out of memory) costs its point, not the study
+                missing.append(f"{variant} @ {size}, seed {seed}: failed ({type(e).__name__}: {str(e)[:200]})")
+                continue
             found = [client.get_run(result.mlflow_run_id)]
             trained_now = True
         if not found:
@@ -341,7 +346,8 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tupl
         fwd = float(params["flops/backbone_per_token"]) + float(params["flops/residual_extra_per_token"])
         tokens = training_tokens(cfg)
         points.append(Point(variant, size, seed, steps, tokens, fwd, TRAINING_FLOPS_FACTOR * fwd * tokens,
-                            float(metrics.get("final/val_loss", math.nan)), run.info.run_id, trained_now))
+                            float(metrics.get("final/val_loss", math.nan)), float(metrics.get("final/wall_s", math.nan)),
+                            run.info.run_id, trained_now))
     return points, missing
 
 
@@ -385,11 +391,12 @@ def markdown(points: list[Point], analysis: dict, sc: ScalingConfig, command: st
         for v in sc.variants:
             cell = [p for p in points if p.variant == v and p.size == size]
             if not cell:
-                runs.append([f"`{size}`", v, steps, "-", "-", "-", "missing"])
+                runs.append([f"`{size}`", v, steps, "-", "-", "-", "missing", "-"])
                 continue
             losses = ", ".join(f"{p.loss:.4f}" for p in sorted(cell, key=lambda p: p.seed))
+            walls = ", ".join(f"{p.wall_s:.0f}" for p in sorted(cell, key=lambda p: p.seed))
             runs.append([f"`{size}`", v, steps, f"{cell[0].tokens:,}", f"{cell[0].flops_per_token / 1e6:.2f}",
-                         f"{cell[0].compute:.3e}", losses])
+                         f"{cell[0].compute:.3e}", losses, walls])
     fits = []
     for v in fit.log_A:
         low, high, ok = ivs.get(v, (math.nan, math.nan, 0))
@@ -404,9 +411,10 @@ def markdown(points: list[Point], analysis: dict, sc: ScalingConfig, command: st
         f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; machine: {machine}",
         f"- shared overrides: `{' '.join(base) or '(none)'}`; seeds {sc.seeds}",
         "- compute = 3 x analytic forward FLOPs per token (backbone + residual) x training tokens",
+        f"- training wall-clock of these runs: {sum(p.wall_s for p in points if math.isfinite(p.wall_s)):.0f} s in all",
         "",
         markdown_table(["size", "variant", "steps", "tokens", "fwd MFLOP/token", "compute (FLOPs)",
-                        "final val loss (per seed)"], runs).rstrip(),
+                        "final val loss (per seed)", "wall (s, per seed)"], runs).rstrip(),
         "",
         f"Fit: L_v(C) = E + A_v (C / C0)^-alpha_v, E = {fit.E:.4f}"
         + (" (fixed)" if sc.E is not None else " (fitted)") + f", C0 = {fit.C0:.3e} FLOPs, "

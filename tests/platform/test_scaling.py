@@ -147,3 +147,22 @@ def test_smoke_trains_three_sizes_then_reads_them_back(tmp_path):
     again = scaling.run_scaling(sc, base, command="test")
     assert [(p.run_id, p.loss, p.compute) for p in again["points"]] == [(p.run_id, p.loss, p.compute) for p in points]
     assert not any(p.trained_now for p in again["points"])
+
+
+def test_a_failed_run_is_reported_and_the_rest_go_on(tmp_path, monkeypatch):
+    import mlflow
+
+    import platform.train
+
+    def boom(cfg, **kwargs):
+        raise FloatingPointError(f"val/loss is nan ({cfg.model.d_model})")
+
+    monkeypatch.setattr(platform.train, "train", boom)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+    exp_id = client.create_experiment("residuals")
+    sc = scaling.ScalingConfig(variants=["vanilla"], sizes=["tiny model.d_model=16", "tiny"], steps=[2, 2],
+                               out_dir=str(tmp_path / "runs"))
+    points, missing = scaling.collect(sc, [*FAST, f"mlflow.tracking_uri={uri}"], client, exp_id)
+    assert points == [] and len(missing) == 2
+    assert "vanilla @ tiny, seed 0: failed (FloatingPointError: val/loss is nan (64))" in missing[1]
