@@ -346,8 +346,8 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tupl
         fwd = float(params["flops/backbone_per_token"]) + float(params["flops/residual_extra_per_token"])
         tokens = training_tokens(cfg)
         points.append(Point(variant, size, seed, steps, tokens, fwd, TRAINING_FLOPS_FACTOR * fwd * tokens,
-                            float(metrics.get("final/val_loss", math.nan)), float(metrics.get("final/wall_s", math.nan)),
-                            run.info.run_id, trained_now))
+                            float(metrics.get("final/val_loss", math.nan)),
+                            float(metrics.get("final/wall_s", math.nan)), run.info.run_id, trained_now))
     return points, missing
 
 
@@ -508,7 +508,8 @@ def _log(client, exp_id: str, sc: ScalingConfig, base, analysis: dict, files: di
     fit, now = analysis["fit"], int(time.time() * 1000)
     params = [Param("scaling/variants", ",".join(sc.variants)), Param("scaling/sizes", ",".join(sc.sizes)[:6000]),
               Param("scaling/steps", str(sc.steps)), Param("scaling/seeds", str(sc.seeds)),
-              Param("scaling/base_overrides", " ".join(base)[:6000]), Param("scaling/shared_alpha", str(sc.shared_alpha))]
+              Param("scaling/base_overrides", " ".join(base)[:6000]),
+              Param("scaling/shared_alpha", str(sc.shared_alpha))]
     metrics = [Metric("fit/E", fit.E, now, 0)]
     for v in fit.log_A:
         low, high, _ = analysis["intervals"][v]
