@@ -86,20 +86,20 @@ def dictd_number(text: str) -> int:
 def dictd_spans(index_text: str) -> list[tuple[int, int]]:
     """The distinct ``(offset, length)`` byte spans of a dictd index, in file order.
 
-    Several headwords point at the same span (an entry with variant spellings); the database's own
-    ``00-database-*`` entries (its name, URL and licence header) are left out.
+    Several headwords point at the same span (an entry with variant spellings). The database's own
+    entries (its name, URL and licence header, under ``00-database-*`` and aliases such as
+    ``00-gcide-*``) are left out, whatever other headword points at them.
     """
-    spans = set()
+    spans, metadata = set(), set()
     for number, line in enumerate(index_text.splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split("\t")
         if len(parts) < 3:
             raise ValueError(f"line {number} of the dictd index is not `headword<TAB>offset<TAB>length`: {line!r}")
-        if parts[0].startswith("00-database") or parts[0].startswith("00database"):
-            continue
-        spans.add((dictd_number(parts[1]), dictd_number(parts[2])))
-    return sorted(spans)
+        span = (dictd_number(parts[1]), dictd_number(parts[2]))
+        (metadata if parts[0].startswith(("00-", "00database")) else spans).add(span)
+    return sorted(spans - metadata)
 
 
 def clean_gcide_entry(raw: str) -> str:

@@ -19,7 +19,7 @@ B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
 # Three entries as dictd stores them (the same wrapping, tags and markup as gcide.dict.dz), one of
 # them twice under two headwords, one of them an exact duplicate at another offset, and the
-# database's own header entry.
+# database's own header entry under its name and two aliases (as in Debian's gcide.index).
 HEADER = "00-database-short\n   The Collaborative International Dictionary of English v.0.48\n\n"
 ABDICATION = ("Abdication \\Ab`di*ca\"tion\\, n. [L. abdicatio: cf. F.\n   abdication.]\n"
               "   The act of abdicating; the renunciation of a high office,\n   dignity, or trust.\n"
@@ -62,7 +62,7 @@ def sources(tmp_path: Path) -> dict[str, Path]:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     dictd = tmp_path / "dictd"
     dictd.mkdir()
-    entries = [(["00-database-short"], HEADER), (["Abdication"], ABDICATION),
+    entries = [(["00-database-short", "00-gcide-short", "00-web1913-info"], HEADER), (["Abdication"], ABDICATION),
                (["Abdomen", "Abdomens"], ABDOMEN), (["Abditive"], ABDITIVE), (["Abditive2"], ABDITIVE)]
     gcide = write_dictd(dictd, entries)
     pydoc = tmp_path / "_sources"
@@ -85,7 +85,7 @@ def test_dictd_numbers_decode_like_the_real_index():
 def test_spans_skip_the_header_and_merge_variant_headwords(sources):
     index = (sources["gcide"].parent / "gcide.index").read_text()
     spans = large.dictd_spans(index)
-    assert len(spans) == 4  # 6 index lines: the header dropped, Abdomen/Abdomens one span
+    assert len(spans) == 4  # 8 index lines: the header and its aliases dropped, Abdomen/Abdomens one span
     assert spans == sorted(spans) and spans[0][0] == len(HEADER.encode())
     with pytest.raises(ValueError, match="line 1 of the dictd index"):
         large.dictd_spans("Abdomen 12 4\n")
