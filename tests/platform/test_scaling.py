@@ -166,3 +166,19 @@ def test_a_failed_run_is_reported_and_the_rest_go_on(tmp_path, monkeypatch):
     points, missing = scaling.collect(sc, [*FAST, f"mlflow.tracking_uri={uri}"], client, exp_id)
     assert points == [] and len(missing) == 2
     assert "vanilla @ tiny, seed 0: failed (FloatingPointError: val/loss is nan (64))" in missing[1]
+
+
+def test_default_sizes_compose_for_every_variant_and_span_over_10x_in_compute():
+    from platform.accounting import backbone_flops_per_token
+    from platform.config import validate
+
+    sc = scaling.ScalingConfig()
+    scaling.check(sc)
+    compute = []
+    for size, steps in zip(sc.sizes, sc.steps):
+        for variant in sc.variants:
+            cfg = make_cfg(*scaling.size_overrides(size), scaling.variant_override(variant), "data=large",
+                           "trainer=gpu", f"trainer.max_steps={steps}")
+            validate(cfg)  # e.g. block_size 4 must divide every size's sublayer count
+        compute.append(3 * backbone_flops_per_token(cfg.model, cfg.data.vocab_size) * scaling.training_tokens(cfg))
+    assert compute == sorted(compute) and compute[-1] / compute[0] > 10
