@@ -4,7 +4,8 @@
     python -m platform.scaling scaling.train=false                  # only fit what MLflow holds
 
 Each variant is trained at every size (`scaling.sizes`: model presets, optionally followed by
-overrides, e.g. "tiny model.d_model=32"; `scaling.steps`: trainer.max_steps per size) and seed,
+overrides, quoted on the command line: `scaling.sizes=[tiny,'tiny model.d_model=32']`;
+`scaling.steps`: trainer.max_steps per size) and seed,
 in this process through `platform.train.train` (configs from Hydra's Compose API, as sweeps do).
 A run already FINISHED in MLflow with the same config (tag `scaling.key`: a hash of the model,
 data, trainer and residual config and the seed, without knobs that do not change the numbers) is
@@ -535,11 +536,13 @@ def main(argv: Sequence[str] | None = None):
         return None
     preload_plugins(argv)
     register_configs()
+    from hydra.errors import OverrideParseException
+
     try:
         sc, base = parse_args(argv)
         result = run_scaling(sc, base, command="python -m platform.scaling " + " ".join(argv))
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from e
+    except (ValueError, OverrideParseException) as e:
+        raise SystemExit(f"error: {e}") from None
     if result["missing"]:
         raise SystemExit(1)
     return result

@@ -182,3 +182,10 @@ def test_default_sizes_compose_for_every_variant_and_span_over_10x_in_compute():
             validate(cfg)  # e.g. block_size 4 must divide every size's sublayer count
         compute.append(3 * backbone_flops_per_token(cfg.model, cfg.data.vocab_size) * scaling.training_tokens(cfg))
     assert compute == sorted(compute) and compute[-1] / compute[0] > 10
+
+
+def test_command_line_errors_are_one_line():
+    with pytest.raises(SystemExit, match=r"^error: .*no viable alternative"):
+        scaling.main(["scaling.sizes=[tiny model.d_model=16]"])  # unquoted spaces: Hydra's grammar refuses
+    with pytest.raises(SystemExit, match=r"^error: scaling.n_boot=-1 must be >= 0"):
+        scaling.main(["scaling.n_boot=-1"])
