@@ -72,9 +72,14 @@ class PowerLawFit:
         return self.E + np.exp(self.log_A[group] - self.alpha[group] * x)
 
     def multiplier(self, group: str, compute: float) -> float:
-        """C'/C with L_reference(C') = L_group(C): the compute vanilla needs, relative to the variant's."""
+        """C'/C with L_reference(C') = L_group(C): the compute vanilla needs, relative to the variant's.
+
+        NaN when the reference's fitted loss does not fall with compute (alpha <= 0): no such C'.
+        """
         gap = float(self.predict(group, compute)) - self.E
         ref = self.reference
+        if self.alpha[ref] <= 0:
+            return math.nan
         log_c = math.log(self.C0) + (self.log_A[ref] - math.log(gap)) / self.alpha[ref]
         return math.exp(log_c - math.log(compute))
 

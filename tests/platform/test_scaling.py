@@ -189,3 +189,11 @@ def test_command_line_errors_are_one_line():
         scaling.main(["scaling.sizes=[tiny model.d_model=16]"])  # unquoted spaces: Hydra's grammar refuses
     with pytest.raises(SystemExit, match=r"^error: scaling.n_boot=-1 must be >= 0"):
         scaling.main(["scaling.n_boot=-1"])
+
+
+def test_no_multiplier_when_the_reference_does_not_improve_with_compute():
+    compute = np.concatenate([C, C])
+    loss = np.concatenate([law(C, alpha=-0.05), law(C, 1.5)])  # vanilla's loss rises with compute
+    fit = scaling.fit_power_law(compute, loss, ["vanilla"] * 4 + ["msar_block"] * 4, "vanilla", E=E_TRUE,
+                                shared_alpha=False)
+    assert fit.alpha["vanilla"] < 0 and math.isnan(fit.multiplier("msar_block", C[-1]))
