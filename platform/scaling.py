@@ -483,6 +483,9 @@ def run_scaling(sc: ScalingConfig, base: Sequence[str], command: str) -> dict:
     exp_id = tracking.ensure_experiment(client, cfg0.mlflow.experiment, uri)
     tracking.reap_orphans(client, exp_id)
     points, missing = collect(sc, base, client, exp_id)
+    if not any(math.isfinite(p.loss) for p in points):
+        raise ValueError(f"no finished runs to fit: {len(missing)} missing, e.g. {missing[0] if missing else '-'}"
+                         + ("; run with scaling.train=true to train them" if not sc.train else ""))
     report_dir = Path(sc.report_dir) if Path(sc.report_dir).is_absolute() else _root() / sc.report_dir
     report_dir.mkdir(parents=True, exist_ok=True)
     analysis = analyse(points, sc)
