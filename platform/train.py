@@ -166,9 +166,6 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
         limit_val_batches=t.val_batches, log_every_n_steps=t.log_every, num_sanity_val_steps=0,
         logger=logger if logger is not None else False, callbacks=cbs, default_root_dir=run_dir,
         enable_progress_bar=t.progress_bar, enable_model_summary=False, benchmark=False)
-    if t.compile:
-        module.model = torch.compile(module.model)
-
     start = time.perf_counter()
     status = "FINISHED"
     try:
