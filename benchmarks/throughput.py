@@ -56,9 +56,11 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
     from platform.moe import update_biases
 
-    if compile_mode == "on":
+    if compile_mode == "on":  # what trainer.compile=true does
         model.compile_sublayers()
     forward = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    if compile_mode == "model":  # the whole backbone, residual included, as one graph
+        forward = torch.compile(forward)
     model.train()
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
@@ -148,8 +150,8 @@ def main(argv=None) -> str:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--compile", nargs="+", default=["on"], choices=["off", "on"],
-                   help="torch.compile each attention / MLP sublayer (trainer.compile)")
+    p.add_argument("--compile", nargs="+", default=["on"], choices=["off", "on", "model"],
+                   help="on: torch.compile each attention / MLP sublayer (trainer.compile); model: the whole backbone")
     p.add_argument("--recompute", nargs="+", default=[None], help="model.recompute values (default: the model's)")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.checkpoint_reads=false")

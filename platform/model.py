@@ -89,11 +89,15 @@ _compiled_flex = None
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
-    """FlexAttention: compiled on CUDA (fused kernel), eager elsewhere (unfused reference math)."""
+    """FlexAttention: a fused kernel on CUDA (compiled), the unfused reference math elsewhere.
+
+    Inside a compiled region (trainer.compile) the enclosing compile generates the fused kernel;
+    called eagerly on CUDA it goes through its own compiled wrapper, built on first use.
+    """
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -181,6 +185,9 @@ class Backbone(nn.Module):
             raise ValueError(f"model.recompute={cfg.recompute!r} is not valid; choose one of: {', '.join(RECOMPUTE)}")
         attention_backend(cfg.attention, torch.device("cpu"))  # a bad name fails here, before any compute
         self.cfg = cfg
+        # Plain values read on every forward (a config node is opaque to torch.compile's tracer).
+        self.attention, self.recompute, self.doc_mask = str(cfg.attention), str(cfg.recompute), bool(cfg.doc_mask)
+        self.checkpoint_reads = bool(cfg.checkpoint_reads)
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.sublayers = nn.ModuleList()
         for b in range(cfg.n_blocks):
@@ -210,16 +217,16 @@ class Backbone(nn.Module):
 
     def _recomputed(self, sublayer: nn.Module) -> bool:
         kind = "attention" if isinstance(sublayer, Attention) else "mlp"
-        return self.cfg.recompute in (kind, "full")
+        return self.recompute in (kind, "full")
 
     def forward(self, tokens: Tensor, doc_ids: Tensor, record: bool = False) -> Tensor:
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
         ctx = Context(doc_ids=doc_ids, record=record)
-        mask = build_attention_mask(doc_ids, attention_backend(self.cfg.attention, doc_ids.device), self.cfg.doc_mask)
+        mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask)
         state = self.residual.begin(self.embed(tokens), ctx)  # embedding v_0: (B, T, d)
         grad = self.training and torch.is_grad_enabled()
         for layer, sublayer in enumerate(self.sublayers):
-            if grad and self.cfg.checkpoint_reads:  # keep only the read's inputs; redo it in backward
+            if grad and self.checkpoint_reads:  # keep only the read's inputs; redo it in backward
                 h = checkpoint(self.residual.read, state, layer, use_reentrant=False)
             else:
                 h = self.residual.read(state, layer)  # h_l: (B, T, d)

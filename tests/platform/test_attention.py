@@ -165,3 +165,18 @@ def test_compiled_sublayers_equal_eager_on_gpu():
         logits.float().backward(upstream)
     for (n, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
         assert (p.grad - q.grad).norm() / p.grad.norm().clamp_min(1e-12) < 5e-2, n
+
+
+@pytest.mark.parametrize("name", ["vanilla", "msar_block"])
+def test_whole_backbone_traces_without_graph_breaks(name):
+    """No config lookups or host syncs on the forward path: one graph (residual's torch backend, CPU)."""
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    model = build_backbone(name, vocab=97, checkpoint_reads=True, recompute="mlp").train()
+    tokens, docs = packed_batch(2, 32, 97)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # grouped_mm's compiled form wants bf16 operands
+        explained = dynamo.explain(model)(tokens, docs)
+    dynamo.reset()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
