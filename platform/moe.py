@@ -94,8 +94,10 @@ class MoE(nn.Module):
         offsets = ends.to(torch.int32)
         xs = x[token]  # (N*k, d)
         h = F.silu(grouped_matmul(xs, self.w1, offsets, self.impl)) * grouped_matmul(xs, self.w3, offsets, self.impl)
+        # The gate scales the expert's hidden activation, not its output: the same product (w2 is
+        # linear), but the gate's gradient needs h (N*k, hidden) instead of the output (N*k, d).
+        h = h * gates.flatten()[order].unsqueeze(-1).to(h.dtype)  # (N*k, hidden)
         y = grouped_matmul(h, self.w2, offsets, self.impl)  # (N*k, d)
-        y = y * gates.flatten()[order].unsqueeze(-1).to(y.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
         if self.shared is not None:
             out = out + self.shared(x)
