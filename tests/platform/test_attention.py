@@ -151,20 +151,27 @@ def test_compiled_flex_equals_sdpa_on_gpu(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_sublayers_equal_eager_on_gpu():
+    """Compiled sublayers in bf16 are as close to the fp32 eager model as eager bf16 is (routing flips aside)."""
     torch.manual_seed(0)
-    eager = build_backbone("vanilla", vocab=512, seq_len=256).cuda().train()
-    compiled = build_backbone("vanilla", vocab=512, seq_len=256).cuda().train()
-    compiled.load_state_dict(eager.state_dict())
-    compiled.compile_sublayers()
+    model = build_backbone("vanilla", vocab=512, seq_len=256).cuda().train()
     tokens, docs = packed_batch(4, 256, 512, n_docs=3)
     tokens, docs = tokens.cuda(), docs.cuda()
     upstream = torch.randn(4, 256, 512, device="cuda")
-    for model in (eager, compiled):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+
+    def grads(bf16: bool) -> dict:
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             logits = model(tokens, docs)
         logits.float().backward(upstream)
-    for (n, p), (_, q) in zip(eager.named_parameters(), compiled.named_parameters()):
-        assert (p.grad - q.grad).norm() / p.grad.norm().clamp_min(1e-12) < 5e-2, n
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    exact, eager = grads(False), grads(True)
+    model.compile_sublayers()
+    compiled = grads(True)
+    for n, g in exact.items():
+        err_eager = (eager[n] - g).norm() / g.norm().clamp_min(1e-12)
+        err_compiled = (compiled[n] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err_compiled <= 2 * err_eager + 2e-2, (n, float(err_compiled), float(err_eager))
 
 
 @pytest.mark.parametrize("name", ["vanilla", "msar_block"])
