@@ -176,7 +176,8 @@ def main(argv=None) -> str:
                "TFLOP/s", "MFU (measured bf16)", "MFU (datasheet)", "peak GiB"]
     if a.ddp:
         columns.append(f"scaling x{a.ddp}")
-    table = Table(f"Training-step throughput ({', '.join(a.models)}; batch {a.batch} per GPU, vocab {a.vocab})", columns,
+    title = f"Training-step throughput ({', '.join(a.models)}; batch {a.batch} per GPU, vocab {a.vocab})"
+    table = Table(title, columns,
                   notes=[f"bf16 matmul measured here: {measured / 1e12:.0f} TFLOP/s; datasheet dense bf16: "
                          f"{datasheet / 1e12:.0f} TFLOP/s" if measured and datasheet else "CPU: no MFU",
                          "model FLOPs = 3 x analytic forward FLOPs (platform.accounting; attention at full causal "

@@ -47,7 +47,7 @@ class ModelConfig:
     moe_impl: str = "grouped_mm"  # "grouped_mm" (one grouped GEMM per projection) | "sliced" (reference)
     doc_mask: bool = True  # attention never crosses a document boundary in packed windows
     checkpoint_reads: bool = False  # recompute the residual's read in backward (saves the memory of views)
-    attention: str = "auto"  # "flex" (block-masked FlexAttention) | "sdpa" (dense-mask reference) | "auto" (flex on CUDA)
+    attention: str = "auto"  # "flex" (FlexAttention, block mask) | "sdpa" (dense-mask reference) | "auto" (flex on CUDA)
     recompute: str = "none"  # sublayers re-run in backward: "none" | "attention" | "mlp" | "full"
 
 
@@ -57,6 +57,7 @@ class TrainerConfig:
 
     accelerator: str = "cpu"  # "cpu" | "gpu" | "auto"
     devices: int = 1
+    num_nodes: int = 1  # hosts of `devices` GPUs each (torchrun or SLURM starts one process per GPU)
     precision: str = "32-true"  # "32-true" | "bf16-mixed" | "16-mixed"
     max_steps: int = 300
     lr: float = 3e-3  # peak learning rate

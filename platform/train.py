@@ -160,7 +160,8 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
         cbs.append(RichProgressBar())
     t = cfg.trainer
     trainer = L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, precision=t.precision, max_steps=t.max_steps,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, precision=t.precision,
+        max_steps=t.max_steps,
         gradient_clip_val=t.grad_clip, accumulate_grad_batches=t.accumulate_grad_batches,
         val_check_interval=t.val_every * t.accumulate_grad_batches, check_val_every_n_epoch=None,
         limit_val_batches=t.val_batches, log_every_n_steps=t.log_every, num_sanity_val_steps=0,

@@ -4,8 +4,9 @@ Each rank holds the same seeded LMModule, wrapped in DistributedDataParallel as 
 (honouring the module's list of buffers DDP must leave alone), takes its half of every batch, and
 runs the update of `LMModule.optimizer_step`: an optimizer step (SGD here: linear in the gradient,
 whereas AdamW's normalisation blows rounding noise in near-zero gradients up to a full step), then
-the routing-bias update from the load all-reduced over ranks. The losses (mean over ranks), the gradients, the routing biases and
-the weights must match one process on the whole batch, step after step.
+the routing-bias update from the load all-reduced over ranks. The losses (mean over ranks), the
+gradients, the routing biases and the weights must match one process on the whole batch, step
+after step.
 """
 
 import os

@@ -46,7 +46,8 @@ def test_mfu_and_lr_are_logged_from_the_analytic_flops(monkeypatch):
     from platform.config import residual_config
 
     module = LMModule(cfg.model, cfg.trainer, residual_config(cfg), vocab_size=VOCAB)
-    per_token = 3 * (accounting.backbone_flops_per_token(cfg.model, VOCAB) + module.model.residual.extra_flops_per_token())
+    forward = accounting.backbone_flops_per_token(cfg.model, VOCAB) + module.model.residual.extra_flops_per_token()
+    per_token = 3 * forward
     assert module.train_flops_per_token == pytest.approx(per_token)
     rec = Recorder()
     trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=rec, log_every_n_steps=2, enable_progress_bar=False,
