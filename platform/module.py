@@ -159,12 +159,13 @@ class LMModule(L.LightningModule):
                     self.log(f"moe/layer{i}/{k}", v)
 
     def validation_step(self, batch, batch_idx):
+        self.flops_per_batch = self.train_flops_per_token / 3 * batch["tokens"][:, 1:].numel()  # forward only
         loss, logits, target = self._loss(batch)
         self.val_ppl.update(logits.float(), target)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self):
-        self.log("val/ppl", self.val_ppl.compute())
+        self.log("val/ppl", self.val_ppl.compute(), sync_dist=True)  # torchmetrics already reduced it over ranks
         self.val_ppl.reset()
         self.last_val_step = self.global_step
 

@@ -130,7 +130,9 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
     module = LMModule(cfg.model, cfg.trainer, residual_config(cfg), vocab_size=dm.vocab_size)
 
     logger = None
-    if cfg.mlflow.enabled:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if cfg.mlflow.enabled and rank_zero_only.rank == 0:  # other DDP ranks (started by Lightning) log nothing
         import mlflow
 
         uri = tracking_uri(cfg)
