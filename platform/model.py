@@ -211,9 +211,13 @@ class Backbone(nn.Module):
         return [(i, s.mlp) for i, s in enumerate(self.sublayers) if isinstance(getattr(s, "mlp", None), MoE)]
 
     def compile_sublayers(self, **options) -> None:
-        """torch.compile every attention and MLP sublayer in place (parameter names do not change)."""
+        """torch.compile every attention and MLP sublayer in place (parameter names do not change).
+
+        Static shapes by default: one specialised graph per (sublayer kind, shape, train/eval), shared
+        by all layers of a kind, instead of a dynamic-shape recompile when a second shape appears.
+        """
         for sub in self.sublayers:
-            sub.compile(**options)
+            sub.compile(**{"dynamic": False, **options})
 
     def _recomputed(self, sublayer: nn.Module) -> bool:
         kind = "attention" if isinstance(sublayer, Attention) else "mlp"
