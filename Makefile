@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-all clean
+.PHONY: setup run test test-all clean gpu-bundle
 
 $(STAMP): pyproject.toml constraints/cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ run: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(ARGS)
+
+# An offline GPU host in one command: wheels it lacks (.whl/) and pre-tokenized shards (.shards/),
+# both git-ignored; then there: `bash benchmarks/gpu_check.sh` (docs/gpu.md).
+gpu-bundle: setup
+	$(BIN)/python -m benchmarks.gpu_bundle
 
 clean:
 	rm -rf $(VENV)

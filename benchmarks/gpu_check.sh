@@ -1,46 +1,105 @@
 #!/usr/bin/env bash
 # Check and time everything that needs a GPU, in one go, on a CUDA host without internet access.
 #   bash benchmarks/gpu_check.sh [OUTDIR]
-# Missing Python packages may be carried as wheels in .whl/ (see the README, "GPU").
-# Writes logs and tables to OUTDIR (default benchmarks/results/gpu) and copies the tables to
-# benchmarks/results/.
+# Prepare the host here first with `make gpu-bundle`: wheels the host lacks in .whl/ (installed with
+# --no-index into /tmp/site, put on PYTHONPATH) and pre-tokenized shards in .shards/english.
+# Every stage logs to OUTDIR/<stage>.txt (default OUTDIR: benchmarks/results/gpu); a failing stage
+# does not stop the later ones; a summary (stage, exit code, seconds) ends the output and
+# OUTDIR/summary.txt. The exit code is the number of failed stages.
+# Knobs (environment):
+#   STAGES     stages to run, in order (default: all of
+#              "setup doctor gpu_tests kernel_tests train ddp report throughput")
+#   STEPS      training steps of the short runs (default 100)
+#   MODELS     model sizes of the throughput table (default "small medium")
+#   RESIDUALS  residuals of the throughput table (default "vanilla attnres_block msar_block mhc msar")
+#   ARCHIVE    also pack OUTDIR into this .tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:-benchmarks/results/gpu}
 mkdir -p "$OUTDIR"
+: > "$OUTDIR/summary.txt"
+touch "$OUTDIR/.started"
+STAGES=${STAGES:-setup doctor gpu_tests kernel_tests train ddp report throughput}
+STEPS=${STEPS:-100}
+MODELS=${MODELS:-small medium}
+RESIDUALS=${RESIDUALS:-vanilla attnres_block msar_block mhc msar}
 export MLFLOW_DISABLE_TELEMETRY=true HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# NVLink multicast stays off (hosts with partitioned or virtualised GPUs lack it; NCCL fails at init).
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1} \
+  NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-STEPS=${STEPS:-300}
-run() { echo "### $*" | tee -a "$OUTDIR/summary.txt"; "$@" 2>&1 | tee "$OUTDIR/$LOG" | tail -n 25; }
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+FAILED=0
 
-LOG=doctor.txt run python3 -m platform.doctor
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/nvidia_smi.txt"
-if [ "${TESTS:-1}" = 1 ]; then
-  LOG=gpu_tests.txt run python3 -m pytest -q -p no:cacheprovider -m gpu tests
-  LOG=kernel_tests.txt run python3 -m pytest -q -p no:cacheprovider tests/kernels
+# stage NAME CMD...: run CMD, its output to OUTDIR/NAME.txt (last lines to the terminal), record the result.
+stage() {
+  local name=$1; shift
+  case " $STAGES " in *" ${name%%.*} "*) ;; *) return 0 ;; esac
+  echo "### $name: $*"
+  local t0=$SECONDS
+  { echo "# \`$*\` ($(date -u +%FT%TZ))"; "$@"; } > "$OUTDIR/$name.txt" 2>&1
+  local rc=$?
+  tail -n 25 "$OUTDIR/$name.txt"
+  printf '%-28s rc=%-3s %5ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$OUTDIR/summary.txt"
+  [ "$rc" = 0 ] || FAILED=$((FAILED + 1))
+  return 0
+}
+
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && python3 -m pip check
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then stage setup install_wheels; fi
+# The shards of `make gpu-bundle`, else exported here (needs `datasets`/`tokenizers` from the wheels).
+SHARDS=.shards/english
+if [ ! -f "$SHARDS/manifest.json" ]; then
+  SHARDS=/tmp/shards
+  stage setup.export python3 -m data.export --out "$SHARDS"
 fi
-# Export pre-tokenized shards and train from them, as a machine without a package registry would.
-LOG=export.txt run python3 -m data.export --out /tmp/shards
+stage doctor python3 -m platform.doctor
+stage doctor.nvidia_smi nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+stage gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+stage kernel_tests python3 -m pytest -q -p no:cacheprovider tests/kernels
+
+TRAIN=(python3 -m platform.run model=small trainer=gpu trainer.max_steps="$STEPS" trainer.val_every=50
+       trainer.log_every=10 trainer.progress_bar=false data.source=shards data.path="$SHARDS"
+       mlflow.tracking_uri=sqlite:////tmp/mlflow.db mlflow.experiment=gpu_check)
 for res in vanilla msar_block; do
-  LOG=train_${res}.txt run python3 -m platform.run model=small trainer=gpu residual=$res trainer.max_steps=$STEPS \
-    trainer.val_every=100 trainer.progress_bar=false data.batch_size=16 data.source=shards data.path=/tmp/shards \
-    mlflow.tracking_uri=sqlite:////tmp/mlflow.db
-  grep -E "final val/loss" "$OUTDIR/train_${res}.txt" >> "$OUTDIR/summary.txt"
+  stage train.$res "${TRAIN[@]}" residual=$res
 done
-python3 - <<'PY' | tee -a "$OUTDIR/summary.txt"
+# One short 2-GPU run: the same command with trainer.devices=2 (DDP).
+if [ "$GPUS" -ge 2 ]; then
+  stage ddp.train "${TRAIN[@]}" residual=vanilla trainer.devices=2 mlflow.run_name=vanilla-small-ddp2
+fi
+report_runs() {
+  python3 - <<'PY'
 import mlflow
 c = mlflow.MlflowClient("sqlite:////tmp/mlflow.db")
-for r in c.search_runs([e.experiment_id for e in c.search_experiments()]):
-    tps = [m.value for m in c.get_metric_history(r.info.run_id, "perf/tokens_per_s")]
+exp = c.get_experiment_by_name("gpu_check")
+for r in c.search_runs([exp.experiment_id]) if exp else []:
+    def med(key):
+        v = sorted(m.value for m in c.get_metric_history(r.info.run_id, key))
+        return v[len(v) // 2] if v else float("nan")
     mem = [m.value for m in c.get_metric_history(r.info.run_id, "perf/peak_mem_mb")]
-    print(f"{r.data.tags.get('residual'):>12} {r.info.status}: median tokens/s {sorted(tps)[len(tps)//2]:,.0f}, "
-          f"peak mem {max(mem)/1024:.2f} GiB, final val {r.data.metrics.get('final/val_loss'):.4f}")
+    print(f"{r.info.run_name:>28} {r.info.status}: median tokens/s {med('perf/tokens_per_s'):,.0f}, "
+          f"MFU {100 * med('perf/mfu'):.1f}% (datasheet {100 * med('perf/mfu_datasheet'):.1f}%), "
+          f"peak mem {max(mem or [float('nan')]) / 1024:.2f} GiB, final val {r.data.metrics.get('final/val_loss', float('nan')):.4f}")
 PY
-LOG=throughput.txt run python3 -m benchmarks.throughput --model small --batch 16 --steps 10 --warmup 3
-cp benchmarks/results/*.md "$OUTDIR/" 2>/dev/null
+}
+stage report report_runs
+
+# shellcheck disable=SC2086
+stage throughput python3 -m benchmarks.throughput --models $MODELS --residuals $RESIDUALS --steps 10 --warmup 3
+if [ "$GPUS" -ge 2 ]; then
+  # shellcheck disable=SC2086
+  stage ddp.scaling python3 -m benchmarks.throughput --models $MODELS --residuals vanilla --steps 10 --warmup 3 --ddp 2
+fi
+find benchmarks/results -maxdepth 1 -name 'throughput_*.md' -newer "$OUTDIR/.started" -exec cp {} "$OUTDIR/" \;
+echo "### summary: $FAILED failed; GPUs: $GPUS" >> "$OUTDIR/summary.txt"
 cat "$OUTDIR/summary.txt"
 # Everything in one archive when an outer harness collects a fixed number of files.
 if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE" -C "$OUTDIR" .; fi
+exit "$FAILED"

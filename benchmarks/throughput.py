@@ -1,66 +1,97 @@
-"""Training-step throughput of the backbone for every residual: tokens/s and peak memory.
+"""Training-step throughput and MFU of the backbone, every residual side by side in one process.
 
-    python -m benchmarks.throughput --model small --batch 16 --steps 20 [--residuals vanilla msar_block]
+    python -m benchmarks.throughput --models small medium --residuals vanilla attnres_block msar_block mhc msar
+    python -m benchmarks.throughput --models small --compile off on --recompute none mlp
+    python -m benchmarks.throughput --models small medium --ddp 2        # 2-GPU scaling efficiency
 
-Times a full forward + backward + AdamW step (bf16 autocast on CUDA, fp32 on CPU) with CUDA events,
-after warm-up, and reports the median. Writes a markdown table with the command, the device and the
-date under benchmarks/results/.
+One step = forward + backward + gradient clipping + AdamW (fused on CUDA) + the routing-bias update,
+bf16 autocast on CUDA, as `platform.run trainer=gpu` trains. Per model size, residual, compile
+switch and recomputation choice: ms/step (median of CUDA-event-timed steps after warm-up),
+tokens/s, model TFLOP/s (analytic FLOPs of `platform.accounting`: 3x forward, no recomputation),
+MFU against the bf16 matmul rate measured in this process (`roofline.matmul_rate`) and against the
+datasheet's dense bf16 peak, and peak memory. Ratios to vanilla are within one process, because
+timings of the same run swing 13-17% between invocations on a shared host. Batches are packed
+like real data: about 2 documents per 1024 tokens.
+
+`--ddp N` also times the same per-GPU batch on N GPUs (DistributedDataParallel over NCCL, one
+process per GPU) and reports the scaling efficiency: tokens/s on N GPUs / (N x tokens/s on 1).
+Writes benchmarks/results/throughput_<models>[_ddpN][tag].md via `roofline.Table`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.roofline import Table
+
+MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def build(model_name: str, residual: str, vocab: int, moe_impl: str | None, extra: list[str]):
-    from platform.config import compose as make_cfg
-    from platform.config import residual_config
+def build(model_name: str, residual: str, vocab: int, overrides: list[str], device: str):
+    from platform.config import compose, residual_config
     from platform.model import Backbone
 
-    ov = [f"model={model_name}", f"residual={residual}", *extra] + ([f"model.moe_impl={moe_impl}"] if moe_impl else [])
-    cfg = make_cfg(*ov)
-    return Backbone(cfg.model, vocab, residual_config(cfg)), cfg
+    cfg = compose(f"model={model_name}", f"residual={residual}", *overrides)
+    with torch.device(device):  # initialised where it runs: no host-side init of a billion weights
+        model = Backbone(cfg.model, vocab, residual_config(cfg))
+    return model, cfg
 
 
-def time_steps(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
-               compile: bool = False) -> tuple[float, float]:
-    model = model.to(device)
-    fwd = torch.compile(model) if compile else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    tokens = torch.randint(0, vocab, (batch, seq + 1), device=device)
-    docs = torch.cumsum((torch.rand(batch, seq + 1, device=device) < 1 / 512).long(), 1)
-    ac = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else torch.autocast("cpu", enabled=False)
+def packed_batch(batch: int, seq: int, vocab: int, device: str, seed: int = 0):
+    """Random tokens; document starts with probability 1/512 (about 2 documents per 1024 tokens)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), device=device, generator=g)
+    starts = torch.rand(batch, seq + 1, device=device, generator=g) < 1 / 512
+    return tokens, torch.cumsum(starts.long(), 1)
+
+
+def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
+                  compile_mode: str, ddp: bool = False) -> tuple[float, float]:
+    """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
+    from platform.moe import update_biases
+
+    if compile_mode == "on":  # what trainer.compile=true does
+        model.compile_sublayers()
+    forward = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    if compile_mode == "model":  # the whole backbone, residual included, as one graph
+        forward = torch.compile(forward)
+    model.train()
+    cuda = device.startswith("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    moes = [m for _, m in model.moe_layers()]
+    rank = torch.distributed.get_rank() if ddp else 0
+    tokens, docs = packed_batch(batch, seq, vocab, device, seed=rank)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
 
     def step():
-        with ac:
-            logits = fwd(tokens[:, :-1], docs[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        with autocast:
+            logits = forward(tokens[:, :-1], docs[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        update_biases(moes)
 
     for _ in range(warmup):
         step()
     times = []
-    if device == "cuda":
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         for _ in range(steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             step()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
         peak = torch.cuda.max_memory_allocated() / 2**30
     else:
         for _ in range(steps):
@@ -71,66 +102,137 @@ def time_steps(model, batch: int, seq: int, vocab: int, steps: int, warmup: int,
     return statistics.median(times), peak
 
 
+def _ddp_rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = torch.cuda.is_available()
+    device = f"cuda:{rank}" if cuda else "cpu"  # gloo on CPU: only to check this code path without GPUs
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model, cfg = build(job["model"], job["residual"], job["vocab"], job["overrides"], device)
+        sec, peak = time_training(model, job["batch"], cfg.model.seq_len, job["vocab"], job["steps"], job["warmup"],
+                                  device, job["compile"], ddp=True)
+        times = torch.tensor([sec], device=device)
+        torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)  # the slowest rank sets the pace
+        if rank == 0:
+            out["sec"], out["peak"] = float(times), peak
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def time_ddp(world: int, job: dict) -> tuple[float, float]:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    for key, value in MULTI_GPU_ENV.items():
+        os.environ.setdefault(key, value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_ddp_rank, args=(world, port, job, out), nprocs=world, join=True)
+    return out["sec"], out["peak"]
+
+
 def main(argv=None) -> str:
     import residuals
+    from platform import accounting
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="small")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--models", nargs="+", default=["small", "medium"])
+    p.add_argument("--residuals", nargs="+", default=["vanilla"], help=f"any of {residuals.names()}")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (per GPU)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--residuals", nargs="*", default=None, help=f"default: all of {residuals.names()}")
-    p.add_argument("--moe-impl", nargs="*", default=["grouped_mm"], help="grouped_mm and/or sliced")
-    p.add_argument("--compile", nargs="*", default=["off"], help="off and/or on: torch.compile the backbone")
-    p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.checkpoint_reads=true")
+    p.add_argument("--compile", nargs="+", default=["on"], choices=["off", "on", "model"],
+                   help="on: torch.compile each attention / MLP sublayer (trainer.compile); model: the whole backbone")
+    p.add_argument("--recompute", nargs="+", default=[None], help="model.recompute values (default: the model's)")
+    p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
+    p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.checkpoint_reads=false")
+    p.add_argument("--ddp", type=int, default=0, help="also time N GPUs with DDP at the same per-GPU batch")
     p.add_argument("--tag", default="", help="suffix of the results file name")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     a = p.parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    names = a.residuals or residuals.names()
-    for n in names:
+    for n in a.residuals:
         residuals.get(n)  # unknown names fail here, listing the registered ones
-    rows, base = [], None
-    for impl, comp in [(i, c) for i in a.moe_impl for c in a.compile]:
-        for name in names:
-            torch.manual_seed(0)
-            model, cfg = build(a.model, name, a.vocab, impl, a.set)
-            seq = cfg.model.seq_len
-            n_params = sum(p.numel() for p in model.parameters())
-            impl_label = impl + (" +compile" if comp == "on" else "")
-            try:
-                sec, peak = time_steps(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp == "on")
-            except torch.OutOfMemoryError:
-                sec, peak = float("nan"), float("inf")  # reported as OOM, the other rows still run
-            tps = a.batch * seq / sec
-            if name == "vanilla" and base is None:
-                base = tps
-            rows.append((name, impl_label, n_params, sec * 1e3, tps, peak))
-            del model
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            print(f"{name:>16} {impl_label:>20}: {sec * 1e3:8.1f} ms/step {tps:12,.0f} tok/s peak {peak:6.2f} GiB", flush=True)
-    gpu = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
-    lines = [f"# Training-step throughput: model={a.model}, batch={a.batch}, vocab={a.vocab} {' '.join(a.set)}",
-             "", f"- command: `python -m benchmarks.throughput {' '.join(sys.argv[1:] if argv is None else argv)}`",
-             f"- device: {gpu}; torch {torch.__version__}; date {dt.date.today().isoformat()}",
-             "- one step = forward + backward + AdamW, bf16 autocast on CUDA; median of timed steps after warm-up", "",
-             "| residual | MoE impl | params | ms/step | tokens/s | vs vanilla | peak mem (GiB) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for name, impl, n, ms, tps, peak in rows:
-        if peak == float("inf"):
-            lines.append(f"| {name} | {impl} | {n / 1e6:.1f}M | OOM | - | - | > device memory |")
-            continue
-        rel = f"{tps / base:.3f}" if base else "-"
-        lines.append(f"| {name} | {impl} | {n / 1e6:.1f}M | {ms:.1f} | {tps:,.0f} | {rel} | {peak:.2f} |")
-    text = "\n".join(lines) + "\n"
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "gpu" if device == "cuda" else "cpu"
-    (out / f"throughput_{a.model}_{tag}{a.tag}.md").write_text(text)
-    print(text)
-    return text
+    if a.ddp and torch.cuda.is_available() and torch.cuda.device_count() < a.ddp:
+        raise SystemExit(f"--ddp {a.ddp}: only {torch.cuda.device_count()} CUDA device(s) here")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    measured = datasheet = None
+    if device == "cuda":
+        from benchmarks.roofline import matmul_rate
+
+        measured, datasheet = matmul_rate(torch.bfloat16), accounting.datasheet_rate(torch.device("cuda"))
+
+    def mfu(flops_per_s: float, peak: float | None) -> str:
+        return f"{100 * flops_per_s / peak:.1f}%" if peak else "-"
+
+    columns = ["model", "residual", "compile", "recompute", "GPUs", "tokens/step", "ms/step", "tokens/s", "vs vanilla",
+               "TFLOP/s", "MFU (measured bf16)", "MFU (datasheet)", "peak GiB"]
+    if a.ddp:
+        columns.append(f"scaling x{a.ddp}")
+    title = f"Training-step throughput ({', '.join(a.models)}; batch {a.batch} per GPU, vocab {a.vocab})"
+    table = Table(title, columns,
+                  notes=[f"bf16 matmul measured here: {measured / 1e12:.0f} TFLOP/s; datasheet dense bf16: "
+                         f"{datasheet / 1e12:.0f} TFLOP/s" if measured and datasheet else "CPU: no MFU",
+                         "model FLOPs = 3 x analytic forward FLOPs (platform.accounting; attention at full causal "
+                         "context, recomputation not counted); MFU per GPU",
+                         f"median of {a.steps} steps after {a.warmup} warm-up steps; attention={a.attention}"
+                         + (f"; {' '.join(a.set)}" if a.set else "")])
+    for model_name in a.models:
+        for comp in a.compile:
+            for rec in a.recompute:
+                base = None
+                for name in a.residuals:
+                    overrides = [f"model.attention={a.attention}", *a.set] + ([f"model.recompute={rec}"] if rec else [])
+                    torch.manual_seed(0)
+                    model, cfg = build(model_name, name, a.vocab, overrides, device)
+                    seq, n_params = cfg.model.seq_len, sum(p.numel() for p in model.parameters())
+                    flops_per_token = 3 * accounting.forward_flops_per_token(model, cfg.model, a.vocab)
+                    try:
+                        sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp)
+                    except torch.OutOfMemoryError:
+                        sec, peak = float("nan"), float("inf")
+                    del model
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                    tokens = a.batch * seq
+                    tps = tokens / sec
+                    if name == "vanilla":
+                        base = tps
+                    row = [model_name, name, comp, cfg.model.recompute, "1", f"{tokens:,}"]
+                    if peak == float("inf"):
+                        table.add(*row, "OOM", "-", "-", "-", "-", "-", "> device", *([""] if a.ddp else []))
+                        print(f"{model_name} {name} compile={comp}: OOM", flush=True)
+                        continue
+                    flops = tps * flops_per_token
+                    cells = [f"{sec * 1e3:.1f}", f"{tps:,.0f}", f"{tps / base:.3f}" if base else "-",
+                             f"{flops / 1e12:.1f}", mfu(flops, measured), mfu(flops, datasheet), f"{peak:.2f}"]
+                    table.add(*row, *cells, *([""] if a.ddp else []))
+                    print(f"{model_name} {name} compile={comp} recompute={cfg.model.recompute}: "
+                          f"{sec * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, MFU {mfu(flops, measured)} "
+                          f"(datasheet {mfu(flops, datasheet)}), peak {peak:.2f} GiB", flush=True)
+                    if a.ddp:
+                        job = {"model": model_name, "residual": name, "vocab": a.vocab, "overrides": overrides,
+                               "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "compile": comp}
+                        sec_n, peak_n = time_ddp(a.ddp, job)
+                        tps_n = a.ddp * tokens / sec_n
+                        flops_n = tps_n * flops_per_token / a.ddp
+                        table.add(model_name, name, comp, cfg.model.recompute, str(a.ddp), f"{a.ddp * tokens:,}",
+                                  f"{sec_n * 1e3:.1f}", f"{tps_n:,.0f}", "-", f"{flops_n / 1e12:.1f}",
+                                  mfu(flops_n, measured), mfu(flops_n, datasheet), f"{peak_n:.2f}",
+                                  f"{tps_n / (a.ddp * tps):.3f}")
+                        print(f"  DDP x{a.ddp}: {sec_n * 1e3:.1f} ms/step, {tps_n:,.0f} tokens/s, "
+                              f"scaling efficiency {tps_n / (a.ddp * tps):.3f}", flush=True)
+    name = "throughput_" + "_".join(a.models) + (f"_ddp{a.ddp}" if a.ddp else "") + (
+        "" if device == "cuda" else "_cpu") + a.tag
+    table.write(name)
+    return table.markdown()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,12 @@ For every registered residual and model size: extra parameters over vanilla (abs
 and % of activated), analytic extra forward FLOPs per token (% of the backbone's), persistent
 per-token state between sublayers and paper-style I/O per sublayer (units of d). Writes the table
 to benchmarks/results/accounting.md.
+
+Also the two ceilings MFU is measured against (`peak_rates`): the bf16 matmul rate measured on the
+device, and the datasheet's dense bf16 peak. Model FLOPs follow the PaLM convention (Chowdhery et
+al. 2022, App. B): 2 per multiply-add of the weights a token touches, attention at full causal
+context (document masking skips some of it; it still counts), backward = 2x forward, and no
+recomputation counted.
 """
 
 from __future__ import annotations
@@ -23,6 +29,52 @@ def backbone_flops_per_token(m, vocab: int) -> float:
     dense = 3 * 2 * d * m.dense_hidden
     moe = 3 * 2 * d * m.expert_hidden * (m.n_shared + m.top_k) + 2 * d * m.n_experts
     return m.n_blocks * attn + dense + (m.n_blocks - 1) * moe + 2 * d * vocab
+
+
+def forward_flops_per_token(model, m, vocab: int) -> float:
+    """Forward FLOPs per token of this model: the backbone plus its residual mechanism's extra."""
+    return backbone_flops_per_token(m, vocab) + float(model.residual.extra_flops_per_token())
+
+
+# Dense (not sparsity-doubled) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s, by a
+# substring of torch.cuda.get_device_name(). H100 and H200 SXM share the same tensor cores.
+DATASHEET_BF16_DENSE = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+_measured: dict[str, float] = {}
+
+
+def datasheet_rate(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in DATASHEET_BF16_DENSE.items() if k in name), None)
+
+
+def measure_bf16_matmul_rate(device: torch.device, n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of an n×n×n bf16 matrix product on this GPU (median of `reps`, CUDA events), once per device."""
+    key = str(device)
+    if key not in _measured:
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        del a, b
+        _measured[key] = 2 * n ** 3 / sorted(times)[len(times) // 2]
+    return _measured[key]
+
+
+def peak_rates(device: torch.device) -> tuple[float | None, float | None]:
+    """(measured bf16 matmul FLOP/s, datasheet dense bf16 FLOP/s) of `device`; (None, None) off CUDA."""
+    if device.type != "cuda":
+        return None, None
+    return measure_bf16_matmul_rate(device), datasheet_rate(device)
 
 
 def active_params(model, m) -> int:

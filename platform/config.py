@@ -47,6 +47,8 @@ class ModelConfig:
     moe_impl: str = "grouped_mm"  # "grouped_mm" (one grouped GEMM per projection) | "sliced" (reference)
     doc_mask: bool = True  # attention never crosses a document boundary in packed windows
     checkpoint_reads: bool = False  # recompute the residual's read in backward (saves the memory of views)
+    attention: str = "auto"  # "flex" (FlexAttention, block mask) | "sdpa" (dense-mask reference) | "auto" (flex on CUDA)
+    recompute: str = "none"  # sublayers re-run in backward: "none" | "attention" | "mlp" | "full"
 
 
 @dataclass
@@ -55,6 +57,7 @@ class TrainerConfig:
 
     accelerator: str = "cpu"  # "cpu" | "gpu" | "auto"
     devices: int = 1
+    num_nodes: int = 1  # hosts of `devices` GPUs each (torchrun or SLURM starts one process per GPU)
     precision: str = "32-true"  # "32-true" | "bf16-mixed" | "16-mixed"
     max_steps: int = 300
     lr: float = 3e-3  # peak learning rate
@@ -71,7 +74,7 @@ class TrainerConfig:
     ckpt_every: int = 100  # steps between checkpoints (last.ckpt is always kept)
     progress_bar: bool = True
     threads: int = 0  # CPU intra-op threads (0: leave torch's default)
-    compile: bool = False  # torch.compile the backbone
+    compile: bool = False  # torch.compile each attention and MLP sublayer (the residual stays eager)
 
 
 @dataclass
@@ -198,7 +201,12 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"model.moe_impl=grouped_mm needs d_model ({m.d_model}) and expert_hidden "
                          f"({m.expert_hidden}) to be multiples of 8 (grouped GEMM alignment); "
                          "use model.moe_impl=sliced for other sizes")
+    _choice("model.attention", m.attention, ("auto", "flex", "sdpa"))
+    _choice("model.recompute", m.recompute, ("none", "attention", "mlp", "full"))
     _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
+    if m.attention == "flex" and t.accelerator == "cpu":
+        raise ValueError("model.attention=flex needs a GPU to train (PyTorch has no FlexAttention backward on "
+                         "CPU); use model.attention=sdpa or auto with trainer.accelerator=cpu")
     _choice("trainer.precision", t.precision, ("32-true", "bf16-mixed", "16-mixed", "bf16-true"))
     for key in ("max_steps", "val_every", "val_batches", "log_every", "ckpt_every", "accumulate_grad_batches"):
         if t[key] < 1:

@@ -1,14 +1,31 @@
 """The shared MoE backbone (SPEC §6): a decoder-only LM with a pluggable residual mechanism.
 
 Token embedding, n_blocks Transformer blocks of (attention sublayer, MLP sublayer), final RMSNorm,
-LM head. Attention: causal GQA with RoPE through `scaled_dot_product_attention`, never crossing a
-document boundary of a packed window. MLP: the first block a dense SwiGLU, the others the MoE of
-`platform.moe`. Each sublayer applies its own PreNorm; *what it reads and how its output is
-written back* is the residual mechanism's business (`residuals.base.Residual`), and the backbone
-never branches on which mechanism it is.
+LM head. Attention: causal GQA with RoPE, never crossing a document boundary of a packed window.
+MLP: the first block a dense SwiGLU, the others the MoE of `platform.moe`. Each sublayer applies
+its own PreNorm; *what it reads and how its output is written back* is the residual mechanism's
+business (`residuals.base.Residual`), and the backbone never branches on which mechanism it is.
+
+Attention runs on one of two backends (`model.attention`), dispatched explicitly:
+- ``flex``: FlexAttention (Dong et al. 2024, "Flex Attention: A Programming Model for Generating
+  Optimized Attention Kernels") with a block mask built once per batch from the causal and
+  same-document predicate, so fully masked 128×128 tiles are skipped; GQA through ``enable_gqa``
+  (no repeated KV heads). On CUDA the call is ``torch.compile``d (a fused Triton kernel);
+  eager it materialises the scores, and PyTorch has no FlexAttention backward on CPU.
+- ``sdpa``: the reference: a dense (B, 1, T, T) boolean mask and explicitly repeated KV heads
+  through ``scaled_dot_product_attention``.
+``auto`` is ``flex`` on CUDA tensors and ``sdpa`` elsewhere.
+
+Activation memory: ``model.recompute`` re-runs the attention and/or MLP sublayers in backward
+instead of keeping their activations (``torch.utils.checkpoint``); ``model.checkpoint_reads`` does
+the same for the residual's read. ``Backbone.compile_sublayers`` compiles each sublayer (the part
+every residual variant shares); the residual mechanism stays as it is (see docs/gpu.md).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +36,9 @@ import residuals
 from residuals import Context
 
 from .moe import MoE, SwiGLU
+
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+RECOMPUTE = ("none", "attention", "mlp", "full")  # which sublayers re-run in backward
 
 
 class RMSNorm(nn.Module):
@@ -43,13 +63,79 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
+def attention_backend(choice: str, device: torch.device) -> str:
+    """Resolve ``model.attention`` for tensors on ``device``: auto = flex on CUDA, sdpa elsewhere."""
+    if choice not in ATTENTION_BACKENDS:
+        raise ValueError(f"model.attention={choice!r} is not valid; choose one of: {', '.join(ATTENTION_BACKENDS)}")
+    if choice == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return choice
+
+
+@dataclass
+class AttentionMask:
+    """Which keys each query may see, built once per batch and shared by every attention sublayer.
+
+    backend "flex": ``block`` is a FlexAttention BlockMask. backend "sdpa": ``dense`` is a
+    (B, 1, T, T) boolean mask, or None for plain causal attention.
+    """
+
+    backend: str
+    block: Any = None
+    dense: Tensor | None = None
+
+
+_compiled_flex = None
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
+    """FlexAttention: a fused kernel on CUDA (compiled), the unfused reference math elsewhere.
+
+    Inside a compiled region (trainer.compile) the enclosing compile generates the fused kernel;
+    called eagerly on CUDA it goes through its own compiled wrapper, built on first use.
+    """
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def build_attention_mask(doc_ids: Tensor, backend: str, doc_mask: bool = True) -> AttentionMask:
+    """The causal (and, with ``doc_mask``, same-document) mask for doc_ids (B, T), for ``backend``."""
+    B, T = doc_ids.shape
+    if backend == "sdpa":
+        if not doc_mask:
+            return AttentionMask("sdpa")
+        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+        return AttentionMask("sdpa", dense=(same_doc & causal)[:, None])  # (B, 1, T, T)
+    if backend != "flex":
+        raise ValueError(f"attention backend {backend!r} is not valid; choose flex or sdpa")
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if doc_mask:
+        def mask_mod(b, h, q, kv):  # causal and same document: the predicate of the sdpa mask above
+            return (q >= kv) & (doc_ids[b, q] == doc_ids[b, kv])
+    else:
+        B = None  # one mask broadcast over the batch
+
+        def mask_mod(b, h, q, kv):
+            return q >= kv
+    # On CUDA the mask itself is built by a compiled kernel: no (B, T, T) tensor is materialised.
+    block = create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, _compile=doc_ids.is_cuda)
+    return AttentionMask("flex", block=block)
+
+
 class Attention(nn.Module):
     """PreNorm causal GQA with RoPE."""
 
     def __init__(self, cfg):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.d_model // cfg.n_heads
-        self.doc_mask = cfg.doc_mask
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.wq = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=False)
         self.wkv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.hd, bias=False)
@@ -58,20 +144,21 @@ class Attention(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, h: Tensor, ctx: Context) -> Tensor:
+    def forward(self, h: Tensor, mask: AttentionMask) -> Tensor:
         B, T, _ = h.shape
         x = self.norm(h)
         q = self.wq(x).view(B, T, self.n_heads, self.hd).transpose(1, 2)  # (B, H, T, hd)
         k, v = self.wkv(x).view(B, T, 2, self.n_kv, self.hd).permute(2, 0, 3, 1, 4)  # (B, Hkv, T, hd) each
         cos, sin = self.cos[:T], self.sin[:T]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.doc_mask:
-            # Causal and same-document: no token sees a later token or another document.
-            same_doc = ctx.doc_ids[:, :, None] == ctx.doc_ids[:, None, :]  # (B, T, T)
-            mask = (same_doc & torch.ones(T, T, dtype=torch.bool, device=h.device).tril())[:, None]
+        v = v.to(q.dtype)
+        if mask.backend == "flex":
+            with torch.autocast(h.device.type, enabled=False):  # q, k, v already share the compute dtype
+                y = _flex(q, k, v, mask.block)  # (B, H, T, hd)
+        elif mask.dense is not None:
             rep = self.n_heads // self.n_kv  # the masked kernels want explicit KV heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, d)
@@ -87,14 +174,20 @@ class FeedForward(nn.Module):
             cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.n_shared,
             cfg.bias_update_rate, cfg.route_scale, cfg.moe_impl)
 
-    def forward(self, h: Tensor, ctx: Context) -> Tensor:
+    def forward(self, h: Tensor, mask: AttentionMask) -> Tensor:
         return self.mlp(self.norm(h))
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg, vocab_size: int, residual_cfg):
         super().__init__()
+        if cfg.recompute not in RECOMPUTE:
+            raise ValueError(f"model.recompute={cfg.recompute!r} is not valid; choose one of: {', '.join(RECOMPUTE)}")
+        attention_backend(cfg.attention, torch.device("cpu"))  # a bad name fails here, before any compute
         self.cfg = cfg
+        # Plain values read on every forward (a config node is opaque to torch.compile's tracer).
+        self.attention, self.recompute, self.doc_mask = str(cfg.attention), str(cfg.recompute), bool(cfg.doc_mask)
+        self.checkpoint_reads = bool(cfg.checkpoint_reads)
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.sublayers = nn.ModuleList()
         for b in range(cfg.n_blocks):
@@ -117,15 +210,36 @@ class Backbone(nn.Module):
     def moe_layers(self) -> list[tuple[int, MoE]]:
         return [(i, s.mlp) for i, s in enumerate(self.sublayers) if isinstance(getattr(s, "mlp", None), MoE)]
 
+    def compile_sublayers(self, **options) -> None:
+        """torch.compile every attention and MLP sublayer in place (parameter names do not change).
+
+        Static shapes by default: one specialised graph per (sublayer kind, shape, train/eval), shared
+        by all layers of a kind, instead of a dynamic-shape recompile when a second shape appears.
+        """
+        for sub in self.sublayers:
+            sub.compile(**{"dynamic": False, **options})
+
+    def _recomputed(self, sublayer: nn.Module) -> bool:
+        kind = "attention" if isinstance(sublayer, Attention) else "mlp"
+        return self.recompute in (kind, "full")
+
     def forward(self, tokens: Tensor, doc_ids: Tensor, record: bool = False) -> Tensor:
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
         ctx = Context(doc_ids=doc_ids, record=record)
+        mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask)
         state = self.residual.begin(self.embed(tokens), ctx)  # embedding v_0: (B, T, d)
-        recompute = self.cfg.checkpoint_reads and self.training and torch.is_grad_enabled()
+        grad = self.training and torch.is_grad_enabled()
         for layer, sublayer in enumerate(self.sublayers):
-            if recompute:  # keep only the read's inputs; redo it in backward (views, softmax, ...)
+            if grad and self.checkpoint_reads:  # keep only the read's inputs; redo it in backward
                 h = checkpoint(self.residual.read, state, layer, use_reentrant=False)
             else:
                 h = self.residual.read(state, layer)  # h_l: (B, T, d)
-            state = self.residual.write(state, layer, sublayer(h, ctx))
+            if grad and self._recomputed(sublayer):  # keep h_l only; re-run the sublayer in backward
+                out = checkpoint(sublayer, h, mask, use_reentrant=False)
+            else:
+                out = sublayer(h, mask)
+            state = self.residual.write(state, layer, out)
+        if self.training:  # once per forward of the model, so a recomputed sublayer is not counted twice
+            for _, moe in self.moe_layers():
+                moe.accumulate_load()
         return self.head(self.norm(self.residual.end(state)))

@@ -1,19 +1,38 @@
-"""The LightningModule: the backbone, its loss, optimiser, schedule and training metrics."""
+"""The LightningModule: the backbone, its loss, optimiser, schedule and training metrics.
+
+Every run logs its speed through Lightning's callbacks (`configure_callbacks`): `LearningRateMonitor`
+(`lr/decay`, `lr/no_decay`) and `MFUMonitor`, a `ThroughputMonitor` fed with the analytic training
+FLOPs of `platform.accounting`. MFU is reported twice (docs/gpu.md): `perf/mfu` against the bf16
+matmul rate measured on this GPU at fit start, `perf/mfu_datasheet` against the datasheet's dense
+bf16 peak (H100/H200: 989 TFLOP/s). Neither counts recomputed activations as useful work.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 import random
 import resource
-import time
 
 import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
+from lightning.pytorch.trainer.states import RunningStage
 from torchmetrics.text import Perplexity
 
+from . import accounting
 from .model import Backbone
+from .moe import update_biases
+
+
+# Multi-GPU runs keep NVLink multicast (NVLS) off unless the environment says otherwise: hosts whose
+# GPUs are partitioned or virtualised lack it, and NCCL / symmetric memory then fail at start-up.
+# Set here, at import, so Lightning's DDP launcher hands them to every rank it starts.
+MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+for _key, _value in MULTI_GPU_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -34,16 +53,69 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+class MFUMonitor(ThroughputMonitor):
+    """Lightning's throughput metrics plus tokens/s and MFU against two ceilings, every `log_every` steps.
+
+    Logged (per device): `perf/tokens_per_s`, `perf/tflops` (model FLOPs, analytic), `perf/mfu` (over
+    the measured bf16 matmul rate) and `perf/mfu_datasheet` (over the datasheet dense bf16 peak);
+    the MFU keys only where the ceiling is known (a CUDA device). Rates are over a window of
+    `window` steps, so the first ones (compilation, warm-up) age out.
+    """
+
+    def __init__(self, window: int):
+        super().__init__(batch_size_fn=lambda batch: batch["tokens"].shape[0],
+                         length_fn=lambda batch: batch["tokens"][:, 1:].numel(), window_size=max(2, window))
+        self.measured: float | None = None
+        self.datasheet: float | None = None
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        device = trainer.strategy.root_device
+        self.measured, self.datasheet = accounting.peak_rates(device)
+        for throughput in self._throughputs.values():  # Lightning's own `device/mfu`: the datasheet one
+            throughput.available_flops = self.datasheet
+
+    def _compute(self, trainer, iter_num=None):
+        if not trainer._logger_connector.should_update_logs:
+            return
+        stage = trainer.state.stage
+        metrics = self._throughputs[stage].compute()
+        out = {f"{stage.value}/{k}": v for k, v in metrics.items()}
+        if stage == RunningStage.TRAINING:
+            if "device/items_per_sec" in metrics:
+                out["perf/tokens_per_s"] = metrics["device/items_per_sec"]
+            flops = metrics.get("device/flops_per_sec")
+            if flops is not None:
+                out["perf/tflops"] = flops / 1e12
+                if self.measured:
+                    out["perf/mfu"] = flops / self.measured
+                if self.datasheet:
+                    out["perf/mfu_datasheet"] = flops / self.datasheet
+        trainer._logger_connector.log_metrics(out, step=iter_num)
+
+
 class LMModule(L.LightningModule):
     def __init__(self, model_cfg, trainer_cfg, residual_cfg, vocab_size: int):
         super().__init__()
         self.model_cfg, self.tcfg = model_cfg, trainer_cfg
         self.model = Backbone(model_cfg, vocab_size, residual_cfg)
+        if trainer_cfg.compile:
+            self.model.compile_sublayers()
         self.val_ppl = Perplexity()
-        self._t_last: float | None = None
-        self._tokens_since = 0
-        self.last_train_loss = float("nan")
+        self._last_loss: torch.Tensor | None = None
         self.last_val_step = -1  # global step of the latest validation
+        # Model FLOPs per trained token (forward + backward = 3x forward), for MFU; set per batch below.
+        self.train_flops_per_token = 3 * accounting.forward_flops_per_token(self.model, model_cfg, vocab_size)
+        self.flops_per_batch = 0.0
+        # Routing loads are per rank until the bias update all-reduces them: DDP must not overwrite
+        # them with rank 0's copy at every forward (its default for buffers).
+        self._ddp_params_and_buffers_to_ignore = [
+            f"model.{name}" for name, _ in self.model.named_buffers() if name.endswith((".load", ".counts"))]
+
+    @property
+    def last_train_loss(self) -> float:
+        """The latest training loss (read on demand, so the step itself never waits for it)."""
+        return float("nan") if self._last_loss is None else float(self._last_loss)
 
     def forward(self, tokens, doc_ids, record: bool = False):
         return self.model(tokens, doc_ids, record=record)
@@ -61,39 +133,39 @@ class LMModule(L.LightningModule):
             ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none yet"
             raise NonFiniteLossError(f"loss is {loss.item()} at step {self.global_step}; stopping. "
                                      f"Last good checkpoint: {ckpt}")
-        self._tokens_since += batch["tokens"][:, 1:].numel()
+        self.flops_per_batch = self.train_flops_per_token * batch["tokens"][:, 1:].numel()
         self.log("train/loss", loss, on_step=True, prog_bar=True)
-        self.last_train_loss = float(loss.detach())
+        self._last_loss = loss.detach()
         return loss
 
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)
-        # Aux-loss-free balancing: one bias nudge per optimizer step (before any checkpoint is taken).
-        for _, moe in self.model.moe_layers():
-            moe.update_bias()
+        # Aux-loss-free balancing: one bias nudge per optimizer step (before any checkpoint is taken),
+        # from the load of every rank (one all-reduce for all layers), so every rank keeps the same bias.
+        update_biases([moe for _, moe in self.model.moe_layers()])
+
+    def configure_callbacks(self):
+        cbs = [MFUMonitor(window=self.tcfg.log_every + 1)]
+        if self.trainer.loggers:  # LearningRateMonitor refuses a trainer without a logger
+            cbs.append(LearningRateMonitor(logging_interval="step"))
+        return cbs
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         step = self.global_step
         if step % self.tcfg.log_every == 0:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            if self._t_last is not None:
-                self.log("perf/tokens_per_s", self._tokens_since / (now - self._t_last))
-            self._t_last, self._tokens_since = now, 0
             self.log("perf/peak_mem_mb", peak_memory_mb(self.device))
-            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
             for i, moe in self.model.moe_layers():
                 for k, v in moe.last_stats.items():
                     self.log(f"moe/layer{i}/{k}", v)
 
     def validation_step(self, batch, batch_idx):
+        self.flops_per_batch = self.train_flops_per_token / 3 * batch["tokens"][:, 1:].numel()  # forward only
         loss, logits, target = self._loss(batch)
         self.val_ppl.update(logits.float(), target)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self):
-        self.log("val/ppl", self.val_ppl.compute())
+        self.log("val/ppl", self.val_ppl.compute(), sync_dist=True)  # torchmetrics already reduced it over ranks
         self.val_ppl.reset()
         self.last_val_step = self.global_step
 
@@ -103,12 +175,25 @@ class LMModule(L.LightningModule):
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
         t = self.tcfg
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=t.lr, betas=(t.beta1, t.beta2),
-            foreach=self.device.type == "cuda")  # not fused: Lightning clips gradients between unscale and step
+            [{"params": decay, "weight_decay": t.weight_decay, "name": "decay"},
+             {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}],
+            lr=t.lr, betas=(t.beta1, t.beta2), fused=self._fused_adamw())
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: cosine_with_warmup(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "name": "lr"}}
+
+    def _fused_adamw(self) -> bool:
+        """One fused kernel for the whole AdamW update on CUDA, except with fp16's loss scaling (a fused
+        optimizer unscales inside its step, after the point where gradients are clipped)."""
+        return self.device.type == "cuda" and self.tcfg.precision != "16-mixed"
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # Lightning's mixed-precision plugin refuses to clip for any fused optimizer because of fp16
+        # loss scaling; in bf16 and fp32 the gradients are not scaled, so clip them here directly.
+        if gradient_clip_val and getattr(optimizer, "defaults", {}).get("fused"):
+            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val, foreach=True)
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     # Exact resume: carry every RNG the run might touch (the data order is a function of the step).
     def on_save_checkpoint(self, checkpoint):

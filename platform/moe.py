@@ -5,6 +5,13 @@ from an fp32 router; the top-k experts are chosen on s + bias, where `bias` is a
 buffer nudged after each optimizer step toward balanced load (`update_bias`); the gates are the
 selected s renormalised. Dispatch sorts the (token, expert) assignments by expert and runs one
 grouped GEMM per projection over the contiguous groups (no loop over experts on the hot path).
+
+The dispatch never waits for the device: group ends come from a `searchsorted` over the sorted
+expert ids (not `bincount`, which reads the maximum back to the host on CUDA), the grouped GEMM
+takes them as a device tensor, and the balancing update has no data-dependent branch. Only the
+`sliced` reference reads the group sizes back. Loads are accumulated by the caller
+(`accumulate_load`, once per forward of the model), so a recomputed forward (activation
+checkpointing) does not count its tokens twice.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, expert_hidden, d))
         self.register_buffer("bias", torch.zeros(n_experts))  # balancing bias: no gradient, checkpointed
         self.register_buffer("load", torch.zeros(n_experts), persistent=False)  # assignments since update
-        self.last_stats: dict[str, Tensor] = {}
+        self.register_buffer("counts", torch.zeros(n_experts), persistent=False)  # of the latest forward
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: (N, d) -> expert indices (N, k) and gates (N, k), in fp32."""
@@ -82,33 +89,55 @@ class MoE(nn.Module):
         flat = idx.flatten()  # (N*k,) expert of each assignment
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         token = order // self.top_k  # (N*k,) source token of each sorted assignment
-        counts = torch.bincount(flat, minlength=self.n_experts)  # (E,)
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        experts = torch.arange(self.n_experts, device=x.device, dtype=flat.dtype)
+        ends = torch.searchsorted(flat[order], experts, right=True)  # (E,) cumulative group ends
+        offsets = ends.to(torch.int32)
         xs = x[token]  # (N*k, d)
         h = F.silu(grouped_matmul(xs, self.w1, offsets, self.impl)) * grouped_matmul(xs, self.w3, offsets, self.impl)
+        # The gate scales the expert's hidden activation, not its output: the same product (w2 is
+        # linear), but the gate's gradient needs h (N*k, hidden) instead of the output (N*k, d).
+        h = h * gates.flatten()[order].unsqueeze(-1).to(h.dtype)  # (N*k, hidden)
         y = grouped_matmul(h, self.w2, offsets, self.impl)  # (N*k, d)
-        y = y * gates.flatten()[order].unsqueeze(-1).to(y.dtype)
         out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
         if self.shared is not None:
             out = out + self.shared(x)
-        if self.training:
-            self.load += counts.detach().float()
-        self._stats(counts)
+        with torch.no_grad():  # idempotent: a recomputed forward writes the same counts
+            self.counts.copy_(torch.diff(ends, prepend=ends.new_zeros(1)))  # (E,) assignments per expert
         return out.reshape(shape).to(x.dtype)
 
     @torch.no_grad()
-    def _stats(self, counts: Tensor) -> None:
-        p = counts.float() / counts.sum().clamp_min(1)
+    def accumulate_load(self) -> None:
+        """Add the latest forward's assignments to the load the next bias update balances."""
+        self.load += self.counts
+
+    @property
+    def last_stats(self) -> dict[str, Tensor]:
+        """Load balance of the latest forward: max and min load over the mean, normalised entropy."""
+        counts = self.counts
+        p = counts / counts.sum().clamp_min(1)
         entropy = -(p * p.clamp_min(1e-12).log()).sum() / math.log(self.n_experts) if self.n_experts > 1 else p.sum()
-        self.last_stats = {"max_over_mean": p.max() * self.n_experts, "min_over_mean": p.min() * self.n_experts,
-                           "entropy": entropy}
+        return {"max_over_mean": p.max() * self.n_experts, "min_over_mean": p.min() * self.n_experts,
+                "entropy": entropy}
 
     @torch.no_grad()
     def update_bias(self) -> None:
         """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
-        load = self.load
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(load)
-        if load.sum() > 0:
-            self.bias += self.bias_update_rate * torch.sign(load.mean() - load)
-        self.load.zero_()
+        update_biases([self])
+
+
+@torch.no_grad()
+def update_biases(layers: list[MoE]) -> None:
+    """One balancing step for every MoE layer, from the load summed over all ranks.
+
+    Under data parallelism each rank has routed its own tokens; one all-reduce of the stacked loads
+    gives every rank the global load, so the biases stay identical on every rank. An expert with a
+    load equal to the mean (and a layer with no load at all) keeps its bias: sign(0) = 0.
+    """
+    if not layers:
+        return
+    load = torch.cat([m.load for m in layers])  # (sum of E,): one collective for all layers
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(load)
+    for m, row in zip(layers, load.split([m.n_experts for m in layers])):
+        m.bias += m.bias_update_rate * torch.sign(row.mean() - row)
+        m.load.zero_()

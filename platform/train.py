@@ -130,7 +130,9 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
     module = LMModule(cfg.model, cfg.trainer, residual_config(cfg), vocab_size=dm.vocab_size)
 
     logger = None
-    if cfg.mlflow.enabled:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if cfg.mlflow.enabled and rank_zero_only.rank == 0:  # other DDP ranks (started by Lightning) log nothing
         import mlflow
 
         uri = tracking_uri(cfg)
@@ -160,15 +162,13 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
         cbs.append(RichProgressBar())
     t = cfg.trainer
     trainer = L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, precision=t.precision, max_steps=t.max_steps,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, precision=t.precision,
+        max_steps=t.max_steps,
         gradient_clip_val=t.grad_clip, accumulate_grad_batches=t.accumulate_grad_batches,
         val_check_interval=t.val_every * t.accumulate_grad_batches, check_val_every_n_epoch=None,
         limit_val_batches=t.val_batches, log_every_n_steps=t.log_every, num_sanity_val_steps=0,
         logger=logger if logger is not None else False, callbacks=cbs, default_root_dir=run_dir,
         enable_progress_bar=t.progress_bar, enable_model_summary=False, benchmark=False)
-    if t.compile:
-        module.model = torch.compile(module.model)
-
     start = time.perf_counter()
     status = "FINISHED"
     try:

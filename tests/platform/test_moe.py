@@ -66,6 +66,7 @@ def test_bias_update_moves_toward_balance():
         moe.router[2] += 5.0  # every token prefers expert 2
     x = torch.randn(64, 16).abs()
     moe(x)
+    moe.accumulate_load()
     load = moe.load.clone()
     assert load[2] == load.max() and load.sum() == 64
     moe.update_bias()

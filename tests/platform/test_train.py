@@ -86,7 +86,7 @@ def test_mlflow_run_params_metrics_artifacts(tmp_path):
     p = run.data.params
     assert p["residual/name"] == "vanilla" and p["model/d_model"] == "32" and p["seed"] == "0"
     assert int(p["params/total"]) > 0
-    for key in ("train/loss", "val/loss", "val/ppl", "perf/tokens_per_s", "perf/peak_mem_mb", "lr",
+    for key in ("train/loss", "val/loss", "val/ppl", "perf/tokens_per_s", "perf/tflops", "perf/peak_mem_mb", "lr/decay",
                 "moe/layer3/max_over_mean", "moe/layer3/entropy", "final/val_loss"):
         assert client.get_metric_history(r.mlflow_run_id, key), key
     val = client.get_metric_history(r.mlflow_run_id, "val/loss")
