@@ -37,22 +37,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from .env import REPO_ROOT, machine_description, set_offline_defaults  # noqa: E402
+
+set_offline_defaults()
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from . import stats, tracking  # noqa: E402
-from .config import REPO_ROOT, compose, tracking_uri  # noqa: E402
+from .accounting import token_budget  # noqa: E402
+from .config import compose  # noqa: E402
 
 # Knobs that do not change a run's numbers: runs that differ only in these are the same run.
 HASH_IGNORED = ("trainer/progress_bar", "trainer/threads", "trainer/ckpt_every", "trainer/log_every",
@@ -332,10 +332,6 @@ def plot_curves(rows: list[Row], out: Path, title: str) -> Path | None:
 
 # --- the command -------------------------------------------------------------------------------------
 def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[str, list[Row]]:
-    import mlflow
-
-    from .sweep import machine_description
-
     variants = plan_variants(cc)
     name = cc.name or "_".join(v.name for v in variants)
     out_dir = Path(cc.out_dir) if cc.out_dir else REPO_ROOT / "outputs" / "compare" / name
@@ -343,10 +339,7 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
     out_dir.mkdir(parents=True, exist_ok=True)
 
     cfg0 = compose(*base, variants[0].override, f"seed={(cc.seeds or [0])[0]}")
-    uri = tracking_uri(cfg0)
-    client = mlflow.MlflowClient(uri)
-    exp_id = tracking.ensure_experiment(client, cfg0.mlflow.experiment, uri)
-    tracking.reap_orphans(client, exp_id)
+    client, uri, exp_id = tracking.open_experiment(cfg0)
 
     records: dict[str, list[RunRecord]] = {}
     missing, failed, trained = [], [], 0
@@ -379,7 +372,7 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
 
     rows = build_rows(variants, records, cc.level)
     t = cfg0.trainer
-    tokens = t.max_steps * t.accumulate_grad_batches * t.devices * cfg0.data.batch_size * cfg0.model.seq_len
+    tokens = token_budget(cfg0)
     lines = [
         f"# Comparison `{name}`",
         "",
