@@ -73,6 +73,17 @@ def prepare_store(uri: str) -> None:
         mlflow.MlflowClient(uri).search_experiments(max_results=1)  # creates and migrates the schema
 
 
+def display_uri(uri: str) -> str:
+    """A store URL without its password (for reports, MLflow params and logs)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(uri).render_as_string(hide_password=True)
+    except Exception:  # not a SQLAlchemy URL (e.g. http://): drop any user:password@
+        scheme, sep, rest = uri.partition("://")
+        return scheme + sep + rest.split("@", 1)[-1] if sep else uri
+
+
 def open_experiment(cfg, reap: bool = True):
     """The MLflow client of a config, its tracking URI and experiment id (created if needed); with
     `reap`, runs of dead processes of this host are closed first. Returns (client, uri, experiment_id)."""

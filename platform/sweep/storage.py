@@ -55,12 +55,7 @@ def make_storage(sw: DictConfig, client):
 
 def storage_label(url: str) -> str:
     """The storage URL without a password (it goes into MLflow params and reports)."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a SQLAlchemy URL: keep only the scheme
-        return url.split("://", 1)[0] + "://..."
+    return tracking.display_uri(url)
 
 
 def fail_dead_trials(study: optuna.Study, client=None) -> list[int]:

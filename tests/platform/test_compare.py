@@ -1,6 +1,7 @@
 """Comparisons: the interval statistics against known cases, the table from synthetic MLflow runs,
 matching runs by config, and a comparison that trains what is missing and then reuses it."""
 
+import json
 import math
 import statistics
 
@@ -129,15 +130,21 @@ def test_table_from_synthetic_runs(tmp_path, store):
     assert "| `vanilla` | residual | 3 | 0,1,2 | 3.2000 ± 0.4968 | — (reference) |" in text
     assert "| `msar_block` | residual | 3 | 0,1,2 | 3.0667 ± " in text and "-0.1333 ± 0.1434 (paired)" in text
     assert "(Welch)" in text and "| 1000 | 700 |" in text
-    assert (tmp_path / "report.md").read_text() == text
-    assert (tmp_path / "out" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the report path gets the same document, its plots and JSON beside it under its own name
+    assert (tmp_path / "report.md").read_text() == text.replace("(compare.png)", "(report.png)").replace(
+        "(compare_bars.png)", "(report_bars.png)")
+    for png in ("out/compare.png", "out/compare_bars.png", "report.png", "report_bars.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "report.json").read_text())["msar_block"]["vs"]["vanilla"]["method"] == "paired"
+    assert "wo_conv seed 2: runs of this config exist for other seeds only" in text
 
     logged = client.search_runs([exp_id], filter_string="tags.`platform.kind` = 'comparison'")
     assert len(logged) == 1
     run = logged[0]
     assert run.data.metrics["msar_block/delta"] == pytest.approx(-0.4 / 3)
     assert run.data.metrics["vanilla/n"] == 3
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"compare.md", "compare.png", "compare.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"compare.md", "compare.png", "compare.json",
+                                                                       "compare_bars.png"}
 
 
 def test_missing_runs_are_reported_with_the_nearest_config(tmp_path, store):
@@ -162,11 +169,17 @@ def test_config_key_ignores_knobs_that_do_not_change_numbers():
 def test_variants_and_arguments():
     cc, base = compare.parse_args(["compare.runs=[no_key_norm,msar_block]", "trainer.max_steps=5"])
     assert base == ["trainer.max_steps=5"] and cc.seeds == [0, 1, 2]
-    # baselines come just before the first variant that needs them
+    # the references first, then each baseline just before the first variant that needs it
+    assert [v.name for v in compare.plan_variants(cc)] == ["vanilla", "attnres_block", "no_key_norm", "msar_block"]
+    cc, _ = compare.parse_args(["compare.runs=[no_key_norm,msar_block]", "compare.references=[]"])
     assert [v.name for v in compare.plan_variants(cc)] == ["attnres_block", "no_key_norm", "vanilla", "msar_block"]
     for bad, match in ((["residual=vanilla"], "compare.runs"), (["seed=1"], "compare.seeds"),
                        (["compare.runs=[nope]"], "neither a registered ablation"),
-                       (["compare.seeds=null"], "needs compare.train=false")):
+                       (["compare.seeds=null"], "needs compare.train=false"),
+                       (["compare.references=[vanila]"], "'vanila' is neither"),
+                       (["compare.target=mhc"], "must be one of compare.references"),
+                       (["compare.workers=-1"], "compare.workers=-1 must be >= 0"),
+                       (["compare=paper_large"], "not a preset; presets: .*paper_small")):
         with pytest.raises(ValueError, match=match):
             cc, _ = compare.parse_args(bad)
             compare.plan_variants(cc)
