@@ -95,7 +95,7 @@ class AblationInfo:
 
 @dataclass
 class SweepParam:
-    """One searched config value (`conf/sweep/*.yaml`, under `sweep.params.<name>`; see platform/sweep.py)."""
+    """One searched config value (`conf/sweep/*.yaml`, under `sweep.params.<name>`; see platform/sweep/space.py)."""
 
     key: str = MISSING  # the config key it sets, e.g. "trainer.lr" or "residual.kernels"
     type: str = MISSING  # "int" | "float" | "categorical" | "kernel_set"
