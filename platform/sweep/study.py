@@ -39,6 +39,8 @@ def check_sweep(sw: DictConfig) -> None:
     if sw.heartbeat_s < 0 or sw.max_failures < 1 or sw.startup_trials < 0 or sw.pruner_startup_trials < 0:
         raise ValueError("sweep.heartbeat_s, startup_trials, pruner_startup_trials must be >= 0 and "
                          "sweep.max_failures >= 1")
+    if sw.workers < 1:
+        raise ValueError(f"sweep.workers={sw.workers} must be >= 1 (worker processes, one GPU each)")
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", sw.study_name or ""):
         raise ValueError(f"sweep.study_name={sw.study_name!r}: use letters, digits, '_', '-', '.'")
 

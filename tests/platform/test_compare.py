@@ -198,6 +198,9 @@ def test_compare_trains_missing_runs_on_two_workers_then_reuses_them(tmp_path):
     assert [r.seed for r in first] == [0, 1] and all(r.trained_now for r in first)
     assert all(math.isfinite(r.final_val_loss) for r in first) and first[0].final_val_loss != first[1].final_val_loss
     assert all([s for s, _ in r.val_curve] == [3, 6] for r in first)
+    assert all(0 <= r.val_wall_s[0] <= r.val_wall_s[1] for r in first)  # seconds since each run's start
+    # vanilla is its own target: each seed reaches its own final loss, at the latest at its last validation
+    assert all(hit is not None and hit[1] <= 6 for hit in rows[0].to_target.values())
     logs = sorted((tmp_path / "out" / "runs").glob("vanilla_s*/train.log"))
     assert len(logs) == 2  # with workers, each run's output goes to its own log
     _, rows = compare.run_compare(cc, base)

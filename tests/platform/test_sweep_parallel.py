@@ -74,6 +74,8 @@ def test_two_workers_share_one_study_and_it_resumes(kind, tmp_path, request):
 
 def test_worker_settings_are_checked():
     with pytest.raises(ValueError, match="sweep.workers=0 must be >= 1"):
+        sweep.check_sweep(make_cfg("sweep=msar_kernels", "sweep.workers=0").sweep)
+    with pytest.raises(ValueError, match="sweep.workers=0 must be >= 1"):
         sweep.check_workers(0, [], 1, "sweep.workers")
     with pytest.raises(ValueError, match="trainer.devices=2: each worker gets one GPU"):
         sweep.check_workers(2, ["0", "1"], 2, "sweep.workers")
