@@ -87,7 +87,7 @@ def _log_run(client, exp_id, cfg, final, status="FINISHED", curve_offset=0.5):
 def store(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
-    exp_id = client.create_experiment("residuals")
+    exp_id = client.create_experiment("residuals", artifact_location=(tmp_path / "artifacts").as_uri())  # not ./mlruns
     return uri, client, exp_id
 
 
