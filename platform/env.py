@@ -74,6 +74,19 @@ def worker_env(index: int, gpus: list[str], base: Mapping[str, str] | None = Non
     return env
 
 
+def check_workers(workers: int, gpus: list[str], devices: int, key: str) -> None:
+    """Workers get one GPU each: more workers than GPUs share them round robin (said, not refused);
+    a multi-GPU run per worker is refused (`trainer.devices` must be 1)."""
+    if workers < 1:
+        raise ValueError(f"{key}={workers} must be >= 1")
+    if gpus and devices > 1:
+        raise ValueError(f"{key}={workers} with trainer.devices={devices}: each worker gets one GPU; "
+                         "set trainer.devices=1 (or run one worker)")
+    if gpus and workers > len(gpus):
+        print(f"note: {key}={workers} workers on {len(gpus)} GPU(s) {','.join(gpus)}: GPUs are shared round robin",
+              flush=True)
+
+
 def worker_index(environ: Mapping[str, str] | None = None) -> int:
     """This process's worker index (0 when it was not started as a worker)."""
     return int((os.environ if environ is None else environ).get("PLATFORM_WORKER_INDEX", "0"))

@@ -18,7 +18,7 @@ from typing import Sequence
 from .. import tracking
 from ..accounting import token_budget
 from ..config import compose
-from ..env import REPO_ROOT, machine_description, repo_path, visible_gpus, worker_env
+from ..env import REPO_ROOT, check_workers, machine_description, repo_path, visible_gpus, worker_env
 from .matching import RunRecord, config_key, finished_runs_by_key, flat_params, nearest_difference, record_of
 from .plan import CompareConfig, Variant, plan_variants
 from .plots import plot_bars, plot_curves
@@ -56,7 +56,7 @@ def train_missing(base: Sequence[str], jobs: list[tuple[Variant, int]], out_dir:
         slot = slots.get()
         try:
             run_dir = out_dir / "runs" / f"{variant.name}_s{seed}_{stamp}"
-            env = worker_env(slot, gpus)
+            env = worker_env(slot, gpus if workers > 1 else [])  # one worker: the run sees every GPU
             log = run_dir / "train.log" if workers > 1 else None
             return train_run(base, variant, seed, run_dir, env=env, log=log)
         finally:
@@ -82,6 +82,8 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
     cfg0 = cfgs[variants[0].name]
     gpus = visible_gpus()
     workers = n_workers(cc, gpus)
+    if workers > 1:
+        check_workers(workers, gpus, cfg0.trainer.devices, "compare.workers")
     client, uri, exp_id = tracking.open_experiment(cfg0)  # the store exists before any worker starts
 
     wants = {v.name: flat_params(cfgs[v.name]) for v in variants}

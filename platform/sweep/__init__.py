@@ -35,7 +35,8 @@ from .space import (BUDGET_KEYS, GRID_LIMIT, PARAM_TYPES, Param, check_kernel_se
                     grid_space, grid_values, hydra_value, kernel_sets, override_key, parse_space, suggest)
 from .storage import (STATE_NAMES, _quiet_experimental, default_storage, fail_dead_trials, make_storage,
                       storage_label, sync_trial_states)
-from .study import PRUNERS, SAMPLERS, check_sweep, check_workers, make_pruner, make_sampler, run_sweep
+from ..env import check_workers
+from .study import PRUNERS, SAMPLERS, check_sweep, make_pruner, make_sampler, run_sweep
 
 __all__ = ["_quiet_experimental", "BUDGET_KEYS", "GRID_LIMIT", "PARAM_TYPES", "PRUNERS", "SAMPLERS", "STATE_NAMES", "InvalidTrial",
            "Objective", "Param", "SweepContext", "TrialCallback", "check_kernel_set", "check_sweep", "check_workers",

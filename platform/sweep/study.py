@@ -18,7 +18,7 @@ from optuna.trial import TrialState
 from .. import tracking
 from ..accounting import token_budget
 from ..config import validate
-from ..env import REPO_ROOT, repo_path, visible_gpus, worker_index
+from ..env import REPO_ROOT, check_workers, repo_path, visible_gpus, worker_index
 from .objective import Objective, SweepContext
 from .report import _after_trial, _say, _summary_table, finalize, find_or_create_parent
 from .space import Param, grid_space, override_key, parse_space
@@ -171,19 +171,6 @@ def run_sweep(cfg: DictConfig, overrides: Sequence[str], console=None) -> optuna
             print(report)
         _say(ctx, f"report: {ctx.study_dir / 'study.md'}")
     return study
-
-
-def check_workers(workers: int, gpus: list[str], devices: int, key: str) -> None:
-    """Workers get one GPU each: more workers than GPUs share them round robin (said, not refused);
-    a multi-GPU run per worker is refused (`trainer.devices` must be 1)."""
-    if workers < 1:
-        raise ValueError(f"{key}={workers} must be >= 1")
-    if gpus and devices > 1:
-        raise ValueError(f"{key}={workers} with trainer.devices={devices}: each worker gets one GPU; "
-                         "set trainer.devices=1 (or run one worker)")
-    if gpus and workers > len(gpus):
-        print(f"note: {key}={workers} workers on {len(gpus)} GPU(s) {','.join(gpus)}: GPUs are shared round robin",
-              flush=True)
 
 
 def _trial_loop(study: optuna.Study, ctx: SweepContext, sw: DictConfig):
