@@ -16,9 +16,9 @@ if not hasattr(sys.modules.get("platform"), "__path__"):
     import platform  # noqa: F401,E402 - re-import as our package
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from platform.env import set_offline_defaults  # noqa: E402
+
+set_offline_defaults()
 # Kernels run through Triton's interpreter on CPU; it must be set before any kernel module import.
 try:
     import torch as _torch

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from platform.env import REPO_ROOT  # the one definition; commands run from the repo root
 SOURCES = ("embedded", "files", "hub", "shards")
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 # A byte-level BPE needs its 256 byte tokens and <|endoftext|>; below 259 there is not even room for

@@ -19,7 +19,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import itertools
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,8 +40,9 @@ def hf_cache_dir(cfg: DataConfig) -> Path:
 
 
 def _stay_offline() -> None:
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from platform.env import set_offline_defaults
+
+    set_offline_defaults()
 
 
 def _display_path(path: Path) -> str:

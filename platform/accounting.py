@@ -19,7 +19,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from .env import REPO_ROOT
+
+# What a residual costs over vanilla, as sweeps record it on every trial (user attrs, `cost/*` metrics).
+COST_KEYS = ("extra_params", "extra_params_pct", "extra_active_pct", "extra_flops", "extra_flops_pct")
+
+
+def token_budget(cfg) -> int:
+    """Training tokens of a run: optimizer steps x micro-batches per step x devices x batch x seq_len."""
+    t = cfg.trainer
+    return int(t.max_steps * t.accumulate_grad_batches * t.devices * cfg.data.batch_size * cfg.model.seq_len)
 
 
 def backbone_flops_per_token(m, vocab: int) -> float:
@@ -84,22 +93,40 @@ def active_params(model, m) -> int:
     return total - (m.n_blocks - 1) * (m.n_experts - m.top_k) * per_expert
 
 
+def residual_cost(model, m, vocab: int) -> dict:
+    """The one computation of what a backbone's residual costs over vanilla (COST_KEYS and more):
+    extra parameters (absolute, % of the rest, % of the activated rest), extra forward FLOPs per token
+    (absolute, % of the backbone's), per-token state and I/O per sublayer (units of d)."""
+    res = model.residual
+    extra = sum(p.numel() for p in res.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    base_flops = backbone_flops_per_token(m, vocab)
+    return {"total_params": total, "extra_params": extra, "extra_params_pct": 100 * extra / (total - extra),
+            "extra_active_pct": 100 * extra / (active_params(model, m) - extra),
+            "backbone_flops": base_flops, "extra_flops": res.extra_flops_per_token(),
+            "extra_flops_pct": 100 * res.extra_flops_per_token() / base_flops,
+            "state_d": res.state_per_token(), "io_d": res.io_per_sublayer(), "sublayers": 2 * m.n_blocks}
+
+
+def run_params(model, m, vocab: int) -> dict:
+    """The cost params every training run logs to MLflow (from `residual_cost`, under the run's names)."""
+    c = residual_cost(model, m, vocab)
+    return {"params/total": c["total_params"], "params/residual_extra": c["extra_params"],
+            "params/residual_extra_pct": round(c["extra_params_pct"], 4),
+            "flops/backbone_per_token": int(c["backbone_flops"]), "flops/residual_extra_per_token": int(c["extra_flops"]),
+            "flops/residual_extra_pct": round(c["extra_flops_pct"], 4),
+            "state/per_token_d": c["state_d"], "io/per_sublayer_d": round(c["io_d"], 3)}
+
+
 def account(model_name: str, residual: str, vocab: int = 4096, extra_overrides: tuple = ()) -> dict:
+    """`residual_cost` of a composed config, on a meta-device model (sizes only, no memory)."""
     from .config import compose, residual_config
     from .model import Backbone
 
     cfg = compose(f"model={model_name}", f"residual={residual}", *extra_overrides)
     with torch.device("meta"):  # sizes only: no memory, no init cost
         model = Backbone(cfg.model, vocab, residual_config(cfg))
-    res = model.residual
-    extra = sum(p.numel() for p in res.parameters())
-    total = sum(p.numel() for p in model.parameters())
-    base_flops = backbone_flops_per_token(cfg.model, vocab)
-    return {"model": model_name, "residual": residual, "extra_params": extra,
-            "extra_params_pct": 100 * extra / (total - extra),
-            "extra_active_pct": 100 * extra / (active_params(model, cfg.model) - extra),
-            "extra_flops": res.extra_flops_per_token(), "extra_flops_pct": 100 * res.extra_flops_per_token() / base_flops,
-            "state_d": res.state_per_token(), "io_d": res.io_per_sublayer(), "sublayers": 2 * cfg.model.n_blocks}
+    return {"model": model_name, "residual": residual, **residual_cost(model, cfg.model, vocab)}
 
 
 def table(models: list[str], names: list[str]) -> str:
@@ -120,7 +147,7 @@ def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="*", default=["tiny", "small", "medium"])
     p.add_argument("--residuals", nargs="*", default=None)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "accounting.md"))
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "accounting.md"))
     a = p.parse_args(argv)
     names = a.residuals or residuals.names()
     text = table(a.models, names)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -21,7 +20,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from data.config import DataConfig
 from data.config import validate as validate_data
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from .env import REPO_ROOT  # noqa: F401 - re-exported: platform.config.REPO_ROOT
 
 
 @dataclass
@@ -99,7 +98,7 @@ class AblationInfo:
 
 @dataclass
 class SweepParam:
-    """One searched config value (`conf/sweep/*.yaml`, under `sweep.params.<name>`; see platform/sweep.py)."""
+    """One searched config value (`conf/sweep/*.yaml`, under `sweep.params.<name>`; see platform/sweep/space.py)."""
 
     key: str = MISSING  # the config key it sets, e.g. "trainer.lr" or "residual.kernels"
     type: str = MISSING  # "int" | "float" | "categorical" | "kernel_set"
@@ -129,6 +128,7 @@ class SweepConfig:
     max_failures: int = 3  # stop after this many consecutive failed trials
     out_dir: Optional[str] = None  # trial run dirs, plots, report; default outputs/sweeps/<study_name>
     report: Optional[str] = None  # also write the study's markdown table here
+    workers: int = 1  # worker processes running this study in parallel (one per GPU; N processes on CPU)
     # The search space, by Optuna parameter name; each entry is a SweepParam, checked by platform.sweep before
     # any trial (typed as Any so that `+sweep.params.<name>={...}` can add one from the command line).
     params: dict[str, Any] = field(default_factory=dict)

@@ -12,12 +12,11 @@ Examples (from the repo root):
 
 from __future__ import annotations
 
-import os
 import sys
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from .env import set_offline_defaults  # noqa: E402
+
+set_offline_defaults()  # before MLflow, datasets or Lightning read the environment
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402

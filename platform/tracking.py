@@ -1,16 +1,103 @@
-"""MLflow: the local store, run bookkeeping (never left RUNNING), and end-of-run artifacts."""
+"""MLflow: opening the store (safe when several processes create it at once), run bookkeeping (never
+left RUNNING), the rename map of residuals, and end-of-run artifacts."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 
+from .env import set_offline_defaults
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("DO_NOT_TRACK", "true")
+set_offline_defaults()
 
 PID_TAG, HOST_TAG = "platform.pid", "platform.host"
+
+# Residuals renamed after runs were logged under the old name: {old name: new name}. MLflow keeps the
+# name a run was logged with (`params.residual/name`); comparisons look runs up under every old name
+# of a residual and hash them under the new one, so a rename does not orphan earlier runs. Add an
+# entry whenever `@register("...")` of a residual changes; never remove one.
+RENAMED: dict[str, str] = {}
+
+
+def canonical_residual(name: str) -> str:
+    """The current name of a residual, following RENAMED (a chain a -> b -> c ends at c)."""
+    seen = {name}
+    while name in RENAMED:
+        name = RENAMED[name]
+        if name in seen:
+            raise ValueError(f"tracking.RENAMED has a cycle through {name!r}")
+        seen.add(name)
+    return name
+
+
+def logged_names(name: str) -> list[str]:
+    """Every name runs of this residual may carry in MLflow: the current one first, then old ones."""
+    current = canonical_residual(name)
+    return [current, *sorted(old for old in RENAMED if canonical_residual(old) == current and old != current)]
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive advisory lock (fcntl) on `path` for the block; processes on one machine queue."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a `sqlite:///...` URL (None for any other URL)."""
+    return Path(uri[len("sqlite:///"):]).expanduser() if uri.startswith("sqlite:///") else None
+
+
+def prepare_store(uri: str) -> None:
+    """Create and migrate a local SQLite tracking store under a file lock.
+
+    MLflow creates the tables and runs its alembic migrations when a process first opens a store;
+    two processes doing that at once on a fresh file crash ("table ... already exists", "Online
+    migration expected to match one row"). Opening it here, one process at a time, leaves a migrated
+    store; later opens only check it. A server or PostgreSQL store is created by its administrator.
+    """
+    db = sqlite_path(uri)
+    if db is None:
+        return
+    import mlflow
+
+    with file_lock(db.with_name(db.name + ".lock")):
+        mlflow.MlflowClient(uri).search_experiments(max_results=1)  # creates and migrates the schema
+
+
+def display_uri(uri: str) -> str:
+    """A store URL without its password (for reports, MLflow params and logs)."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(uri).render_as_string(hide_password=True)
+    except Exception:  # not a SQLAlchemy URL (e.g. http://): drop any user:password@
+        scheme, sep, rest = uri.partition("://")
+        return scheme + sep + rest.split("@", 1)[-1] if sep else uri
+
+
+def open_experiment(cfg, reap: bool = True):
+    """The MLflow client of a config, its tracking URI and experiment id (created if needed); with
+    `reap`, runs of dead processes of this host are closed first. Returns (client, uri, experiment_id)."""
+    import mlflow
+
+    from .config import tracking_uri
+
+    uri = tracking_uri(cfg)
+    prepare_store(uri)
+    client = mlflow.MlflowClient(uri)
+    experiment_id = ensure_experiment(client, cfg.mlflow.experiment, uri)
+    if reap:
+        reap_orphans(client, experiment_id)
+    return client, uri, experiment_id
 
 
 def make_logger(**kwargs):
@@ -40,10 +127,20 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
 
 
 def ensure_experiment(client, experiment: str, tracking_uri: str) -> str:
+    """The experiment's id, created if missing (another process creating it at the same time is fine)."""
     exp = client.get_experiment_by_name(experiment)
     if exp is not None:
         return exp.experiment_id
-    return client.create_experiment(experiment, artifact_location=default_artifact_location(tracking_uri, experiment))
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(experiment,
+                                        artifact_location=default_artifact_location(tracking_uri, experiment))
+    except MlflowException:  # created by another worker between the lookup and here
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            raise
+        return exp.experiment_id
 
 
 def _alive(pid: int) -> bool:

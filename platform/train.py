@@ -18,8 +18,10 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from .config import REPO_ROOT, residual_config, tracking_uri, validate
 from . import tracking
+from .accounting import run_params
+from .config import residual_config, validate
+from .env import REPO_ROOT
 
 log = logging.getLogger(__name__)
 RESUME_OVERRIDABLE = ("trainer.max_steps", "trainer.progress_bar", "trainer.val_every", "trainer.ckpt_every")
@@ -133,12 +135,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
     from lightning.pytorch.utilities import rank_zero_only
 
     if cfg.mlflow.enabled and rank_zero_only.rank == 0:  # other DDP ranks (started by Lightning) log nothing
-        import mlflow
-
-        uri = tracking_uri(cfg)
-        client = mlflow.MlflowClient(uri)
-        exp_id = tracking.ensure_experiment(client, cfg.mlflow.experiment, uri)
-        tracking.reap_orphans(client, exp_id)
+        client, uri, exp_id = tracking.open_experiment(cfg)
         run_id_file = run_dir / "mlflow_run_id"
         run_id = run_id_file.read_text().strip() if (ckpt_path and run_id_file.is_file()) else None
         tags = {**tracking.run_tags(parent_run_id), **(extra_tags or {}),
@@ -153,7 +150,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
         run_id_file.write_text(logger.run_id)
         if run_id is None:
             logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-            logger.log_hyperparams(run_accounting(module, cfg))
+            logger.log_hyperparams(run_params(module.model, cfg.model, module.model.head.out_features))
 
     ckpt_cb = ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="step{step:06d}", auto_insert_metric_name=False,
                               every_n_train_steps=cfg.trainer.ckpt_every, save_last=True, save_top_k=1)
@@ -201,21 +198,6 @@ def _is_pruned(e: BaseException) -> bool:
     """An `optuna.TrialPruned` raised by a sweep's pruning callback (optuna is only imported by sweeps)."""
     optuna = sys.modules.get("optuna")
     return optuna is not None and isinstance(e, optuna.TrialPruned)
-
-
-def run_accounting(module, cfg) -> dict:
-    """What this run's residual costs over vanilla (see `python -m platform.accounting`)."""
-    from .accounting import backbone_flops_per_token
-
-    res = module.model.residual
-    total = sum(p.numel() for p in module.parameters())
-    extra = sum(p.numel() for p in res.parameters())
-    base_flops = backbone_flops_per_token(cfg.model, module.model.head.out_features)
-    return {"params/total": total, "params/residual_extra": extra,
-            "params/residual_extra_pct": round(100 * extra / (total - extra), 4),
-            "flops/backbone_per_token": int(base_flops), "flops/residual_extra_per_token": int(res.extra_flops_per_token()),
-            "flops/residual_extra_pct": round(100 * res.extra_flops_per_token() / base_flops, 4),
-            "state/per_token_d": res.state_per_token(), "io/per_sublayer_d": round(res.io_per_sublayer(), 3)}
 
 
 def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult) -> None:

@@ -1,6 +1,7 @@
 """Comparisons: the interval statistics against known cases, the table from synthetic MLflow runs,
 matching runs by config, and a comparison that trains what is missing and then reuses it."""
 
+import json
 import math
 import statistics
 
@@ -86,7 +87,7 @@ def _log_run(client, exp_id, cfg, final, status="FINISHED", curve_offset=0.5):
 def store(tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
-    exp_id = client.create_experiment("residuals")
+    exp_id = client.create_experiment("residuals", artifact_location=(tmp_path / "artifacts").as_uri())  # not ./mlruns
     return uri, client, exp_id
 
 
@@ -129,15 +130,21 @@ def test_table_from_synthetic_runs(tmp_path, store):
     assert "| `vanilla` | residual | 3 | 0,1,2 | 3.2000 ± 0.4968 | — (reference) |" in text
     assert "| `msar_block` | residual | 3 | 0,1,2 | 3.0667 ± " in text and "-0.1333 ± 0.1434 (paired)" in text
     assert "(Welch)" in text and "| 1000 | 700 |" in text
-    assert (tmp_path / "report.md").read_text() == text
-    assert (tmp_path / "out" / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the report path gets the same document, its plots and JSON beside it under its own name
+    assert (tmp_path / "report.md").read_text() == text.replace("(compare.png)", "(report.png)").replace(
+        "(compare_bars.png)", "(report_bars.png)")
+    for png in ("out/compare.png", "out/compare_bars.png", "report.png", "report_bars.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "report.json").read_text())["msar_block"]["vs"]["vanilla"]["method"] == "paired"
+    assert "wo_conv seed 2: runs of this config exist for other seeds only" in text
 
     logged = client.search_runs([exp_id], filter_string="tags.`platform.kind` = 'comparison'")
     assert len(logged) == 1
     run = logged[0]
     assert run.data.metrics["msar_block/delta"] == pytest.approx(-0.4 / 3)
     assert run.data.metrics["vanilla/n"] == 3
-    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"compare.md", "compare.png", "compare.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} >= {"compare.md", "compare.png", "compare.json",
+                                                                       "compare_bars.png"}
 
 
 def test_missing_runs_are_reported_with_the_nearest_config(tmp_path, store):
@@ -162,11 +169,17 @@ def test_config_key_ignores_knobs_that_do_not_change_numbers():
 def test_variants_and_arguments():
     cc, base = compare.parse_args(["compare.runs=[no_key_norm,msar_block]", "trainer.max_steps=5"])
     assert base == ["trainer.max_steps=5"] and cc.seeds == [0, 1, 2]
-    # baselines come just before the first variant that needs them
+    # the references first, then each baseline just before the first variant that needs it
+    assert [v.name for v in compare.plan_variants(cc)] == ["vanilla", "attnres_block", "no_key_norm", "msar_block"]
+    cc, _ = compare.parse_args(["compare.runs=[no_key_norm,msar_block]", "compare.references=[]"])
     assert [v.name for v in compare.plan_variants(cc)] == ["attnres_block", "no_key_norm", "vanilla", "msar_block"]
     for bad, match in ((["residual=vanilla"], "compare.runs"), (["seed=1"], "compare.seeds"),
                        (["compare.runs=[nope]"], "neither a registered ablation"),
-                       (["compare.seeds=null"], "needs compare.train=false")):
+                       (["compare.seeds=null"], "needs compare.train=false"),
+                       (["compare.references=[vanila]"], "'vanila' is neither"),
+                       (["compare.target=mhc"], "must be one of compare.references"),
+                       (["compare.workers=-1"], "compare.workers=-1 must be >= 0"),
+                       (["compare=paper_large"], "not a preset; presets: .*paper_small")):
         with pytest.raises(ValueError, match=match):
             cc, _ = compare.parse_args(bad)
             compare.plan_variants(cc)
@@ -175,14 +188,151 @@ def test_variants_and_arguments():
 
 
 # --- training what is missing, then reusing it --------------------------------------------------------------
-def test_compare_trains_missing_runs_then_reuses_them(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    args = ["compare.runs=[vanilla]", "compare.seeds=[0]", f"compare.out_dir={tmp_path}/out",
+def test_compare_trains_missing_runs_on_two_workers_then_reuses_them(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"  # a fresh store: the two workers share it from their first run
+    args = ["compare.runs=[vanilla]", "compare.seeds=[0,1]", f"compare.out_dir={tmp_path}/out", "compare.workers=2",
             *FAST, "trainer.max_steps=6", "trainer.val_every=3", f"mlflow.tracking_uri={uri}"]
     cc, base = compare.parse_args(args)
     _, rows = compare.run_compare(cc, base)
     first = rows[0].records
-    assert len(first) == 1 and first[0].trained_now and math.isfinite(first[0].final_val_loss)
-    assert [s for s, _ in first[0].val_curve] == [3, 6]
+    assert [r.seed for r in first] == [0, 1] and all(r.trained_now for r in first)
+    assert all(math.isfinite(r.final_val_loss) for r in first) and first[0].final_val_loss != first[1].final_val_loss
+    assert all([s for s, _ in r.val_curve] == [3, 6] for r in first)
+    assert all(0 <= r.val_wall_s[0] <= r.val_wall_s[1] for r in first)  # seconds since each run's start
+    # vanilla is its own target: each seed reaches its own final loss, at the latest at its last validation
+    assert all(hit is not None and hit[1] <= 6 for hit in rows[0].to_target.values())
+    logs = sorted((tmp_path / "out" / "runs").glob("vanilla_s*/train.log"))
+    assert len(logs) == 2  # with workers, each run's output goes to its own log
     _, rows = compare.run_compare(cc, base)
-    assert [(r.run_id, r.trained_now) for r in rows[0].records] == [(first[0].run_id, False)]
+    assert [(r.run_id, r.trained_now) for r in rows[0].records] == [(r.run_id, False) for r in first]
+
+
+# --- references, time to the target's loss, the bar chart --------------------------------------------------
+def test_time_to_loss_interpolates_between_validations():
+    curve, wall = [(4, 3.0), (8, 2.5), (12, 2.0)], [10.0, 20.0, 30.0]
+    assert compare.time_to_loss(curve, wall, 2.25) == pytest.approx((25.0, 10.0))  # halfway from step 8 to 12
+    assert compare.time_to_loss(curve, wall, 2.0) == pytest.approx((30.0, 12.0))  # exactly at the last one
+    assert compare.time_to_loss(curve, wall, 3.5) == (10.0, 4.0)  # already at the first validation
+    assert compare.time_to_loss(curve, wall, 1.9) is None  # never
+    assert compare.time_to_loss([(4, 3.0), (8, 3.2), (12, 2.4)], wall, 2.8) == pytest.approx((25.0, 10.0))
+
+
+def _log_timed_run(client, exp_id, cfg, curve, start_ms=1_000_000):
+    """A run whose validations happen at the given seconds after its start: curve = [(step, loss, seconds)]."""
+    rid = client.create_run(exp_id, start_time=start_ms).info.run_id
+    params = [Param(k, v) for k, v in compare.flat_params(cfg).items()]
+    for i in range(0, len(params), 100):
+        client.log_batch(rid, params=params[i:i + 100])
+    client.log_batch(rid, metrics=[Metric("val/loss", v, start_ms + int(1000 * t), s) for s, v, t in curve]
+                     + [Metric("final/val_loss", curve[-1][1], 0, curve[-1][0])])
+    client.set_terminated(rid, "FINISHED")
+    return rid
+
+
+def test_references_and_time_to_the_target_loss(tmp_path, store):
+    uri, client, exp_id = store
+    base = [*BASE, f"mlflow.tracking_uri={uri}"]
+    curves = {  # (step, val loss, seconds from the run's start); finals per seed
+        "vanilla": {0: [(4, 3.6, 10), (8, 3.3, 20), (12, 3.0, 30)], 1: [(4, 3.8, 12), (8, 3.5, 24), (12, 3.2, 36)]},
+        "attnres_block": {0: [(4, 3.4, 11), (8, 3.0, 22), (12, 2.8, 33)], 1: [(4, 3.6, 11), (8, 3.1, 22), (12, 3.0, 33)]},
+        "msar_block": {0: [(4, 3.5, 10), (8, 3.1, 20), (12, 2.9, 30)], 1: [(4, 3.7, 10), (8, 3.4, 20), (12, 3.3, 30)]},
+    }
+    for name, by_seed in curves.items():
+        for seed, curve in by_seed.items():
+            _log_timed_run(client, exp_id, make_cfg(*base, f"residual={name}", f"seed={seed}"), curve)
+    cc, rest = compare.parse_args(["compare.runs=[msar_block]", "compare.seeds=[0,1]", "compare.train=false",
+                                   "compare.references=[vanilla,attnres_block]", f"compare.out_dir={tmp_path}/out",
+                                   *base])
+    text, rows = compare.run_compare(cc, rest)
+    by = {r.variant.name: r for r in rows}
+    assert [r.variant.name for r in rows] == ["vanilla", "attnres_block", "msar_block"]
+    msar = by["msar_block"]
+    assert msar.refs["vanilla"].method == "paired" and msar.refs["vanilla"].estimate == pytest.approx(0.0)
+    assert msar.refs["attnres_block"].estimate == pytest.approx(((2.9 - 2.8) + (3.3 - 3.0)) / 2)
+    assert by["attnres_block"].refs["attnres_block"] is None  # itself
+    # the target of seed s is vanilla's final loss of seed s: 3.0 (seed 0), 3.2 (seed 1)
+    assert by["vanilla"].to_target == {0: pytest.approx((30.0, 12.0)), 1: pytest.approx((36.0, 12.0))}
+    assert by["attnres_block"].to_target[0] == pytest.approx((22.0, 8.0))
+    assert by["attnres_block"].to_target[1] == pytest.approx((11 + 11 * 0.4 / 0.5, 4 + 4 * 0.4 / 0.5))
+    assert msar.to_target[0] == pytest.approx((25.0, 10.0)) and msar.to_target[1] is None  # 3.3 > 3.2
+    assert "Δ vs vanilla (± 95% CI)" in text and "Δ vs attnres_block (± 95% CI)" in text
+    assert "time to vanilla's loss" in text and "(1/2 reached)" in text and "not reached" in text
+    speedup = (30 + 36) / 2 / ((22 + 11 + 11 * 0.8) / 2)
+    assert f"{speedup:.2f}×" in text
+    logged = client.search_runs([exp_id], filter_string="tags.`platform.kind` = 'comparison'")[0].data.metrics
+    assert logged["msar_block/vs_attnres_block"] == pytest.approx(0.2)
+    assert logged["msar_block/time_to_target_s"] == pytest.approx(25.0) and logged["msar_block/reached_target"] == 1
+
+
+def test_runs_of_a_renamed_residual_still_count(tmp_path, store, monkeypatch):
+    uri, client, exp_id = store
+    base = [*BASE, f"mlflow.tracking_uri={uri}"]
+    cfg = make_cfg(*base, "residual=vanilla", "seed=0")
+    rid = client.create_run(exp_id).info.run_id
+    params = {**compare.flat_params(cfg), "residual/name": "plain"}  # logged before vanilla was renamed
+    items = [Param(k, v) for k, v in params.items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(rid, params=items[i:i + 100])
+    client.log_batch(rid, metrics=[Metric("final/val_loss", 3.0, 0, 12), Metric("val/loss", 3.0, 0, 12)])
+    client.set_terminated(rid, "FINISHED")
+    args = ["compare.runs=[vanilla]", "compare.seeds=[0]", "compare.train=false", "compare.log_comparison=false",
+            f"compare.out_dir={tmp_path}/out", *base]
+    _, rows = compare.run_compare(*compare.parse_args(args))
+    assert rows[0].records == []  # without the rename map the run is orphaned
+    monkeypatch.setattr(compare.matching.tracking, "RENAMED", {"plain": "vanilla"})
+    _, rows = compare.run_compare(*compare.parse_args(args))
+    assert [r.run_id for r in rows[0].records] == [rid]
+
+
+# --- the study preset ---------------------------------------------------------------------------------------
+def test_paper_small_preset_composes_with_one_budget_and_overridable_steps():
+    cc, base = compare.parse_args(["compare=paper_small", "trainer.max_steps=7"])
+    assert cc.runs == ["vanilla", "mhc", "attnres", "attnres_block", "msar_block", "wo_conv", "attnres_mhc_sum",
+                       "attnres_conv"]
+    assert len(cc.seeds) >= 3 and cc.references == ["vanilla", "attnres_block"]
+    assert base.count("trainer.max_steps=7") == 1 and not any(o == "trainer.max_steps=2000" for o in base)
+    variants = compare.plan_variants(cc)
+    assert {v.name: v.kind for v in variants}["wo_conv"] == "ablation"
+    cfgs = [make_cfg(*base, v.override, "seed=1") for v in variants]
+    assert {(c.model.name, c.trainer.accelerator, c.trainer.max_steps) for c in cfgs} == {("small", "gpu", 7)}
+    from platform.accounting import token_budget
+
+    assert {token_budget(c) for c in cfgs} == {7 * 16 * 1024}  # one token budget for every variant
+    data = [{k: v for k, v in compare.flat_params(c).items() if k.startswith("data/") or k == "seed"} for c in cfgs]
+    assert all(d == data[0] for d in data)  # the same data (and so data order) for every variant of a seed
+    assert {c.residual.name for c in cfgs} >= {"vanilla", "mhc", "attnres", "attnres_block", "msar_block"}
+
+
+def test_a_preset_with_a_misspelt_key_fails_naming_the_file(tmp_path, monkeypatch):
+    (tmp_path / "bad.yaml").write_text("runs: [vanilla]\nsedes: [0]\n")
+    monkeypatch.setattr(compare.plan, "PRESET_DIR", tmp_path)
+    with pytest.raises(ValueError, match=r"conf/compare/bad.yaml: .*sedes.*options: runs, seeds"):
+        compare.parse_args(["compare=bad"])
+
+
+# --- parallel runs ------------------------------------------------------------------------------------------
+def test_missing_runs_are_shared_over_workers_one_gpu_each(monkeypatch, tmp_path):
+    import threading
+
+    lock, running, seen = threading.Lock(), [], []
+    both = threading.Barrier(2, timeout=30)
+
+    def fake_train_run(base, variant, seed, run_dir, env=None, log=None):
+        with lock:
+            running.append(env["CUDA_VISIBLE_DEVICES"])
+            seen.append((variant.name, seed, env["CUDA_VISIBLE_DEVICES"], env["NCCL_NVLS_ENABLE"], set(running)))
+        if len(seen) <= 2:
+            both.wait()  # the first two runs are in flight together, on different GPUs
+        with lock:
+            running.remove(env["CUDA_VISIBLE_DEVICES"])
+        return 0 if seed != 2 else 3
+
+    monkeypatch.setattr(compare.command, "train_run", fake_train_run)
+    jobs = [(compare.resolve_variant("vanilla", "vanilla"), s) for s in range(4)]
+    codes = compare.train_missing([], jobs, tmp_path, workers=2, gpus=["4", "7"])
+    assert codes == {("vanilla", 0): 0, ("vanilla", 1): 0, ("vanilla", 2): 3, ("vanilla", 3): 0}
+    assert sorted(s for _, s, *_ in seen) == [0, 1, 2, 3]
+    assert all(len(r) == len(set(r)) for *_, r in seen)  # never two runs on one GPU
+    assert {g for _, _, g, _, _ in seen[:2]} == {"4", "7"} and {n for *_, n, _ in seen} == {"0"}
+    assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], ["0", "1", "2"]) == 3
+    assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], []) == 1

@@ -1,0 +1,119 @@
+"""Finding the runs of a comparison in MLflow: a FINISHED run counts for (variant, seed) when its logged
+config hashes to the same key as the run `platform.run` would make now. Runs of a renamed residual are
+found under its old names (`platform.tracking.RENAMED`) and hashed under the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from .. import stats, tracking
+
+# Knobs that do not change a run's numbers: runs that differ only in these are the same run.
+HASH_IGNORED = ("trainer/progress_bar", "trainer/threads", "trainer/ckpt_every", "trainer/log_every",
+                "trainer/compile", "data/num_workers", "data/cache_dir")
+HASH_GROUPS = ("model/", "data/", "trainer/", "residual/")
+
+
+@dataclass
+class RunRecord:
+    seed: int
+    run_id: str
+    final_val_loss: float
+    tokens_per_s: float
+    peak_mem_mb: float
+    val_curve: list[tuple[int, float]]  # (step, val/loss) at every validation
+    trained_now: bool = False
+    val_wall_s: list[float] = field(default_factory=list)  # seconds from the run's start to each validation
+    wall_s: float = math.nan  # the run's training wall time (final/wall_s)
+
+
+def flat_params(cfg: DictConfig) -> dict[str, str]:
+    """The params `train` logs for this config, as MLflow stores them (Lightning's flattening, str, 250 chars)."""
+    from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+
+    flat = _flatten_dict(_convert_params(OmegaConf.to_container(cfg, resolve=True)))
+    return {k: str(v)[:250] for k, v in flat.items()}
+
+
+def config_key(params: Mapping[str, str]) -> str:
+    """Hash of what decides a run's numbers (model, data, trainer, residual params; not the seed). The
+    residual's name is taken through the rename map, so a run logged under an old name keeps its key."""
+    items = sorted((k, tracking.canonical_residual(v) if k == "residual/name" else v) for k, v in params.items()
+                   if k.startswith(HASH_GROUPS) and k not in HASH_IGNORED)
+    return hashlib.sha1(json.dumps(items).encode()).hexdigest()[:16]
+
+
+def _search_all(client, experiment_ids: list[str], filter_string: str) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs(experiment_ids, filter_string=filter_string, max_results=1000,
+                                  order_by=["attributes.start_time DESC"], page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def _finished_of(client, experiment_id: str, residual: str) -> list:
+    """FINISHED runs logged under any name of the residual (the current one and its old ones), newest first."""
+    runs = []
+    for name in tracking.logged_names(residual):
+        runs += _search_all(client, [experiment_id],
+                            f"params.`residual/name` = '{name}' and attributes.status = 'FINISHED'")
+    return sorted(runs, key=lambda r: r.info.start_time, reverse=True)
+
+
+def finished_runs_by_key(client, experiment_id: str, residual: str) -> dict[tuple[str, int], list]:
+    """FINISHED runs of a residual, grouped by (config key, seed), newest first."""
+    out: dict[tuple[str, int], list] = {}
+    for run in _finished_of(client, experiment_id, residual):
+        p = run.data.params
+        if "seed" not in p:
+            continue
+        try:
+            seed = int(p["seed"])
+        except ValueError:
+            continue
+        out.setdefault((config_key(p), seed), []).append(run)
+    return out
+
+
+def nearest_difference(client, experiment_id: str, residual: str, want: Mapping[str, str]) -> str:
+    """For a variant with no matching run: which params differ in the closest run of that residual."""
+    runs = _finished_of(client, experiment_id, residual)[:50]
+    if not runs:
+        return f"no FINISHED run of residual {residual} in this experiment"
+    keys = [k for k in want if k.startswith(HASH_GROUPS) and k not in HASH_IGNORED and k != "residual/name"]
+
+    def diff(run):
+        return [k for k in keys if run.data.params.get(k) != want[k]]
+
+    best = min(runs, key=lambda r: len(diff(r)))
+    if not diff(best):
+        return f"runs of this config exist for other seeds only (e.g. {best.info.run_id[:8]}, seed {best.data.params.get('seed')})"
+    shown = ", ".join(f"{k}: {best.data.params.get(k)} (wanted {want[k]})" for k in diff(best)[:4])
+    return f"closest run {best.info.run_id[:8]} differs in {shown}"
+
+
+def record_of(client, run, seed: int, trained_now: bool = False) -> RunRecord:
+    """The numbers of one run: final loss, the validation curve with the wall time of each point
+    (metric timestamp minus the run's start), median tokens/s, peak memory."""
+    def history(key):
+        return sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: (m.step, m.timestamp))
+
+    val = history("val/loss")
+    metrics = run.data.metrics
+    final = metrics.get("final/val_loss", val[-1].value if val else math.nan)
+    tps = stats.median([m.value for m in history("perf/tokens_per_s")])
+    start = run.info.start_time or (val[0].timestamp if val else 0)
+    return RunRecord(seed, run.info.run_id, float(final), tps, float(metrics.get("perf/peak_mem_mb", math.nan)),
+                     [(m.step, m.value) for m in val], trained_now,
+                     val_wall_s=[max(0.0, (m.timestamp - start) / 1000) for m in val],
+                     wall_s=float(metrics.get("final/wall_s", math.nan)))
