@@ -46,65 +46,15 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+
+from kernels.mhc import BACKENDS, mhc_post, mhc_pre
+from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
 from .base import Context, Residual, ResidualConfig
 from .registry import register
 
 OUTPUTS = ("sum", "head")
-
-
-def sinkhorn(logits: Tensor, iters: int) -> Tensor:
-    """Sinkhorn-Knopp on exp(logits) over the last two axes, in the log domain (paper Eq. 9).
-
-    Each iteration normalises the columns, then the rows (M^(t) = T_r(T_c(M^(t-1)))), so the rows sum
-    to 1 up to rounding and the columns to within the convergence error. The log domain never
-    overflows, whatever the logits. Call it in fp32 (or fp64).
-    """
-    log_m = logits
-    for _ in range(iters):
-        log_m = log_m - torch.logsumexp(log_m, dim=-2, keepdim=True)  # T_c: columns sum to 1
-        log_m = log_m - torch.logsumexp(log_m, dim=-1, keepdim=True)  # T_r: rows sum to 1
-    return log_m.exp()
-
-
-def mhc_coefficients(
-    streams: Tensor,
-    phi: Tensor,
-    alpha: Tensor,
-    b_pre: Tensor,
-    b_post: Tensor,
-    b_res: Tensor,
-    *,
-    sinkhorn_iters: int,
-    norm_gain: Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The mHC coefficients of every token (paper Eq. 7-8), fp32 (fp64 for fp64 streams), autocast off.
-
-    streams (..., n, d); phi (nd, n²+2n), columns [pre | post | res, row-major]; alpha (3,) as
-    [pre, post, res]; b_pre, b_post (n,); b_res (n, n); norm_gain (nd,) or None.
-    Returns H^pre (..., n), H^post (..., n), H^res (..., n, n).
-    """
-    n, d = streams.shape[-2:]
-    ct = torch.float64 if streams.dtype == torch.float64 else torch.float32
-    with torch.autocast(device_type=streams.device.type, enabled=False):
-        x = streams.reshape(*streams.shape[:-2], n * d).to(ct)  # vec(X_l): (..., nd)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # RMSNorm over all nd
-        if norm_gain is not None:
-            x = x * norm_gain.to(ct)
-        z = x @ phi.to(ct)  # (..., n² + 2n)
-        a = alpha.to(ct)
-        h_pre = torch.sigmoid(a[0] * z[..., :n] + b_pre.to(ct))
-        h_post = 2.0 * torch.sigmoid(a[1] * z[..., n:2 * n] + b_post.to(ct))
-        res_logits = a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + b_res.to(ct)
-        if torch.is_grad_enabled() and res_logits.requires_grad:
-            # Recompute the iterations in backward rather than keep 2·iters (…, n, n) intermediates
-            # per token and sublayer (~20% of the streams' own memory at n = 4; paper §4.3.2).
-            h_res = checkpoint(sinkhorn, res_logits, sinkhorn_iters, use_reentrant=False)
-        else:
-            h_res = sinkhorn(res_logits, sinkhorn_iters)
-    return h_pre, h_post, h_res
+__all__ = ["MHC", "MHCState", "OUTPUTS", "mhc_coefficients", "sinkhorn"]
 
 
 @dataclass
@@ -133,6 +83,7 @@ class MHC(Residual):
         phi_init_std: float = 1.0  # φ ~ N(0, phi_init_std²/nd): the std of z at step 0; 0: streams never split
         norm_gain: bool = False  # learnable gain in the RMSNorm over nd (redundant: φ absorbs it)
         output: str = "sum"  # "sum": sum of the n streams | "head": learned weights, init to the sum
+        backend: str = "auto"  # "torch" (reference), "triton" (fused kernels/mhc), "auto" (triton on CUDA)
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
@@ -164,6 +115,9 @@ class MHC(Residual):
             raise ValueError(f"residual.n={cfg.n!r} must be an integer >= 1 (number of streams; paper: 4)")
         if not isinstance(cfg.sinkhorn_iters, int) or cfg.sinkhorn_iters < 1:
             raise ValueError(f"residual.sinkhorn_iters={cfg.sinkhorn_iters!r} must be an integer >= 1 (paper: 20)")
+        if cfg.backend not in ("auto", *BACKENDS):
+            raise ValueError(f"residual.backend={cfg.backend!r} is not valid for residual=mhc; "
+                             f"choose one of: auto, {', '.join(BACKENDS)}")
         if cfg.output not in OUTPUTS:
             raise ValueError(f"residual.output={cfg.output!r} is not valid; choose one of: {', '.join(OUTPUTS)}")
         if not cfg.phi_init_std >= 0:
@@ -174,20 +128,18 @@ class MHC(Residual):
                 raise ValueError(f"residual.{key}={value!r} must be a finite number")
 
     # --- coefficients --------------------------------------------------------------------------
-    def coefficients(self, streams: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """H^pre (B, T, n), H^post (B, T, n), H^res (B, T, n, n) of sublayer ``layer``, fp32."""
+    def layer_params(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """φ (nd, n²+2n), α (3,), b_pre (n,), b_post (n,), b_res (n, n), norm gain (nd,) or None."""
         n, nd = self.cfg.n, self.cfg.n * self.d_model
         gain = None if self.norm_gain is None else self.norm_gain.view(-1, nd)[layer]
-        return mhc_coefficients(
-            streams,
-            self.phi[layer],
-            self.alpha.view(-1, 3)[layer],
-            self.b_pre.view(-1, n)[layer],
-            self.b_post.view(-1, n)[layer],
-            self.b_res.view(-1, n, n)[layer],
-            sinkhorn_iters=self.cfg.sinkhorn_iters,
-            norm_gain=gain,
-        )
+        return (self.phi[layer], self.alpha.view(-1, 3)[layer], self.b_pre.view(-1, n)[layer],
+                self.b_post.view(-1, n)[layer], self.b_res.view(-1, n, n)[layer], gain)
+
+    def coefficients(self, streams: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """H^pre (B, T, n), H^post (B, T, n), H^res (B, T, n, n) of sublayer ``layer``, fp32 (the reference)."""
+        phi, alpha, b_pre, b_post, b_res, gain = self.layer_params(layer)
+        return mhc_coefficients(streams, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=self.cfg.sinkhorn_iters,
+                                norm_gain=gain)
 
     # --- the protocol --------------------------------------------------------------------------
     def begin(self, embedding: Tensor, ctx: Context) -> MHCState:
@@ -197,25 +149,22 @@ class MHC(Residual):
 
     def read(self, state: MHCState, layer: int) -> Tensor:
         x = state.streams  # (B, T, n, d)
-        h_pre, h_post, h_res = self.coefficients(x, layer)  # computed once, from X_l
+        # coefficients (computed once, from X_l) and h = H^pre X_l: one pass over the streams when fused
+        h, h_pre, h_post, h_res = mhc_pre(x, *self.layer_params(layer), sinkhorn_iters=self.cfg.sinkhorn_iters,
+                                          backend=self.cfg.backend)  # h (B, T, d) in x's dtype
         state.pending = (layer, h_post, h_res)
         if state.record:
             state.trace[layer] = (h_pre.detach(), h_post.detach(), h_res.detach())
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            h = torch.matmul(h_pre.unsqueeze(-2), x.to(h_pre.dtype)).squeeze(-2)  # H^pre X_l: (B, T, d)
-        return h.to(x.dtype)
+        return h
 
     def write(self, state: MHCState, layer: int, out: Tensor) -> MHCState:
         if state.pending is None or state.pending[0] != layer:
             got = None if state.pending is None else state.pending[0]
             raise RuntimeError(f"mhc.write(layer={layer}) needs read(layer={layer}) first; pending layer: {got}")
         _, h_post, h_res = state.pending
-        x = state.streams  # (B, T, n, d)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            # Mixing in fp32: H^res's rows sum to 1, and bf16 coefficients would let the streams drift.
-            mixed = torch.matmul(h_res, x.to(h_res.dtype))  # H^res X_l: (B, T, n, d)
-            new = mixed + h_post.unsqueeze(-1) * out.to(h_post.dtype).unsqueeze(-2)  # + H^postᵀ f_l
-        return MHCState(streams=new.to(x.dtype), record=state.record, trace=state.trace)
+        # X_{l+1} = H^res X_l + H^postᵀ f_l, mixed in fp32, in the streams' dtype: (B, T, n, d)
+        new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend)
+        return MHCState(streams=new, record=state.record, trace=state.trace)
 
     def end(self, state: MHCState) -> Tensor:
         x = state.streams  # (B, T, n, d)
