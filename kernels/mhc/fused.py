@@ -35,9 +35,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# fp32 products on CUDA cores: the paper keeps φ and the projection in fp32 (Eq. 10); "tf32x3" is
-# the faster near-fp32 alternative on tensor cores.
-DOT_PRECISION = "ieee"
+# Precision of the projections z = x'φ, φ dz and Σ xᵀ dz (tl.dot on fp32 operands). The paper keeps φ
+# and the projection in fp32 (Eq. 10). "tf32x3" splits each operand into two tf32 parts and keeps
+# three products: about fp32 accuracy on tensor cores; "ieee" is exact fp32 on CUDA cores (the
+# projection is then the op's largest cost). benchmarks/ops_mhc.py times both.
+DOT_PRECISIONS = ("tf32x3", "ieee")
+DOT_PRECISION = "tf32x3"
 
 
 def interpreting() -> bool:
@@ -413,11 +416,16 @@ def _pow2(v: int, lo: int = 1) -> int:
 INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 1}
 
 
-def _blocks(d: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps); tl.dot needs BLOCK_T, BLOCK_D >= 16."""
+def _blocks(d: int, op: str) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) of the "pre" or "post" kernels; tl.dot needs BLOCK_T, BLOCK_D >= 16.
+
+    pre: 32 tokens per program, so each program's read of φ from L2 (n·d·K fp32) serves more tokens;
+    post: small (16, n, 64) tiles, purely bandwidth-bound."""
     if interpreting():
         return INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["block_d"] or _pow2(d, 16), 4
-    return 16, min(128, _pow2(d, 16)), 4
+    if op == "pre":
+        return 32, min(128, _pow2(d, 16)), 4
+    return 16, min(64, _pow2(d, 16)), 4
 
 
 def _consts(n: int) -> tuple[int, int, int]:
@@ -428,7 +436,7 @@ def _consts(n: int) -> tuple[int, int, int]:
 def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     N, n, d = x.shape
     k, np_, kp = _consts(n)
-    block_t, block_d, warps = _blocks(d)
+    block_t, block_d, warps = _blocks(d, "pre")
     f32 = dict(device=x.device, dtype=torch.float32)
     h = torch.empty(N, d, device=x.device, dtype=x.dtype)
     h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
@@ -443,7 +451,7 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
 def pre_bwd(x, dh, d_pre, d_post, d_res, z, r, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     N, n, d = x.shape
     k, np_, kp = _consts(n)
-    block_t, block_d, warps = _blocks(d)
+    block_t, block_d, warps = _blocks(d, "pre")
     dx = torch.empty_like(x)
     dlogit = torch.empty(N, k, device=x.device, dtype=torch.float32)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
@@ -475,9 +483,7 @@ def phi_grad(x, w):
 
 def post_fwd(x, f, h_post, h_res):
     N, n, d = x.shape
-    block_t, block_d, warps = _blocks(d)
-    if not interpreting():
-        block_d = min(block_d, 64)
+    block_t, block_d, warps = _blocks(d, "post")
     out = torch.empty_like(x)
     _post_fwd_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
         x, f, h_post, h_res, out, N, D=d, N_STREAMS=n, NP=_pow2(n), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
@@ -486,9 +492,7 @@ def post_fwd(x, f, h_post, h_res):
 
 def post_bwd(x, f, h_post, h_res, dout):
     N, n, d = x.shape
-    block_t, block_d, warps = _blocks(d)
-    if not interpreting():
-        block_d = min(block_d, 64)
+    block_t, block_d, warps = _blocks(d, "post")
     dx, df = torch.empty_like(x), torch.empty_like(f)
     d_post = torch.empty(N, n, device=x.device, dtype=torch.float32)
     d_res = torch.empty(N, n, n, device=x.device, dtype=torch.float32)

@@ -1,0 +1,228 @@
+"""Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
+
+    python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4]
+
+In ONE process (timings on a shared host swing between invocations):
+
+1. Ceilings: device-to-device copy bandwidth and the fp32 CUDA-core matmul rate (benchmarks/roofline.py).
+2. Per shape and fused variant, a parity check first: the bf16 fused ops (h, H^pre, H^post, H^res, X' and the gradients
+   of X, f, φ, α, b_pre, b_post, b_res under random upstream gradients) against the fp32 reference on
+   the same bf16-valued inputs; a failure makes the script exit non-zero after the table is written.
+3. Median times (triton.testing.do_bench) of forward (`mhc_pre`, `mhc_post`, and one sublayer's
+   pre + post, under no_grad) and of forward+backward of the sublayer, for: the fused ops with the
+   projections in "tf32x3" and in "ieee" fp32, the reference, and torch.compile of the reference.
+4. Minimal bytes (every op's inputs read once, outputs written once; bf16 streams, fp32
+   coefficients), CUDA-core FLOPs (counted below), roofline = max(bytes / copy bandwidth,
+   FLOPs / fp32 rate), and the fraction of it each backend achieves.
+
+Writes benchmarks/results/ops_mhc.md (command, GPU, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from benchmarks.roofline import Ceilings, Table, bench_ms
+
+# (name, B, T, d): model=small (d=512, 16×1024), model=medium (d=1024, 16×2048), and d=2048
+SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "d2048": (8, 2048, 2048)}
+ITERS = 20
+PARITY_TOL = 2e-2  # relative error (L2) of any output or gradient, bf16 fused vs fp32 reference
+SINKHORN_HALF_STEP = 5  # log-domain normalisation per entry: max, subtract, exp, sum, subtract (+ a log per row)
+
+
+def make_inputs(B, T, n, d, seed, *, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = n * n + 2 * n
+
+    def rand(*shape, scale=1.0, shift=0.0):
+        return shift + scale * torch.randn(*shape, device="cuda", generator=g)
+
+    return {
+        "x": rand(B, T, n, d).to(dtype),
+        "phi": rand(n * d, k, scale=1.0 / math.sqrt(n * d)),
+        "alpha": rand(3, scale=0.2, shift=0.8),
+        "b_pre": rand(n, scale=0.5),
+        "b_post": rand(n, scale=0.5),
+        "b_res": rand(n, n, scale=0.5) + 2.0 * torch.eye(n, device="cuda"),
+        "out": rand(B, T, d).to(dtype),
+    }
+
+
+def sublayer(backend, p):
+    """One sublayer's mHC: read (coefficients + h), then write X' with the sublayer output p["out"]."""
+    from kernels.mhc import mhc_post, mhc_pre
+
+    h, h_pre, h_post, h_res = mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                      sinkhorn_iters=ITERS, backend=backend)
+    return h, h_pre, h_post, h_res, mhc_post(p["x"], p["out"], h_post, h_res, backend=backend)
+
+
+def reference_sublayer(p):
+    from kernels.mhc import reference
+
+    h, h_pre, h_post, h_res = reference.mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                                sinkhorn_iters=ITERS)
+    return h, h_pre, h_post, h_res, reference.mhc_post(p["x"], p["out"], h_post, h_res)
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def parity(B, T, n, d, seed) -> float:
+    """Worst relative error of the bf16 fused ops (outputs and every gradient) vs the fp32 reference."""
+    inp = make_inputs(B, T, n, d, seed)
+    bf = {k: v.clone().requires_grad_() for k, v in inp.items()}
+    ref_in = {k: v.detach().float().requires_grad_() for k, v in inp.items()}
+    got, ref = sublayer("triton", bf), sublayer("torch", ref_in)
+    errs = [rel_err(a, b) for a, b in zip(got, ref)]
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    ups = [torch.randn(o.shape, device="cuda", generator=g) for o in ref]
+    ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()))
+    gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
+    errs += [rel_err(a, b) for a, b in zip(ga, gb)]
+    return max(errs)
+
+
+def counts(N, n, d, elt=2) -> dict[str, tuple[float, float]]:
+    """(minimal bytes, CUDA-core FLOPs) of pre, post, the sublayer forward and forward+backward.
+
+    Bytes: streams and the sublayer output/input in bf16 (elt), coefficients fp32, each op's
+    inputs read once and outputs written once (pre also writes z and r for its backward).
+    FLOPs per token: RMSNorm 3nd; projection 2·nd·K; gates 2K + 3n; Sinkhorn ITERS·2 half-steps of
+    SINKHORN_HALF_STEP·n² each (+ n² exp); h = H^pre X 2nd; X' = H^res X + H^postᵀ f 2n²d + 2nd.
+    Backward: the sublayer's forward FLOPs again for the recomputed Sinkhorn and the projections
+    φ dz and Σ xᵀ dz (2·2·nd·K), dH^pre 2nd, dX from h 2nd, the RMS term 4nd, H^resᵀ dX' 2n²d,
+    dH^res 2n²d, dH^post and df 4nd, the Sinkhorn backward ITERS·2·4n².
+    """
+    nd, K = n * d, n * n + 2 * n
+    coeff = (n * n + 2 * n) * 4
+    sink = ITERS * 2 * SINKHORN_HALF_STEP * n * n + n * n
+    pre_b = N * (nd * elt + d * elt + coeff + K * 4 + 4)
+    pre_f = N * (3 * nd + 2 * nd * K + 2 * K + 3 * n + sink + 2 * nd)
+    post_b = N * (nd * elt + d * elt + (n * n + n) * 4 + nd * elt)
+    post_f = N * (2 * n * n * d + 2 * nd)
+    bwd_b = N * (3 * nd * elt + 2 * d * elt + 2 * (n * n + n) * 4  # post: dX', X, f in; dX, df, dcoeffs out
+                 + 2 * nd * elt + d * elt + coeff + K * 4 + 4)  # pre: X, dh, dcoeffs, z, r in; dX out
+    bwd_f = N * (sink + 2 * 2 * nd * K + 2 * nd + 2 * nd + 4 * nd + 4 * n * n * d + 4 * nd + ITERS * 2 * 4 * n * n)
+    return {"pre": (pre_b, pre_f), "post": (post_b, post_f), "fwd": (pre_b + post_b, pre_f + post_f),
+            "fwd+bwd": (pre_b + post_b + bwd_b, pre_f + post_f + bwd_f)}
+
+
+def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
+    """Median ms of pre, post, the sublayer forward (no_grad) and its forward+backward."""
+    pre, full = fns["pre"], fns["sublayer"]
+    leaves = [p[k] for k in ("x", "phi", "alpha", "b_pre", "b_post", "b_res", "out")]
+    with torch.no_grad():
+        _, _, h_post, h_res, _ = full(p)
+        out = {"pre": bench_ms(lambda: pre(p)),
+               "post": bench_ms(lambda: fns["post"](p, h_post, h_res)),
+               "fwd": bench_ms(lambda: full(p))}
+
+    def fwd_bwd():
+        outs = full(p)
+        return torch.autograd.grad(outs, leaves, grad_outputs=up)
+
+    out["fwd+bwd"] = bench_ms(fwd_bwd)
+    return out
+
+
+def backends():
+    from kernels.mhc import mhc_post, mhc_pre, reference
+
+    def pre_of(backend):
+        return lambda p: mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                 sinkhorn_iters=ITERS, backend=backend)
+
+    def ref_pre(p):
+        return reference.mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                 sinkhorn_iters=ITERS)
+
+    compiled_pre = torch.compile(ref_pre)
+    compiled_post = torch.compile(reference.mhc_post)
+    compiled_full = torch.compile(reference_sublayer)
+    yield "triton (tf32x3)", "tf32x3", {
+        "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
+        "sublayer": lambda p: sublayer("triton", p)}
+    yield "triton (ieee)", "ieee", {
+        "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
+        "sublayer": lambda p: sublayer("triton", p)}
+    yield "torch reference", None, {
+        "pre": ref_pre, "post": lambda p, hp, hr: reference.mhc_post(p["x"], p["out"], hp, hr),
+        "sublayer": reference_sublayer}
+    yield "torch.compile(reference)", None, {
+        "pre": compiled_pre, "post": lambda p, hp, hr: compiled_post(p["x"], p["out"], hp, hr),
+        "sublayer": compiled_full}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--n", type=int, default=4, help="streams (paper: 4)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
+    from kernels.mhc import fused
+
+    ceil = Ceilings.measure()
+    print(ceil.describe(), flush=True)
+    table = Table(
+        title="mHC read / write: fused Triton vs PyTorch reference",
+        columns=["shape", "B×T", "d", "n", "parity (bf16 vs fp32 ref)", "backend", "op", "ms", "min MB", "GFLOP",
+                 "roofline ms", "binds", "% of roofline"],
+        notes=[ceil.describe(),
+               f"n streams, {ITERS} Sinkhorn iterations, bf16 streams and sublayer output, fp32 φ, α, b; "
+               "fwd ops under no_grad; fwd+bwd = one sublayer's pre + post and the gradients of X, f, φ, α, b",
+               "min MB: each op's inputs read once and outputs written once; GFLOP: CUDA-core FLOPs "
+               "(see `counts` in benchmarks/ops_mhc.py); roofline = max(bytes / copy, FLOPs / fp32 rate)",
+               f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL}"])
+    failed = []
+    default_precision = fused.DOT_PRECISION
+    for name in args.shapes:
+        B, T, d = SHAPES[name]
+        n, N = args.n, B * T
+        p = {k: v.requires_grad_() for k, v in make_inputs(B, T, n, d, args.seed).items()}
+        g = torch.Generator(device="cuda").manual_seed(args.seed + 2)
+        up = [torch.randn(s, device="cuda", generator=g).to(dt) for s, dt in
+              (((B, T, d), torch.bfloat16), ((B, T, n), torch.float32), ((B, T, n), torch.float32),
+               ((B, T, n, n), torch.float32), ((B, T, n, d), torch.bfloat16))]
+        cnt = counts(N, n, d)
+        for label, precision, fns in backends():
+            check = "reference"
+            try:
+                if precision is not None:  # a fused variant: its parity first, then its times
+                    fused.DOT_PRECISION = precision
+                    err = parity(B, T, n, d, args.seed)
+                    check = f"{err:.1e} {'ok' if err < PARITY_TOL else 'FAIL'}"
+                    print(f"{name} {label}: parity {check}", flush=True)
+                    if err >= PARITY_TOL:
+                        failed.append(f"{name} {label}")
+                res = timings(fns, p, up)
+            except Exception as e:  # a backend that fails is reported in the table, not skipped silently
+                print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
+                failed.append(f"{name} {label}: {type(e).__name__}")
+                table.add(name, f"{B}×{T}", d, n, check, label, "all", f"error: {type(e).__name__}",
+                          "", "", "", "", "")
+                continue
+            finally:
+                fused.DOT_PRECISION = default_precision
+            for op, ms in res.items():
+                n_bytes, flops = cnt[op]
+                floor = ceil.floor_ms(n_bytes, flops)
+                table.add(name, f"{B}×{T}", d, n, check, label, op, f"{ms:.3f}", f"{n_bytes / 1e6:.0f}",
+                          f"{flops / 1e9:.2f}", f"{floor:.3f}", ceil.binding(n_bytes, flops), f"{100 * floor / ms:.0f}%")
+                print(" | ".join(table.rows[-1]), flush=True)
+        del p, up
+        torch.cuda.empty_cache()
+    table.write("ops_mhc")
+    if failed:
+        raise SystemExit(f"parity check failed or a backend errored: {failed}; see the table")
+
+
+if __name__ == "__main__":
+    main()
