@@ -13,15 +13,22 @@ token's n·d values are contiguous. Two ops, each one pass over the streams:
 
 Backward (recomputation instead of storage: only z and r are kept per token):
 
-- ``_post_bwd_kernel``: dX = H^resᵀ dX', df = H^post dX', and the per-token reductions over d
-  dH^res_ij = ⟨dX'_i, X_j⟩, dH^post_i = ⟨dX'_i, f⟩; one pass.
+- ``_post_bwd_kernel``: df = Σ_i H^post_i dX'_i and the per-token reductions over d
+  dH^res_ij = ⟨dX'_i, X_j⟩, dH^post_i = ⟨dX'_i, f⟩; one pass. Its stream gradient H^resᵀ dX' is left to
+  the read's backward (``GradientLink``) when the write used the read's own streams and coefficients,
+  so the two halves of dX are written once, not twice and then summed.
 - ``_pre_bwd_kernel``: dH^pre_i = ⟨dh, X_i⟩ (sweep 1), then per token the gradients of the logits:
   σ' for H^pre and H^post, and the Sinkhorn iterations backpropagated by recomputation — for
   iteration t = T..1 the state before it is recomputed from the logits in registers (O(T²) small
-  (n, n) steps, no storage), then dX = H^pre dh + r g ⊙ (φ dz) − (⟨dz, z⟩ r² / nd) x (sweep 2).
+  (n, n) steps, no storage); then (sweep 2)
+  dX = H^pre dh + r g ⊙ (φ dz) − (⟨dz, z⟩ r² / nd) x [+ H^resᵀ dX' from the write].
 - ``_phi_grad_kernel``: P = Σ_tokens xᵀ (r dz) (nd × (n²+2n), fp32 ``tl.dot``, deterministic partial
   sums per token split); dφ = g ⊙ P and dg = Σ_k φ ⊙ P. dα and db are sums over tokens of the
   per-token logit gradients, done with ``torch.sum``.
+
+Per sublayer and token the streams cross HBM: forward 2·nd + 2·d (pre reads X, writes h; post
+reads X and f, writes X'; pre's second sweep over X hits L2), backward about 5·nd (post reads dX'
+and X; pre reads X, dX' and writes dX; the φ gradient reads X once more).
 
 All math is fp32 whatever the streams' dtype; inputs are made contiguous by the launchers.
 """
@@ -29,6 +36,7 @@ All math is fp32 whatever the streams' dtype; inputs are made contiguous by the 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -76,14 +84,14 @@ def _sinkhorn_log(logits, valid, ITERS: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_bwd(logits, valid, dh_res, ITERS: tl.constexpr):
+def _sinkhorn_bwd(logits, valid, h_res, dh_res, ITERS: tl.constexpr):
     """dL/dlogits from dL/dH^res, backpropagating the ITERS iterations one at a time, last first.
 
     A log-domain normalisation y = v − lse(v) has dv = dy − exp(y) Σ dy (sum along the normalised
     axis). The input of iteration t is recomputed from the logits each time (t−1 steps), so nothing
     per iteration is stored: O(ITERS²) steps on an (n, n) tile per token, all in registers.
     """
-    g = tl.where(valid, dh_res * tl.exp(_sinkhorn_log(logits, valid, ITERS)), 0.0)  # dL/dlog M
+    g = tl.where(valid, dh_res * h_res, 0.0)  # dL/dlog M, with M = H^res the forward result
     for t in range(ITERS):
         lm = tl.where(valid, logits, float("-inf"))
         for _ in range(ITERS - 1 - t):  # the state before iteration ITERS - t
@@ -240,12 +248,13 @@ def _post_bwd_kernel(
     hpost_ptr,  # H^post (N, n) fp32
     hres_ptr,  # H^res (N, n, n) fp32
     dout_ptr,  # upstream gradient dX' (N, n, d), contiguous
-    dx_ptr,  # result: dX = H^resᵀ dX' (N, n, d), x's dtype
+    dx_ptr,  # result: dX = H^resᵀ dX' (N, n, d), x's dtype; written only when STORE_DX
     df_ptr,  # result: df = Σ_i H^post_i dX'_i (N, d), f's dtype
     dhpost_ptr,  # result: dH^post (N, n) fp32
     dhres_ptr,  # result: dH^res (N, n, n) fp32
     N,
-    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, STORE_DX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     NN: tl.constexpr = N_STREAMS * N_STREAMS
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -275,9 +284,11 @@ def _post_bwd_kernel(
         acc_post += tl.sum(g3 * f[:, None, :], axis=2)
         for j in tl.static_range(N_STREAMS):
             xj = tl.load(x_ptr + rows[:, None] * ND + j * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
-            h_col = tl.sum(tl.where(col == j, h_res, 0.0), axis=2)  # H^res[:, j] (BLOCK_T, NP over i)
-            dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
-            tl.store(dx_ptr + rows[:, None] * ND + j * D + offs_d[None, :], dxj.to(dx_ptr.dtype.element_ty), mask=mtd)
+            if STORE_DX:
+                h_col = tl.sum(tl.where(col == j, h_res, 0.0), axis=2)  # H^res[:, j] (BLOCK_T, NP over i)
+                dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
+                tl.store(dx_ptr + rows[:, None] * ND + j * D + offs_d[None, :], dxj.to(dx_ptr.dtype.element_ty),
+                         mask=mtd)
             part = tl.sum(g3 * xj[:, None, :], axis=2)  # ⟨dX'_i, X_j⟩ over this chunk, (BLOCK_T, NP over i)
             acc_res += tl.where(col == j, part[:, :, None], 0.0)
     tl.store(dhpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], acc_post, mask=m2)
@@ -291,6 +302,7 @@ def _pre_bwd_kernel(
     dhpre_ptr,  # upstream gradient of H^pre (N, n) fp32; read only when HAS_DPRE
     dhpost_ptr,  # upstream gradient of H^post (N, n) fp32
     dhres_ptr,  # upstream gradient of H^res (N, n, n) fp32
+    dout_ptr,  # the write's upstream gradient dX' (N, n, d); read only when HAS_DOUT (adds H^resᵀ dX')
     z_ptr,  # forward z (N, K) fp32
     r_ptr,  # forward r (N,) fp32
     phi_ptr,  # φ (n·d, K) fp32
@@ -303,7 +315,7 @@ def _pre_bwd_kernel(
     dlogit_ptr,  # result: dL/d(α·z + b) (N, K) fp32, in z's column layout
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
-    HAS_GAIN: tl.constexpr, HAS_DPRE: tl.constexpr,
+    HAS_GAIN: tl.constexpr, HAS_DPRE: tl.constexpr, HAS_DOUT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
@@ -338,7 +350,8 @@ def _pre_bwd_kernel(
                     other=0.0)
     dl_pre = d_pre * h_pre * (1.0 - h_pre)  # σ'
     dl_post = d_post * h_post * (1.0 - 0.5 * h_post)  # (2σ)' = 2σ(1 − σ)
-    dl_res = _sinkhorn_bwd(logits, valid, d_res, ITERS)
+    h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
+    dl_res = _sinkhorn_bwd(logits, valid, h_res, d_res, ITERS)
     dl_row = dlogit_ptr + rows * K
     tl.store(dl_row[:, None] + offs_n[None, :], dl_pre, mask=m2)
     tl.store(dl_row[:, None] + N_STREAMS + offs_n[None, :], dl_post, mask=m2)
@@ -356,21 +369,28 @@ def _pre_bwd_kernel(
     r = tl.load(r_ptr + rows, mask=mask_t, other=0.0)
     c = tl.sum(dz * z, axis=1) * r * r / ND
 
-    # sweep 2: dX_i = H^pre_i dh + r g ⊙ (φ_i dz) − c X_i
-    for i in tl.static_range(N_STREAMS):
-        hp_i = tl.sum(tl.where(offs_n[None, :] == i, h_pre, 0.0), axis=1)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            mtd = mask_t[:, None] & mask_d[None, :]
+    # sweep 2: dX_i = H^pre_i dh + r g ⊙ (φ_i dz) − c X_i  (+ Σ_k H^res_ki dX'_k: the write's share)
+    col = offs_n[None, None, :]
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        mtd = mask_t[:, None] & mask_d[None, :]
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+        if HAS_DOUT:
+            g3 = tl.load(dout_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
+                         mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # dX'_k
+        for i in tl.static_range(N_STREAMS):
+            hp_i = tl.sum(tl.where(offs_n[None, :] == i, h_pre, 0.0), axis=1)
             xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
-            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
             ph_t = tl.load(phi_ptr + (i * D + offs_d)[None, :] * K + offs_k[:, None],
                            mask=mask_k[:, None] & mask_d[None, :], other=0.0)  # φ_iᵀ chunk (KP, BLOCK_D)
             proj = tl.dot(dz, ph_t, input_precision=DOT_PRECISION)
             if HAS_GAIN:
                 proj = proj * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
             dx = hp_i[:, None] * dh + r[:, None] * proj - c[:, None] * xv
+            if HAS_DOUT:
+                h_col = tl.sum(tl.where(col == i, h_res, 0.0), axis=2)  # H^res[:, i] (BLOCK_T, NP over k)
+                dx += tl.sum(h_col[:, :, None] * g3, axis=1)
             tl.store(dx_ptr + rows[:, None] * ND + i * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mtd)
 
 
@@ -448,16 +468,18 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     return h, h_pre, h_post, h_res, z, r
 
 
-def pre_bwd(x, dh, d_pre, d_post, d_res, z, r, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
+def pre_bwd(x, dh, d_pre, d_post, d_res, dout, z, r, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     N, n, d = x.shape
     k, np_, kp = _consts(n)
     block_t, block_d, warps = _blocks(d, "pre")
     dx = torch.empty_like(x)
     dlogit = torch.empty(N, k, device=x.device, dtype=torch.float32)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
-        x, dh, z if d_pre is None else d_pre, d_post, d_res, z, r, phi, phi if gain is None else gain,
+        x, dh, z if d_pre is None else d_pre, d_post, d_res, x if dout is None else dout, z, r, phi,
+        phi if gain is None else gain,
         alpha, b_pre, b_post, b_res, dx, dlogit, N, eps,
         D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None, HAS_DPRE=d_pre is not None,
+        HAS_DOUT=dout is not None,
         BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, num_warps=warps)
     return dx, dlogit
 
@@ -490,31 +512,63 @@ def post_fwd(x, f, h_post, h_res):
     return out
 
 
-def post_bwd(x, f, h_post, h_res, dout):
+def post_bwd(x, f, h_post, h_res, dout, *, store_dx=True):
     N, n, d = x.shape
     block_t, block_d, warps = _blocks(d, "post")
-    dx, df = torch.empty_like(x), torch.empty_like(f)
+    dx, df = (torch.empty_like(x) if store_dx else None), torch.empty_like(f)
     d_post = torch.empty(N, n, device=x.device, dtype=torch.float32)
     d_res = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
     _post_bwd_kernel[(triton.cdiv(N, block_t),)](
-        x, f, h_post, h_res, dout, dx, df, d_post, d_res, N,
-        D=d, N_STREAMS=n, NP=_pow2(n), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+        x, f, h_post, h_res, dout, x if dx is None else dx, df, d_post, d_res, N,
+        D=d, N_STREAMS=n, NP=_pow2(n), STORE_DX=store_dx, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
     return dx, df, d_post, d_res
 
 
-# --- autograd -----------------------------------------------------------------------------------
+# --- autograd ---------------------------------------------------------------------------------
+
+
+class GradientLink:
+    """Hands the write's upstream gradient dX' to the read's backward, which adds H^resᵀ dX' to its own
+    dX in the same pass: no separate dX from the write, and no gradient sum of two (N, n, d) tensors.
+
+    Made by ``mhc_pre`` and attached to the H^post and H^res it returns. ``mhc_post`` uses it only for
+    the very streams object that read produced them from, and only when those coefficients carry
+    gradient to the read; then the read's backward is certain to run after the write's (it needs the
+    write's dH^post, dH^res), and it consumes what the write left. Anywhere else the write returns
+    its own dX, as autograd usually does.
+    """
+
+    def __init__(self, x: Tensor):
+        self.x = weakref.ref(x)  # the streams the read was given (identity, not a copy)
+        self.dout: Tensor | None = None  # Σ dX' of the writes that used this read's coefficients
+        self.task = -1  # the backward pass (autograd graph task) that left dout
+
+    def usable_by(self, x: Tensor, h_post: Tensor, h_res: Tensor) -> bool:
+        return (self.x() is x and getattr(h_post, "_mhc_link", None) is self and torch.is_grad_enabled()
+                and x.requires_grad and h_post.requires_grad and h_res.requires_grad)
+
+    def add(self, dout: Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if self.dout is None or self.task != task:  # a pass that never reached the read leaves nothing behind
+            self.dout, self.task = dout, task
+        else:
+            self.dout = self.dout + dout
+
+    def take(self) -> Tensor | None:
+        dout, self.dout = self.dout, None
+        return dout if self.task == torch._C._current_graph_task_id() else None
 
 
 class MhcPreFunction(torch.autograd.Function):
     """(h, H^pre, H^post, H^res) from the streams (N, n, d); backward recomputes Sinkhorn from z."""
 
     @staticmethod
-    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, gain, iters, eps):
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, gain, iters, eps, link):
         params = [t.detach().float().contiguous() for t in (phi, alpha, b_pre, b_post, b_res)]
         gain32 = None if gain is None else gain.detach().float().contiguous()
         h, h_pre, h_post, h_res, z, r = pre_fwd(x, params[0], gain32, *params[1:], iters=iters, eps=eps)
         ctx.save_for_backward(x, z, r, gain32, *params)
-        ctx.iters, ctx.eps = iters, eps
+        ctx.iters, ctx.eps, ctx.link = iters, eps, link
         ctx.dtypes = [t.dtype for t in (phi, alpha, b_pre, b_post, b_res)] + [None if gain is None else gain.dtype]
         return h, h_pre, h_post, h_res
 
@@ -527,8 +581,9 @@ class MhcPreFunction(torch.autograd.Function):
         d_pre = None if d_pre is None else d_pre.float().contiguous()
         d_post = zeros(N, n) if d_post is None else d_post.float().contiguous()
         d_res = zeros(N, n, n) if d_res is None else d_res.float().contiguous()
-        dx, dlogit = pre_bwd(x, dh, d_pre, d_post, d_res, z, r, phi, gain, alpha, b_pre, b_post, b_res,
-                             iters=ctx.iters, eps=ctx.eps)
+        dout = ctx.link.take()  # the write's dX' (N, n, d), or None
+        dx, dlogit = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), z, r, phi,
+                             gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
         # per-token logit gradients -> α, b (sums over tokens) and dz = α ⊙ dlogit
         parts = (slice(0, n), slice(n, 2 * n), slice(2 * n, None))
         d_alpha = torch.stack([(dlogit[:, s] * z[:, s]).sum() for s in parts])
@@ -539,37 +594,46 @@ class MhcPreFunction(torch.autograd.Function):
         d_gain = None if gain is None else (phi * p).sum(-1)
         grads = [d_phi, d_alpha, d_b[0], d_b[1], d_b[2].view(n, n), d_gain]
         grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
-        return (dx, *grads, None, None)
+        return (dx, *grads, None, None, None)
 
 
 class MhcPostFunction(torch.autograd.Function):
     """X' = H^res X + H^postᵀ f on (N, n, d) streams."""
 
     @staticmethod
-    def forward(ctx, x, f, h_post, h_res):
+    def forward(ctx, x, f, h_post, h_res, link):
         h_post32, h_res32 = h_post.float().contiguous(), h_res.float().contiguous()
         ctx.save_for_backward(x, f, h_post32, h_res32)
-        ctx.coeff_dtype = h_post.dtype
+        ctx.coeff_dtype, ctx.link = h_post.dtype, link
         return post_fwd(x, f, h_post32, h_res32)
 
     @staticmethod
     def backward(ctx, dout):
         x, f, h_post, h_res = ctx.saved_tensors
-        dx, df, d_post, d_res = post_bwd(x, f, h_post, h_res, dout.contiguous())
-        return dx, df, d_post.to(ctx.coeff_dtype), d_res.to(ctx.coeff_dtype)
+        dout = dout.contiguous()
+        linked = ctx.link is not None and ctx.needs_input_grad[0]
+        if linked:
+            ctx.link.add(dout)  # the read's backward adds H^resᵀ dX' to its dX
+        dx, df, d_post, d_res = post_bwd(x, f, h_post, h_res, dout, store_dx=ctx.needs_input_grad[0] and not linked)
+        return dx, df, d_post.to(ctx.coeff_dtype), d_res.to(ctx.coeff_dtype), None
 
 
 def mhc_pre(x: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain, *, sinkhorn_iters: int, eps: float):
     """x (..., n, d) -> h (..., d) in x's dtype, H^pre (..., n), H^post (..., n), H^res (..., n, n) fp32."""
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    link = GradientLink(x)
     h, h_pre, h_post, h_res = MhcPreFunction.apply(x.reshape(-1, n, d).contiguous(), phi, alpha, b_pre, b_post,
-                                                   b_res, norm_gain, sinkhorn_iters, eps)
-    return h.view(*lead, d), h_pre.view(*lead, n), h_post.view(*lead, n), h_res.view(*lead, n, n)
+                                                   b_res, norm_gain, sinkhorn_iters, eps, link)
+    h_post, h_res = h_post.view(*lead, n), h_res.view(*lead, n, n)
+    h_post._mhc_link = h_res._mhc_link = link
+    return h.view(*lead, d), h_pre.view(*lead, n), h_post, h_res
 
 
 def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
     """x (..., n, d), out (..., d), h_post (..., n), h_res (..., n, n) -> X' (..., n, d) in x's dtype."""
     n, d = x.shape[-2:]
+    link = getattr(h_res, "_mhc_link", None)
+    link = link if link is not None and link.usable_by(x, h_post, h_res) else None
     new = MhcPostFunction.apply(x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
-                                h_post.reshape(-1, n), h_res.reshape(-1, n, n))
+                                h_post.reshape(-1, n), h_res.reshape(-1, n, n), link)
     return new.view(x.shape)

@@ -119,6 +119,44 @@ def test_gradients_when_only_h_is_used(blocks):
             assert rel_err(a, b) < 2e-5, name
 
 
+def test_write_hands_its_gradient_to_the_read_only_when_safe(blocks, monkeypatch):
+    """The write's dX' goes to the read's backward (one dX pass instead of two plus a sum) only for the
+    streams object the read saw; a copy of the streams, detached coefficients, or a backward pass that
+    does not reach the read all give the reference gradients."""
+    from kernels.mhc import fused
+
+    blocks((16, 16, 32, 2))
+    calls = []
+    post_bwd = fused.post_bwd
+    monkeypatch.setattr(fused, "post_bwd", lambda *a, **kw: calls.append(kw["store_dx"]) or post_bwd(*a, **kw))
+    inp = make_inputs(4, 24, 1, 19, False, seed=5)
+    g = torch.Generator().manual_seed(6)
+    up_h, up_new = torch.randn(1, 19, 24, generator=g), torch.randn(1, 19, 4, 24, generator=g)
+
+    def grads(backend, variant):
+        lv = leaves(inp)
+        h, _, h_post, h_res = mhc_pre(lv["x"], lv["phi"], lv["alpha"], lv["b_pre"], lv["b_post"], lv["b_res"],
+                                      backend=backend)
+        x_w = lv["x"] * 1.0 if variant == "copy" else lv["x"]
+        if variant == "detached":
+            h_post, h_res = h_post.detach(), h_res.detach()
+        new = mhc_post(x_w, lv["out"], h_post, h_res, backend=backend)
+        loss = (h * up_h).sum() + (new * up_new).sum()
+        if variant == "stale":  # a first pass that stops at H^res leaves a dX' the read never consumed
+            torch.autograd.grad((new * up_new).sum(), [h_res], retain_graph=True)
+        return torch.autograd.grad(loss, list(lv.values()), allow_unused=True)
+
+    for variant, linked in (("same", True), ("copy", False), ("detached", False), ("stale", True)):
+        calls.clear()
+        got, ref = grads("triton", variant), grads("torch", variant)
+        assert calls and calls[-1] is (not linked), variant
+        for a, b in zip(got, ref):
+            if b is None:
+                assert a is None or a.abs().max() == 0, variant
+            else:
+                assert rel_err(a, b) < 2e-5, variant
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_fused_h_res_is_doubly_stochastic(n):
     inp = make_inputs(n, 32, 2, 11, False, seed=n)

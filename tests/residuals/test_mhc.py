@@ -414,16 +414,20 @@ def test_attnres_mhc_sum_nested_config_and_accounting():
 # --- the fused kernels (kernels/mhc) -----------------------------------------------------------------
 
 
-def test_fused_kernel_backend_matches_the_reference_in_the_backbone():
+@pytest.mark.parametrize("checkpoint_reads", [False, True])
+def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_reads):
     # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
-    # PyTorch reference: outputs and every gradient, random upstream gradient, parameters off init.
+    # PyTorch reference: outputs and every gradient, random upstream gradient, parameters off init;
+    # also with the reads recomputed in backward (model.checkpoint_reads, on in model=small / medium).
     from tests.helpers import build_backbone, packed_batch
 
     overrides = ("residual.norm_gain=true", "residual.output=head")
     torch.manual_seed(0)
-    ref = build_backbone("mhc", vocab=37, n_blocks=2, residual_overrides=overrides)
+    ref = build_backbone("mhc", vocab=37, n_blocks=2, residual_overrides=overrides, checkpoint_reads=checkpoint_reads)
     torch.manual_seed(0)
-    fused = build_backbone("mhc", vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=triton"))
+    fused = build_backbone("mhc", vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=triton"),
+                           checkpoint_reads=checkpoint_reads)
+    assert fused.training and fused.cfg.checkpoint_reads is checkpoint_reads
     assert fused.residual.cfg.backend == "triton" and ref.residual.cfg.backend == "auto"  # auto: torch on CPU
     with torch.no_grad():
         for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
@@ -449,8 +453,14 @@ def test_bad_backend_names_value_and_choices():
         MHC.validate(cfg, d_model=D, n_sublayers=L)
 
 
-def test_triton_backend_in_the_fake_stack_matches_torch():
-    """read/write with backend=triton against backend=torch, through the protocol, with recording."""
+def test_triton_backend_in_the_fake_stack_matches_torch(monkeypatch):
+    """read/write with backend=triton against backend=torch, through the protocol, with recording;
+    every write hands its stream gradient to its read's backward (no separate dX pass)."""
+    from kernels.mhc import fused as fused_ops
+
+    calls = []
+    post_bwd = fused_ops.post_bwd
+    monkeypatch.setattr(fused_ops, "post_bwd", lambda *a, **kw: calls.append(kw["store_dx"]) or post_bwd(*a, **kw))
     torch.manual_seed(0)
     ref = make_mhc(n=4)
     randomise(ref)
@@ -465,3 +475,9 @@ def test_triton_backend_in_the_fake_stack_matches_torch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for key, value in ref.recorded.items():
         torch.testing.assert_close(fused.recorded[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    up = torch.randn_like(out_r)
+    out_r.backward(up)
+    out_f.backward(up)
+    assert calls == [False] * L
+    for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4, msg=name)  # grads are O(10)
