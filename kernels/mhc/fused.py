@@ -18,9 +18,9 @@ Backward (recomputation instead of storage: only z and r are kept per token):
   the read's backward (``GradientLink``) when the write used the read's own streams and coefficients,
   so the two halves of dX are written once, not twice and then summed.
 - ``_pre_bwd_kernel``: dH^pre_i = ⟨dh, X_i⟩ (sweep 1), then per token the gradients of the logits:
-  σ' for H^pre and H^post, and the Sinkhorn iterations backpropagated by recomputation — for
-  iteration t = T..1 the state before it is recomputed from the logits in registers (O(T²) small
-  (n, n) steps, no storage); then (sweep 2)
+  σ' for H^pre and H^post, and the Sinkhorn iterations recomputed from the logits and
+  backpropagated last first (O(T) steps on an (n, n) register tile; only the 2n normalisers per
+  iteration go to a transient L2-resident scratch row); then (sweep 2)
   dX = H^pre dh + r g ⊙ (φ dz) − (⟨dz, z⟩ r² / nd) x [+ H^resᵀ dX' from the write].
 - ``_phi_grad_kernel``: P = Σ_tokens xᵀ (r dz) (nd × (n²+2n), fp32 ``tl.dot``, deterministic partial
   sums per token split); dφ = g ⊙ P and dg = Σ_k φ ⊙ P. dα and db are sums over tokens of the
@@ -84,23 +84,38 @@ def _sinkhorn_log(logits, valid, ITERS: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_bwd(logits, valid, h_res, dh_res, ITERS: tl.constexpr):
-    """dL/dlogits from dL/dH^res, backpropagating the ITERS iterations one at a time, last first.
+def _sinkhorn_fwd_bwd(logits, valid, dh_res, scratch_ptr, rows, mask_t, ITERS: tl.constexpr, NP: tl.constexpr):
+    """(H^res, dL/dlogits) from dL/dH^res: the iterations once forward, then backpropagated last first.
 
     A log-domain normalisation y = v − lse(v) has dv = dy − exp(y) Σ dy (sum along the normalised
-    axis). The input of iteration t is recomputed from the logits each time (t−1 steps), so nothing
-    per iteration is stored: O(ITERS²) steps on an (n, n) tile per token, all in registers.
+    axis), so iteration t needs its states after the column step (a_t) and after the row step (b_t).
+    The forward keeps only its 2n normalisers per iteration (column c_t, row r_t) in a per-token
+    scratch row (written and read back by this program, L2-resident); walking back,
+    a_t = b_t + r_t and b_{t-1} = a_t + c_t rebuild the states: O(ITERS) steps, nothing large stored.
     """
-    g = tl.where(valid, dh_res * h_res, 0.0)  # dL/dlog M, with M = H^res the forward result
+    offs_n = tl.arange(0, NP)
+    sp = scratch_ptr + rows[:, None] * (2 * ITERS * NP) + offs_n[None, :]  # (BLOCK_T, NP) row pointers
+    m2 = mask_t[:, None] & (offs_n < NP)[None, :]
+    lm = tl.where(valid, logits, float("-inf"))
     for t in range(ITERS):
-        lm = tl.where(valid, logits, float("-inf"))
-        for _ in range(ITERS - 1 - t):  # the state before iteration ITERS - t
-            lm = _sinkhorn_step(lm)
-        a = lm - tl.expand_dims(_lse(lm, 1), 1)  # after the column step
-        b = a - tl.expand_dims(_lse(a, 2), 2)  # after the row step
-        g = g - tl.exp(b) * tl.expand_dims(tl.sum(g, axis=2), 2)  # through the row step
+        c = _lse(lm, 1)  # column normalisers (BLOCK_T, NP over j)
+        lm = lm - tl.expand_dims(c, 1)
+        r = _lse(lm, 2)  # row normalisers (BLOCK_T, NP over i)
+        lm = lm - tl.expand_dims(r, 2)
+        tl.store(sp + (2 * t) * NP, c, mask=m2)
+        tl.store(sp + (2 * t + 1) * NP, r, mask=m2)
+    tl.debug_barrier()  # the normalisers are read back below, possibly by other threads of the block
+    h_res = tl.exp(lm)
+    g = tl.where(valid, dh_res * h_res, 0.0)  # dL/d log H^res
+    for t in range(ITERS):
+        back = ITERS - 1 - t
+        c = tl.load(sp + (2 * back) * NP, mask=m2, other=0.0)
+        r = tl.load(sp + (2 * back + 1) * NP, mask=m2, other=0.0)
+        a = lm + tl.expand_dims(r, 2)  # the state after this iteration's column step
+        g = g - tl.exp(lm) * tl.expand_dims(tl.sum(g, axis=2), 2)  # through the row step
         g = g - tl.exp(a) * tl.expand_dims(tl.sum(g, axis=1), 1)  # through the column step
-    return g
+        lm = a + tl.expand_dims(c, 1)  # the state before this iteration
+    return h_res, g
 
 
 @triton.jit
@@ -313,6 +328,7 @@ def _pre_bwd_kernel(
     bres_ptr,  # (n, n) fp32
     dx_ptr,  # result: dX (N, n, d), x's dtype
     dlogit_ptr,  # result: dL/d(α·z + b) (N, K) fp32, in z's column layout
+    scratch_ptr,  # Sinkhorn normalisers (N, ITERS, 2, NP) fp32, transient (see _sinkhorn_fwd_bwd)
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
     HAS_GAIN: tl.constexpr, HAS_DPRE: tl.constexpr, HAS_DOUT: tl.constexpr,
@@ -350,8 +366,7 @@ def _pre_bwd_kernel(
                     other=0.0)
     dl_pre = d_pre * h_pre * (1.0 - h_pre)  # σ'
     dl_post = d_post * h_post * (1.0 - 0.5 * h_post)  # (2σ)' = 2σ(1 − σ)
-    h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
-    dl_res = _sinkhorn_bwd(logits, valid, h_res, d_res, ITERS)
+    h_res, dl_res = _sinkhorn_fwd_bwd(logits, valid, d_res, scratch_ptr, rows, mask_t, ITERS, NP)
     dl_row = dlogit_ptr + rows * K
     tl.store(dl_row[:, None] + offs_n[None, :], dl_pre, mask=m2)
     tl.store(dl_row[:, None] + N_STREAMS + offs_n[None, :], dl_post, mask=m2)
@@ -436,16 +451,18 @@ def _pow2(v: int, lo: int = 1) -> int:
 INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 1}
 
 
-def _blocks(d: int, op: str) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps) of the "pre" or "post" kernels; tl.dot needs BLOCK_T, BLOCK_D >= 16.
+# (BLOCK_T, largest BLOCK_D, num_warps) on the GPU. pre: 32 tokens per program, so each program's read
+# of φ from L2 (n·d·K fp32) serves more tokens, and 8 warps for the (32, n, 64) tiles of its sweeps;
+# post: (16, n, 64) tiles, purely bandwidth-bound. Not autotuned: see docs/kernel_mhc.md.
+GPU_BLOCKS = {"pre": (32, 64, 8), "post": (16, 64, 4)}
 
-    pre: 32 tokens per program, so each program's read of φ from L2 (n·d·K fp32) serves more tokens;
-    post: small (16, n, 64) tiles, purely bandwidth-bound."""
+
+def _blocks(d: int, op: str) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) of the "pre" or "post" kernels; tl.dot needs BLOCK_T, BLOCK_D >= 16."""
     if interpreting():
         return INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["block_d"] or _pow2(d, 16), 4
-    if op == "pre":
-        return 32, min(128, _pow2(d, 16)), 4
-    return 16, min(64, _pow2(d, 16)), 4
+    block_t, block_d, warps = GPU_BLOCKS[op]
+    return block_t, min(block_d, _pow2(d, 16)), warps
 
 
 def _consts(n: int) -> tuple[int, int, int]:
@@ -474,10 +491,11 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, z, r, phi, gain, alpha, b_pre, b_
     block_t, block_d, warps = _blocks(d, "pre")
     dx = torch.empty_like(x)
     dlogit = torch.empty(N, k, device=x.device, dtype=torch.float32)
+    scratch = torch.empty(N, iters, 2, np_, device=x.device, dtype=torch.float32)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, dh, z if d_pre is None else d_pre, d_post, d_res, x if dout is None else dout, z, r, phi,
         phi if gain is None else gain,
-        alpha, b_pre, b_post, b_res, dx, dlogit, N, eps,
+        alpha, b_pre, b_post, b_res, dx, dlogit, scratch, N, eps,
         D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None, HAS_DPRE=d_pre is not None,
         HAS_DOUT=dout is not None,
         BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, num_warps=warps)
