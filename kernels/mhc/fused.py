@@ -318,6 +318,7 @@ def _pre_bwd_kernel(
     dhpost_ptr,  # upstream gradient of H^post (N, n) fp32
     dhres_ptr,  # upstream gradient of H^res (N, n, n) fp32
     dout_ptr,  # the write's upstream gradient dX' (N, n, d); read only when HAS_DOUT (adds H^resᵀ dX')
+    hres_ptr,  # H^res (N, n, n) fp32 as the write used it; read only when HAS_DOUT
     z_ptr,  # forward z (N, K) fp32
     r_ptr,  # forward r (N,) fp32
     phi_ptr,  # φ (n·d, K) fp32
@@ -366,7 +367,7 @@ def _pre_bwd_kernel(
                     other=0.0)
     dl_pre = d_pre * h_pre * (1.0 - h_pre)  # σ'
     dl_post = d_post * h_post * (1.0 - 0.5 * h_post)  # (2σ)' = 2σ(1 − σ)
-    h_res, dl_res = _sinkhorn_fwd_bwd(logits, valid, d_res, scratch_ptr, rows, mask_t, ITERS, NP)
+    _, dl_res = _sinkhorn_fwd_bwd(logits, valid, d_res, scratch_ptr, rows, mask_t, ITERS, NP)
     dl_row = dlogit_ptr + rows * K
     tl.store(dl_row[:, None] + offs_n[None, :], dl_pre, mask=m2)
     tl.store(dl_row[:, None] + N_STREAMS + offs_n[None, :], dl_post, mask=m2)
@@ -385,15 +386,11 @@ def _pre_bwd_kernel(
     c = tl.sum(dz * z, axis=1) * r * r / ND
 
     # sweep 2: dX_i = H^pre_i dh + r g ⊙ (φ_i dz) − c X_i  (+ Σ_k H^res_ki dX'_k: the write's share)
-    col = offs_n[None, None, :]
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         mtd = mask_t[:, None] & mask_d[None, :]
         dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
-        if HAS_DOUT:
-            g3 = tl.load(dout_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
-                         mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # dX'_k
         for i in tl.static_range(N_STREAMS):
             hp_i = tl.sum(tl.where(offs_n[None, :] == i, h_pre, 0.0), axis=1)
             xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
@@ -404,8 +401,11 @@ def _pre_bwd_kernel(
                 proj = proj * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
             dx = hp_i[:, None] * dh + r[:, None] * proj - c[:, None] * xv
             if HAS_DOUT:
-                h_col = tl.sum(tl.where(col == i, h_res, 0.0), axis=2)  # H^res[:, i] (BLOCK_T, NP over k)
-                dx += tl.sum(h_col[:, :, None] * g3, axis=1)
+                # 2-D tiles and per-token scalars from L1 rather than an (n, n, BLOCK_D) broadcast in registers
+                for k in tl.static_range(N_STREAMS):
+                    h_ki = tl.load(hres_ptr + rows * NN + k * N_STREAMS + i, mask=mask_t, other=0.0)
+                    g_k = tl.load(dout_ptr + rows[:, None] * ND + k * D + offs_d[None, :], mask=mtd, other=0.0)
+                    dx += h_ki[:, None] * g_k.to(tl.float32)
             tl.store(dx_ptr + rows[:, None] * ND + i * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mtd)
 
 
@@ -451,18 +451,24 @@ def _pow2(v: int, lo: int = 1) -> int:
 INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 1}
 
 
-# (BLOCK_T, largest BLOCK_D, num_warps) on the GPU. pre: 32 tokens per program, so each program's read
-# of φ from L2 (n·d·K fp32) serves more tokens, and 8 warps for the (32, n, 64) tiles of its sweeps;
-# post: (16, n, 64) tiles, purely bandwidth-bound. Not autotuned: see docs/kernel_mhc.md.
-GPU_BLOCKS = {"pre": (32, 64, 8), "post": (16, 64, 4)}
+# (BLOCK_T, largest BLOCK_D, num_warps, num_stages) per kernel on the GPU, chosen by compiling for
+# sm_90 and reading ptxas's register counts (no spills, <= 128 registers per thread); not autotuned.
+# The pre kernels take 32 tokens per program, so each program's read of φ from L2 (n·d·K fp32)
+# serves more tokens; the post kernels are purely bandwidth-bound.
+GPU_BLOCKS = {
+    "pre_fwd": (32, 16, 4, 1),
+    "pre_bwd": (32, 16, 8, 1),
+    "post_fwd": (16, 64, 8, 2),
+    "post_bwd": (8, 32, 4, 2),
+}
 
 
-def _blocks(d: int, op: str) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps) of the "pre" or "post" kernels; tl.dot needs BLOCK_T, BLOCK_D >= 16."""
+def _blocks(d: int, kernel: str) -> tuple[int, int, dict]:
+    """(BLOCK_T, BLOCK_D, launch options) of one kernel; tl.dot needs BLOCK_T, BLOCK_D >= 16."""
     if interpreting():
-        return INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["block_d"] or _pow2(d, 16), 4
-    block_t, block_d, warps = GPU_BLOCKS[op]
-    return block_t, min(block_d, _pow2(d, 16)), warps
+        return INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["block_d"] or _pow2(d, 16), {"num_warps": 4}
+    block_t, block_d, warps, stages = GPU_BLOCKS[kernel]
+    return block_t, min(block_d, _pow2(d, 16)), {"num_warps": warps, "num_stages": stages}
 
 
 def _consts(n: int) -> tuple[int, int, int]:
@@ -473,7 +479,7 @@ def _consts(n: int) -> tuple[int, int, int]:
 def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     N, n, d = x.shape
     k, np_, kp = _consts(n)
-    block_t, block_d, warps = _blocks(d, "pre")
+    block_t, block_d, launch = _blocks(d, "pre_fwd")
     f32 = dict(device=x.device, dtype=torch.float32)
     h = torch.empty(N, d, device=x.device, dtype=x.dtype)
     h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
@@ -481,24 +487,27 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     _pre_fwd_kernel[(triton.cdiv(N, block_t),)](
         x, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre, h_post, h_res, z, r,
         N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, num_warps=warps)
+        BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
     return h, h_pre, h_post, h_res, z, r
 
 
-def pre_bwd(x, dh, d_pre, d_post, d_res, dout, z, r, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
+def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
+    """dX (and the per-token logit gradients); with ``dout`` (the write's dX') and its ``h_res``, dX also
+    gets H^resᵀ dX'."""
     N, n, d = x.shape
     k, np_, kp = _consts(n)
-    block_t, block_d, warps = _blocks(d, "pre")
+    block_t, block_d, launch = _blocks(d, "pre_bwd")
     dx = torch.empty_like(x)
     dlogit = torch.empty(N, k, device=x.device, dtype=torch.float32)
     scratch = torch.empty(N, iters, 2, np_, device=x.device, dtype=torch.float32)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
-        x, dh, z if d_pre is None else d_pre, d_post, d_res, x if dout is None else dout, z, r, phi,
+        x, dh, z if d_pre is None else d_pre, d_post, d_res, x if dout is None else dout,
+        z if h_res is None else h_res, z, r, phi,
         phi if gain is None else gain,
         alpha, b_pre, b_post, b_res, dx, dlogit, scratch, N, eps,
         D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None, HAS_DPRE=d_pre is not None,
         HAS_DOUT=dout is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, num_warps=warps)
+        BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
     return dx, dlogit
 
 
@@ -523,22 +532,22 @@ def phi_grad(x, w):
 
 def post_fwd(x, f, h_post, h_res):
     N, n, d = x.shape
-    block_t, block_d, warps = _blocks(d, "post")
+    block_t, block_d, launch = _blocks(d, "post_fwd")
     out = torch.empty_like(x)
     _post_fwd_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
-        x, f, h_post, h_res, out, N, D=d, N_STREAMS=n, NP=_pow2(n), BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+        x, f, h_post, h_res, out, N, D=d, N_STREAMS=n, NP=_pow2(n), BLOCK_T=block_t, BLOCK_D=block_d, **launch)
     return out
 
 
 def post_bwd(x, f, h_post, h_res, dout, *, store_dx=True):
     N, n, d = x.shape
-    block_t, block_d, warps = _blocks(d, "post")
+    block_t, block_d, launch = _blocks(d, "post_bwd")
     dx, df = (torch.empty_like(x) if store_dx else None), torch.empty_like(f)
     d_post = torch.empty(N, n, device=x.device, dtype=torch.float32)
     d_res = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
     _post_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, f, h_post, h_res, dout, x if dx is None else dx, df, d_post, d_res, N,
-        D=d, N_STREAMS=n, NP=_pow2(n), STORE_DX=store_dx, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+        D=d, N_STREAMS=n, NP=_pow2(n), STORE_DX=store_dx, BLOCK_T=block_t, BLOCK_D=block_d, **launch)
     return dx, df, d_post, d_res
 
 
@@ -559,22 +568,27 @@ class GradientLink:
     def __init__(self, x: Tensor):
         self.x = weakref.ref(x)  # the streams the read was given (identity, not a copy)
         self.dout: Tensor | None = None  # Σ dX' of the writes that used this read's coefficients
+        self.h_res: Tensor | None = None  # (N, n, n) fp32, as the writes used it
         self.task = -1  # the backward pass (autograd graph task) that left dout
 
     def usable_by(self, x: Tensor, h_post: Tensor, h_res: Tensor) -> bool:
         return (self.x() is x and getattr(h_post, "_mhc_link", None) is self and torch.is_grad_enabled()
                 and x.requires_grad and h_post.requires_grad and h_res.requires_grad)
 
-    def add(self, dout: Tensor) -> None:
+    def add(self, dout: Tensor, h_res: Tensor) -> None:
+        self.h_res = h_res
         task = torch._C._current_graph_task_id()
         if self.dout is None or self.task != task:  # a pass that never reached the read leaves nothing behind
             self.dout, self.task = dout, task
         else:
             self.dout = self.dout + dout
 
-    def take(self) -> Tensor | None:
-        dout, self.dout = self.dout, None
-        return dout if self.task == torch._C._current_graph_task_id() else None
+    def take(self) -> tuple[Tensor | None, Tensor | None]:
+        """(Σ dX', H^res) left by this backward pass's writes, or (None, None)."""
+        dout, h_res, self.dout, self.h_res = self.dout, self.h_res, None, None
+        if dout is None or self.task != torch._C._current_graph_task_id():
+            return None, None
+        return dout, h_res
 
 
 class MhcPreFunction(torch.autograd.Function):
@@ -599,9 +613,9 @@ class MhcPreFunction(torch.autograd.Function):
         d_pre = None if d_pre is None else d_pre.float().contiguous()
         d_post = zeros(N, n) if d_post is None else d_post.float().contiguous()
         d_res = zeros(N, n, n) if d_res is None else d_res.float().contiguous()
-        dout = ctx.link.take()  # the write's dX' (N, n, d), or None
-        dx, dlogit = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), z, r, phi,
-                             gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
+        dout, h_res = ctx.link.take()  # the write's dX' (N, n, d) and H^res, or None
+        dx, dlogit = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), h_res, z, r,
+                             phi, gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
         # per-token logit gradients -> α, b (sums over tokens) and dz = α ⊙ dlogit
         parts = (slice(0, n), slice(n, 2 * n), slice(2 * n, None))
         d_alpha = torch.stack([(dlogit[:, s] * z[:, s]).sum() for s in parts])
@@ -631,7 +645,7 @@ class MhcPostFunction(torch.autograd.Function):
         dout = dout.contiguous()
         linked = ctx.link is not None and ctx.needs_input_grad[0]
         if linked:
-            ctx.link.add(dout)  # the read's backward adds H^resᵀ dX' to its dX
+            ctx.link.add(dout, h_res)  # the read's backward adds H^resᵀ dX' to its dX
         dx, df, d_post, d_res = post_bwd(x, f, h_post, h_res, dout, store_dx=ctx.needs_input_grad[0] and not linked)
         return dx, df, d_post.to(ctx.coeff_dtype), d_res.to(ctx.coeff_dtype), None
 

@@ -270,3 +270,28 @@ def test_gpu_fp32_matches_reference(dot_precision):
     gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
     for name, a, b in zip(got_in, ga, gb):
         assert rel_err(a, b) < 1e-4, name
+
+
+# --- compiled for an H200 (sm_90) on the CPU: no GPU needed ------------------------------------------
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
+    """Every kernel, with the exact arguments, block sizes, warps and stages its launcher uses on a GPU,
+    compiled to a cubin for sm_90 by Triton's compiler and the wheel's ptxas, in a subprocess without
+    the interpreter (it turns Triton's own library into interpreter objects): what the interpreter
+    cannot check (layouts, tl.dot operand shapes, constexpr control flow, registers); no real spills."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    lines = []
+    for args in (["4,512"], ["--precision", "ieee", "2,1000"]):
+        done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines += [ln for ln in done.stdout.splitlines() if ln.startswith("_")]
+    assert len(lines) == 2 * 8, "\n".join(lines)  # 8 launches per shape: every kernel and flag combination
+    spills = [int(ln.split(" spills ")[1].split()[0]) for ln in lines]
+    assert max(spills) <= 32, "\n".join(lines)  # a few bytes at most (ptxas sometimes parks one value)
