@@ -329,6 +329,7 @@ def _pre_bwd_kernel(
     bres_ptr,  # (n, n) fp32
     dx_ptr,  # result: dX (N, n, d), x's dtype
     dlogit_ptr,  # result: dL/d(α·z + b) (N, K) fp32, in z's column layout
+    w_ptr,  # result: r · dz = r α ⊙ dlogit (N, K) fp32, the weights of φ's gradient Σ_t vec(X_t)ᵀ w_t
     scratch_ptr,  # Sinkhorn normalisers (N, ITERS, 2, NP) fp32, transient (see _sinkhorn_fwd_bwd)
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
@@ -384,6 +385,7 @@ def _pre_bwd_kernel(
     z = tl.load(z_ptr + rows[:, None] * K + offs_k[None, :], mask=mtk, other=0.0)
     r = tl.load(r_ptr + rows, mask=mask_t, other=0.0)
     c = tl.sum(dz * z, axis=1) * r * r / ND
+    tl.store(w_ptr + rows[:, None] * K + offs_k[None, :], dz * r[:, None], mask=mtk)
 
     # sweep 2: dX_i = H^pre_i dh + r g ⊙ (φ_i dz) − c X_i  (+ Σ_k H^res_ki dX'_k: the write's share)
     for d0 in range(0, D, BLOCK_D):
@@ -499,16 +501,17 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
     block_t, block_d, launch = _blocks(d, "pre_bwd")
     dx = torch.empty_like(x)
     dlogit = torch.empty(N, k, device=x.device, dtype=torch.float32)
+    w = torch.empty(N, k, device=x.device, dtype=torch.float32)
     scratch = torch.empty(N, iters, 2, np_, device=x.device, dtype=torch.float32)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, dh, z if d_pre is None else d_pre, d_post, d_res, x if dout is None else dout,
         z if h_res is None else h_res, z, r, phi,
         phi if gain is None else gain,
-        alpha, b_pre, b_post, b_res, dx, dlogit, scratch, N, eps,
+        alpha, b_pre, b_post, b_res, dx, dlogit, w, scratch, N, eps,
         D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None, HAS_DPRE=d_pre is not None,
         HAS_DOUT=dout is not None,
         BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
-    return dx, dlogit
+    return dx, dlogit, w
 
 
 def phi_grad(x, w):
@@ -591,6 +594,18 @@ class GradientLink:
         return dout, h_res
 
 
+_PARTS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _parts(n: int, device) -> Tensor:
+    """(K, 3) 0/1 matrix: which of pre, post, res each column of z belongs to (cached per n, device)."""
+    key = (n, torch.device(device))
+    if key not in _PARTS:
+        part = torch.tensor([0] * n + [1] * n + [2] * (n * n))
+        _PARTS[key] = torch.nn.functional.one_hot(part, 3).float().to(device)
+    return _PARTS[key]
+
+
 class MhcPreFunction(torch.autograd.Function):
     """(h, H^pre, H^post, H^res) from the streams (N, n, d); backward recomputes Sinkhorn from z."""
 
@@ -614,14 +629,14 @@ class MhcPreFunction(torch.autograd.Function):
         d_post = zeros(N, n) if d_post is None else d_post.float().contiguous()
         d_res = zeros(N, n, n) if d_res is None else d_res.float().contiguous()
         dout, h_res = ctx.link.take()  # the write's dX' (N, n, d) and H^res, or None
-        dx, dlogit = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), h_res, z, r,
-                             phi, gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
-        # per-token logit gradients -> α, b (sums over tokens) and dz = α ⊙ dlogit
-        parts = (slice(0, n), slice(n, 2 * n), slice(2 * n, None))
-        d_alpha = torch.stack([(dlogit[:, s] * z[:, s]).sum() for s in parts])
-        d_b = [dlogit[:, s].sum(0) for s in parts]
-        a_col = torch.cat([alpha[0].expand(n), alpha[1].expand(n), alpha[2].expand(n * n)])  # (K,)
-        p = phi_grad(x, dlogit * a_col * r[:, None])  # Σ_t vec(X_t)ᵀ r_t dz_t: (nd, K)
+        dx, dlogit, w = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), h_res, z,
+                                r, phi, gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
+        # α and b: sums over tokens of the per-token logit gradients (dα_k = Σ dlogit_k ⊙ z_k per part)
+        k = z.shape[1]
+        sums = torch.cat([dlogit * z, dlogit], 1).sum(0)  # (2K,): [Σ dlogit ⊙ z | Σ dlogit]
+        d_alpha = sums[:k] @ _parts(n, x.device)  # (3,)
+        d_b = sums[k:].split([n, n, n * n])
+        p = phi_grad(x, w)  # Σ_t vec(X_t)ᵀ r_t dz_t: (nd, K)
         d_phi = p if gain is None else p * gain[:, None]
         d_gain = None if gain is None else (phi * p).sum(-1)
         grads = [d_phi, d_alpha, d_b[0], d_b[1], d_b[2].view(n, n), d_gain]
