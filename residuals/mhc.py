@@ -33,6 +33,10 @@ Initialisation (not fixed by the paper; every choice is a config field):
   depth and the streams can specialise; c = 1 would give λ = 0.30, re-averaging the streams at
   every sublayer.
 
+Computation: ``read`` is ``kernels.mhc.mhc_pre`` (coefficients and h = H^pre X) and ``write`` is
+``kernels.mhc.mhc_post`` (X' = H^res X + H^postᵀ f), with ``backend`` = "auto" (fused Triton kernels on
+CUDA, the PyTorch reference elsewhere), "torch" or "triton"; see docs/kernel_mhc.md.
+
 Parameters that are not matrices (α, biases, the optional norm gain and head) are stored flat (1-D)
 so that the platform's "weight decay on matrices only" rule (ndim ≥ 2) leaves them alone; φ, a
 projection, is decayed like any other weight.
