@@ -7,6 +7,7 @@ protocol exactly as the backbone does; upstream gradients are random (never ones
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -413,7 +414,13 @@ def test_attnres_mhc_sum_nested_config_and_accounting():
 
 # --- the fused kernels (kernels/mhc) -----------------------------------------------------------------
 
+# backend=triton on CPU tensors runs only under Triton's interpreter (CPU CI), not on a GPU host
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
 
+
+
+@needs_interpreter
 @pytest.mark.parametrize("checkpoint_reads", [False, True])
 def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_reads):
     # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
@@ -453,7 +460,11 @@ def test_bad_backend_names_value_and_choices():
         MHC.validate(cfg, d_model=D, n_sublayers=L)
 
 
-def test_triton_backend_in_the_fake_stack_matches_torch(monkeypatch):
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_interpreter),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
     """read/write with backend=triton against backend=torch, through the protocol, with recording;
     every write hands its stream gradient to its read's backward (no separate dX pass)."""
     from kernels.mhc import fused as fused_ops
@@ -466,15 +477,15 @@ def test_triton_backend_in_the_fake_stack_matches_torch(monkeypatch):
     randomise(ref)
     fused = make_mhc(n=4, backend="triton")
     fused.load_state_dict(ref.state_dict())
-    stacks = [FakeStack(ref), FakeStack(fused)]
+    stacks = [FakeStack(ref).to(device), FakeStack(fused).to(device)]
     stacks[1].sublayers.load_state_dict(stacks[0].sublayers.state_dict())
-    emb = torch.randn(B, T, D)
+    emb = torch.randn(B, T, D, device=device)
     (out_r, reads_r), (out_f, reads_f) = (s(emb, record=True) for s in stacks)
-    torch.testing.assert_close(out_f, out_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-5)
     for a, b in zip(reads_f, reads_r):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     for key, value in ref.recorded.items():
-        torch.testing.assert_close(fused.recorded[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(fused.recorded[key], value, rtol=1e-4, atol=1e-6, msg=key)
     up = torch.randn_like(out_r)
     out_r.backward(up)
     out_f.backward(up)
