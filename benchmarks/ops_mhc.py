@@ -205,7 +205,8 @@ def main(argv=None) -> None:
                 res = timings(fns, p, up)
             except Exception as e:  # a backend that fails is reported in the table, not skipped silently
                 print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
-                failed.append(f"{name} {label}: {type(e).__name__}")
+                if precision is not None:  # the fused ops must run; a torch.compile failure is only reported
+                    failed.append(f"{name} {label}: {type(e).__name__}")
                 table.add(name, f"{B}×{T}", d, n, check, label, "all", f"error: {type(e).__name__}",
                           "", "", "", "", "")
                 continue
@@ -221,7 +222,7 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
     table.write("ops_mhc")
     if failed:
-        raise SystemExit(f"parity check failed or a backend errored: {failed}; see the table")
+        raise SystemExit(f"parity check failed or a fused variant errored: {failed}; see the table")
 
 
 if __name__ == "__main__":
