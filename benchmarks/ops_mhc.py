@@ -1,6 +1,6 @@
 """Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
 
-    python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4]
+    python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32]
 
 In ONE process (timings on a shared host swing between invocations):
 
@@ -30,7 +30,8 @@ from benchmarks.roofline import Ceilings, Table, bench_ms
 # (name, B, T, d): model=small (d=512, 16×1024), model=medium (d=1024, 16×2048), and d=2048
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "d2048": (8, 2048, 2048)}
 ITERS = 20
-PARITY_TOL = 2e-2  # relative error (L2) of any output or gradient, bf16 fused vs fp32 reference
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PARITY_TOL = {"bf16": 2e-2, "fp32": 1e-4}  # relative error (L2) of any output or gradient vs the fp32 reference
 SINKHORN_HALF_STEP = 5  # log-domain normalisation per entry: max, subtract, exp, sum, subtract (+ a log per row)
 
 
@@ -73,9 +74,10 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def parity(B, T, n, d, seed) -> float:
-    """Worst relative error of the bf16 fused ops (outputs and every gradient) vs the fp32 reference."""
-    inp = make_inputs(B, T, n, d, seed)
+def parity(B, T, n, d, seed, dtype) -> float:
+    """Worst relative error of the fused ops on ``dtype`` streams (outputs and every gradient) vs the fp32
+    reference on the same values."""
+    inp = make_inputs(B, T, n, d, seed, dtype=dtype)
     bf = {k: v.clone().requires_grad_() for k, v in inp.items()}
     ref_in = {k: v.detach().float().requires_grad_() for k, v in inp.items()}
     got, ref = sublayer("triton", bf), sublayer("torch", ref_in)
@@ -91,7 +93,7 @@ def parity(B, T, n, d, seed) -> float:
 def counts(N, n, d, elt=2) -> dict[str, tuple[float, float]]:
     """(minimal bytes, CUDA-core FLOPs) of pre, post, the sublayer forward and forward+backward.
 
-    Bytes: streams and the sublayer output/input in bf16 (elt), coefficients fp32, each op's
+    Bytes: streams and the sublayer output/input in elt bytes, coefficients fp32, each op's
     inputs read once and outputs written once (pre also writes z and r for its backward).
     FLOPs per token: RMSNorm 3nd; projection 2·nd·K; gates 2K + 3n; Sinkhorn ITERS·2 half-steps of
     SINKHORN_HALF_STEP·n² each (+ n² exp); h = H^pre X 2nd; X' = H^res X + H^postᵀ f 2n²d + 2nd.
@@ -164,43 +166,46 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--n", type=int, default=4, help="streams (paper: 4)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES),
+                    help="streams and sublayer output (fp32: what bf16-autocast training keeps, as vanilla's stream)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
     from kernels.mhc import fused
 
+    dtype = DTYPES[args.dtype]
     ceil = Ceilings.measure()
     print(ceil.describe(), flush=True)
     table = Table(
         title="mHC read / write: fused Triton vs PyTorch reference",
-        columns=["shape", "B×T", "d", "n", "parity (bf16 vs fp32 ref)", "backend", "op", "ms", "min MB", "GFLOP",
+        columns=["shape", "B×T", "d", "n", "parity (vs fp32 ref)", "backend", "op", "ms", "min MB", "GFLOP",
                  "roofline ms", "binds", "% of roofline"],
         notes=[ceil.describe(),
-               f"n streams, {ITERS} Sinkhorn iterations, bf16 streams and sublayer output, fp32 φ, α, b; "
+               f"n streams, {ITERS} Sinkhorn iterations, {args.dtype} streams and sublayer output, fp32 φ, α, b; "
                "fwd ops under no_grad; fwd+bwd = one sublayer's pre + post and the gradients of X, f, φ, α, b",
                "min MB: each op's inputs read once and outputs written once; GFLOP: CUDA-core FLOPs "
                "(see `counts` in benchmarks/ops_mhc.py); roofline = max(bytes / copy, FLOPs / fp32 rate)",
-               f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL}"])
+               f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL[args.dtype]}"])
     failed = []
     default_precision = fused.DOT_PRECISION
     for name in args.shapes:
         B, T, d = SHAPES[name]
         n, N = args.n, B * T
-        p = {k: v.requires_grad_() for k, v in make_inputs(B, T, n, d, args.seed).items()}
+        p = {k: v.requires_grad_() for k, v in make_inputs(B, T, n, d, args.seed, dtype=dtype).items()}
         g = torch.Generator(device="cuda").manual_seed(args.seed + 2)
         up = [torch.randn(s, device="cuda", generator=g).to(dt) for s, dt in
-              (((B, T, d), torch.bfloat16), ((B, T, n), torch.float32), ((B, T, n), torch.float32),
-               ((B, T, n, n), torch.float32), ((B, T, n, d), torch.bfloat16))]
-        cnt = counts(N, n, d)
+              (((B, T, d), dtype), ((B, T, n), torch.float32), ((B, T, n), torch.float32),
+               ((B, T, n, n), torch.float32), ((B, T, n, d), dtype))]
+        cnt = counts(N, n, d, elt=dtype.itemsize)
         for label, precision, fns in backends():
             check = "reference"
             try:
                 if precision is not None:  # a fused variant: its parity first, then its times
                     fused.DOT_PRECISION = precision
-                    err = parity(B, T, n, d, args.seed)
-                    check = f"{err:.1e} {'ok' if err < PARITY_TOL else 'FAIL'}"
+                    err = parity(B, T, n, d, args.seed, dtype)
+                    check = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
                     print(f"{name} {label}: parity {check}", flush=True)
-                    if err >= PARITY_TOL:
+                    if err >= PARITY_TOL[args.dtype]:
                         failed.append(f"{name} {label}")
                 res = timings(fns, p, up)
             except Exception as e:  # a backend that fails is reported in the table, not skipped silently
@@ -220,7 +225,7 @@ def main(argv=None) -> None:
                 print(" | ".join(table.rows[-1]), flush=True)
         del p, up
         torch.cuda.empty_cache()
-    table.write("ops_mhc")
+    table.write("ops_mhc" if args.dtype == "bf16" else f"ops_mhc_{args.dtype}")
     if failed:
         raise SystemExit(f"parity check failed or a fused variant errored: {failed}; see the table")
 
