@@ -27,8 +27,9 @@ Backward (recomputation instead of storage: only z and r are kept per token):
   per-token logit gradients, done with ``torch.sum``.
 
 Per sublayer and token the streams cross HBM: forward 2·nd + 2·d (pre reads X, writes h; post
-reads X and f, writes X'; pre's second sweep over X hits L2), backward about 5·nd (post reads dX'
-and X; pre reads X, dX' and writes dX; the φ gradient reads X once more).
+reads X and f, writes X'; pre's second sweep over X hits L2), backward about 6·nd (post reads dX'
+and X; pre reads X twice, the second time mostly from L2, reads dX' and writes dX; the φ gradient
+reads X once more).
 
 All math is fp32 whatever the streams' dtype; inputs are made contiguous by the launchers.
 """
