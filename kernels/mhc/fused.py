@@ -45,11 +45,13 @@ import triton.language as tl
 from torch import Tensor
 
 # Precision of the projections z = x'φ, φ dz and Σ xᵀ dz (tl.dot on fp32 operands). The paper keeps φ
-# and the projection in fp32 (Eq. 10). "tf32x3" splits each operand into two tf32 parts and keeps
-# three products: about fp32 accuracy on tensor cores; "ieee" is exact fp32 on CUDA cores (the
-# projection is then the op's largest cost). benchmarks/ops_mhc.py times both.
-DOT_PRECISIONS = ("tf32x3", "ieee")
-DOT_PRECISION = "tf32x3"
+# and the projection in fp32 (Eq. 10). "ieee" (default) is exact fp32 on CUDA cores; "tf32x3" splits
+# each operand into two tf32 parts and keeps three products (about fp32 accuracy on tensor cores).
+# With K = n²+2n = 24 columns the tensor-core path gains nothing: on an H200 (bf16 streams, n = 4)
+# mhc_pre took 0.178 ms in ieee vs 0.339 ms in tf32x3 at d = 512 and 0.601 vs 1.223 ms at d = 1024.
+# benchmarks/ops_mhc.py times both.
+DOT_PRECISIONS = ("ieee", "tf32x3")
+DOT_PRECISION = "ieee"
 
 
 def interpreting() -> bool:
