@@ -33,9 +33,13 @@ Initialisation (not fixed by the paper; every choice is a config field):
   depth and the streams can specialise; c = 1 would give λ = 0.30, re-averaging the streams at
   every sublayer.
 
-Computation: ``read`` is ``kernels.mhc.mhc_pre`` (coefficients and h = H^pre X) and ``write`` is
-``kernels.mhc.mhc_post`` (X' = H^res X + H^postᵀ f), with ``backend`` = "auto" (fused Triton kernels on
-CUDA, the PyTorch reference elsewhere), "torch" or "triton"; see docs/kernel_mhc.md.
+Computation: the read of sublayer l (coefficients and h = H^pre X, ``kernels.mhc.mhc_pre``) is done
+ahead of time: by ``begin`` for l = 0, and fused into the previous write for l > 0
+(``kernels.mhc.mhc_post_pre``: X' = H^res X + H^postᵀ f and the read of X' in one pass over the
+streams, the paper's §4.3); ``read`` returns it. The last write is ``kernels.mhc.mhc_post``. Since
+``read`` then does no compute, ``model.checkpoint_reads`` recomputes nothing for mHC. ``backend`` =
+"auto" (fused Triton kernels on CUDA, the PyTorch reference elsewhere), "torch" or "triton"; see
+docs/kernel_mhc.md.
 
 Parameters that are not matrices (α, biases, the optional norm gain and head) are stored flat (1-D)
 so that the platform's "weight decay on matrices only" rule (ndim ≥ 2) leaves them alone; φ, a
@@ -51,7 +55,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.mhc import BACKENDS, mhc_post, mhc_pre
+from kernels.mhc import BACKENDS, mhc_post, mhc_post_pre, mhc_pre
 from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
 from .base import Context, Residual, ResidualConfig
@@ -69,6 +73,9 @@ class MHCState:
     record: bool = False  # ctx.record: keep the coefficients for `MHC.recorded`
     # (layer, H^post, H^res) computed by read() from X_l, consumed by write() for the same layer
     pending: Optional[tuple[int, Tensor, Tensor]] = None
+    # (layer, streams, h, H^pre, H^post, H^res): the read of `layer`, done ahead of time by begin() or by
+    # the previous write (fused with it); read() returns it when asked for that layer and these streams
+    ahead: Optional[tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]] = None
     trace: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer -> detached coeffs
 
 
@@ -149,13 +156,22 @@ class MHC(Residual):
     def begin(self, embedding: Tensor, ctx: Context) -> MHCState:
         b, t, d = embedding.shape
         streams = embedding.unsqueeze(-2).expand(b, t, self.cfg.n, d)  # the embedding in every stream
-        return MHCState(streams=streams, record=ctx.record)
+        state = MHCState(streams=streams, record=ctx.record)
+        state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
+        return state
+
+    def _read(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # coefficients (computed once, from X_l) and h = H^pre X_l: one pass over the streams when fused
+        return mhc_pre(x, *self.layer_params(layer), sinkhorn_iters=self.cfg.sinkhorn_iters,
+                       backend=self.cfg.backend)  # h (B, T, d) in x's dtype, coefficients fp32
 
     def read(self, state: MHCState, layer: int) -> Tensor:
         x = state.streams  # (B, T, n, d)
-        # coefficients (computed once, from X_l) and h = H^pre X_l: one pass over the streams when fused
-        h, h_pre, h_post, h_res = mhc_pre(x, *self.layer_params(layer), sinkhorn_iters=self.cfg.sinkhorn_iters,
-                                          backend=self.cfg.backend)  # h (B, T, d) in x's dtype
+        ahead = state.ahead
+        if ahead is not None and ahead[0] == layer and ahead[1] is x:
+            h, h_pre, h_post, h_res = ahead[2:]  # done by begin() or fused into the previous write
+        else:
+            h, h_pre, h_post, h_res = self._read(x, layer)
         state.pending = (layer, h_post, h_res)
         if state.record:
             state.trace[layer] = (h_pre.detach(), h_post.detach(), h_res.detach())
@@ -167,8 +183,13 @@ class MHC(Residual):
             raise RuntimeError(f"mhc.write(layer={layer}) needs read(layer={layer}) first; pending layer: {got}")
         _, h_post, h_res = state.pending
         # X_{l+1} = H^res X_l + H^postᵀ f_l, mixed in fp32, in the streams' dtype: (B, T, n, d)
-        new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend)
-        return MHCState(streams=new, record=state.record, trace=state.trace)
+        if layer + 1 == self.n_sublayers:
+            new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend)
+            return MHCState(streams=new, record=state.record, trace=state.trace)
+        # ... and the read of sublayer l+1 in the same pass (paper §4.3); read(l+1) returns it
+        new, *next_read = mhc_post_pre(state.streams, out, h_post, h_res, *self.layer_params(layer + 1),
+                                       sinkhorn_iters=self.cfg.sinkhorn_iters, backend=self.cfg.backend)
+        return MHCState(streams=new, record=state.record, trace=state.trace, ahead=(layer + 1, new, *next_read))
 
     def end(self, state: MHCState) -> Tensor:
         x = state.streams  # (B, T, n, d)

@@ -1,10 +1,12 @@
 """mHC read (coefficients + h) and write (stream mixing) as ops (mHC, arXiv 2512.24880; SPEC §2).
 
-Two public functions, each with the same signature as its twin in ``reference.py`` plus ``backend``:
+Three public functions (the first two with the same signature as their twins in ``reference.py``), plus ``backend``:
 
 - ``mhc_pre(x, φ, α, b_pre, b_post, b_res, norm_gain)`` -> ``(h, H^pre, H^post, H^res)``: the RMSNorm over
   n·d, the projection z = x'φ, the gates, Sinkhorn-Knopp, and the read h = H^pre X.
 - ``mhc_post(x, out, H^post, H^res)`` -> ``X' = H^res X + H^postᵀ out``.
+- ``mhc_post_pre(x, out, H^post, H^res, φ, α, b_pre, b_post, b_res, norm_gain)`` -> ``(X', h, H^pre, H^post,
+  H^res)``: a write and the next sublayer's read, one pass over the streams on triton.
 
 ``backend="triton"`` runs ``fused.py`` (one pass over the streams each, backward by recomputation);
 ``backend="torch"`` runs the reference; ``backend="auto"`` picks triton for CUDA tensors and torch
@@ -49,6 +51,30 @@ def _check_triton(x: Tensor, *others: Tensor | None) -> None:
                            f"imported to run on {x.device.type}; use backend='torch' or backend='auto'")
 
 
+def _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"mhc_pre: x must be (..., n, d), got shape {tuple(x.shape)}")
+    n, d = x.shape[-2:]
+    k = n * n + 2 * n
+    for name, t, shape in (("phi", phi, (n * d, k)), ("alpha", alpha, (3,)), ("b_pre", b_pre, (n,)),
+                           ("b_post", b_post, (n,)), ("b_res", b_res, (n, n)),
+                           ("norm_gain", norm_gain, (n * d,))):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"mhc_pre: {name} must have shape {shape} for n={n}, d={d}, got {tuple(t.shape)}")
+    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+        raise ValueError(f"mhc_pre: sinkhorn_iters={sinkhorn_iters!r} must be an integer >= 1")
+
+
+def _check_post(x, out, h_post, h_res) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"mhc_post: x must be (..., n, d), got shape {tuple(x.shape)}")
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    for name, t, shape in (("out", out, (*lead, d)), ("h_post", h_post, (*lead, n)), ("h_res", h_res, (*lead, n, n))):
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"mhc_post: {name} must have shape {tuple(shape)} for x {tuple(x.shape)}, "
+                             f"got {tuple(t.shape)}")
+
+
 def mhc_pre(
     x: Tensor,
     phi: Tensor,
@@ -75,17 +101,7 @@ def mhc_pre(
         (fp64 from the torch backend on fp64 streams).
     """
     backend = _resolve(backend, x)
-    if x.dim() < 2:
-        raise ValueError(f"mhc_pre: x must be (..., n, d), got shape {tuple(x.shape)}")
-    n, d = x.shape[-2:]
-    k = n * n + 2 * n
-    for name, t, shape in (("phi", phi, (n * d, k)), ("alpha", alpha, (3,)), ("b_pre", b_pre, (n,)),
-                           ("b_post", b_post, (n,)), ("b_res", b_res, (n, n)),
-                           ("norm_gain", norm_gain, (n * d,))):
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"mhc_pre: {name} must have shape {shape} for n={n}, d={d}, got {tuple(t.shape)}")
-    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
-        raise ValueError(f"mhc_pre: sinkhorn_iters={sinkhorn_iters!r} must be an integer >= 1")
+    _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
     if backend == "torch":
         return reference.mhc_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters, eps=eps)
     _check_triton(x, phi, alpha, b_pre, b_post, b_res, norm_gain)
@@ -93,6 +109,46 @@ def mhc_pre(
 
     with torch.autocast(device_type=x.device.type, enabled=False):
         return fused.mhc_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters, eps=eps)
+
+
+def mhc_post_pre(
+    x: Tensor,
+    out: Tensor,
+    h_post: Tensor,
+    h_res: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    norm_gain: Tensor | None = None,
+    *,
+    sinkhorn_iters: int = 20,
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The write of sublayer l followed by the read of sublayer l+1 (the paper's fused write/read):
+    ``mhc_pre(mhc_post(x, out, h_post, h_res), phi, ...)`` with one pass over the streams on triton.
+
+    Args: ``x, out, h_post, h_res`` as in ``mhc_post`` (sublayer l); ``phi, alpha, b_pre, b_post, b_res,
+    norm_gain, sinkhorn_iters, eps`` as in ``mhc_pre`` (sublayer l+1); backend as both.
+
+    Returns:
+        (X', h, H^pre, H^post, H^res): the new streams ``(..., n, d)`` and the read of them.
+    """
+    backend = _resolve(backend, x)
+    if backend == "torch":
+        new = mhc_post(x, out, h_post, h_res, backend="torch")
+        return (new, *mhc_pre(new, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters,
+                              eps=eps, backend="torch"))
+    _check_post(x, out, h_post, h_res)
+    _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
+    _check_triton(x, out, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_gain)
+    from . import fused
+
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return fused.mhc_post_pre(x, out, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_gain,
+                                  sinkhorn_iters=sinkhorn_iters, eps=eps)
 
 
 def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: str = "auto") -> Tensor:
@@ -106,11 +162,7 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: 
         X' ``(..., n, d)`` in x's dtype, mixed in fp32 (fp64 for fp64 coefficients on the torch backend).
     """
     backend = _resolve(backend, x)
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    for name, t, shape in (("out", out, (*lead, d)), ("h_post", h_post, (*lead, n)), ("h_res", h_res, (*lead, n, n))):
-        if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"mhc_post: {name} must have shape {tuple(shape)} for x {tuple(x.shape)}, "
-                             f"got {tuple(t.shape)}")
+    _check_post(x, out, h_post, h_res)
     if backend == "torch":
         return reference.mhc_post(x, out, h_post, h_res)
     _check_triton(x, out, h_post, h_res)
@@ -120,4 +172,4 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: 
         return fused.mhc_post(x, out, h_post, h_res)
 
 
-__all__ = ["BACKENDS", "check_backend", "mhc_post", "mhc_pre"]
+__all__ = ["BACKENDS", "check_backend", "mhc_post", "mhc_post_pre", "mhc_pre"]

@@ -154,8 +154,24 @@ def _coefficients(
 
 
 @triton.jit
+def _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+             D: tl.constexpr, K: tl.constexpr, HAS_GAIN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate Σx² and y += (x ⊙ g) φ for a (BLOCK_T, BLOCK_D) chunk of stream i."""
+    ss += tl.sum(xv * xv, axis=1)
+    if HAS_GAIN:
+        xv = xv * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
+    ph = tl.load(phi_ptr + (i * D + offs_d)[:, None] * K + offs_k[None, :],
+                 mask=mask_d[:, None] & mask_k[None, :], other=0.0)
+    return ss, y + tl.dot(xv, ph, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _pre_fwd_kernel(
-    x_ptr,  # streams (N, n, d), contiguous, fp32 / bf16 / fp16
+    x_ptr,  # streams (N, n, d), contiguous, fp32 / bf16 / fp16; written here when FUSE_POST
+    xin_ptr,  # FUSE_POST: the previous streams X_{l-1} (N, n, d), x's dtype
+    f_ptr,  # FUSE_POST: the previous sublayer's output f_{l-1} (N, d), any float dtype
+    hpost_in_ptr,  # FUSE_POST: the previous H^post (N, n) fp32
+    hres_in_ptr,  # FUSE_POST: the previous H^res (N, n, n) fp32
     phi_ptr,  # φ (n·d, K) fp32, K = n²+2n, columns [pre | post | res row-major]
     gain_ptr,  # RMSNorm gain (n·d,) fp32; read only when HAS_GAIN
     alpha_ptr,  # (3,) fp32: α_pre, α_post, α_res
@@ -170,9 +186,11 @@ def _pre_fwd_kernel(
     r_ptr,  # result: r = rsqrt(mean x² + eps) (N,) fp32, kept for backward
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
-    HAS_GAIN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_GAIN: tl.constexpr, FUSE_POST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
+    NN: tl.constexpr = N_STREAMS * N_STREAMS
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < N
@@ -181,33 +199,50 @@ def _pre_fwd_kernel(
     offs_k = tl.arange(0, KP)
     mask_k = offs_k < K
 
-    # sweep 1: Σx² and y = (x ⊙ g) φ over the n·d values of each token
+    # sweep 1: Σx² and y = (x ⊙ g) φ over the n·d values of each token. FUSE_POST: x is first made
+    # here, X_i = Σ_j H^res_ij X^in_j + H^post_i f (the previous sublayer's write), stored, and rounded
+    # to the streams' dtype before use, so z is computed from exactly the stored streams.
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
     ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
     y = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
-    for i in tl.static_range(N_STREAMS):
+    if FUSE_POST:
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
-            xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :],
-                         mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-            ss += tl.sum(xv * xv, axis=1)
-            if HAS_GAIN:
-                xv = xv * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
-            ph = tl.load(phi_ptr + (i * D + offs_d)[:, None] * K + offs_k[None, :],
-                         mask=mask_d[:, None] & mask_k[None, :], other=0.0)
-            y += tl.dot(xv, ph, input_precision=DOT_PRECISION)
+            mtd = mask_t[:, None] & mask_d[None, :]
+            x_in = tl.load(xin_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
+                           mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+            f = tl.load(f_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+            for i in tl.static_range(N_STREAMS):
+                h_row = tl.load(hres_in_ptr + rows[:, None] * NN + i * N_STREAMS + offs_n[None, :], mask=m2,
+                                other=0.0)  # H^res[i, :] (BLOCK_T, NP), from L1
+                hp_i = tl.load(hpost_in_ptr + rows * N_STREAMS + i, mask=mask_t, other=0.0)
+                xv = (tl.sum(h_row[:, :, None] * x_in, axis=1) + hp_i[:, None] * f).to(x_ptr.dtype.element_ty)
+                tl.store(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], xv, mask=mtd)
+                ss, y = _project(xv.to(tl.float32), ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+                                 D, K, HAS_GAIN, DOT_PRECISION)
+    else:
+        for i in tl.static_range(N_STREAMS):
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < D
+                xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :],
+                             mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                ss, y = _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+                                 D, K, HAS_GAIN, DOT_PRECISION)
     r = tl.rsqrt(ss / ND + eps)
     z = y * r[:, None]
     tl.store(z_ptr + rows[:, None] * K + offs_k[None, :], z, mask=mask_t[:, None] & mask_k[None, :])
     tl.store(r_ptr + rows, r, mask=mask_t)
-    tl.debug_barrier()  # z is read back below in the (token, i, j) layout, by other threads of the block
+    # z is read back below in the (token, i, j) layout and (FUSE_POST) the streams in sweep 2, by other
+    # threads of the block
+    tl.debug_barrier()
 
     h_pre, h_post, logits, valid = _coefficients(z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
                                                  N_STREAMS, NP, ITERS)
     h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
-    offs_n = tl.arange(0, NP)
-    mask_n = offs_n < N_STREAMS
-    m2 = mask_t[:, None] & mask_n[None, :]
     tl.store(hpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_pre, mask=m2)
     tl.store(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_post, mask=m2)
     res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
@@ -481,7 +516,10 @@ def _consts(n: int) -> tuple[int, int, int]:
     return k, _pow2(n), _pow2(k, 16)
 
 
-def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
+def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None):
+    """The read of streams ``x`` (N, n, d). With ``post = (x_in, f, h_post_in, h_res_in)`` the streams are
+    first made from the previous sublayer's write, X = H^res_in X_in + H^post_inᵀ f, in the same pass
+    (``x`` is then an empty buffer that the kernel fills)."""
     N, n, d = x.shape
     k, np_, kp = _consts(n)
     block_t, block_d, launch = _blocks(d, "pre_fwd")
@@ -489,10 +527,11 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     h = torch.empty(N, d, device=x.device, dtype=x.dtype)
     h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
     z, r = torch.empty(N, k, **f32), torch.empty(N, **f32)
+    x_in, f, hp_in, hr_in = (x, x, z, z) if post is None else post
     _pre_fwd_kernel[(triton.cdiv(N, block_t),)](
-        x, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre, h_post, h_res, z, r,
-        N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
+        x, x_in, f, hp_in, hr_in, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre, h_post,
+        h_res, z, r, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
+        FUSE_POST=post is not None, BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
     return h, h_pre, h_post, h_res, z, r
 
 
@@ -625,26 +664,34 @@ class MhcPreFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, d_pre, d_post, d_res):
         x, z, r, gain, phi, alpha, b_pre, b_post, b_res = ctx.saved_tensors
-        N, n, d = x.shape
-        zeros = lambda *s: torch.zeros(*s, device=x.device, dtype=torch.float32)  # noqa: E731
-        dh = torch.zeros(N, d, device=x.device, dtype=x.dtype) if dh is None else dh.contiguous()
-        d_pre = None if d_pre is None else d_pre.float().contiguous()
-        d_post = zeros(N, n) if d_post is None else d_post.float().contiguous()
-        d_res = zeros(N, n, n) if d_res is None else d_res.float().contiguous()
-        dout, h_res = ctx.link.take()  # the write's dX' (N, n, d) and H^res, or None
-        dx, dlogit, w = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), h_res, z,
-                                r, phi, gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
-        # α and b: sums over tokens of the per-token logit gradients (dα_k = Σ dlogit_k ⊙ z_k per part)
-        k = z.shape[1]
-        sums = torch.cat([dlogit * z, dlogit], 1).sum(0)  # (2K,): [Σ dlogit ⊙ z | Σ dlogit]
-        d_alpha = sums[:k] @ _parts(n, x.device)  # (3,)
-        d_b = sums[k:].split([n, n, n * n])
-        p = phi_grad(x, w)  # Σ_t vec(X_t)ᵀ r_t dz_t: (nd, K)
-        d_phi = p if gain is None else p * gain[:, None]
-        d_gain = None if gain is None else (phi * p).sum(-1)
-        grads = [d_phi, d_alpha, d_b[0], d_b[1], d_b[2].view(n, n), d_gain]
-        grads = [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
+        dx, grads = _read_backward(ctx, x, z, r, gain, phi, alpha, b_pre, b_post, b_res, dh, d_pre, d_post, d_res)
         return (dx, *grads, None, None, None)
+
+
+def _read_backward(ctx, x, z, r, gain, phi, alpha, b_pre, b_post, b_res, dh, d_pre, d_post, d_res, dx_extra=None):
+    """dX of a read (with the linked write's H^resᵀ dX' and ``dx_extra``, a direct gradient of X, added)
+    and the gradients of its parameters [φ, α, b_pre, b_post, b_res, gain] in their own dtypes."""
+    N, n, d = x.shape
+    zeros = lambda *s: torch.zeros(*s, device=x.device, dtype=torch.float32)  # noqa: E731
+    dh = torch.zeros(N, d, device=x.device, dtype=x.dtype) if dh is None else dh.contiguous()
+    d_pre = None if d_pre is None else d_pre.float().contiguous()
+    d_post = zeros(N, n) if d_post is None else d_post.float().contiguous()
+    d_res = zeros(N, n, n) if d_res is None else d_res.float().contiguous()
+    dout, h_res = ctx.link.take()  # the write's dX' (N, n, d) and H^res, or None
+    dx, dlogit, w = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), h_res, z,
+                            r, phi, gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
+    if dx_extra is not None:
+        dx += dx_extra.reshape(dx.shape)
+    # α and b: sums over tokens of the per-token logit gradients (dα_k = Σ dlogit_k ⊙ z_k per part)
+    k = z.shape[1]
+    sums = torch.cat([dlogit * z, dlogit], 1).sum(0)  # (2K,): [Σ dlogit ⊙ z | Σ dlogit]
+    d_alpha = sums[:k] @ _parts(n, x.device)  # (3,)
+    d_b = sums[k:].split([n, n, n * n])
+    p = phi_grad(x, w)  # Σ_t vec(X_t)ᵀ r_t dz_t: (nd, K)
+    d_phi = p if gain is None else p * gain[:, None]
+    d_gain = None if gain is None else (phi * p).sum(-1)
+    grads = [d_phi, d_alpha, d_b[0], d_b[1], d_b[2].view(n, n), d_gain]
+    return dx, [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
 
 
 class MhcPostFunction(torch.autograd.Function):
@@ -668,6 +715,43 @@ class MhcPostFunction(torch.autograd.Function):
         return dx, df, d_post.to(ctx.coeff_dtype), d_res.to(ctx.coeff_dtype), None
 
 
+class MhcPostPreFunction(torch.autograd.Function):
+    """The write of sublayer l and the read of sublayer l+1 in one forward pass over the streams:
+    (X_l, f_l, H^post_l, H^res_l; parameters of l+1) -> (X_{l+1}, h_{l+1}, H^pre, H^post, H^res of l+1).
+
+    Backward: the read's backward (``_pre_bwd_kernel``, which also adds H^res_{l+1}ᵀ dX_{l+2} handed over
+    by the next write) gives dX_{l+1}; the write's backward (``_post_bwd_kernel``) then gives df_l, dH^post_l,
+    dH^res_l, and leaves dX_{l+1} on ``link_in`` for the read of sublayer l (or returns its own dX_l).
+    """
+
+    @staticmethod
+    def forward(ctx, x_in, f, h_post_in, h_res_in, phi, alpha, b_pre, b_post, b_res, gain, iters, eps, link_in, link):
+        ctx.set_materialize_grads(False)
+        hp_in, hr_in = h_post_in.float().contiguous(), h_res_in.float().contiguous()
+        params = [t.detach().float().contiguous() for t in (phi, alpha, b_pre, b_post, b_res)]
+        gain32 = None if gain is None else gain.detach().float().contiguous()
+        x = torch.empty_like(x_in)  # X_{l+1}, filled by the kernel
+        h, h_pre, h_post, h_res, z, r = pre_fwd(x, params[0], gain32, *params[1:], iters=iters, eps=eps,
+                                                post=(x_in, f, hp_in, hr_in))
+        ctx.save_for_backward(x_in, f, hp_in, hr_in, x, z, r, gain32, *params)
+        ctx.iters, ctx.eps, ctx.link_in, ctx.link = iters, eps, link_in, link
+        ctx.coeff_dtype = h_post_in.dtype
+        ctx.dtypes = [t.dtype for t in (phi, alpha, b_pre, b_post, b_res)] + [None if gain is None else gain.dtype]
+        return x, h, h_pre, h_post, h_res
+
+    @staticmethod
+    def backward(ctx, dx, dh, d_pre, d_post, d_res):
+        x_in, f, hp_in, hr_in, x, z, r, gain, phi, alpha, b_pre, b_post, b_res = ctx.saved_tensors
+        # dX_{l+1}: the read's share, the next write's H^resᵀ dX_{l+2} (link) and any direct gradient dx
+        dx, grads = _read_backward(ctx, x, z, r, gain, phi, alpha, b_pre, b_post, b_res, dh, d_pre, d_post, d_res,
+                                   dx_extra=dx)
+        linked = ctx.link_in is not None and ctx.needs_input_grad[0]
+        if linked:
+            ctx.link_in.add(dx, hr_in)  # the read of sublayer l adds H^res_lᵀ dX_{l+1} to its dX_l
+        dx_in, df, dp, dr = post_bwd(x_in, f, hp_in, hr_in, dx, store_dx=ctx.needs_input_grad[0] and not linked)
+        return (dx_in, df, dp.to(ctx.coeff_dtype), dr.to(ctx.coeff_dtype), *grads, None, None, None, None)
+
+
 def mhc_pre(x: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain, *, sinkhorn_iters: int, eps: float):
     """x (..., n, d) -> h (..., d) in x's dtype, H^pre (..., n), H^post (..., n), H^res (..., n, n) fp32."""
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
@@ -687,3 +771,20 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
     new = MhcPostFunction.apply(x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
                                 h_post.reshape(-1, n), h_res.reshape(-1, n, n), link)
     return new.view(x.shape)
+
+
+def mhc_post_pre(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain,
+                 *, sinkhorn_iters: int, eps: float):
+    """(X' = H^res X + H^postᵀ out, then the read of X': h, H^pre, H^post, H^res), one pass over the streams."""
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    link_in = getattr(h_res, "_mhc_link", None)
+    link_in = link_in if link_in is not None and link_in.usable_by(x, h_post, h_res) else None
+    link = GradientLink(x)  # the read's link, pointed at X' below
+    new, h, h_pre, h_post, h_res = MhcPostPreFunction.apply(
+        x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(), h_post.reshape(-1, n),
+        h_res.reshape(-1, n, n), phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters, eps, link_in, link)
+    new = new.view(x.shape)
+    link.x = weakref.ref(new)  # the streams object the caller holds (a view of the kernel's output)
+    h_post, h_res = h_post.view(*lead, n), h_res.view(*lead, n, n)
+    h_post._mhc_link = h_res._mhc_link = link
+    return new, h.view(*lead, d), h_pre.view(*lead, n), h_post, h_res

@@ -454,6 +454,33 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_r
     assert n_checked >= 5  # φ, α, b_pre, b_post, b_res (and the gain, the head) were compared
 
 
+@pytest.mark.parametrize("checkpoint_reads", [False, True])
+def test_reads_are_done_ahead_so_checkpointed_reads_recompute_nothing(monkeypatch, checkpoint_reads):
+    """begin() does the first read and each write fuses the next read (mhc_post_pre), so read() computes
+    nothing and model.checkpoint_reads reruns no mHC op in backward; gradients are unchanged by it."""
+    import residuals.mhc as mhc_module
+    from tests.helpers import build_backbone, packed_batch
+
+    calls = []
+    for name in ("mhc_pre", "mhc_post_pre", "mhc_post"):
+        op = getattr(mhc_module, name)
+        monkeypatch.setattr(mhc_module, name, lambda *a, _op=op, _name=name, **kw: calls.append(_name) or _op(*a, **kw))
+    grads = {}
+    for ckpt in (False, checkpoint_reads):
+        torch.manual_seed(0)
+        model = build_backbone("mhc", vocab=37, n_blocks=2, checkpoint_reads=ckpt)
+        tokens, docs = packed_batch(1, 11, 37, n_docs=2)
+        calls.clear()
+        out = model(tokens, docs)
+        assert calls == ["mhc_pre"] + ["mhc_post_pre"] * 3 + ["mhc_post"]  # 4 sublayers
+        calls.clear()
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        assert calls == []
+        grads[ckpt] = [p.grad.clone() for p in model.residual.parameters()]
+    for a, b in zip(grads[checkpoint_reads], grads[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_bad_backend_names_value_and_choices():
     cfg = config_for("mhc", backend="cuda")
     with pytest.raises(ValueError, match=r"residual\.backend='cuda' .*auto, torch, triton"):
