@@ -14,7 +14,10 @@ The coefficients are computed per token from the flattened streams x = vec(X_l) 
     H^res  = Sinkhorn-Knopp(α^res_l · mat(z_res) + b^res_l)   (n×n, Eq. 9)
 
 Everything about the coefficients runs in fp32 with autocast off (fp64 when the streams are fp64,
-so that gradcheck means something); the streams keep the dtype they came in with.
+so that gradcheck means something). The streams are stored in ``stream_dtype``: by default the
+embedding's dtype (fp32 under bf16-mixed autocast); "bf16" halves their bytes and memory (each
+write then rounds X_{l+1}, and their gradients, to bf16; all mixing arithmetic stays fp32, and
+``end`` sums the streams in fp32).
 
 Initialisation (not fixed by the paper; every choice is a config field):
 
@@ -62,6 +65,9 @@ from .base import Context, Residual, ResidualConfig
 from .registry import register
 
 OUTPUTS = ("sum", "head")
+# storage dtype of the n streams (the math is fp32 either way); "input": the embedding's dtype (fp32 under
+# bf16-mixed autocast), as the reference and the plain residual keep it
+STREAM_DTYPES = {"input": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 __all__ = ["MHC", "MHCState", "OUTPUTS", "mhc_coefficients", "sinkhorn"]
 
 
@@ -95,6 +101,7 @@ class MHC(Residual):
         norm_gain: bool = False  # learnable gain in the RMSNorm over nd (redundant: φ absorbs it)
         output: str = "sum"  # "sum": sum of the n streams | "head": learned weights, init to the sum
         backend: str = "auto"  # "torch" (reference), "triton" (fused kernels/mhc), "auto" (triton on CUDA)
+        stream_dtype: str = "input"  # storage of the streams: "input" (the embedding's dtype), "fp32", "bf16"
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
@@ -129,6 +136,9 @@ class MHC(Residual):
         if cfg.backend not in ("auto", *BACKENDS):
             raise ValueError(f"residual.backend={cfg.backend!r} is not valid for residual=mhc; "
                              f"choose one of: auto, {', '.join(BACKENDS)}")
+        if cfg.stream_dtype not in STREAM_DTYPES:
+            raise ValueError(f"residual.stream_dtype={cfg.stream_dtype!r} is not valid; "
+                             f"choose one of: {', '.join(STREAM_DTYPES)}")
         if cfg.output not in OUTPUTS:
             raise ValueError(f"residual.output={cfg.output!r} is not valid; choose one of: {', '.join(OUTPUTS)}")
         if not cfg.phi_init_std >= 0:
@@ -155,7 +165,8 @@ class MHC(Residual):
     # --- the protocol --------------------------------------------------------------------------
     def begin(self, embedding: Tensor, ctx: Context) -> MHCState:
         b, t, d = embedding.shape
-        streams = embedding.unsqueeze(-2).expand(b, t, self.cfg.n, d)  # the embedding in every stream
+        dtype = STREAM_DTYPES[self.cfg.stream_dtype] or embedding.dtype
+        streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d)  # the embedding in every stream
         state = MHCState(streams=streams, record=ctx.record)
         state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
         return state
@@ -195,9 +206,11 @@ class MHC(Residual):
         x = state.streams  # (B, T, n, d)
         if state.record:
             self.recorded = self._summarise(state.trace)
+        acc = torch.promote_types(x.dtype, torch.float32)  # bf16 streams are summed in fp32
         if self.head is None:
-            return x.sum(-2)
-        return torch.einsum("n,btnd->btd", self.head.to(x.dtype), x)
+            return x.sum(-2, dtype=acc)
+        with torch.autocast(device_type=x.device.type, enabled=False):  # in fp32, as the sum
+            return torch.einsum("n,btnd->btd", self.head.to(acc), x.to(acc))
 
     def _summarise(self, trace: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
         """Token means of the coefficients per sublayer (rows: sublayers), for heatmaps.

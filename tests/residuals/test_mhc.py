@@ -16,7 +16,7 @@ from torch import nn
 
 import residuals
 from residuals import Context, config_for, get
-from residuals.mhc import MHC, mhc_coefficients, sinkhorn
+from residuals.mhc import MHC, OUTPUTS, mhc_coefficients, sinkhorn
 
 D, L, B, T = 16, 4, 2, 7
 
@@ -269,6 +269,37 @@ def test_read_write_end_match_the_update_rule_elementwise():
     torch.testing.assert_close(m.end(m.write(state, layer, out)), sum(m.head[j] * new[..., j, :] for j in range(n)))
 
 
+@pytest.mark.parametrize("output", OUTPUTS)
+def test_bf16_streams_store_bf16_and_stay_close_to_fp32(output):
+    """stream_dtype=bf16 under bf16 autocast (as in training): every state holds bf16 streams, end()
+    returns fp32 (summed in fp32), and output and gradients stay within bf16 rounding of the default
+    (the embedding's fp32) streams, same parameters, random upstream."""
+    torch.manual_seed(0)
+    ref = make_mhc(n=3, output=output)
+    randomise(ref)
+    low = make_mhc(n=3, output=output, stream_dtype="bf16")
+    low.load_state_dict(ref.state_dict())
+    stacks = [FakeStack(ref), FakeStack(low)]
+    stacks[1].sublayers.load_state_dict(stacks[0].sublayers.state_dict())
+    emb = torch.randn(B, T, D)
+    keep = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref, _ = stacks[0](emb)
+        out_low, _ = stacks[1](emb, keep=keep)
+    assert out_ref.dtype == torch.float32
+    assert all(s.streams.dtype == torch.bfloat16 for s in keep) and out_low.dtype == torch.float32
+    assert rel(out_low, out_ref) < 2e-2
+    up = torch.randn_like(out_ref)
+    out_ref.backward(up)
+    out_low.backward(up)
+    for (name, a), b in zip(ref.named_parameters(), low.parameters()):
+        assert b.grad.dtype == torch.float32 and rel(b.grad, a.grad) < 5e-2, name
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def test_write_needs_read_of_the_same_layer():
     m = make_mhc(n=2)
     state = m.begin(torch.randn(B, T, D), Context(doc_ids=torch.zeros(B, T, dtype=torch.long)))
@@ -304,6 +335,7 @@ def test_recorded_heatmaps():
         ({"output": "mean"}, r"residual\.output='mean' .*sum, head"),
         ({"phi_init_std": -1.0}, r"residual\.phi_init_std=-1\.0"),
         ({"b_pre": float("inf")}, r"residual\.b_pre=inf"),
+        ({"stream_dtype": "fp8"}, r"residual\.stream_dtype='fp8' .*input, fp32, bf16"),
     ],
 )
 def test_bad_config_names_value_and_choices(fields, match):
