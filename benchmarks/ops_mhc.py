@@ -9,7 +9,9 @@ In ONE process (timings on a shared host swing between invocations):
    of X, f, φ, α, b_pre, b_post, b_res under random upstream gradients) against the fp32 reference on
    the same bf16-valued inputs; a failure makes the script exit non-zero after the table is written.
 3. Median times (triton.testing.do_bench) of forward (`mhc_pre`, `mhc_post`, and one sublayer's
-   pre + post, under no_grad) and of forward+backward of the sublayer, for: the fused ops with the
+   pre + post, under no_grad) and of forward+backward of the sublayer; and of `post+pre`, the op the
+   model runs per sublayer (`mhc_post_pre`: a write fused with the next read), forward and
+   forward+backward, for: the fused ops with the
    projections in "tf32x3" and in "ieee" fp32, the reference, and torch.compile of the reference.
 4. Minimal bytes (every op's inputs read once, outputs written once; bf16 streams, fp32
    coefficients), CUDA-core FLOPs (counted below), roofline = max(bytes / copy bandwidth,
@@ -62,6 +64,22 @@ def sublayer(backend, p):
     return h, h_pre, h_post, h_res, mhc_post(p["x"], p["out"], h_post, h_res, backend=backend)
 
 
+def post_pre(backend, p, h_post, h_res):
+    """The model's steady-state op: sublayer l's write fused with sublayer l+1's read (same parameters)."""
+    from kernels.mhc import mhc_post_pre
+
+    return mhc_post_pre(p["x"], p["out"], h_post, h_res, p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                        sinkhorn_iters=ITERS, backend=backend)
+
+
+def reference_post_pre(p, h_post, h_res):
+    from kernels.mhc import reference
+
+    new = reference.mhc_post(p["x"], p["out"], h_post, h_res)
+    return (new, *reference.mhc_pre(new, p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                    sinkhorn_iters=ITERS))
+
+
 def reference_sublayer(p):
     from kernels.mhc import reference
 
@@ -111,8 +129,10 @@ def counts(N, n, d, elt=2) -> dict[str, tuple[float, float]]:
     bwd_b = N * (3 * nd * elt + 2 * d * elt + 2 * (n * n + n) * 4  # post: dX', X, f in; dX, df, dcoeffs out
                  + 2 * nd * elt + d * elt + coeff + K * 4 + 4)  # pre: X, dh, dcoeffs, z, r in; dX out
     bwd_f = N * (sink + 2 * 2 * nd * K + 2 * nd + 2 * nd + 4 * nd + 4 * n * n * d + 4 * nd + ITERS * 2 * 4 * n * n)
+    fused_b = pre_b + post_b - N * nd * elt  # write + next read: X read once
     return {"pre": (pre_b, pre_f), "post": (post_b, post_f), "fwd": (pre_b + post_b, pre_f + post_f),
-            "fwd+bwd": (pre_b + post_b + bwd_b, pre_f + post_f + bwd_f)}
+            "fwd+bwd": (pre_b + post_b + bwd_b, pre_f + post_f + bwd_f),
+            "post+pre": (fused_b, pre_f + post_f), "post+pre fwd+bwd": (fused_b + bwd_b, pre_f + post_f + bwd_f)}
 
 
 def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
@@ -130,6 +150,19 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
         return torch.autograd.grad(outs, leaves, grad_outputs=up)
 
     out["fwd+bwd"] = bench_ms(fwd_bwd)
+    # the op the model runs per sublayer (residuals/mhc.py): write l + read l+1, coefficients from a read
+    coeffs = [t.detach().requires_grad_() for t in (h_post, h_res)]
+    with torch.no_grad():
+        outs = fns["post_pre"](p, *coeffs)
+        out["post+pre"] = bench_ms(lambda: fns["post_pre"](p, *coeffs))
+    g = torch.Generator(device=outs[0].device).manual_seed(7)
+    up_pp = [torch.randn(o.shape, device=o.device, generator=g).to(o.dtype) for o in outs]
+    leaves_pp = leaves + coeffs
+
+    def fwd_bwd_pp():
+        return torch.autograd.grad(fns["post_pre"](p, *coeffs), leaves_pp, grad_outputs=up_pp)
+
+    out["post+pre fwd+bwd"] = bench_ms(fwd_bwd_pp)
     return out
 
 
@@ -147,18 +180,19 @@ def backends():
     compiled_pre = torch.compile(ref_pre)
     compiled_post = torch.compile(reference.mhc_post)
     compiled_full = torch.compile(reference_sublayer)
+    compiled_post_pre = torch.compile(reference_post_pre)
     yield "triton (tf32x3)", "tf32x3", {
         "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
-        "sublayer": lambda p: sublayer("triton", p)}
+        "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
     yield "triton (ieee)", "ieee", {
         "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
-        "sublayer": lambda p: sublayer("triton", p)}
+        "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
     yield "torch reference", None, {
         "pre": ref_pre, "post": lambda p, hp, hr: reference.mhc_post(p["x"], p["out"], hp, hr),
-        "sublayer": reference_sublayer}
+        "sublayer": reference_sublayer, "post_pre": reference_post_pre}
     yield "torch.compile(reference)", None, {
         "pre": compiled_pre, "post": lambda p, hp, hr: compiled_post(p["x"], p["out"], hp, hr),
-        "sublayer": compiled_full}
+        "sublayer": compiled_full, "post_pre": compiled_post_pre}
 
 
 def main(argv=None) -> None:
