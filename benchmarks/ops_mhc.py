@@ -1,6 +1,7 @@
 """Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
 
     python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32]
+    python -m benchmarks.ops_mhc --sweep-blocks [--shapes small medium] [--dtype bf16|fp32]   # block sizes
 
 In ONE process (timings on a shared host swing between invocations):
 
@@ -195,6 +196,84 @@ def backends():
         "sublayer": compiled_full, "post_pre": compiled_post_pre}
 
 
+# --sweep-blocks: candidate (BLOCK_T, BLOCK_D, num_warps, num_stages) per kernel of fused.GPU_BLOCKS (pre
+# kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
+BLOCK_CANDIDATES = {
+    "pre_fwd": [(16, 16, 2, 1), (16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (32, 16, 8, 1),
+                (32, 16, 4, 2), (64, 16, 8, 1)],
+    "pre_bwd": [(16, 16, 4, 1), (16, 32, 4, 1), (16, 16, 8, 1), (32, 16, 4, 1), (32, 16, 8, 1), (32, 32, 8, 1),
+                (64, 16, 8, 1)],
+    "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
+    "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
+}
+SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "post_bwd": "post+pre fwd+bwd"}
+
+
+def sweep_blocks(shapes, n, seed, dtype, dtype_name) -> None:
+    """Time each candidate block configuration of each fused kernel on the op that runs it; check that
+    its outputs and gradients match the default configuration's; print the fastest as a GPU_BLOCKS dict."""
+    from kernels.mhc import fused, mhc_post
+
+    table = Table(title="mHC fused kernels: block sizes (BLOCK_T, BLOCK_D, warps, stages)",
+                  columns=["shape", "kernel", "blocks", "op timed", "ms", "vs default", "check"],
+                  notes=[f"n={n}, {dtype_name} streams, projections {fused.DOT_PRECISION}; other kernels at their "
+                         "defaults; check: outputs and gradients vs the default blocks (rel L2 < 1e-2)"])
+    defaults = dict(fused.GPU_BLOCKS)
+    fns = {"post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
+           "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
+    for name in shapes:
+        B, T, d = SHAPES[name]
+        p = {k: v.requires_grad_() for k, v in make_inputs(B, T, n, d, seed, dtype=dtype).items()}
+        with torch.no_grad():
+            h_post, h_res = sublayer("triton", p)[2:4]  # coefficients of a read, as the write gets them
+        coeffs = [t.detach().requires_grad_() for t in (h_post, h_res)]
+        leaves = [p[k] for k in ("x", "phi", "alpha", "b_pre", "b_post", "b_res", "out")] + coeffs
+        outs = fns["post_pre"](p, *coeffs)
+        g = torch.Generator(device="cuda").manual_seed(seed + 3)
+        ups = [torch.randn(o.shape, device="cuda", generator=g).to(o.dtype) for o in outs]
+
+        def results():
+            outs = fns["post_pre"](p, *coeffs)
+            return [o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, grad_outputs=ups))
+
+        def time_op(op):
+            if op == "post":
+                return bench_ms(lambda: fns["post"](p, *coeffs))
+            if op == "post+pre":
+                with torch.no_grad():
+                    return bench_ms(lambda: fns["post_pre"](p, *coeffs))
+            return bench_ms(lambda: torch.autograd.grad(fns["post_pre"](p, *coeffs), leaves, grad_outputs=ups))
+
+        with torch.no_grad():
+            post_out = fns["post"](p, *coeffs)
+        expected = results() + [post_out]
+        best = {}
+        for kernel, candidates in BLOCK_CANDIDATES.items():
+            op = SWEEP_OP[kernel]
+            base = time_op(op)
+            for cand in dict.fromkeys([defaults[kernel], *candidates]):
+                fused.GPU_BLOCKS[kernel] = cand
+                try:
+                    with torch.no_grad():
+                        post_out = fns["post"](p, *coeffs)
+                    err = max(rel_err(a, b) for a, b in zip(results() + [post_out], expected))
+                    ms = time_op(op)
+                except Exception as e:  # a configuration that does not compile or run is reported
+                    table.add(name, kernel, str(cand), op, "", "", f"error: {type(e).__name__}")
+                    continue
+                finally:
+                    fused.GPU_BLOCKS[kernel] = defaults[kernel]
+                ok = err < 1e-2
+                table.add(name, kernel, str(cand), op, f"{ms:.3f}", f"{ms / base:.2f}", f"{err:.1e} {'ok' if ok else 'FAIL'}")
+                print(" | ".join(table.rows[-1]), flush=True)
+                if ok and (kernel not in best or ms < best[kernel][1]):
+                    best[kernel] = (cand, ms)
+        table.notes.append(f"{name}: fastest GPU_BLOCKS = " + repr({k: v[0] for k, v in best.items()}))
+        del p, coeffs, leaves, outs, ups, expected
+        torch.cuda.empty_cache()
+    table.write("ops_mhc_blocks" if dtype_name == "bf16" else f"ops_mhc_blocks_{dtype_name}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -202,12 +281,16 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES),
                     help="streams and sublayer output (fp32: what bf16-autocast training keeps, as vanilla's stream)")
+    ap.add_argument("--sweep-blocks", action="store_true",
+                    help="instead: time the candidate block sizes of each fused kernel (BLOCK_CANDIDATES)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
     from kernels.mhc import fused
 
     dtype = DTYPES[args.dtype]
+    if args.sweep_blocks:
+        return sweep_blocks(args.shapes, args.n, args.seed, dtype, args.dtype)
     ceil = Ceilings.measure()
     print(ceil.describe(), flush=True)
     table = Table(
