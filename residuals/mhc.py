@@ -166,7 +166,9 @@ class MHC(Residual):
     def begin(self, embedding: Tensor, ctx: Context) -> MHCState:
         b, t, d = embedding.shape
         dtype = STREAM_DTYPES[self.cfg.stream_dtype] or embedding.dtype
-        streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d)  # the embedding in every stream
+        # the embedding in every stream, materialised once: the first read and write (and their saved
+        # tensors) share this copy instead of each making its own
+        streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d).contiguous()  # (B, T, n, d)
         state = MHCState(streams=streams, record=ctx.record)
         state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
         return state
