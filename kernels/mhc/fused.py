@@ -491,13 +491,16 @@ def _pow2(v: int, lo: int = 1) -> int:
 INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 1}
 
 
-# (BLOCK_T, largest BLOCK_D, num_warps, num_stages) per kernel on the GPU, chosen by compiling for
-# sm_90 and reading ptxas's register counts (no spills, <= 128 registers per thread); not autotuned.
+# (BLOCK_T, largest BLOCK_D, num_warps, num_stages[, maxnreg]) per kernel on the GPU, chosen by compiling
+# for sm_90 and reading ptxas's register counts (<= 128 registers per thread); not autotuned.
 # The pre kernels take 32 tokens per program, so each program's read of φ from L2 (n·d·K fp32)
-# serves more tokens; the post kernels are purely bandwidth-bound.
+# serves more tokens; the post kernels are purely bandwidth-bound. pre_bwd as the model launches it
+# (with the write's dX') needs 135 registers (158 with a gain): one 8-warp program per SM; capped at
+# 128 (ptxas then spills 8-16 bytes) two programs share an SM. `python -m benchmarks.ops_mhc
+# --sweep-blocks` measures the alternatives.
 GPU_BLOCKS = {
     "pre_fwd": (32, 16, 4, 1),
-    "pre_bwd": (32, 16, 8, 1),
+    "pre_bwd": (32, 16, 8, 1, 128),
     "post_fwd": (16, 64, 8, 2),
     "post_bwd": (8, 32, 4, 2),
 }
@@ -507,8 +510,11 @@ def _blocks(d: int, kernel: str) -> tuple[int, int, dict]:
     """(BLOCK_T, BLOCK_D, launch options) of one kernel; tl.dot needs BLOCK_T, BLOCK_D >= 16."""
     if interpreting():
         return INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["block_d"] or _pow2(d, 16), {"num_warps": 4}
-    block_t, block_d, warps, stages = GPU_BLOCKS[kernel]
-    return block_t, min(block_d, _pow2(d, 16)), {"num_warps": warps, "num_stages": stages}
+    block_t, block_d, warps, stages, *maxnreg = GPU_BLOCKS[kernel]
+    launch = {"num_warps": warps, "num_stages": stages}
+    if maxnreg and maxnreg[0]:
+        launch["maxnreg"] = maxnreg[0]
+    return block_t, min(block_d, _pow2(d, 16)), launch
 
 
 def _consts(n: int) -> tuple[int, int, int]:

@@ -76,7 +76,7 @@ def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
     from triton.compiler import ASTSource
 
     kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
     signature, constexprs = {}, {}
     for arg in kernel.arg_names:
