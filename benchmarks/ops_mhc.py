@@ -7,8 +7,9 @@ In ONE process (timings on a shared host swing between invocations):
 
 1. Ceilings: device-to-device copy bandwidth and the fp32 CUDA-core matmul rate (benchmarks/roofline.py).
 2. Per shape and fused variant, a parity check first: the bf16 fused ops (h, H^pre, H^post, H^res, X' and the gradients
-   of X, f, φ, α, b_pre, b_post, b_res under random upstream gradients) against the fp32 reference on
-   the same bf16-valued inputs; a failure makes the script exit non-zero after the table is written.
+   of X, f, φ, α, b_pre, b_post, b_res under random upstream gradients; then the same for `mhc_post_pre`)
+   against the fp32 reference on the same bf16-valued inputs; a failure makes the script exit non-zero
+   after the table is written.
 3. Median times (triton.testing.do_bench) of forward (`mhc_pre`, `mhc_post`, and one sublayer's
    pre + post, under no_grad) and of forward+backward of the sublayer; and of `post+pre`, the op the
    model runs per sublayer (`mhc_post_pre`: a write fused with the next read), forward and
@@ -105,6 +106,14 @@ def parity(B, T, n, d, seed, dtype) -> float:
     ups = [torch.randn(o.shape, device="cuda", generator=g) for o in ref]
     ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()))
     gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
+    errs += [rel_err(a, b) for a, b in zip(ga, gb)]
+    # the write fused with the next read (mhc_post_pre), on coefficients of the read above
+    coeffs = [[t.detach().float().requires_grad_() for t in outs[2:4]] for outs in (got, ref)]
+    got, ref = post_pre("triton", bf, *coeffs[0]), post_pre("torch", ref_in, *coeffs[1])
+    errs += [rel_err(a, b) for a, b in zip(got, ref)]
+    ups = [torch.randn(o.shape, device="cuda", generator=g) for o in ref]
+    ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()) + coeffs[0])
+    gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()) + coeffs[1])
     errs += [rel_err(a, b) for a, b in zip(ga, gb)]
     return max(errs)
 
