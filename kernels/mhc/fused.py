@@ -1,7 +1,7 @@
 """mHC read and write fused in Triton (mHC, arXiv 2512.24880, §4.3: kernel fusion and recomputation).
 
 Same semantics as ``reference.py``. The streams are token-major, (N, n, d) with N = B·T, so one
-token's n·d values are contiguous. Two ops, each one pass over the streams:
+token's n·d values are contiguous. Three ops, each one pass over the streams:
 
 - **pre** (``_pre_fwd_kernel``, BLOCK_T tokens per program): stream the n·d values of the tokens once,
   accumulating Σx² and y = (x ⊙ g) φ (``tl.dot``, fp32); z = y · rsqrt(Σx²/nd + eps); then per token
@@ -10,6 +10,10 @@ token's n·d values are contiguous. Two ops, each one pass over the streams:
   (L2-resident) writes h = Σ_i H^pre_i X_i. Stored for later: the coefficients (n²+2n fp32, the write
   needs them), z (n²+2n fp32) and the RMS factor r (1 fp32). Nothing of size d is stored besides h.
 - **post** (``_post_fwd_kernel``): X' = H^res X + H^postᵀ f; reads n·d + d, writes n·d.
+- **post + next pre** (``_pre_fwd_kernel`` with ``FUSE_POST``, the paper's fused write/read): the first
+  sweep makes X' = H^res X + H^postᵀ f chunk by chunk, stores it and projects it; then as pre. Reads
+  n·d + d, writes n·d + d (+ the L2 re-read of X'), instead of 2·n·d + d read by post then pre.
+  Its backward is pre's backward on X', then post's with the resulting dX'.
 
 Backward (recomputation instead of storage: only z and r are kept per token):
 
