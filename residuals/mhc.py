@@ -14,7 +14,10 @@ The coefficients are computed per token from the flattened streams x = vec(X_l) 
     H^res  = Sinkhorn-Knopp(α^res_l · mat(z_res) + b^res_l)   (n×n, Eq. 9)
 
 Everything about the coefficients runs in fp32 with autocast off (fp64 when the streams are fp64,
-so that gradcheck means something); the streams keep the dtype they came in with.
+so that gradcheck means something). The streams are stored in ``stream_dtype``: by default the
+embedding's dtype (fp32 under bf16-mixed autocast); "bf16" halves their bytes and memory (each
+write then rounds X_{l+1}, and their gradients, to bf16; all mixing arithmetic stays fp32, and
+``end`` sums the streams in fp32).
 
 Initialisation (not fixed by the paper; every choice is a config field):
 
@@ -33,6 +36,14 @@ Initialisation (not fixed by the paper; every choice is a config field):
   depth and the streams can specialise; c = 1 would give λ = 0.30, re-averaging the streams at
   every sublayer.
 
+Computation: the read of sublayer l (coefficients and h = H^pre X, ``kernels.mhc.mhc_pre``) is done
+ahead of time: by ``begin`` for l = 0, and fused into the previous write for l > 0
+(``kernels.mhc.mhc_post_pre``: X' = H^res X + H^postᵀ f and the read of X' in one pass over the
+streams, the paper's §4.3); ``read`` returns it. The last write is ``kernels.mhc.mhc_post``. Since
+``read`` then does no compute, ``model.checkpoint_reads`` recomputes nothing for mHC. ``backend`` =
+"auto" (fused Triton kernels on CUDA, the PyTorch reference elsewhere), "torch" or "triton"; see
+docs/kernel_mhc.md.
+
 Parameters that are not matrices (α, biases, the optional norm gain and head) are stored flat (1-D)
 so that the platform's "weight decay on matrices only" rule (ndim ≥ 2) leaves them alone; φ, a
 projection, is decayed like any other weight.
@@ -46,65 +57,18 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+
+from kernels.mhc import BACKENDS, mhc_post, mhc_post_pre, mhc_pre
+from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
 from .base import Context, Residual, ResidualConfig
 from .registry import register
 
 OUTPUTS = ("sum", "head")
-
-
-def sinkhorn(logits: Tensor, iters: int) -> Tensor:
-    """Sinkhorn-Knopp on exp(logits) over the last two axes, in the log domain (paper Eq. 9).
-
-    Each iteration normalises the columns, then the rows (M^(t) = T_r(T_c(M^(t-1)))), so the rows sum
-    to 1 up to rounding and the columns to within the convergence error. The log domain never
-    overflows, whatever the logits. Call it in fp32 (or fp64).
-    """
-    log_m = logits
-    for _ in range(iters):
-        log_m = log_m - torch.logsumexp(log_m, dim=-2, keepdim=True)  # T_c: columns sum to 1
-        log_m = log_m - torch.logsumexp(log_m, dim=-1, keepdim=True)  # T_r: rows sum to 1
-    return log_m.exp()
-
-
-def mhc_coefficients(
-    streams: Tensor,
-    phi: Tensor,
-    alpha: Tensor,
-    b_pre: Tensor,
-    b_post: Tensor,
-    b_res: Tensor,
-    *,
-    sinkhorn_iters: int,
-    norm_gain: Tensor | None = None,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The mHC coefficients of every token (paper Eq. 7-8), fp32 (fp64 for fp64 streams), autocast off.
-
-    streams (..., n, d); phi (nd, n²+2n), columns [pre | post | res, row-major]; alpha (3,) as
-    [pre, post, res]; b_pre, b_post (n,); b_res (n, n); norm_gain (nd,) or None.
-    Returns H^pre (..., n), H^post (..., n), H^res (..., n, n).
-    """
-    n, d = streams.shape[-2:]
-    ct = torch.float64 if streams.dtype == torch.float64 else torch.float32
-    with torch.autocast(device_type=streams.device.type, enabled=False):
-        x = streams.reshape(*streams.shape[:-2], n * d).to(ct)  # vec(X_l): (..., nd)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # RMSNorm over all nd
-        if norm_gain is not None:
-            x = x * norm_gain.to(ct)
-        z = x @ phi.to(ct)  # (..., n² + 2n)
-        a = alpha.to(ct)
-        h_pre = torch.sigmoid(a[0] * z[..., :n] + b_pre.to(ct))
-        h_post = 2.0 * torch.sigmoid(a[1] * z[..., n:2 * n] + b_post.to(ct))
-        res_logits = a[2] * z[..., 2 * n:].unflatten(-1, (n, n)) + b_res.to(ct)
-        if torch.is_grad_enabled() and res_logits.requires_grad:
-            # Recompute the iterations in backward rather than keep 2·iters (…, n, n) intermediates
-            # per token and sublayer (~20% of the streams' own memory at n = 4; paper §4.3.2).
-            h_res = checkpoint(sinkhorn, res_logits, sinkhorn_iters, use_reentrant=False)
-        else:
-            h_res = sinkhorn(res_logits, sinkhorn_iters)
-    return h_pre, h_post, h_res
+# storage dtype of the n streams (the math is fp32 either way); "input": the embedding's dtype (fp32 under
+# bf16-mixed autocast), as the reference and the plain residual keep it
+STREAM_DTYPES = {"input": None, "fp32": torch.float32, "bf16": torch.bfloat16}
+__all__ = ["MHC", "MHCState", "OUTPUTS", "mhc_coefficients", "sinkhorn"]
 
 
 @dataclass
@@ -115,6 +79,9 @@ class MHCState:
     record: bool = False  # ctx.record: keep the coefficients for `MHC.recorded`
     # (layer, H^post, H^res) computed by read() from X_l, consumed by write() for the same layer
     pending: Optional[tuple[int, Tensor, Tensor]] = None
+    # (layer, streams, h, H^pre, H^post, H^res): the read of `layer`, done ahead of time by begin() or by
+    # the previous write (fused with it); read() returns it when asked for that layer and these streams
+    ahead: Optional[tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]] = None
     trace: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer -> detached coeffs
 
 
@@ -133,6 +100,8 @@ class MHC(Residual):
         phi_init_std: float = 1.0  # φ ~ N(0, phi_init_std²/nd): the std of z at step 0; 0: streams never split
         norm_gain: bool = False  # learnable gain in the RMSNorm over nd (redundant: φ absorbs it)
         output: str = "sum"  # "sum": sum of the n streams | "head": learned weights, init to the sum
+        backend: str = "auto"  # "torch" (reference), "triton" (fused kernels/mhc), "auto" (triton on CUDA)
+        stream_dtype: str = "input"  # storage of the streams: "input" (the embedding's dtype), "fp32", "bf16"
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
@@ -164,6 +133,12 @@ class MHC(Residual):
             raise ValueError(f"residual.n={cfg.n!r} must be an integer >= 1 (number of streams; paper: 4)")
         if not isinstance(cfg.sinkhorn_iters, int) or cfg.sinkhorn_iters < 1:
             raise ValueError(f"residual.sinkhorn_iters={cfg.sinkhorn_iters!r} must be an integer >= 1 (paper: 20)")
+        if cfg.backend not in ("auto", *BACKENDS):
+            raise ValueError(f"residual.backend={cfg.backend!r} is not valid for residual=mhc; "
+                             f"choose one of: auto, {', '.join(BACKENDS)}")
+        if cfg.stream_dtype not in STREAM_DTYPES:
+            raise ValueError(f"residual.stream_dtype={cfg.stream_dtype!r} is not valid; "
+                             f"choose one of: {', '.join(STREAM_DTYPES)}")
         if cfg.output not in OUTPUTS:
             raise ValueError(f"residual.output={cfg.output!r} is not valid; choose one of: {', '.join(OUTPUTS)}")
         if not cfg.phi_init_std >= 0:
@@ -174,56 +149,70 @@ class MHC(Residual):
                 raise ValueError(f"residual.{key}={value!r} must be a finite number")
 
     # --- coefficients --------------------------------------------------------------------------
-    def coefficients(self, streams: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """H^pre (B, T, n), H^post (B, T, n), H^res (B, T, n, n) of sublayer ``layer``, fp32."""
+    def layer_params(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """φ (nd, n²+2n), α (3,), b_pre (n,), b_post (n,), b_res (n, n), norm gain (nd,) or None."""
         n, nd = self.cfg.n, self.cfg.n * self.d_model
         gain = None if self.norm_gain is None else self.norm_gain.view(-1, nd)[layer]
-        return mhc_coefficients(
-            streams,
-            self.phi[layer],
-            self.alpha.view(-1, 3)[layer],
-            self.b_pre.view(-1, n)[layer],
-            self.b_post.view(-1, n)[layer],
-            self.b_res.view(-1, n, n)[layer],
-            sinkhorn_iters=self.cfg.sinkhorn_iters,
-            norm_gain=gain,
-        )
+        return (self.phi[layer], self.alpha.view(-1, 3)[layer], self.b_pre.view(-1, n)[layer],
+                self.b_post.view(-1, n)[layer], self.b_res.view(-1, n, n)[layer], gain)
+
+    def coefficients(self, streams: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """H^pre (B, T, n), H^post (B, T, n), H^res (B, T, n, n) of sublayer ``layer``, fp32 (the reference)."""
+        phi, alpha, b_pre, b_post, b_res, gain = self.layer_params(layer)
+        return mhc_coefficients(streams, phi, alpha, b_pre, b_post, b_res, sinkhorn_iters=self.cfg.sinkhorn_iters,
+                                norm_gain=gain)
 
     # --- the protocol --------------------------------------------------------------------------
     def begin(self, embedding: Tensor, ctx: Context) -> MHCState:
         b, t, d = embedding.shape
-        streams = embedding.unsqueeze(-2).expand(b, t, self.cfg.n, d)  # the embedding in every stream
-        return MHCState(streams=streams, record=ctx.record)
+        dtype = STREAM_DTYPES[self.cfg.stream_dtype] or embedding.dtype
+        # the embedding in every stream, materialised once: the first read and write (and their saved
+        # tensors) share this copy instead of each making its own
+        streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d).contiguous()  # (B, T, n, d)
+        state = MHCState(streams=streams, record=ctx.record)
+        state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
+        return state
+
+    def _read(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        # coefficients (computed once, from X_l) and h = H^pre X_l: one pass over the streams when fused
+        return mhc_pre(x, *self.layer_params(layer), sinkhorn_iters=self.cfg.sinkhorn_iters,
+                       backend=self.cfg.backend)  # h (B, T, d) in x's dtype, coefficients fp32
 
     def read(self, state: MHCState, layer: int) -> Tensor:
         x = state.streams  # (B, T, n, d)
-        h_pre, h_post, h_res = self.coefficients(x, layer)  # computed once, from X_l
+        ahead = state.ahead
+        if ahead is not None and ahead[0] == layer and ahead[1] is x:
+            h, h_pre, h_post, h_res = ahead[2:]  # done by begin() or fused into the previous write
+        else:
+            h, h_pre, h_post, h_res = self._read(x, layer)
         state.pending = (layer, h_post, h_res)
         if state.record:
             state.trace[layer] = (h_pre.detach(), h_post.detach(), h_res.detach())
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            h = torch.matmul(h_pre.unsqueeze(-2), x.to(h_pre.dtype)).squeeze(-2)  # H^pre X_l: (B, T, d)
-        return h.to(x.dtype)
+        return h
 
     def write(self, state: MHCState, layer: int, out: Tensor) -> MHCState:
         if state.pending is None or state.pending[0] != layer:
             got = None if state.pending is None else state.pending[0]
             raise RuntimeError(f"mhc.write(layer={layer}) needs read(layer={layer}) first; pending layer: {got}")
         _, h_post, h_res = state.pending
-        x = state.streams  # (B, T, n, d)
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            # Mixing in fp32: H^res's rows sum to 1, and bf16 coefficients would let the streams drift.
-            mixed = torch.matmul(h_res, x.to(h_res.dtype))  # H^res X_l: (B, T, n, d)
-            new = mixed + h_post.unsqueeze(-1) * out.to(h_post.dtype).unsqueeze(-2)  # + H^postᵀ f_l
-        return MHCState(streams=new.to(x.dtype), record=state.record, trace=state.trace)
+        # X_{l+1} = H^res X_l + H^postᵀ f_l, mixed in fp32, in the streams' dtype: (B, T, n, d)
+        if layer + 1 == self.n_sublayers:
+            new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend)
+            return MHCState(streams=new, record=state.record, trace=state.trace)
+        # ... and the read of sublayer l+1 in the same pass (paper §4.3); read(l+1) returns it
+        new, *next_read = mhc_post_pre(state.streams, out, h_post, h_res, *self.layer_params(layer + 1),
+                                       sinkhorn_iters=self.cfg.sinkhorn_iters, backend=self.cfg.backend)
+        return MHCState(streams=new, record=state.record, trace=state.trace, ahead=(layer + 1, new, *next_read))
 
     def end(self, state: MHCState) -> Tensor:
         x = state.streams  # (B, T, n, d)
         if state.record:
             self.recorded = self._summarise(state.trace)
+        acc = torch.promote_types(x.dtype, torch.float32)  # bf16 streams are summed in fp32
         if self.head is None:
-            return x.sum(-2)
-        return torch.einsum("n,btnd->btd", self.head.to(x.dtype), x)
+            return x.sum(-2, dtype=acc)
+        with torch.autocast(device_type=x.device.type, enabled=False):  # in fp32, as the sum
+            return torch.einsum("n,btnd->btd", self.head.to(acc), x.to(acc))
 
     def _summarise(self, trace: dict[int, tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
         """Token means of the coefficients per sublayer (rows: sublayers), for heatmaps.

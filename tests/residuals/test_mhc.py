@@ -7,6 +7,7 @@ protocol exactly as the backbone does; upstream gradients are random (never ones
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 import residuals
 from residuals import Context, config_for, get
-from residuals.mhc import MHC, mhc_coefficients, sinkhorn
+from residuals.mhc import MHC, OUTPUTS, mhc_coefficients, sinkhorn
 
 D, L, B, T = 16, 4, 2, 7
 
@@ -268,6 +269,37 @@ def test_read_write_end_match_the_update_rule_elementwise():
     torch.testing.assert_close(m.end(m.write(state, layer, out)), sum(m.head[j] * new[..., j, :] for j in range(n)))
 
 
+@pytest.mark.parametrize("output", OUTPUTS)
+def test_bf16_streams_store_bf16_and_stay_close_to_fp32(output):
+    """stream_dtype=bf16 under bf16 autocast (as in training): every state holds bf16 streams, end()
+    returns fp32 (summed in fp32), and output and gradients stay within bf16 rounding of the default
+    (the embedding's fp32) streams, same parameters, random upstream."""
+    torch.manual_seed(0)
+    ref = make_mhc(n=3, output=output)
+    randomise(ref)
+    low = make_mhc(n=3, output=output, stream_dtype="bf16")
+    low.load_state_dict(ref.state_dict())
+    stacks = [FakeStack(ref), FakeStack(low)]
+    stacks[1].sublayers.load_state_dict(stacks[0].sublayers.state_dict())
+    emb = torch.randn(B, T, D)
+    keep = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ref, _ = stacks[0](emb)
+        out_low, _ = stacks[1](emb, keep=keep)
+    assert out_ref.dtype == torch.float32
+    assert all(s.streams.dtype == torch.bfloat16 for s in keep) and out_low.dtype == torch.float32
+    assert rel(out_low, out_ref) < 2e-2
+    up = torch.randn_like(out_ref)
+    out_ref.backward(up)
+    out_low.backward(up)
+    for (name, a), b in zip(ref.named_parameters(), low.parameters()):
+        assert b.grad.dtype == torch.float32 and rel(b.grad, a.grad) < 5e-2, name
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def test_write_needs_read_of_the_same_layer():
     m = make_mhc(n=2)
     state = m.begin(torch.randn(B, T, D), Context(doc_ids=torch.zeros(B, T, dtype=torch.long)))
@@ -303,6 +335,7 @@ def test_recorded_heatmaps():
         ({"output": "mean"}, r"residual\.output='mean' .*sum, head"),
         ({"phi_init_std": -1.0}, r"residual\.phi_init_std=-1\.0"),
         ({"b_pre": float("inf")}, r"residual\.b_pre=inf"),
+        ({"stream_dtype": "fp8"}, r"residual\.stream_dtype='fp8' .*input, fp32, bf16"),
     ],
 )
 def test_bad_config_names_value_and_choices(fields, match):
@@ -409,3 +442,112 @@ def test_attnres_mhc_sum_nested_config_and_accounting():
     bad.mhc.n = 0
     with pytest.raises(ValueError, match=r"residual\.mhc\.n=0"):
         cls.validate(bad, d_model=D, n_sublayers=L)
+
+
+# --- the fused kernels (kernels/mhc) -----------------------------------------------------------------
+
+# backend=triton on CPU tensors runs only under Triton's interpreter (CPU CI), not on a GPU host
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+
+
+
+@needs_interpreter
+@pytest.mark.parametrize("checkpoint_reads", [False, True])
+def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_reads):
+    # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
+    # PyTorch reference: outputs and every gradient, random upstream gradient, parameters off init;
+    # also with the reads recomputed in backward (model.checkpoint_reads, on in model=small / medium).
+    from tests.helpers import build_backbone, packed_batch
+
+    overrides = ("residual.norm_gain=true", "residual.output=head")
+    torch.manual_seed(0)
+    ref = build_backbone("mhc", vocab=37, n_blocks=2, residual_overrides=overrides, checkpoint_reads=checkpoint_reads)
+    torch.manual_seed(0)
+    fused = build_backbone("mhc", vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=triton"),
+                           checkpoint_reads=checkpoint_reads)
+    assert fused.training and fused.cfg.checkpoint_reads is checkpoint_reads
+    assert fused.residual.cfg.backend == "triton" and ref.residual.cfg.backend == "auto"  # auto: torch on CPU
+    with torch.no_grad():
+        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
+            p_ref.add_(0.2 * torch.randn_like(p_ref))
+            p_fused.copy_(p_ref)
+    tokens, docs = packed_batch(1, 11, 37, n_docs=2)
+    out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
+    torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fused.backward(g)
+    n_checked = 0
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)
+            n_checked += "residual" in n
+    assert n_checked >= 5  # φ, α, b_pre, b_post, b_res (and the gain, the head) were compared
+
+
+@pytest.mark.parametrize("checkpoint_reads", [False, True])
+def test_reads_are_done_ahead_so_checkpointed_reads_recompute_nothing(monkeypatch, checkpoint_reads):
+    """begin() does the first read and each write fuses the next read (mhc_post_pre), so read() computes
+    nothing and model.checkpoint_reads reruns no mHC op in backward; gradients are unchanged by it."""
+    import residuals.mhc as mhc_module
+    from tests.helpers import build_backbone, packed_batch
+
+    calls = []
+    for name in ("mhc_pre", "mhc_post_pre", "mhc_post"):
+        op = getattr(mhc_module, name)
+        monkeypatch.setattr(mhc_module, name, lambda *a, _op=op, _name=name, **kw: calls.append(_name) or _op(*a, **kw))
+    grads = {}
+    for ckpt in (False, checkpoint_reads):
+        torch.manual_seed(0)
+        model = build_backbone("mhc", vocab=37, n_blocks=2, checkpoint_reads=ckpt)
+        tokens, docs = packed_batch(1, 11, 37, n_docs=2)
+        calls.clear()
+        out = model(tokens, docs)
+        assert calls == ["mhc_pre"] + ["mhc_post_pre"] * 3 + ["mhc_post"]  # 4 sublayers
+        calls.clear()
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+        assert calls == []
+        grads[ckpt] = [p.grad.clone() for p in model.residual.parameters()]
+    for a, b in zip(grads[checkpoint_reads], grads[False]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bad_backend_names_value_and_choices():
+    cfg = config_for("mhc", backend="cuda")
+    with pytest.raises(ValueError, match=r"residual\.backend='cuda' .*auto, torch, triton"):
+        MHC.validate(cfg, d_model=D, n_sublayers=L)
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_interpreter),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
+    """read/write with backend=triton against backend=torch, through the protocol, with recording;
+    every write hands its stream gradient to its read's backward (no separate dX pass)."""
+    from kernels.mhc import fused as fused_ops
+
+    calls = []
+    post_bwd = fused_ops.post_bwd
+    monkeypatch.setattr(fused_ops, "post_bwd", lambda *a, **kw: calls.append(kw["store_dx"]) or post_bwd(*a, **kw))
+    torch.manual_seed(0)
+    ref = make_mhc(n=4)
+    randomise(ref)
+    fused = make_mhc(n=4, backend="triton")
+    fused.load_state_dict(ref.state_dict())
+    stacks = [FakeStack(ref).to(device), FakeStack(fused).to(device)]
+    stacks[1].sublayers.load_state_dict(stacks[0].sublayers.state_dict())
+    emb = torch.randn(B, T, D, device=device)
+    (out_r, reads_r), (out_f, reads_f) = (s(emb, record=True) for s in stacks)
+    torch.testing.assert_close(out_f, out_r, rtol=1e-4, atol=1e-5)
+    for a, b in zip(reads_f, reads_r):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for key, value in ref.recorded.items():
+        torch.testing.assert_close(fused.recorded[key], value, rtol=1e-4, atol=1e-6, msg=key)
+    up = torch.randn_like(out_r)
+    out_r.backward(up)
+    out_f.backward(up)
+    assert calls == [False] * L
+    for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4, msg=name)  # grads are O(10)

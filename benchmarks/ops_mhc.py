@@ -1,0 +1,359 @@
+"""Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
+
+    python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32]
+    python -m benchmarks.ops_mhc --sweep-blocks [--shapes small medium] [--dtype bf16|fp32]   # block sizes
+
+In ONE process (timings on a shared host swing between invocations):
+
+1. Ceilings: device-to-device copy bandwidth and the fp32 CUDA-core matmul rate (benchmarks/roofline.py).
+2. Per shape and fused variant, a parity check first: the bf16 fused ops (h, H^pre, H^post, H^res, X' and the gradients
+   of X, f, φ, α, b_pre, b_post, b_res under random upstream gradients; then the same for `mhc_post_pre`)
+   against the fp32 reference on the same bf16-valued inputs; a failure makes the script exit non-zero
+   after the table is written.
+3. Median times (triton.testing.do_bench) of forward (`mhc_pre`, `mhc_post`, and one sublayer's
+   pre + post, under no_grad) and of forward+backward of the sublayer; and of `post+pre`, the op the
+   model runs per sublayer (`mhc_post_pre`: a write fused with the next read), forward and
+   forward+backward, for: the fused ops with the
+   projections in "tf32x3" and in "ieee" fp32, the reference, and torch.compile of the reference.
+4. Minimal bytes (every op's inputs read once, outputs written once; bf16 streams, fp32
+   coefficients), CUDA-core FLOPs (counted below), roofline = max(bytes / copy bandwidth,
+   FLOPs / fp32 rate), and the fraction of it each backend achieves.
+
+Writes benchmarks/results/ops_mhc.md (command, GPU, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from benchmarks.roofline import Ceilings, Table, bench_ms
+
+# (name, B, T, d): model=small (d=512, 16×1024), model=medium (d=1024, 16×2048), and d=2048
+SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "d2048": (8, 2048, 2048)}
+ITERS = 20
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PARITY_TOL = {"bf16": 2e-2, "fp32": 1e-4}  # relative error (L2) of any output or gradient vs the fp32 reference
+SINKHORN_HALF_STEP = 5  # log-domain normalisation per entry: max, subtract, exp, sum, subtract (+ a log per row)
+
+
+def make_inputs(B, T, n, d, seed, *, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    k = n * n + 2 * n
+
+    def rand(*shape, scale=1.0, shift=0.0):
+        return shift + scale * torch.randn(*shape, device="cuda", generator=g)
+
+    return {
+        "x": rand(B, T, n, d).to(dtype),
+        "phi": rand(n * d, k, scale=1.0 / math.sqrt(n * d)),
+        "alpha": rand(3, scale=0.2, shift=0.8),
+        "b_pre": rand(n, scale=0.5),
+        "b_post": rand(n, scale=0.5),
+        "b_res": rand(n, n, scale=0.5) + 2.0 * torch.eye(n, device="cuda"),
+        "out": rand(B, T, d).to(dtype),
+    }
+
+
+def sublayer(backend, p):
+    """One sublayer's mHC: read (coefficients + h), then write X' with the sublayer output p["out"]."""
+    from kernels.mhc import mhc_post, mhc_pre
+
+    h, h_pre, h_post, h_res = mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                      sinkhorn_iters=ITERS, backend=backend)
+    return h, h_pre, h_post, h_res, mhc_post(p["x"], p["out"], h_post, h_res, backend=backend)
+
+
+def post_pre(backend, p, h_post, h_res):
+    """The model's steady-state op: sublayer l's write fused with sublayer l+1's read (same parameters)."""
+    from kernels.mhc import mhc_post_pre
+
+    return mhc_post_pre(p["x"], p["out"], h_post, h_res, p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                        sinkhorn_iters=ITERS, backend=backend)
+
+
+def reference_post_pre(p, h_post, h_res):
+    from kernels.mhc import reference
+
+    new = reference.mhc_post(p["x"], p["out"], h_post, h_res)
+    return (new, *reference.mhc_pre(new, p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                    sinkhorn_iters=ITERS))
+
+
+def reference_sublayer(p):
+    from kernels.mhc import reference
+
+    h, h_pre, h_post, h_res = reference.mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                                sinkhorn_iters=ITERS)
+    return h, h_pre, h_post, h_res, reference.mhc_post(p["x"], p["out"], h_post, h_res)
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def parity(B, T, n, d, seed, dtype) -> float:
+    """Worst relative error of the fused ops on ``dtype`` streams (outputs and every gradient) vs the fp32
+    reference on the same values."""
+    inp = make_inputs(B, T, n, d, seed, dtype=dtype)
+    bf = {k: v.clone().requires_grad_() for k, v in inp.items()}
+    ref_in = {k: v.detach().float().requires_grad_() for k, v in inp.items()}
+    got, ref = sublayer("triton", bf), sublayer("torch", ref_in)
+    errs = [rel_err(a, b) for a, b in zip(got, ref)]
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    ups = [torch.randn(o.shape, device="cuda", generator=g) for o in ref]
+    ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()))
+    gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
+    errs += [rel_err(a, b) for a, b in zip(ga, gb)]
+    # the write fused with the next read (mhc_post_pre), on coefficients of the read above
+    coeffs = [[t.detach().float().requires_grad_() for t in outs[2:4]] for outs in (got, ref)]
+    got, ref = post_pre("triton", bf, *coeffs[0]), post_pre("torch", ref_in, *coeffs[1])
+    errs += [rel_err(a, b) for a, b in zip(got, ref)]
+    ups = [torch.randn(o.shape, device="cuda", generator=g) for o in ref]
+    ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()) + coeffs[0])
+    gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()) + coeffs[1])
+    errs += [rel_err(a, b) for a, b in zip(ga, gb)]
+    return max(errs)
+
+
+def counts(N, n, d, elt=2) -> dict[str, tuple[float, float]]:
+    """(minimal bytes, CUDA-core FLOPs) of pre, post, the sublayer forward and forward+backward.
+
+    Bytes: streams and the sublayer output/input in elt bytes, coefficients fp32, each op's
+    inputs read once and outputs written once (pre also writes z and r for its backward).
+    FLOPs per token: RMSNorm 3nd; projection 2·nd·K; gates 2K + 3n; Sinkhorn ITERS·2 half-steps of
+    SINKHORN_HALF_STEP·n² each (+ n² exp); h = H^pre X 2nd; X' = H^res X + H^postᵀ f 2n²d + 2nd.
+    Backward: the sublayer's forward FLOPs again for the recomputed Sinkhorn and the projections
+    φ dz and Σ xᵀ dz (2·2·nd·K), dH^pre 2nd, dX from h 2nd, the RMS term 4nd, H^resᵀ dX' 2n²d,
+    dH^res 2n²d, dH^post and df 4nd, the Sinkhorn backward ITERS·2·4n².
+    """
+    nd, K = n * d, n * n + 2 * n
+    coeff = (n * n + 2 * n) * 4
+    sink = ITERS * 2 * SINKHORN_HALF_STEP * n * n + n * n
+    pre_b = N * (nd * elt + d * elt + coeff + K * 4 + 4)
+    pre_f = N * (3 * nd + 2 * nd * K + 2 * K + 3 * n + sink + 2 * nd)
+    post_b = N * (nd * elt + d * elt + (n * n + n) * 4 + nd * elt)
+    post_f = N * (2 * n * n * d + 2 * nd)
+    bwd_b = N * (3 * nd * elt + 2 * d * elt + 2 * (n * n + n) * 4  # post: dX', X, f in; dX, df, dcoeffs out
+                 + 2 * nd * elt + d * elt + coeff + K * 4 + 4)  # pre: X, dh, dcoeffs, z, r in; dX out
+    bwd_f = N * (sink + 2 * 2 * nd * K + 2 * nd + 2 * nd + 4 * nd + 4 * n * n * d + 4 * nd + ITERS * 2 * 4 * n * n)
+    fused_b = pre_b + post_b - N * nd * elt  # write + next read: X read once
+    return {"pre": (pre_b, pre_f), "post": (post_b, post_f), "fwd": (pre_b + post_b, pre_f + post_f),
+            "fwd+bwd": (pre_b + post_b + bwd_b, pre_f + post_f + bwd_f),
+            "post+pre": (fused_b, pre_f + post_f), "post+pre fwd+bwd": (fused_b + bwd_b, pre_f + post_f + bwd_f)}
+
+
+def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
+    """Median ms of pre, post, the sublayer forward (no_grad) and its forward+backward."""
+    pre, full = fns["pre"], fns["sublayer"]
+    leaves = [p[k] for k in ("x", "phi", "alpha", "b_pre", "b_post", "b_res", "out")]
+    with torch.no_grad():
+        _, _, h_post, h_res, _ = full(p)
+        out = {"pre": bench_ms(lambda: pre(p)),
+               "post": bench_ms(lambda: fns["post"](p, h_post, h_res)),
+               "fwd": bench_ms(lambda: full(p))}
+
+    def fwd_bwd():
+        outs = full(p)
+        return torch.autograd.grad(outs, leaves, grad_outputs=up)
+
+    out["fwd+bwd"] = bench_ms(fwd_bwd)
+    # the op the model runs per sublayer (residuals/mhc.py): write l + read l+1, coefficients from a read
+    coeffs = [t.detach().requires_grad_() for t in (h_post, h_res)]
+    with torch.no_grad():
+        outs = fns["post_pre"](p, *coeffs)
+        out["post+pre"] = bench_ms(lambda: fns["post_pre"](p, *coeffs))
+    g = torch.Generator(device=outs[0].device).manual_seed(7)
+    up_pp = [torch.randn(o.shape, device=o.device, generator=g).to(o.dtype) for o in outs]
+    leaves_pp = leaves + coeffs
+
+    def fwd_bwd_pp():
+        return torch.autograd.grad(fns["post_pre"](p, *coeffs), leaves_pp, grad_outputs=up_pp)
+
+    out["post+pre fwd+bwd"] = bench_ms(fwd_bwd_pp)
+    return out
+
+
+def backends():
+    from kernels.mhc import mhc_post, mhc_pre, reference
+
+    def pre_of(backend):
+        return lambda p: mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                 sinkhorn_iters=ITERS, backend=backend)
+
+    def ref_pre(p):
+        return reference.mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
+                                 sinkhorn_iters=ITERS)
+
+    compiled_pre = torch.compile(ref_pre)
+    compiled_post = torch.compile(reference.mhc_post)
+    compiled_full = torch.compile(reference_sublayer)
+    compiled_post_pre = torch.compile(reference_post_pre)
+    yield "triton (tf32x3)", "tf32x3", {
+        "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
+        "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
+    yield "triton (ieee)", "ieee", {
+        "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
+        "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
+    yield "torch reference", None, {
+        "pre": ref_pre, "post": lambda p, hp, hr: reference.mhc_post(p["x"], p["out"], hp, hr),
+        "sublayer": reference_sublayer, "post_pre": reference_post_pre}
+    yield "torch.compile(reference)", None, {
+        "pre": compiled_pre, "post": lambda p, hp, hr: compiled_post(p["x"], p["out"], hp, hr),
+        "sublayer": compiled_full, "post_pre": compiled_post_pre}
+
+
+# --sweep-blocks: candidate (BLOCK_T, BLOCK_D, num_warps, num_stages[, maxnreg]) per kernel of fused.GPU_BLOCKS (pre
+# kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
+BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
+    "pre_fwd": [(16, 16, 4, 1), (16, 16, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2), (32, 16, 8, 1), (64, 16, 8, 1)],
+    "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 16, 8, 2), (16, 16, 4, 1), (32, 16, 8, 2, 128), (32, 32, 8, 1),
+                (64, 16, 16, 1)],
+    "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
+    "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
+}
+SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "post_bwd": "post+pre fwd+bwd"}
+
+
+def sweep_blocks(shapes, n, seed, dtype, dtype_name) -> None:
+    """Time each candidate block configuration of each fused kernel on the op that runs it; check that
+    its outputs and gradients match the default configuration's; print the fastest as a GPU_BLOCKS dict."""
+    from kernels.mhc import fused, mhc_post
+
+    table = Table(title="mHC fused kernels: block sizes (BLOCK_T, BLOCK_D, warps, stages)",
+                  columns=["shape", "kernel", "blocks", "op timed", "ms", "vs default", "check"],
+                  notes=[f"n={n}, {dtype_name} streams, projections {fused.DOT_PRECISION}; other kernels at their "
+                         "defaults; check: outputs and gradients vs the default blocks (rel L2 < 1e-2)"])
+    defaults = dict(fused.GPU_BLOCKS)
+    fns = {"post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
+           "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
+    for name in shapes:
+        B, T, d = SHAPES[name]
+        p = {k: v.requires_grad_() for k, v in make_inputs(B, T, n, d, seed, dtype=dtype).items()}
+        with torch.no_grad():
+            h_post, h_res = sublayer("triton", p)[2:4]  # coefficients of a read, as the write gets them
+        coeffs = [t.detach().requires_grad_() for t in (h_post, h_res)]
+        leaves = [p[k] for k in ("x", "phi", "alpha", "b_pre", "b_post", "b_res", "out")] + coeffs
+        outs = fns["post_pre"](p, *coeffs)
+        g = torch.Generator(device="cuda").manual_seed(seed + 3)
+        ups = [torch.randn(o.shape, device="cuda", generator=g).to(o.dtype) for o in outs]
+
+        def results():
+            outs = fns["post_pre"](p, *coeffs)
+            return [o.detach() for o in outs] + list(torch.autograd.grad(outs, leaves, grad_outputs=ups))
+
+        def time_op(op):
+            if op == "post":
+                return bench_ms(lambda: fns["post"](p, *coeffs))
+            if op == "post+pre":
+                with torch.no_grad():
+                    return bench_ms(lambda: fns["post_pre"](p, *coeffs))
+            return bench_ms(lambda: torch.autograd.grad(fns["post_pre"](p, *coeffs), leaves, grad_outputs=ups))
+
+        with torch.no_grad():
+            post_out = fns["post"](p, *coeffs)
+        expected = results() + [post_out]
+        best = {}
+        for kernel, candidates in BLOCK_CANDIDATES.items():
+            op = SWEEP_OP[kernel]
+            base = time_op(op)
+            for cand in dict.fromkeys([defaults[kernel], *candidates]):
+                fused.GPU_BLOCKS[kernel] = cand
+                try:
+                    with torch.no_grad():
+                        post_out = fns["post"](p, *coeffs)
+                    err = max(rel_err(a, b) for a, b in zip(results() + [post_out], expected))
+                    ms = time_op(op)
+                except Exception as e:  # a configuration that does not compile or run is reported
+                    table.add(name, kernel, str(cand), op, "", "", f"error: {type(e).__name__}")
+                    continue
+                finally:
+                    fused.GPU_BLOCKS[kernel] = defaults[kernel]
+                ok = err < 1e-2
+                table.add(name, kernel, str(cand), op, f"{ms:.3f}", f"{ms / base:.2f}", f"{err:.1e} {'ok' if ok else 'FAIL'}")
+                print(" | ".join(table.rows[-1]), flush=True)
+                if ok and (kernel not in best or ms < best[kernel][1]):
+                    best[kernel] = (cand, ms)
+        table.notes.append(f"{name}: fastest GPU_BLOCKS = " + repr({k: v[0] for k, v in best.items()}))
+        del p, coeffs, leaves, outs, ups, expected
+        torch.cuda.empty_cache()
+    table.write("ops_mhc_blocks" if dtype_name == "bf16" else f"ops_mhc_blocks_{dtype_name}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--n", type=int, default=4, help="streams (paper: 4)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES),
+                    help="streams and sublayer output (fp32: what bf16-autocast training keeps, as vanilla's stream)")
+    ap.add_argument("--sweep-blocks", action="store_true",
+                    help="instead: time the candidate block sizes of each fused kernel (BLOCK_CANDIDATES)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
+    from kernels.mhc import fused
+
+    dtype = DTYPES[args.dtype]
+    if args.sweep_blocks:
+        return sweep_blocks(args.shapes, args.n, args.seed, dtype, args.dtype)
+    ceil = Ceilings.measure()
+    print(ceil.describe(), flush=True)
+    table = Table(
+        title="mHC read / write: fused Triton vs PyTorch reference",
+        columns=["shape", "B×T", "d", "n", "parity (vs fp32 ref)", "backend", "op", "ms", "min MB", "GFLOP",
+                 "roofline ms", "binds", "% of roofline"],
+        notes=[ceil.describe(),
+               f"n streams, {ITERS} Sinkhorn iterations, {args.dtype} streams and sublayer output, fp32 φ, α, b; "
+               "fwd ops under no_grad; fwd+bwd = one sublayer's pre + post and the gradients of X, f, φ, α, b",
+               "min MB: each op's inputs read once and outputs written once; GFLOP: CUDA-core FLOPs "
+               "(see `counts` in benchmarks/ops_mhc.py); roofline = max(bytes / copy, FLOPs / fp32 rate)",
+               f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL[args.dtype]}"])
+    failed = []
+    default_precision = fused.DOT_PRECISION
+    for name in args.shapes:
+        B, T, d = SHAPES[name]
+        n, N = args.n, B * T
+        p = {k: v.requires_grad_() for k, v in make_inputs(B, T, n, d, args.seed, dtype=dtype).items()}
+        g = torch.Generator(device="cuda").manual_seed(args.seed + 2)
+        up = [torch.randn(s, device="cuda", generator=g).to(dt) for s, dt in
+              (((B, T, d), dtype), ((B, T, n), torch.float32), ((B, T, n), torch.float32),
+               ((B, T, n, n), torch.float32), ((B, T, n, d), dtype))]
+        cnt = counts(N, n, d, elt=dtype.itemsize)
+        for label, precision, fns in backends():
+            check = "reference"
+            try:
+                if precision is not None:  # a fused variant: its parity first, then its times
+                    fused.DOT_PRECISION = precision
+                    err = parity(B, T, n, d, args.seed, dtype)
+                    check = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
+                    print(f"{name} {label}: parity {check}", flush=True)
+                    if err >= PARITY_TOL[args.dtype]:
+                        failed.append(f"{name} {label}")
+                res = timings(fns, p, up)
+            except Exception as e:  # a backend that fails is reported in the table, not skipped silently
+                print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
+                if precision is not None:  # the fused ops must run; a torch.compile failure is only reported
+                    failed.append(f"{name} {label}: {type(e).__name__}")
+                table.add(name, f"{B}×{T}", d, n, check, label, "all", f"error: {type(e).__name__}",
+                          "", "", "", "", "")
+                continue
+            finally:
+                fused.DOT_PRECISION = default_precision
+            for op, ms in res.items():
+                n_bytes, flops = cnt[op]
+                floor = ceil.floor_ms(n_bytes, flops)
+                table.add(name, f"{B}×{T}", d, n, check, label, op, f"{ms:.3f}", f"{n_bytes / 1e6:.0f}",
+                          f"{flops / 1e9:.2f}", f"{floor:.3f}", ceil.binding(n_bytes, flops), f"{100 * floor / ms:.0f}%")
+                print(" | ".join(table.rows[-1]), flush=True)
+        del p, up
+        torch.cuda.empty_cache()
+    table.write("ops_mhc" if args.dtype == "bf16" else f"ops_mhc_{args.dtype}")
+    if failed:
+        raise SystemExit(f"parity check failed or a fused variant errored: {failed}; see the table")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""mHC read (coefficients + h) and write (stream mixing) as ops (mHC, arXiv 2512.24880; SPEC §2).
+
+Three public functions (the first two with the same signature as their twins in ``reference.py``), plus ``backend``:
+
+- ``mhc_pre(x, φ, α, b_pre, b_post, b_res, norm_gain)`` -> ``(h, H^pre, H^post, H^res)``: the RMSNorm over
+  n·d, the projection z = x'φ, the gates, Sinkhorn-Knopp, and the read h = H^pre X.
+- ``mhc_post(x, out, H^post, H^res)`` -> ``X' = H^res X + H^postᵀ out``.
+- ``mhc_post_pre(x, out, H^post, H^res, φ, α, b_pre, b_post, b_res, norm_gain)`` -> ``(X', h, H^pre, H^post,
+  H^res)``: a write and the next sublayer's read, one pass over the streams on triton.
+
+``backend="triton"`` runs ``fused.py`` (one pass over the streams each, backward by recomputation);
+``backend="torch"`` runs the reference; ``backend="auto"`` picks triton for CUDA tensors and torch
+otherwise. An unavailable backend is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+BACKENDS = ("torch", "triton")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"mhc: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
+
+
+def _resolve(backend: str, x: Tensor) -> str:
+    check_backend(backend)
+    if backend == "auto":
+        return "triton" if x.is_cuda else "torch"
+    return backend
+
+
+def _check_triton(x: Tensor, *others: Tensor | None) -> None:
+    """Raise if the fused kernels cannot run these inputs (never fall back silently)."""
+    if x.dtype not in TRITON_DTYPES:
+        raise ValueError(f"mhc: backend 'triton' computes in fp32 and takes streams in "
+                         f"{[str(dt) for dt in TRITON_DTYPES]}; got {x.dtype} (use backend='torch' for fp64)")
+    devices = {t.device for t in (x, *others) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"mhc: all inputs must be on one device, got {sorted(map(str, devices))}")
+    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError(f"mhc: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+                           f"imported to run on {x.device.type}; use backend='torch' or backend='auto'")
+
+
+def _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"mhc_pre: x must be (..., n, d), got shape {tuple(x.shape)}")
+    n, d = x.shape[-2:]
+    k = n * n + 2 * n
+    for name, t, shape in (("phi", phi, (n * d, k)), ("alpha", alpha, (3,)), ("b_pre", b_pre, (n,)),
+                           ("b_post", b_post, (n,)), ("b_res", b_res, (n, n)),
+                           ("norm_gain", norm_gain, (n * d,))):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"mhc_pre: {name} must have shape {shape} for n={n}, d={d}, got {tuple(t.shape)}")
+    if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
+        raise ValueError(f"mhc_pre: sinkhorn_iters={sinkhorn_iters!r} must be an integer >= 1")
+
+
+def _check_post(x, out, h_post, h_res) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"mhc_post: x must be (..., n, d), got shape {tuple(x.shape)}")
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    for name, t, shape in (("out", out, (*lead, d)), ("h_post", h_post, (*lead, n)), ("h_res", h_res, (*lead, n, n))):
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"mhc_post: {name} must have shape {tuple(shape)} for x {tuple(x.shape)}, "
+                             f"got {tuple(t.shape)}")
+
+
+def mhc_pre(
+    x: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    norm_gain: Tensor | None = None,
+    *,
+    sinkhorn_iters: int = 20,
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The mHC coefficients of every token and the read of one sublayer.
+
+    Args:
+        x: streams ``(..., n, d)``; phi ``(n·d, n²+2n)``, columns [pre | post | res row-major];
+        alpha ``(3,)`` as [pre, post, res]; b_pre, b_post ``(n,)``; b_res ``(n, n)``; norm_gain ``(n·d,)``
+        or None. sinkhorn_iters: Sinkhorn-Knopp iterations (paper: 20). eps: RMSNorm epsilon.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see the module docstring).
+
+    Returns:
+        h ``(..., d)`` in x's dtype; H^pre ``(..., n)``, H^post ``(..., n)``, H^res ``(..., n, n)`` in fp32
+        (fp64 from the torch backend on fp64 streams).
+    """
+    backend = _resolve(backend, x)
+    _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
+    if backend == "torch":
+        return reference.mhc_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters, eps=eps)
+    _check_triton(x, phi, alpha, b_pre, b_post, b_res, norm_gain)
+    from . import fused  # imports triton: only when asked for
+
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return fused.mhc_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters, eps=eps)
+
+
+def mhc_post_pre(
+    x: Tensor,
+    out: Tensor,
+    h_post: Tensor,
+    h_res: Tensor,
+    phi: Tensor,
+    alpha: Tensor,
+    b_pre: Tensor,
+    b_post: Tensor,
+    b_res: Tensor,
+    norm_gain: Tensor | None = None,
+    *,
+    sinkhorn_iters: int = 20,
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The write of sublayer l followed by the read of sublayer l+1 (the paper's fused write/read):
+    ``mhc_pre(mhc_post(x, out, h_post, h_res), phi, ...)`` with one pass over the streams on triton.
+
+    Args: ``x, out, h_post, h_res`` as in ``mhc_post`` (sublayer l); ``phi, alpha, b_pre, b_post, b_res,
+    norm_gain, sinkhorn_iters, eps`` as in ``mhc_pre`` (sublayer l+1); backend as both.
+
+    Returns:
+        (X', h, H^pre, H^post, H^res): the new streams ``(..., n, d)`` and the read of them.
+    """
+    backend = _resolve(backend, x)
+    if backend == "torch":
+        new = mhc_post(x, out, h_post, h_res, backend="torch")
+        return (new, *mhc_pre(new, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters,
+                              eps=eps, backend="torch"))
+    _check_post(x, out, h_post, h_res)
+    _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
+    _check_triton(x, out, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_gain)
+    from . import fused
+
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return fused.mhc_post_pre(x, out, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_gain,
+                                  sinkhorn_iters=sinkhorn_iters, eps=eps)
+
+
+def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: str = "auto") -> Tensor:
+    """The write X' = H^res X + H^postᵀ out.
+
+    Args:
+        x: streams ``(..., n, d)``; out: the sublayer output ``(..., d)``; h_post ``(..., n)``;
+        h_res ``(..., n, n)``; backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        X' ``(..., n, d)`` in x's dtype, mixed in fp32 (fp64 for fp64 coefficients on the torch backend).
+    """
+    backend = _resolve(backend, x)
+    _check_post(x, out, h_post, h_res)
+    if backend == "torch":
+        return reference.mhc_post(x, out, h_post, h_res)
+    _check_triton(x, out, h_post, h_res)
+    from . import fused
+
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return fused.mhc_post(x, out, h_post, h_res)
+
+
+__all__ = ["BACKENDS", "check_backend", "mhc_post", "mhc_post_pre", "mhc_pre"]

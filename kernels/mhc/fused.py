@@ -1,0 +1,800 @@
+"""mHC read and write fused in Triton (mHC, arXiv 2512.24880, §4.3: kernel fusion and recomputation).
+
+Same semantics as ``reference.py``. The streams are token-major, (N, n, d) with N = B·T, so one
+token's n·d values are contiguous. Three ops, each one pass over the streams:
+
+- **pre** (``_pre_fwd_kernel``, BLOCK_T tokens per program): stream the n·d values of the tokens once,
+  accumulating Σx² and y = (x ⊙ g) φ (``tl.dot``, fp32); z = y · rsqrt(Σx²/nd + eps); then per token
+  H^pre = σ(α_pre z_pre + b_pre), H^post = 2σ(α_post z_post + b_post) and H^res = 20 Sinkhorn
+  iterations on an (n, n) register tile (log domain, fp32); a second sweep over the same tokens
+  (L2-resident) writes h = Σ_i H^pre_i X_i. Stored for later: the coefficients (n²+2n fp32, the write
+  needs them), z (n²+2n fp32) and the RMS factor r (1 fp32). Nothing of size d is stored besides h.
+- **post** (``_post_fwd_kernel``): X' = H^res X + H^postᵀ f; reads n·d + d, writes n·d.
+- **post + next pre** (``_pre_fwd_kernel`` with ``FUSE_POST``, the paper's fused write/read): the first
+  sweep makes X' = H^res X + H^postᵀ f chunk by chunk, stores it and projects it; then as pre. Reads
+  n·d + d, writes n·d + d (+ the L2 re-read of X'), instead of 2·n·d + d read by post then pre.
+  Its backward is pre's backward on X', then post's with the resulting dX'.
+
+Backward (recomputation instead of storage: only z and r are kept per token):
+
+- ``_post_bwd_kernel``: df = Σ_i H^post_i dX'_i and the per-token reductions over d
+  dH^res_ij = ⟨dX'_i, X_j⟩, dH^post_i = ⟨dX'_i, f⟩; one pass. Its stream gradient H^resᵀ dX' is left to
+  the read's backward (``GradientLink``) when the write used the read's own streams and coefficients,
+  so the two halves of dX are written once, not twice and then summed.
+- ``_pre_bwd_kernel``: dH^pre_i = ⟨dh, X_i⟩ (sweep 1), then per token the gradients of the logits:
+  σ' for H^pre and H^post, and the Sinkhorn iterations recomputed from the logits and
+  backpropagated last first (O(T) steps on an (n, n) register tile; only the 2n normalisers per
+  iteration go to a transient L2-resident scratch row); then (sweep 2)
+  dX = H^pre dh + r g ⊙ (φ dz) − (⟨dz, z⟩ r² / nd) x [+ H^resᵀ dX' from the write].
+- ``_phi_grad_kernel``: P = Σ_tokens xᵀ (r dz) (nd × (n²+2n), fp32 ``tl.dot``, deterministic partial
+  sums per token split); dφ = g ⊙ P and dg = Σ_k φ ⊙ P. dα and db are sums over tokens of the
+  per-token logit gradients, done with ``torch.sum``.
+
+Per sublayer and token the streams cross HBM: forward 2·nd + 2·d (pre reads X, writes h; post
+reads X and f, writes X'; pre's second sweep over X hits L2), backward about 6·nd (post reads dX'
+and X; pre reads X twice, the second time mostly from L2, reads dX' and writes dX; the φ gradient
+reads X once more).
+
+All math is fp32 whatever the streams' dtype; inputs are made contiguous by the launchers.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Precision of the projections z = x'φ, φ dz and Σ xᵀ dz (tl.dot on fp32 operands). The paper keeps φ
+# and the projection in fp32 (Eq. 10). "ieee" (default) is exact fp32 on CUDA cores; "tf32x3" splits
+# each operand into two tf32 parts and keeps three products (about fp32 accuracy on tensor cores).
+# With K = n²+2n = 24 columns the tensor-core path gains nothing: on an H200 (bf16 streams, n = 4)
+# mhc_pre took 0.178 ms in ieee vs 0.339 ms in tf32x3 at d = 512 and 0.601 vs 1.223 ms at d = 1024.
+# benchmarks/ops_mhc.py times both.
+DOT_PRECISIONS = ("ieee", "tf32x3")
+DOT_PRECISION = "ieee"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --- per-token helpers: the (BLOCK_T, NP, NP) Sinkhorn tile ---------------------------------------
+
+
+@triton.jit
+def _lse(v, AXIS: tl.constexpr):
+    """log Σ exp over AXIS; -inf entries are padding; an all-padding slice gives 0 (not NaN)."""
+    m = tl.max(v, axis=AXIS)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(tl.exp(v - tl.expand_dims(m, AXIS)), axis=AXIS)
+    return tl.where(s > 0.0, m + tl.log(tl.where(s > 0.0, s, 1.0)), 0.0)
+
+
+@triton.jit
+def _sinkhorn_step(lm):
+    """One iteration on log M (BLOCK_T, NP, NP): normalise the columns (axis 1), then the rows."""
+    lm = lm - tl.expand_dims(_lse(lm, 1), 1)
+    return lm - tl.expand_dims(_lse(lm, 2), 2)
+
+
+@triton.jit
+def _sinkhorn_log(logits, valid, ITERS: tl.constexpr):
+    """log H^res after ITERS iterations; padded entries (not ``valid``) stay -inf."""
+    lm = tl.where(valid, logits, float("-inf"))
+    for _ in range(ITERS):
+        lm = _sinkhorn_step(lm)
+    return lm
+
+
+@triton.jit
+def _sinkhorn_fwd_bwd(logits, valid, dh_res, scratch_ptr, rows, mask_t, ITERS: tl.constexpr, NP: tl.constexpr):
+    """(H^res, dL/dlogits) from dL/dH^res: the iterations once forward, then backpropagated last first.
+
+    A log-domain normalisation y = v − lse(v) has dv = dy − exp(y) Σ dy (sum along the normalised
+    axis), so iteration t needs its states after the column step (a_t) and after the row step (b_t).
+    The forward keeps only its 2n normalisers per iteration (column c_t, row r_t) in a per-token
+    scratch row (written and read back by this program, L2-resident); walking back,
+    a_t = b_t + r_t and b_{t-1} = a_t + c_t rebuild the states: O(ITERS) steps, nothing large stored.
+    """
+    offs_n = tl.arange(0, NP)
+    sp = scratch_ptr + rows[:, None] * (2 * ITERS * NP) + offs_n[None, :]  # (BLOCK_T, NP) row pointers
+    m2 = mask_t[:, None] & (offs_n < NP)[None, :]
+    lm = tl.where(valid, logits, float("-inf"))
+    for t in range(ITERS):
+        c = _lse(lm, 1)  # column normalisers (BLOCK_T, NP over j)
+        lm = lm - tl.expand_dims(c, 1)
+        r = _lse(lm, 2)  # row normalisers (BLOCK_T, NP over i)
+        lm = lm - tl.expand_dims(r, 2)
+        tl.store(sp + (2 * t) * NP, c, mask=m2)
+        tl.store(sp + (2 * t + 1) * NP, r, mask=m2)
+    tl.debug_barrier()  # the normalisers are read back below, possibly by other threads of the block
+    h_res = tl.exp(lm)
+    g = tl.where(valid, dh_res * h_res, 0.0)  # dL/d log H^res
+    for t in range(ITERS):
+        back = ITERS - 1 - t
+        c = tl.load(sp + (2 * back) * NP, mask=m2, other=0.0)
+        r = tl.load(sp + (2 * back + 1) * NP, mask=m2, other=0.0)
+        a = lm + tl.expand_dims(r, 2)  # the state after this iteration's column step
+        g = g - tl.exp(lm) * tl.expand_dims(tl.sum(g, axis=2), 2)  # through the row step
+        g = g - tl.exp(a) * tl.expand_dims(tl.sum(g, axis=1), 1)  # through the column step
+        lm = a + tl.expand_dims(c, 1)  # the state before this iteration
+    return h_res, g
+
+
+@triton.jit
+def _coefficients(
+    z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
+    N_STREAMS: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr,
+):
+    """Per token of the block: z_pre, z_res tiles, H^pre, H^post, the H^res logits and log H^res."""
+    K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
+    valid = (mask_n[:, None] & mask_n[None, :])[None, :, :]  # (1, NP, NP): real (i, j) entries
+    zrow = z_ptr + rows * K  # (BLOCK_T,) pointers to each token's z
+    z_pre = tl.load(zrow[:, None] + offs_n[None, :], mask=m2, other=0.0)
+    z_post = tl.load(zrow[:, None] + N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    res_offs = 2 * N_STREAMS + offs_n[:, None] * N_STREAMS + offs_n[None, :]  # (NP, NP), row-major
+    z_res = tl.load(zrow[:, None, None] + res_offs[None, :, :], mask=mask_t[:, None, None] & valid, other=0.0)
+    a_pre = tl.load(alpha_ptr)
+    a_post = tl.load(alpha_ptr + 1)
+    a_res = tl.load(alpha_ptr + 2)
+    b_pre = tl.load(bpre_ptr + offs_n, mask=mask_n, other=0.0)
+    b_post = tl.load(bpost_ptr + offs_n, mask=mask_n, other=0.0)
+    b_res = tl.load(bres_ptr + offs_n[:, None] * N_STREAMS + offs_n[None, :],
+                    mask=mask_n[:, None] & mask_n[None, :], other=0.0)
+    h_pre = tl.sigmoid(a_pre * z_pre + b_pre[None, :])
+    h_post = 2.0 * tl.sigmoid(a_post * z_post + b_post[None, :])
+    logits = a_res * z_res + b_res[None, :, :]
+    return h_pre, h_post, logits, valid
+
+
+# --- forward ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+             D: tl.constexpr, K: tl.constexpr, HAS_GAIN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate Σx² and y += (x ⊙ g) φ for a (BLOCK_T, BLOCK_D) chunk of stream i."""
+    ss += tl.sum(xv * xv, axis=1)
+    if HAS_GAIN:
+        xv = xv * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
+    ph = tl.load(phi_ptr + (i * D + offs_d)[:, None] * K + offs_k[None, :],
+                 mask=mask_d[:, None] & mask_k[None, :], other=0.0)
+    return ss, y + tl.dot(xv, ph, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _pre_fwd_kernel(
+    x_ptr,  # streams (N, n, d), contiguous, fp32 / bf16 / fp16; written here when FUSE_POST
+    xin_ptr,  # FUSE_POST: the previous streams X_{l-1} (N, n, d), x's dtype
+    f_ptr,  # FUSE_POST: the previous sublayer's output f_{l-1} (N, d), any float dtype
+    hpost_in_ptr,  # FUSE_POST: the previous H^post (N, n) fp32
+    hres_in_ptr,  # FUSE_POST: the previous H^res (N, n, n) fp32
+    phi_ptr,  # φ (n·d, K) fp32, K = n²+2n, columns [pre | post | res row-major]
+    gain_ptr,  # RMSNorm gain (n·d,) fp32; read only when HAS_GAIN
+    alpha_ptr,  # (3,) fp32: α_pre, α_post, α_res
+    bpre_ptr,  # (n,) fp32
+    bpost_ptr,  # (n,) fp32
+    bres_ptr,  # (n, n) fp32
+    h_ptr,  # result: the read h (N, d), x's dtype
+    hpre_ptr,  # result: H^pre (N, n) fp32
+    hpost_ptr,  # result: H^post (N, n) fp32
+    hres_ptr,  # result: H^res (N, n, n) fp32
+    z_ptr,  # result: z = x'φ (N, K) fp32, kept for backward
+    r_ptr,  # result: r = rsqrt(mean x² + eps) (N,) fp32, kept for backward
+    N, eps,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
+    HAS_GAIN: tl.constexpr, FUSE_POST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
+    NN: tl.constexpr = N_STREAMS * N_STREAMS
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)  # N·n·d can pass 2³¹
+    ND: tl.constexpr = N_STREAMS * D
+    offs_k = tl.arange(0, KP)
+    mask_k = offs_k < K
+
+    # sweep 1: Σx² and y = (x ⊙ g) φ over the n·d values of each token. FUSE_POST: x is first made
+    # here, X_i = Σ_j H^res_ij X^in_j + H^post_i f (the previous sublayer's write), stored, and rounded
+    # to the streams' dtype before use, so z is computed from exactly the stored streams.
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
+    ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    y = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    if FUSE_POST:
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            mtd = mask_t[:, None] & mask_d[None, :]
+            x_in = tl.load(xin_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
+                           mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+            f = tl.load(f_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+            for i in tl.static_range(N_STREAMS):
+                h_row = tl.load(hres_in_ptr + rows[:, None] * NN + i * N_STREAMS + offs_n[None, :], mask=m2,
+                                other=0.0)  # H^res[i, :] (BLOCK_T, NP), from L1
+                hp_i = tl.load(hpost_in_ptr + rows * N_STREAMS + i, mask=mask_t, other=0.0)
+                xv = (tl.sum(h_row[:, :, None] * x_in, axis=1) + hp_i[:, None] * f).to(x_ptr.dtype.element_ty)
+                tl.store(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], xv, mask=mtd)
+                ss, y = _project(xv.to(tl.float32), ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+                                 D, K, HAS_GAIN, DOT_PRECISION)
+    else:
+        for i in tl.static_range(N_STREAMS):
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                mask_d = offs_d < D
+                xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :],
+                             mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                ss, y = _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+                                 D, K, HAS_GAIN, DOT_PRECISION)
+    r = tl.rsqrt(ss / ND + eps)
+    z = y * r[:, None]
+    tl.store(z_ptr + rows[:, None] * K + offs_k[None, :], z, mask=mask_t[:, None] & mask_k[None, :])
+    tl.store(r_ptr + rows, r, mask=mask_t)
+    # z is read back below in the (token, i, j) layout and (FUSE_POST) the streams in sweep 2, by other
+    # threads of the block
+    tl.debug_barrier()
+
+    h_pre, h_post, logits, valid = _coefficients(z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
+                                                 N_STREAMS, NP, ITERS)
+    h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
+    tl.store(hpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_pre, mask=m2)
+    tl.store(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_post, mask=m2)
+    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
+    tl.store(hres_ptr + rows[:, None, None] * (N_STREAMS * N_STREAMS) + res_offs[None, :, :], h_res,
+             mask=mask_t[:, None, None] & valid)
+
+    # sweep 2 (same tokens, from L2): h = Σ_i H^pre_i X_i
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x3 = tl.load(x_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
+                     mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        h = tl.sum(h_pre[:, :, None] * x3, axis=1)
+        tl.store(h_ptr + rows[:, None] * D + offs_d[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _post_fwd_kernel(
+    x_ptr,  # streams (N, n, d), contiguous
+    f_ptr,  # sublayer output (N, d), contiguous, any float dtype
+    hpost_ptr,  # H^post (N, n) fp32
+    hres_ptr,  # H^res (N, n, n) fp32
+    out_ptr,  # result: X' (N, n, d), x's dtype
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < N
+    mask_d = offs_d < D
+    rows = offs_t.to(tl.int64)
+    ND: tl.constexpr = N_STREAMS * D
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
+    mtd = mask_t[:, None] & mask_d[None, :]
+    x3 = tl.load(x_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
+                 mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+    f = tl.load(f_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+    for i in tl.static_range(N_STREAMS):
+        h_row = tl.load(hres_ptr + rows[:, None] * (N_STREAMS * N_STREAMS) + i * N_STREAMS + offs_n[None, :],
+                        mask=m2, other=0.0)  # H^res[i, :] (BLOCK_T, NP)
+        h_post = tl.load(hpost_ptr + rows * N_STREAMS + i, mask=mask_t, other=0.0)
+        new = tl.sum(h_row[:, :, None] * x3, axis=1) + h_post[:, None] * f
+        tl.store(out_ptr + rows[:, None] * ND + i * D + offs_d[None, :], new.to(out_ptr.dtype.element_ty), mask=mtd)
+
+
+# --- backward -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _post_bwd_kernel(
+    x_ptr,  # streams (N, n, d), contiguous
+    f_ptr,  # sublayer output (N, d), contiguous
+    hpost_ptr,  # H^post (N, n) fp32
+    hres_ptr,  # H^res (N, n, n) fp32
+    dout_ptr,  # upstream gradient dX' (N, n, d), contiguous
+    dx_ptr,  # result: dX = H^resᵀ dX' (N, n, d), x's dtype; written only when STORE_DX
+    df_ptr,  # result: df = Σ_i H^post_i dX'_i (N, d), f's dtype
+    dhpost_ptr,  # result: dH^post (N, n) fp32
+    dhres_ptr,  # result: dH^res (N, n, n) fp32
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, STORE_DX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    NN: tl.constexpr = N_STREAMS * N_STREAMS
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)
+    ND: tl.constexpr = N_STREAMS * D
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
+    valid = (mask_n[:, None] & mask_n[None, :])[None, :, :]
+    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
+    h_res = tl.load(hres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
+                    other=0.0)
+    h_post = tl.load(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    col = offs_n[None, None, :]  # j of the (token, i, j) tile
+    acc_res = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
+    acc_post = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        mtd = mask_t[:, None] & mask_d[None, :]
+        g3 = tl.load(dout_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
+                     mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # dX'_i
+        f = tl.load(f_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+        tl.store(df_ptr + rows[:, None] * D + offs_d[None, :],
+                 tl.sum(h_post[:, :, None] * g3, axis=1).to(df_ptr.dtype.element_ty), mask=mtd)
+        acc_post += tl.sum(g3 * f[:, None, :], axis=2)
+        for j in tl.static_range(N_STREAMS):
+            xj = tl.load(x_ptr + rows[:, None] * ND + j * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+            if STORE_DX:
+                h_col = tl.sum(tl.where(col == j, h_res, 0.0), axis=2)  # H^res[:, j] (BLOCK_T, NP over i)
+                dxj = tl.sum(h_col[:, :, None] * g3, axis=1)
+                tl.store(dx_ptr + rows[:, None] * ND + j * D + offs_d[None, :], dxj.to(dx_ptr.dtype.element_ty),
+                         mask=mtd)
+            part = tl.sum(g3 * xj[:, None, :], axis=2)  # ⟨dX'_i, X_j⟩ over this chunk, (BLOCK_T, NP over i)
+            acc_res += tl.where(col == j, part[:, :, None], 0.0)
+    tl.store(dhpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], acc_post, mask=m2)
+    tl.store(dhres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], acc_res, mask=mask_t[:, None, None] & valid)
+
+
+@triton.jit
+def _pre_bwd_kernel(
+    x_ptr,  # streams (N, n, d), contiguous
+    dh_ptr,  # upstream gradient of h (N, d), contiguous
+    dhpre_ptr,  # upstream gradient of H^pre (N, n) fp32; read only when HAS_DPRE
+    dhpost_ptr,  # upstream gradient of H^post (N, n) fp32
+    dhres_ptr,  # upstream gradient of H^res (N, n, n) fp32
+    dout_ptr,  # the write's upstream gradient dX' (N, n, d); read only when HAS_DOUT (adds H^resᵀ dX')
+    hres_ptr,  # H^res (N, n, n) fp32 as the write used it; read only when HAS_DOUT
+    z_ptr,  # forward z (N, K) fp32
+    r_ptr,  # forward r (N,) fp32
+    phi_ptr,  # φ (n·d, K) fp32
+    gain_ptr,  # RMSNorm gain (n·d,) fp32; read only when HAS_GAIN
+    alpha_ptr,  # (3,) fp32
+    bpre_ptr,  # (n,) fp32
+    bpost_ptr,  # (n,) fp32
+    bres_ptr,  # (n, n) fp32
+    dx_ptr,  # result: dX (N, n, d), x's dtype
+    dlogit_ptr,  # result: dL/d(α·z + b) (N, K) fp32, in z's column layout
+    w_ptr,  # result: r · dz = r α ⊙ dlogit (N, K) fp32, the weights of φ's gradient Σ_t vec(X_t)ᵀ w_t
+    scratch_ptr,  # Sinkhorn normalisers (N, ITERS, 2, NP) fp32, transient (see _sinkhorn_fwd_bwd)
+    N, eps,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
+    HAS_GAIN: tl.constexpr, HAS_DPRE: tl.constexpr, HAS_DOUT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
+    NN: tl.constexpr = N_STREAMS * N_STREAMS
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)
+    ND: tl.constexpr = N_STREAMS * D
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
+
+    # sweep 1: dH^pre_i = ⟨dh, X_i⟩
+    d_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x3 = tl.load(x_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
+                     mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                     other=0.0).to(tl.float32)
+        d_pre += tl.sum(x3 * dh[:, None, :], axis=2)
+    if HAS_DPRE:
+        d_pre += tl.load(dhpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+
+    # per token: the gradients of the logits α·z + b
+    h_pre, h_post, logits, valid = _coefficients(z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
+                                                 N_STREAMS, NP, ITERS)
+    d_post = tl.load(dhpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
+    d_res = tl.load(dhres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
+                    other=0.0)
+    dl_pre = d_pre * h_pre * (1.0 - h_pre)  # σ'
+    dl_post = d_post * h_post * (1.0 - 0.5 * h_post)  # (2σ)' = 2σ(1 − σ)
+    _, dl_res = _sinkhorn_fwd_bwd(logits, valid, d_res, scratch_ptr, rows, mask_t, ITERS, NP)
+    dl_row = dlogit_ptr + rows * K
+    tl.store(dl_row[:, None] + offs_n[None, :], dl_pre, mask=m2)
+    tl.store(dl_row[:, None] + N_STREAMS + offs_n[None, :], dl_post, mask=m2)
+    tl.store(dl_row[:, None, None] + 2 * N_STREAMS + res_offs[None, :, :], dl_res, mask=mask_t[:, None, None] & valid)
+    tl.debug_barrier()  # read back below in z's flat column layout, by other threads of the block
+
+    # dz = α ⊙ dlogit, flat (BLOCK_T, KP); the RMS factor's share: ⟨dz, z⟩ r² / nd
+    offs_k = tl.arange(0, KP)
+    mask_k = offs_k < K
+    mtk = mask_t[:, None] & mask_k[None, :]
+    a_col = tl.where(offs_k < N_STREAMS, tl.load(alpha_ptr),
+                     tl.where(offs_k < 2 * N_STREAMS, tl.load(alpha_ptr + 1), tl.load(alpha_ptr + 2)))
+    dz = tl.load(dlogit_ptr + rows[:, None] * K + offs_k[None, :], mask=mtk, other=0.0) * a_col[None, :]
+    z = tl.load(z_ptr + rows[:, None] * K + offs_k[None, :], mask=mtk, other=0.0)
+    r = tl.load(r_ptr + rows, mask=mask_t, other=0.0)
+    c = tl.sum(dz * z, axis=1) * r * r / ND
+    tl.store(w_ptr + rows[:, None] * K + offs_k[None, :], dz * r[:, None], mask=mtk)
+
+    # sweep 2: dX_i = H^pre_i dh + r g ⊙ (φ_i dz) − c X_i  (+ Σ_k H^res_ki dX'_k: the write's share)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        mtd = mask_t[:, None] & mask_d[None, :]
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+        for i in tl.static_range(N_STREAMS):
+            hp_i = tl.sum(tl.where(offs_n[None, :] == i, h_pre, 0.0), axis=1)
+            xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+            ph_t = tl.load(phi_ptr + (i * D + offs_d)[None, :] * K + offs_k[:, None],
+                           mask=mask_k[:, None] & mask_d[None, :], other=0.0)  # φ_iᵀ chunk (KP, BLOCK_D)
+            proj = tl.dot(dz, ph_t, input_precision=DOT_PRECISION)
+            if HAS_GAIN:
+                proj = proj * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
+            dx = hp_i[:, None] * dh + r[:, None] * proj - c[:, None] * xv
+            if HAS_DOUT:
+                # 2-D tiles and per-token scalars from L1 rather than an (n, n, BLOCK_D) broadcast in registers
+                for k in tl.static_range(N_STREAMS):
+                    h_ki = tl.load(hres_ptr + rows * NN + k * N_STREAMS + i, mask=mask_t, other=0.0)
+                    g_k = tl.load(dout_ptr + rows[:, None] * ND + k * D + offs_d[None, :], mask=mtd, other=0.0)
+                    dx += h_ki[:, None] * g_k.to(tl.float32)
+            tl.store(dx_ptr + rows[:, None] * ND + i * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mtd)
+
+
+@triton.jit
+def _phi_grad_kernel(
+    x_ptr,  # streams viewed as (N, n·d), contiguous
+    w_ptr,  # r · dz (N, K) fp32
+    part_ptr,  # result: partial Σ_tokens xᵀ w (SPLIT, n·d, K) fp32
+    N, ND, BLOCKS_PER_SPLIT,
+    K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = offs_r < ND
+    offs_k = tl.arange(0, KP)
+    mask_k = offs_k < K
+    acc = tl.zeros((BLOCK_R, KP), dtype=tl.float32)
+    it = split * 0  # a while loop: the interpreter cannot take a runtime bound in range()
+    while it < BLOCKS_PER_SPLIT:
+        offs_t = (split * BLOCKS_PER_SPLIT + it) * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < N
+        rows = offs_t.to(tl.int64)
+        x_t = tl.load(x_ptr + rows[None, :] * ND + offs_r[:, None], mask=mask_r[:, None] & mask_t[None, :],
+                      other=0.0).to(tl.float32)  # (BLOCK_R, BLOCK_T)
+        w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.dot(x_t, w, input_precision=DOT_PRECISION)
+        it += 1
+    tl.store(part_ptr + (split * ND + offs_r.to(tl.int64))[:, None] * K + offs_k[None, :], acc,
+             mask=mask_r[:, None] & mask_k[None, :])
+
+
+# --- launchers ----------------------------------------------------------------------------------
+
+
+def _pow2(v: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(v))
+
+
+# Under the interpreter each program costs milliseconds: by default one block covers a test shape.
+# Tests shrink these to exercise several programs, channel chunks and token splits.
+INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 1}
+
+
+# (BLOCK_T, largest BLOCK_D, num_warps, num_stages[, maxnreg]) per kernel on the GPU, chosen by compiling
+# for sm_90 and reading ptxas's register counts (<= 128 registers per thread); not autotuned.
+# The pre kernels take 32 tokens per program, so each program's read of φ from L2 (n·d·K fp32)
+# serves more tokens; the post kernels are purely bandwidth-bound. pre_bwd as the model launches it
+# (with the write's dX') needs 135 registers (158 with a gain): one 8-warp program per SM; capped at
+# 128 (ptxas then spills 8-16 bytes) two programs share an SM. `python -m benchmarks.ops_mhc
+# --sweep-blocks` measures the alternatives.
+GPU_BLOCKS = {
+    "pre_fwd": (32, 16, 4, 1),
+    "pre_bwd": (32, 16, 8, 1, 128),
+    "post_fwd": (16, 64, 8, 2),
+    "post_bwd": (8, 32, 4, 2),
+}
+
+
+def _blocks(d: int, kernel: str) -> tuple[int, int, dict]:
+    """(BLOCK_T, BLOCK_D, launch options) of one kernel; tl.dot needs BLOCK_T, BLOCK_D >= 16."""
+    if interpreting():
+        return INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["block_d"] or _pow2(d, 16), {"num_warps": 4}
+    block_t, block_d, warps, stages, *maxnreg = GPU_BLOCKS[kernel]
+    launch = {"num_warps": warps, "num_stages": stages}
+    if maxnreg and maxnreg[0]:
+        launch["maxnreg"] = maxnreg[0]
+    return block_t, min(block_d, _pow2(d, 16)), launch
+
+
+def _consts(n: int) -> tuple[int, int, int]:
+    k = n * n + 2 * n
+    return k, _pow2(n), _pow2(k, 16)
+
+
+def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None):
+    """The read of streams ``x`` (N, n, d). With ``post = (x_in, f, h_post_in, h_res_in)`` the streams are
+    first made from the previous sublayer's write, X = H^res_in X_in + H^post_inᵀ f, in the same pass
+    (``x`` is then an empty buffer that the kernel fills)."""
+    N, n, d = x.shape
+    k, np_, kp = _consts(n)
+    block_t, block_d, launch = _blocks(d, "pre_fwd")
+    f32 = dict(device=x.device, dtype=torch.float32)
+    h = torch.empty(N, d, device=x.device, dtype=x.dtype)
+    h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
+    z, r = torch.empty(N, k, **f32), torch.empty(N, **f32)
+    x_in, f, hp_in, hr_in = (x, x, z, z) if post is None else post
+    _pre_fwd_kernel[(triton.cdiv(N, block_t),)](
+        x, x_in, f, hp_in, hr_in, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre, h_post,
+        h_res, z, r, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
+        FUSE_POST=post is not None, BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
+    return h, h_pre, h_post, h_res, z, r
+
+
+def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
+    """dX (and the per-token logit gradients); with ``dout`` (the write's dX') and its ``h_res``, dX also
+    gets H^resᵀ dX'."""
+    N, n, d = x.shape
+    k, np_, kp = _consts(n)
+    block_t, block_d, launch = _blocks(d, "pre_bwd")
+    dx = torch.empty_like(x)
+    dlogit = torch.empty(N, k, device=x.device, dtype=torch.float32)
+    w = torch.empty(N, k, device=x.device, dtype=torch.float32)
+    scratch = torch.empty(N, iters, 2, np_, device=x.device, dtype=torch.float32)
+    _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
+        x, dh, z if d_pre is None else d_pre, d_post, d_res, x if dout is None else dout,
+        z if h_res is None else h_res, z, r, phi,
+        phi if gain is None else gain,
+        alpha, b_pre, b_post, b_res, dx, dlogit, w, scratch, N, eps,
+        D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None, HAS_DPRE=d_pre is not None,
+        HAS_DOUT=dout is not None,
+        BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
+    return dx, dlogit, w
+
+
+def phi_grad(x, w):
+    """Σ_tokens vec(X)ᵀ w: (n·d, K) fp32, from x (N, n, d) and w (N, K) fp32."""
+    N, n, d = x.shape
+    nd, k = n * d, w.shape[1]
+    if interpreting():
+        block_t, split = INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["split"]
+        block_r = INTERPRETER_BLOCKS["block_r"] or _pow2(nd, 16)
+    else:
+        block_t, block_r = 32, 64
+        split = max(1, min(triton.cdiv(N, block_t), 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
+                           // triton.cdiv(nd, block_r)))
+    blocks = triton.cdiv(triton.cdiv(N, block_t), split)
+    part = torch.empty(split, nd, k, device=x.device, dtype=torch.float32)
+    _phi_grad_kernel[(triton.cdiv(nd, block_r), split)](
+        x, w, part, N, nd, blocks, K=k, KP=_pow2(k, 16), BLOCK_T=block_t, BLOCK_R=block_r,
+        DOT_PRECISION=DOT_PRECISION, num_warps=4)
+    return part.sum(0)
+
+
+def post_fwd(x, f, h_post, h_res):
+    N, n, d = x.shape
+    block_t, block_d, launch = _blocks(d, "post_fwd")
+    out = torch.empty_like(x)
+    _post_fwd_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
+        x, f, h_post, h_res, out, N, D=d, N_STREAMS=n, NP=_pow2(n), BLOCK_T=block_t, BLOCK_D=block_d, **launch)
+    return out
+
+
+def post_bwd(x, f, h_post, h_res, dout, *, store_dx=True):
+    N, n, d = x.shape
+    block_t, block_d, launch = _blocks(d, "post_bwd")
+    dx, df = (torch.empty_like(x) if store_dx else None), torch.empty_like(f)
+    d_post = torch.empty(N, n, device=x.device, dtype=torch.float32)
+    d_res = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
+    _post_bwd_kernel[(triton.cdiv(N, block_t),)](
+        x, f, h_post, h_res, dout, x if dx is None else dx, df, d_post, d_res, N,
+        D=d, N_STREAMS=n, NP=_pow2(n), STORE_DX=store_dx, BLOCK_T=block_t, BLOCK_D=block_d, **launch)
+    return dx, df, d_post, d_res
+
+
+# --- autograd ---------------------------------------------------------------------------------
+
+
+class GradientLink:
+    """Hands the write's upstream gradient dX' to the read's backward, which adds H^resᵀ dX' to its own
+    dX in the same pass: no separate dX from the write, and no gradient sum of two (N, n, d) tensors.
+
+    Made by ``mhc_pre`` and attached to the H^post and H^res it returns. ``mhc_post`` uses it only for
+    the very streams object that read produced them from, and only when those coefficients carry
+    gradient to the read; then the read's backward is certain to run after the write's (it needs the
+    write's dH^post, dH^res), and it consumes what the write left. Anywhere else the write returns
+    its own dX, as autograd usually does.
+    """
+
+    def __init__(self, x: Tensor):
+        self.x = weakref.ref(x)  # the streams the read was given (identity, not a copy)
+        self.dout: Tensor | None = None  # Σ dX' of the writes that used this read's coefficients
+        self.h_res: Tensor | None = None  # (N, n, n) fp32, as the writes used it
+        self.task = -1  # the backward pass (autograd graph task) that left dout
+
+    def usable_by(self, x: Tensor, h_post: Tensor, h_res: Tensor) -> bool:
+        return (self.x() is x and getattr(h_post, "_mhc_link", None) is self and torch.is_grad_enabled()
+                and x.requires_grad and h_post.requires_grad and h_res.requires_grad)
+
+    def add(self, dout: Tensor, h_res: Tensor) -> None:
+        self.h_res = h_res
+        task = torch._C._current_graph_task_id()
+        if self.dout is None or self.task != task:  # a pass that never reached the read leaves nothing behind
+            self.dout, self.task = dout, task
+        else:
+            self.dout = self.dout + dout
+
+    def take(self) -> tuple[Tensor | None, Tensor | None]:
+        """(Σ dX', H^res) left by this backward pass's writes, or (None, None)."""
+        dout, h_res, self.dout, self.h_res = self.dout, self.h_res, None, None
+        if dout is None or self.task != torch._C._current_graph_task_id():
+            return None, None
+        return dout, h_res
+
+
+_PARTS: dict[tuple[int, torch.device], Tensor] = {}
+
+
+def _parts(n: int, device) -> Tensor:
+    """(K, 3) 0/1 matrix: which of pre, post, res each column of z belongs to (cached per n, device)."""
+    key = (n, torch.device(device))
+    if key not in _PARTS:
+        part = torch.tensor([0] * n + [1] * n + [2] * (n * n))
+        _PARTS[key] = torch.nn.functional.one_hot(part, 3).float().to(device)
+    return _PARTS[key]
+
+
+class MhcPreFunction(torch.autograd.Function):
+    """(h, H^pre, H^post, H^res) from the streams (N, n, d); backward recomputes Sinkhorn from z."""
+
+    @staticmethod
+    def forward(ctx, x, phi, alpha, b_pre, b_post, b_res, gain, iters, eps, link):
+        params = [t.detach().float().contiguous() for t in (phi, alpha, b_pre, b_post, b_res)]
+        gain32 = None if gain is None else gain.detach().float().contiguous()
+        h, h_pre, h_post, h_res, z, r = pre_fwd(x, params[0], gain32, *params[1:], iters=iters, eps=eps)
+        ctx.save_for_backward(x, z, r, gain32, *params)
+        ctx.iters, ctx.eps, ctx.link = iters, eps, link
+        ctx.dtypes = [t.dtype for t in (phi, alpha, b_pre, b_post, b_res)] + [None if gain is None else gain.dtype]
+        return h, h_pre, h_post, h_res
+
+    @staticmethod
+    def backward(ctx, dh, d_pre, d_post, d_res):
+        x, z, r, gain, phi, alpha, b_pre, b_post, b_res = ctx.saved_tensors
+        dx, grads = _read_backward(ctx, x, z, r, gain, phi, alpha, b_pre, b_post, b_res, dh, d_pre, d_post, d_res)
+        return (dx, *grads, None, None, None)
+
+
+def _read_backward(ctx, x, z, r, gain, phi, alpha, b_pre, b_post, b_res, dh, d_pre, d_post, d_res, dx_extra=None):
+    """dX of a read (with the linked write's H^resᵀ dX' and ``dx_extra``, a direct gradient of X, added)
+    and the gradients of its parameters [φ, α, b_pre, b_post, b_res, gain] in their own dtypes."""
+    N, n, d = x.shape
+    zeros = lambda *s: torch.zeros(*s, device=x.device, dtype=torch.float32)  # noqa: E731
+    dh = torch.zeros(N, d, device=x.device, dtype=x.dtype) if dh is None else dh.contiguous()
+    d_pre = None if d_pre is None else d_pre.float().contiguous()
+    d_post = zeros(N, n) if d_post is None else d_post.float().contiguous()
+    d_res = zeros(N, n, n) if d_res is None else d_res.float().contiguous()
+    dout, h_res = ctx.link.take()  # the write's dX' (N, n, d) and H^res, or None
+    dx, dlogit, w = pre_bwd(x, dh, d_pre, d_post, d_res, None if dout is None else dout.contiguous(), h_res, z,
+                            r, phi, gain, alpha, b_pre, b_post, b_res, iters=ctx.iters, eps=ctx.eps)
+    if dx_extra is not None:
+        dx += dx_extra.reshape(dx.shape)
+    # α and b: sums over tokens of the per-token logit gradients (dα_k = Σ dlogit_k ⊙ z_k per part)
+    k = z.shape[1]
+    sums = torch.cat([dlogit * z, dlogit], 1).sum(0)  # (2K,): [Σ dlogit ⊙ z | Σ dlogit]
+    d_alpha = sums[:k] @ _parts(n, x.device)  # (3,)
+    d_b = sums[k:].split([n, n, n * n])
+    p = phi_grad(x, w)  # Σ_t vec(X_t)ᵀ r_t dz_t: (nd, K)
+    d_phi = p if gain is None else p * gain[:, None]
+    d_gain = None if gain is None else (phi * p).sum(-1)
+    grads = [d_phi, d_alpha, d_b[0], d_b[1], d_b[2].view(n, n), d_gain]
+    return dx, [None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes)]
+
+
+class MhcPostFunction(torch.autograd.Function):
+    """X' = H^res X + H^postᵀ f on (N, n, d) streams."""
+
+    @staticmethod
+    def forward(ctx, x, f, h_post, h_res, link):
+        h_post32, h_res32 = h_post.float().contiguous(), h_res.float().contiguous()
+        ctx.save_for_backward(x, f, h_post32, h_res32)
+        ctx.coeff_dtype, ctx.link = h_post.dtype, link
+        return post_fwd(x, f, h_post32, h_res32)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, f, h_post, h_res = ctx.saved_tensors
+        dout = dout.contiguous()
+        linked = ctx.link is not None and ctx.needs_input_grad[0]
+        if linked:
+            ctx.link.add(dout, h_res)  # the read's backward adds H^resᵀ dX' to its dX
+        dx, df, d_post, d_res = post_bwd(x, f, h_post, h_res, dout, store_dx=ctx.needs_input_grad[0] and not linked)
+        return dx, df, d_post.to(ctx.coeff_dtype), d_res.to(ctx.coeff_dtype), None
+
+
+class MhcPostPreFunction(torch.autograd.Function):
+    """The write of sublayer l and the read of sublayer l+1 in one forward pass over the streams:
+    (X_l, f_l, H^post_l, H^res_l; parameters of l+1) -> (X_{l+1}, h_{l+1}, H^pre, H^post, H^res of l+1).
+
+    Backward: the read's backward (``_pre_bwd_kernel``, which also adds H^res_{l+1}ᵀ dX_{l+2} handed over
+    by the next write) gives dX_{l+1}; the write's backward (``_post_bwd_kernel``) then gives df_l, dH^post_l,
+    dH^res_l, and leaves dX_{l+1} on ``link_in`` for the read of sublayer l (or returns its own dX_l).
+    """
+
+    @staticmethod
+    def forward(ctx, x_in, f, h_post_in, h_res_in, phi, alpha, b_pre, b_post, b_res, gain, iters, eps, link_in, link):
+        ctx.set_materialize_grads(False)
+        hp_in, hr_in = h_post_in.float().contiguous(), h_res_in.float().contiguous()
+        params = [t.detach().float().contiguous() for t in (phi, alpha, b_pre, b_post, b_res)]
+        gain32 = None if gain is None else gain.detach().float().contiguous()
+        x = torch.empty_like(x_in)  # X_{l+1}, filled by the kernel
+        h, h_pre, h_post, h_res, z, r = pre_fwd(x, params[0], gain32, *params[1:], iters=iters, eps=eps,
+                                                post=(x_in, f, hp_in, hr_in))
+        ctx.save_for_backward(x_in, f, hp_in, hr_in, x, z, r, gain32, *params)
+        ctx.iters, ctx.eps, ctx.link_in, ctx.link = iters, eps, link_in, link
+        ctx.coeff_dtype = h_post_in.dtype
+        ctx.dtypes = [t.dtype for t in (phi, alpha, b_pre, b_post, b_res)] + [None if gain is None else gain.dtype]
+        return x, h, h_pre, h_post, h_res
+
+    @staticmethod
+    def backward(ctx, dx, dh, d_pre, d_post, d_res):
+        x_in, f, hp_in, hr_in, x, z, r, gain, phi, alpha, b_pre, b_post, b_res = ctx.saved_tensors
+        # dX_{l+1}: the read's share, the next write's H^resᵀ dX_{l+2} (link) and any direct gradient dx
+        dx, grads = _read_backward(ctx, x, z, r, gain, phi, alpha, b_pre, b_post, b_res, dh, d_pre, d_post, d_res,
+                                   dx_extra=dx)
+        linked = ctx.link_in is not None and ctx.needs_input_grad[0]
+        if linked:
+            ctx.link_in.add(dx, hr_in)  # the read of sublayer l adds H^res_lᵀ dX_{l+1} to its dX_l
+        dx_in, df, dp, dr = post_bwd(x_in, f, hp_in, hr_in, dx, store_dx=ctx.needs_input_grad[0] and not linked)
+        return (dx_in, df, dp.to(ctx.coeff_dtype), dr.to(ctx.coeff_dtype), *grads, None, None, None, None)
+
+
+def mhc_pre(x: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain, *, sinkhorn_iters: int, eps: float):
+    """x (..., n, d) -> h (..., d) in x's dtype, H^pre (..., n), H^post (..., n), H^res (..., n, n) fp32."""
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    link = GradientLink(x)
+    h, h_pre, h_post, h_res = MhcPreFunction.apply(x.reshape(-1, n, d).contiguous(), phi, alpha, b_pre, b_post,
+                                                   b_res, norm_gain, sinkhorn_iters, eps, link)
+    h_post, h_res = h_post.view(*lead, n), h_res.view(*lead, n, n)
+    h_post._mhc_link = h_res._mhc_link = link
+    return h.view(*lead, d), h_pre.view(*lead, n), h_post, h_res
+
+
+def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
+    """x (..., n, d), out (..., d), h_post (..., n), h_res (..., n, n) -> X' (..., n, d) in x's dtype."""
+    n, d = x.shape[-2:]
+    link = getattr(h_res, "_mhc_link", None)
+    link = link if link is not None and link.usable_by(x, h_post, h_res) else None
+    new = MhcPostFunction.apply(x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
+                                h_post.reshape(-1, n), h_res.reshape(-1, n, n), link)
+    return new.view(x.shape)
+
+
+def mhc_post_pre(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain,
+                 *, sinkhorn_iters: int, eps: float):
+    """(X' = H^res X + H^postᵀ out, then the read of X': h, H^pre, H^post, H^res), one pass over the streams."""
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    link_in = getattr(h_res, "_mhc_link", None)
+    link_in = link_in if link_in is not None and link_in.usable_by(x, h_post, h_res) else None
+    link = GradientLink(x)  # the read's link, pointed at X' below
+    new, h, h_pre, h_post, h_res = MhcPostPreFunction.apply(
+        x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(), h_post.reshape(-1, n),
+        h_res.reshape(-1, n, n), phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters, eps, link_in, link)
+    new = new.view(x.shape)
+    link.x = weakref.ref(new)  # the streams object the caller holds (a view of the kernel's output)
+    h_post, h_res = h_post.view(*lead, n), h_res.view(*lead, n, n)
+    h_post._mhc_link = h_res._mhc_link = link
+    return new, h.view(*lead, d), h_pre.view(*lead, n), h_post, h_res

@@ -1,0 +1,122 @@
+"""Compile the fused mHC kernels for sm_90 (H100 / H200) on a machine without a GPU.
+
+    python -m tests.kernels.mhc_compile [--precision tf32x3|ieee] [n,d ...]   # default: 4,512 4,1024 4,2048 2,1000
+
+Runs every launcher in kernels/mhc/fused.py with the GPU launch configuration (``fused.GPU_BLOCKS``,
+not the interpreter's), captures each kernel launch instead of running it, compiles it with Triton's
+compiler to PTX and a cubin for sm_90, and prints ptxas's registers per thread and spill bytes.
+Must run WITHOUT ``TRITON_INTERPRET=1``. Used by tests/kernels/test_mhc_fused.py; also the quick
+way to check a change of ``GPU_BLOCKS`` or of a kernel before a GPU run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
+    """(kernel, args, kwargs) of every launch the fused ops make for N = 64 tokens of (n, d) streams."""
+    from kernels.mhc import fused
+
+    launches, saved = [], {}
+
+    class Capture:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    names = ("_pre_fwd_kernel", "_pre_bwd_kernel", "_post_fwd_kernel", "_post_bwd_kernel", "_phi_grad_kernel")
+    for name in names:
+        saved[name] = getattr(fused, name)
+        setattr(fused, name, Capture(saved[name]))
+    props = torch.cuda.get_device_properties
+    torch.cuda.get_device_properties = lambda device: type("P", (), {"multi_processor_count": 132})
+    try:
+        N, k = 64, n * n + 2 * n
+        x, f = torch.empty(N, n, d, dtype=dtype), torch.empty(N, d, dtype=dtype)
+
+        def f32(*shape):
+            return torch.empty(*shape, dtype=torch.float32)
+
+        phi, gain, alpha, b_pre, b_post, b_res = f32(n * d, k), f32(n * d), f32(3), f32(n), f32(n), f32(n, n)
+        for g in (None, gain):
+            fused.pre_fwd(x, phi, g, alpha, b_pre, b_post, b_res, iters=20, eps=1e-6)
+            fused.pre_fwd(torch.empty_like(x), phi, g, alpha, b_pre, b_post, b_res, iters=20, eps=1e-6,
+                          post=(x, f, f32(N, n), f32(N, n, n)))  # a write fused with the next read
+        fused.pre_bwd(x, f, f32(N, n), f32(N, n), f32(N, n, n), x, f32(N, n, n), f32(N, k), f32(N), phi, gain,
+                      alpha, b_pre, b_post, b_res, iters=20, eps=1e-6)
+        fused.pre_bwd(x, f, None, f32(N, n), f32(N, n, n), None, None, f32(N, k), f32(N), phi, None,
+                      alpha, b_pre, b_post, b_res, iters=20, eps=1e-6)
+        fused.post_fwd(x, f, f32(N, n), f32(N, n, n))
+        for store_dx in (True, False):
+            fused.post_bwd(x, f, f32(N, n), f32(N, n, n), x, store_dx=store_dx)
+        fused.phi_grad(x, f32(N, k))
+    finally:
+        for name, kernel in saved.items():
+            setattr(fused, name, kernel)
+        torch.cuda.get_device_properties = props
+    return launches
+
+
+def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
+    """Compile one captured launch for sm_90; (registers per thread, spill store bytes) from ptxas."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args)) | kwargs
+    signature, constexprs = {}, {}
+    for arg in kernel.arg_names:
+        v = values[arg]
+        if isinstance(v, torch.Tensor):
+            signature[arg] = "*" + TRITON_TYPES[v.dtype]
+        elif arg in kwargs:
+            signature[arg], constexprs[arg] = "constexpr", v
+        else:
+            signature[arg] = "fp32" if isinstance(v, float) else "i32"
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
+                                capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return regs, spills
+
+
+def main(argv: list[str]) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("tests.kernels.mhc_compile must run without TRITON_INTERPRET=1")
+    from kernels.mhc import fused
+
+    if argv[:1] == ["--precision"]:
+        if argv[1] not in fused.DOT_PRECISIONS:
+            raise SystemExit(f"--precision {argv[1]!r}: choose one of {', '.join(fused.DOT_PRECISIONS)}")
+        fused.DOT_PRECISION, argv = argv[1], argv[2:]
+    shapes = [tuple(map(int, a.split(","))) for a in (argv or ["4,512", "4,1024", "4,2048", "2,1000"])]
+    for n, d in shapes:
+        for kernel, args, kwargs in capture_launches(n, d):
+            regs, spills = compile_launch(kernel, args, kwargs)
+            flags = {k: v for k, v in kwargs.items() if k.isupper() and k not in ("D", "N_STREAMS", "NP", "KP", "K")}
+            print(f"{kernel.__name__} n={n} d={d} registers {regs} spills {spills} {flags}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,371 @@
+"""Fused mHC read / write (kernels/mhc/fused.py) against the reference: forward and every gradient.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (set by the root conftest). Upstream
+gradients are random on every output; shapes include T = 1, odd d, n = 1, 2, 3 (padded to 4) and 4,
+several token blocks and channel chunks with ragged tails.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from kernels.mhc import mhc_post, mhc_post_pre, mhc_pre, reference
+
+# the CPU tests run the Triton kernels on CPU tensors: only under the interpreter (not on a GPU host)
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+
+# (id, n, d, B, T, norm gain, Sinkhorn iterations, interpreter blocks (block_t, block_d, block_r, split) or None)
+CASES = [
+    ("n4_d24_T7", 4, 24, 2, 7, False, 20, None),
+    ("n2_d19_T1_gain", 2, 19, 3, 1, True, 20, None),
+    ("n3_d17_pad", 3, 17, 2, 3, True, 6, None),
+    ("n1_d16", 1, 16, 1, 5, False, 20, None),
+    # 37 tokens in 3 blocks of 16, d = 40 in chunks of 16 (ragged), φ's gradient over 3 token splits
+    ("n4_d40_chunks_gain", 4, 40, 1, 37, True, 20, (16, 16, 32, 3)),
+]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(n, d, B, T, gain, *, dtype=torch.float32, device="cpu", seed=0):
+    """Streams and parameters away from init: distinct streams, z ~ N(0, 1), α and biases O(1)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = n * n + 2 * n
+
+    def rand(*shape, scale=1.0, shift=0.0):
+        return (shift + scale * torch.randn(*shape, generator=g, device=device)).to(dtype)
+
+    return {
+        "x": rand(B, T, n, d),
+        "phi": rand(n * d, k, scale=1.0 / math.sqrt(n * d)),
+        "alpha": rand(3, scale=0.2, shift=0.8),
+        "b_pre": rand(n, scale=0.5),
+        "b_post": rand(n, scale=0.5),
+        "b_res": rand(n, n, scale=0.5) + 2.0 * torch.eye(n, device=device, dtype=dtype),
+        "norm_gain": rand(n * d, scale=0.2, shift=1.0) if gain else None,
+        "out": rand(B, T, d),
+    }
+
+
+def run(backend, inp, iters):
+    """h, H^pre, H^post, H^res and X' = write(read) of one sublayer."""
+    h, h_pre, h_post, h_res = mhc_pre(inp["x"], inp["phi"], inp["alpha"], inp["b_pre"], inp["b_post"], inp["b_res"],
+                                      inp["norm_gain"], sinkhorn_iters=iters, backend=backend)
+    new = mhc_post(inp["x"], inp["out"], h_post, h_res, backend=backend)
+    return h, h_pre, h_post, h_res, new
+
+
+def leaves(inp):
+    return {k: v.clone().requires_grad_() for k, v in inp.items() if v is not None}
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    from kernels.mhc import fused
+
+    def set_blocks(value):
+        if value is not None:
+            block_t, block_d, block_r, split = value
+            monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_t", block_t)
+            monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_d", block_d)
+            monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_r", block_r)
+            monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "split", split)
+
+    return set_blocks
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_and_every_gradient_match_the_reference(case, blocks):
+    _, n, d, B, T, gain, iters, blk = case
+    blocks(blk)
+    inp = make_inputs(n, d, B, T, gain)
+    ref_in, fused_in = leaves(inp), leaves(inp)
+    ref = run("torch", {**inp, **ref_in}, iters)
+    got = run("triton", {**inp, **fused_in}, iters)
+    for name, a, b in zip(("h", "h_pre", "h_post", "h_res", "x_new"), got, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert rel_err(a, b) < 2e-6, name
+    # random upstream gradients on every output (H^post also reaches the loss through X')
+    g = torch.Generator().manual_seed(1)
+    ups = [torch.randn(o.shape, generator=g) for o in ref]
+    names = list(ref_in)
+    grads_ref = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
+    grads_got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got, ups)), list(fused_in.values()))
+    for name, a, b in zip(names, grads_got, grads_ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert b.abs().max() > 0 or n == 1, name  # every gradient is exercised (n = 1: H^res ≡ 1)
+        assert rel_err(a, b) < 2e-5, f"d{name}: rel err {rel_err(a, b):.2e}"
+
+
+@needs_interpreter
+def test_gradients_when_only_h_is_used(blocks):
+    """Backward with no gradient reaching H^pre, H^post, H^res directly (autograd passes None)."""
+    blocks((16, 16, 16, 2))
+    inp = make_inputs(4, 20, 2, 9, True, seed=3)
+    up = torch.randn(2, 9, 20, generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for backend in ("torch", "triton"):
+        lv = leaves(inp)
+        lv.pop("out")
+        h = mhc_pre(lv["x"], lv["phi"], lv["alpha"], lv["b_pre"], lv["b_post"], lv["b_res"], lv["norm_gain"],
+                    backend=backend)[0]
+        grads[backend] = dict(zip(lv, torch.autograd.grad((h * up).sum(), list(lv.values()), allow_unused=True)))
+    for name, b in grads["torch"].items():
+        a = grads["triton"][name]
+        if b is None:  # H^post and H^res do not reach h
+            assert a is None or a.abs().max() == 0, name
+        else:
+            assert rel_err(a, b) < 2e-5, name
+
+
+@needs_interpreter
+def test_write_hands_its_gradient_to_the_read_only_when_safe(blocks, monkeypatch):
+    """The write's dX' goes to the read's backward (one dX pass instead of two plus a sum) only for the
+    streams object the read saw; a copy of the streams, detached coefficients, or a backward pass that
+    does not reach the read all give the reference gradients."""
+    from kernels.mhc import fused
+
+    blocks((16, 16, 32, 2))
+    calls = []
+    post_bwd = fused.post_bwd
+    monkeypatch.setattr(fused, "post_bwd", lambda *a, **kw: calls.append(kw["store_dx"]) or post_bwd(*a, **kw))
+    inp = make_inputs(4, 24, 1, 19, False, seed=5)
+    g = torch.Generator().manual_seed(6)
+    up_h, up_new = torch.randn(1, 19, 24, generator=g), torch.randn(1, 19, 4, 24, generator=g)
+
+    def grads(backend, variant):
+        lv = leaves(inp)
+        h, _, h_post, h_res = mhc_pre(lv["x"], lv["phi"], lv["alpha"], lv["b_pre"], lv["b_post"], lv["b_res"],
+                                      backend=backend)
+        x_w = lv["x"] * 1.0 if variant == "copy" else lv["x"]
+        if variant == "detached":
+            h_post, h_res = h_post.detach(), h_res.detach()
+        new = mhc_post(x_w, lv["out"], h_post, h_res, backend=backend)
+        loss = (h * up_h).sum() + (new * up_new).sum()
+        if variant == "stale":  # a first pass that stops at H^res leaves a dX' the read never consumed
+            torch.autograd.grad((new * up_new).sum(), [h_res], retain_graph=True)
+        return torch.autograd.grad(loss, list(lv.values()), allow_unused=True)
+
+    for variant, linked in (("same", True), ("copy", False), ("detached", False), ("stale", True)):
+        calls.clear()
+        got, ref = grads("triton", variant), grads("torch", variant)
+        assert calls and calls[-1] is (not linked), variant
+        for a, b in zip(got, ref):
+            if b is None:
+                assert a is None or a.abs().max() == 0, variant
+            else:
+                assert rel_err(a, b) < 2e-5, variant
+
+
+def chain(backend, a, b, direct, seed=9):
+    """read(0) -> mhc_post_pre (write 0 + read 1) -> mhc_post (write 1) on leaves ``a`` (sublayer 0: streams,
+    parameters, output) and ``b`` (sublayer 1: parameters, output); random upstream gradients on every
+    output (``direct``: also on the intermediate streams X_1). (outputs, {input name: gradient})."""
+    h0, p0, q0, r0 = mhc_pre(a["x"], a["phi"], a["alpha"], a["b_pre"], a["b_post"], a["b_res"], a.get("norm_gain"),
+                             backend=backend)
+    f0 = a["out"] * torch.tanh(h0)  # the sublayer output depends on the read
+    x1, h1, p1, q1, r1 = mhc_post_pre(a["x"], f0, q0, r0, b["phi"], b["alpha"], b["b_pre"], b["b_post"],
+                                      b["b_res"], b.get("norm_gain"), backend=backend)
+    x2 = mhc_post(x1, b["out"] * torch.tanh(h1), q1, r1, backend=backend)
+    outs = [h0, p0, h1, p1, q1, r1, x2] + ([x1] if direct else [])
+    g = torch.Generator(device=x2.device).manual_seed(seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g, device=o.device)).sum() for o in outs)
+    inputs = {**{f"{k}_0": v for k, v in a.items()}, **{f"{k}_1": v for k, v in b.items()}}
+    return outs, dict(zip(inputs, torch.autograd.grad(loss, list(inputs.values()))))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("direct", [False, True], ids=["linked_only", "direct_grad_on_streams"])
+def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, direct):
+    """read(0) -> mhc_post_pre (write 0 + read 1, one pass) -> mhc_post (write 1) against the reference:
+    every output and every gradient of both sublayers' parameters, the streams and the sublayer outputs.
+    Both writes hand their stream gradient to the read before them; ``direct`` also puts an upstream
+    gradient on the intermediate streams X_1 (added to the read's dX in the fused backward)."""
+    from kernels.mhc import fused
+
+    blocks((16, 16, 32, 2))
+    calls = []
+    post_bwd = fused.post_bwd
+    monkeypatch.setattr(fused, "post_bwd", lambda *a, **kw: calls.append(kw["store_dx"]) or post_bwd(*a, **kw))
+    first, second = make_inputs(3, 20, 2, 9, True, seed=7), make_inputs(3, 20, 2, 9, True, seed=8)
+    second.pop("x")
+    ref_out, ref_grad = chain("torch", leaves(first), leaves(second), direct)
+    calls.clear()
+    got_out, got_grad = chain("triton", leaves(first), leaves(second), direct)
+    assert calls == [False, False]  # both writes linked: no separate dX pass
+    for i, (a, b) in enumerate(zip(got_out, ref_out)):
+        assert a.dtype == b.dtype and rel_err(a, b) < 2e-6, f"output {i}: rel err {rel_err(a, b):.2e}"
+    for name, b in ref_grad.items():
+        assert b.abs().max() > 0, name
+        assert rel_err(got_grad[name], b) < 2e-5, f"d{name}: rel err {rel_err(got_grad[name], b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_fused_write_and_next_read_match_the_reference(dtype):
+    """The chain above on the GPU at a model-like width (several programs, ragged token block): bf16 or
+    fp32 streams and sublayer outputs against the fp32 reference on the same values; bf16: outputs rel
+    1e-2 (X_1 is rounded to bf16 by the fused op only), gradients rel 2e-2; fp32: 1e-5 / 1e-4."""
+    first = make_inputs(4, 512, 2, 301, False, device="cuda", seed=7)
+    second = make_inputs(4, 512, 2, 301, False, device="cuda", seed=8)
+    second.pop("x")
+    low = [{k: (v.to(dtype) if k in ("x", "out") else v) for k, v in p.items() if v is not None}
+           for p in (first, second)]
+    got_out, got_grad = chain("triton", *[leaves(p) for p in low], direct=False)
+    ref_out, ref_grad = chain("torch", *[{k: v.detach().float().requires_grad_() for k, v in p.items()} for p in low],
+                              direct=False)
+    tol_out, tol_grad = (1e-2, 2e-2) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    for i, (a, b) in enumerate(zip(got_out, ref_out)):
+        assert rel_err(a, b) < tol_out, f"output {i}: rel err {rel_err(a, b):.2e}"
+    for name, b in ref_grad.items():
+        assert rel_err(got_grad[name], b) < tol_grad, f"d{name}: rel err {rel_err(got_grad[name], b):.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n", [2, 4])
+def test_fused_h_res_is_doubly_stochastic(n):
+    inp = make_inputs(n, 32, 2, 11, False, seed=n)
+    # trained-looking logits α_res·z + b_res ~ N(0, 1.1²): far from the init, Sinkhorn has work to do
+    inp["alpha"] = torch.tensor([1.0, 1.0, 1.0])
+    inp["b_res"] = 0.5 * torch.randn(n, n, generator=torch.Generator().manual_seed(n))
+    _, h_pre, h_post, h_res, _ = run("triton", inp, 20)
+    assert (h_res >= 0).all() and (h_pre >= 0).all() and (h_post >= 0).all()
+    assert (h_res.sum(-1) - 1).abs().max() < 1e-5  # rows: exact after the last row step
+    assert (h_res.sum(-2) - 1).abs().max() < 1e-3  # columns: within the convergence error
+    assert h_res.std(dim=(0, 1)).max() > 1e-2  # input-dependent
+
+
+def test_reference_gradcheck_fp64():
+    torch.manual_seed(0)
+    inp = make_inputs(2, 3, 2, 2, True, dtype=torch.float64)
+    names = list(inp)
+    args = [inp[k].requires_grad_() for k in names]
+
+    def fn(*a):
+        kw = dict(zip(names, a))
+        h, h_pre, h_post, h_res = reference.mhc_pre(kw["x"], kw["phi"], kw["alpha"], kw["b_pre"], kw["b_post"],
+                                                    kw["b_res"], kw["norm_gain"], sinkhorn_iters=4)
+        return h, h_pre, h_res, reference.mhc_post(kw["x"], kw["out"], h_post, h_res)
+
+    assert all(o.dtype == torch.float64 for o in fn(*args))
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7)
+
+
+def test_bad_inputs_are_refused_before_compute(monkeypatch):
+    inp = make_inputs(2, 8, 1, 3, False)
+    args = [inp[k] for k in ("x", "phi", "alpha", "b_pre", "b_post", "b_res")]
+    with pytest.raises(ValueError, match="unknown backend 'cuda'; choices: auto, torch, triton"):
+        mhc_pre(*args, backend="cuda")
+    with pytest.raises(ValueError, match=r"phi must have shape \(16, 8\)"):
+        mhc_pre(args[0], args[1][:, :5], *args[2:], backend="torch")
+    with pytest.raises(ValueError, match=r"h_res must have shape \(1, 3, 2, 2\)"):
+        mhc_post(inp["x"], inp["out"], torch.ones(1, 3, 2), torch.ones(1, 3, 2, 3), backend="torch")
+    with pytest.raises(ValueError, match="float64.*backend='torch'"):
+        mhc_pre(*[a.double() for a in args], backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
+        mhc_pre(*args, backend="triton")
+    with pytest.raises(RuntimeError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
+        mhc_post(inp["x"], inp["out"], torch.ones(1, 3, 2), torch.ones(1, 3, 2, 2), backend="triton")
+
+
+def test_auto_is_the_reference_on_cpu():
+    inp = make_inputs(2, 8, 1, 3, False)
+    auto = run("auto", inp, 20)
+    ref = run("torch", inp, 20)
+    for a, b in zip(auto, ref):
+        assert torch.equal(a, b)
+
+
+# --- on the GPU (run by `pytest -m gpu`; skipped on CPU) ---------------------------------------------
+
+GPU_CASES = [
+    ("small_n4_d512", 4, 512, 4, 1024, False),
+    ("odd_n4_d1000_gain", 4, 1000, 3, 333, True),
+    ("n2_d2048", 2, 2048, 2, 257, False),
+]
+
+
+@pytest.fixture(params=["tf32x3", "ieee"])
+def dot_precision(request, monkeypatch):
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, "DOT_PRECISION", request.param)
+    return request.param
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_bf16_matches_fp32_reference(case, dot_precision):
+    """bf16 streams and sublayer output; the reference runs in fp32 on the same bf16-valued inputs,
+    so the error measured is the kernels' alone: outputs in bf16 (rel 1e-2), gradients (rel 2e-2)."""
+    _, n, d, B, T, gain = case
+    inp = make_inputs(n, d, B, T, gain, device="cuda")
+    bf = {k: (v.bfloat16() if k in ("x", "out") else v) for k, v in inp.items() if v is not None}
+    bf_in = {k: v.clone().requires_grad_() for k, v in bf.items()}
+    ref_in = {k: v.detach().float().requires_grad_() for k, v in bf.items()}
+    got = run("triton", {"norm_gain": None, **bf_in}, 20)
+    ref = run("torch", {"norm_gain": None, **ref_in}, 20)
+    assert got[0].dtype == torch.bfloat16 and got[4].dtype == torch.bfloat16
+    for name, a, b in zip(("h", "h_pre", "h_post", "h_res", "x_new"), got, ref):
+        assert rel_err(a, b) < (1e-2 if a.dtype == torch.bfloat16 else 1e-4), name
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ups = [torch.randn(o.shape, generator=g, device="cuda") for o in ref]
+    ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf_in.values()))
+    gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
+    for name, a, b in zip(bf_in, ga, gb):
+        assert a.dtype == bf_in[name].dtype, name
+        assert rel_err(a, b) < 2e-2, f"d{name}: rel err {rel_err(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp32_matches_reference(dot_precision):
+    """fp32 end to end: outputs within 1e-5 and gradients within 1e-4 (relative L2) for both projection
+    precisions (tf32x3 keeps about fp32 accuracy)."""
+    inp = make_inputs(4, 384, 2, 301, True, device="cuda")
+    ref_in, got_in = leaves(inp), leaves(inp)
+    ref, got = run("torch", {**inp, **ref_in}, 20), run("triton", {**inp, **got_in}, 20)
+    for a, b in zip(got, ref):
+        assert rel_err(a, b) < 1e-5
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ups = [torch.randn(o.shape, generator=g, device="cuda") for o in ref]
+    ga = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got, ups)), list(got_in.values()))
+    gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
+    for name, a, b in zip(got_in, ga, gb):
+        assert rel_err(a, b) < 1e-4, name
+
+
+# --- compiled for an H200 (sm_90) on the CPU: no GPU needed ------------------------------------------
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
+    """Every kernel, with the exact arguments, block sizes, warps and stages its launcher uses on a GPU,
+    compiled to a cubin for sm_90 by Triton's compiler and the wheel's ptxas, in a subprocess without
+    the interpreter (it turns Triton's own library into interpreter objects): what the interpreter
+    cannot check (layouts, tl.dot operand shapes, constexpr control flow, registers); no real spills."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    lines = []
+    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"]):
+        done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines += [ln for ln in done.stdout.splitlines() if ln.startswith("_")]
+    assert len(lines) == 2 * 10, "\n".join(lines)  # 10 launches per shape: every kernel and flag combination
+    spills = [int(ln.split(" spills ")[1].split()[0]) for ln in lines]
+    assert max(spills) <= 32, "\n".join(lines)  # a few bytes at most (ptxas sometimes parks one value)
