@@ -177,7 +177,7 @@ def train(cfg: DictConfig, *, callbacks: list | None = None, parent_run_id: str 
                            steps=trainer.global_step, run_dir=run_dir, wall_s=time.perf_counter() - start,
                            mlflow_run_id=logger.run_id if logger else None, metrics=metrics)
         if logger is not None:
-            _log_end_of_run(logger, cfg, module, dm, run_dir, result)
+            _log_end_of_run(logger, cfg, module, dm, run_dir, result, device=trainer.strategy.root_device)
         return result
     except (KeyboardInterrupt, SystemExit):
         status = "KILLED"
@@ -200,7 +200,7 @@ def _is_pruned(e: BaseException) -> bool:
     return optuna is not None and isinstance(e, optuna.TrialPruned)
 
 
-def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult) -> None:
+def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult, *, device: torch.device) -> None:
     client, run_id = logger.experiment, logger.run_id
     client.log_metric(run_id, "final/val_loss", result.val_loss, step=result.steps)
     client.log_metric(run_id, "final/wall_s", result.wall_s, step=result.steps)
@@ -212,7 +212,7 @@ def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult) -
     if plot:
         client.log_artifact(run_id, str(plot), artifact_path="plots")
     if cfg.mlflow.depth_heatmaps:
-        recorded = record_depth_weights(module, dm)
+        recorded = record_depth_weights(module, dm, device)
         if recorded:
             title = f"depth attention: {run_name(cfg)}"
             heat = tracking.plot_depth_weights(recorded, run_dir / "depth_attention.png", title)
@@ -223,12 +223,18 @@ def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult) -
 
 
 @torch.no_grad()
-def record_depth_weights(module, dm) -> dict:
-    """Run one validation batch with recording on; return the mechanism's depth-attention weights."""
+def record_depth_weights(module, dm, device: torch.device | str = "cpu") -> dict:
+    """Run one validation batch with recording on, on ``device`` (where the run trained: Lightning
+    moves the module to the CPU after fit, and a fused backend such as ``residual.backend=triton``
+    runs on CUDA only); return the mechanism's depth-attention weights, on the CPU."""
     batch = next(iter(dm.val_dataloader()))
-    module.eval()
-    res = module.model.residual if hasattr(module.model, "residual") else module.model._orig_mod.residual
-    res.recorded = {}
-    tokens, doc_ids = batch["tokens"].to(module.device), batch["doc_ids"].to(module.device)
-    module(tokens[:, :-1], doc_ids[:, :-1], record=True)
-    return dict(res.recorded)
+    home = module.device
+    module.to(device).eval()
+    try:
+        res = module.model.residual if hasattr(module.model, "residual") else module.model._orig_mod.residual
+        res.recorded = {}
+        tokens, doc_ids = batch["tokens"].to(module.device), batch["doc_ids"].to(module.device)
+        module(tokens[:, :-1], doc_ids[:, :-1], record=True)
+        return {k: v.cpu() for k, v in res.recorded.items()}
+    finally:
+        module.to(home)

@@ -1,10 +1,12 @@
 """GPU checks (skipped without CUDA): grouped GEMM in bf16, a bf16 training step per residual."""
 
+import math
+
 import pytest
 import torch
 
 import residuals
-from tests.helpers import build_backbone, packed_batch
+from tests.helpers import build_backbone, make_cfg, packed_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,3 +43,24 @@ def test_bf16_step_every_residual(name):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("name", ["msar_block", "attnres_block", "mhc"])
+def test_fused_backend_run_finishes_and_records_depth_weights_on_gpu(name, tmp_path):
+    # residual.backend=triton used to train to the end and then fail in the end-of-run recording
+    # (Lightning leaves the module on the CPU after fit; the fused op runs on CUDA only), marking the
+    # run FAILED. Recording now runs where the run trained.
+    import mlflow
+
+    from platform.train import train
+    from tests.platform.test_train import FAST
+
+    cfg = make_cfg(*FAST, "trainer=gpu", "trainer.compile=false", f"residual={name}", "residual.backend=triton",
+                   "trainer.max_steps=3", "trainer.val_every=3", "mlflow.depth_heatmaps=true",
+                   f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db")
+    result = train(cfg, run_dir=tmp_path / "run")
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run = client.search_runs([e.experiment_id for e in client.search_experiments()])[0]
+    assert run.info.status == "FINISHED", run.info.status
+    assert any(a.path.endswith("depth_attention.json") for a in client.list_artifacts(run.info.run_id, "plots"))
+    assert math.isfinite(result.val_loss)
