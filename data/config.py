@@ -38,7 +38,9 @@ class DataConfig:
     split_seed: int = 0  # seeds the document hash that decides train or validation
     batch_size: int = 16  # windows per step on each device
     num_workers: int = 0  # DataLoader workers; windows are array slices, so 0 is usually fastest
-    val_batches: int | None = None  # cap on validation batches (an evenly spread, fixed subset)
+    # Size of the fixed validation set in windows (an evenly spread subset of the held-out text);
+    # None: every window. trainer.val_batches is how many batches of it one validation runs.
+    val_windows: int | None = None
     cache_dir: str = "data/cache"  # tokenizers, token arrays, datasets' cache; relative to the repo root
 
 
@@ -48,6 +50,9 @@ def as_data_config(cfg: DataConfig | Mapping) -> DataConfig:
         return cfg
     known = {f.name for f in fields(DataConfig)}
     unknown = sorted(set(cfg) - known)
+    if "val_batches" in unknown:
+        raise ValueError("data.val_batches was renamed to data.val_windows (the size of the fixed validation "
+                         "set, in windows); trainer.val_batches (batches per validation) is unchanged")
     if unknown:
         raise ValueError(f"unknown data config key(s) {unknown}; valid keys: {sorted(known)}")
     return DataConfig(**{key: cfg[key] for key in cfg})
@@ -90,8 +95,8 @@ def validate(cfg: DataConfig | Mapping) -> DataConfig:
         raise ValueError(f"data.batch_size={cfg.batch_size!r} must be an integer >= 1")
     if cfg.num_workers < 0:
         raise ValueError(f"data.num_workers={cfg.num_workers!r} must be an integer >= 0")
-    if cfg.val_batches is not None and cfg.val_batches < 1:
-        raise ValueError(f"data.val_batches={cfg.val_batches!r} must be None (all) or an integer >= 1")
+    if cfg.val_windows is not None and cfg.val_windows < 1:
+        raise ValueError(f"data.val_windows={cfg.val_windows!r} must be None (all) or an integer >= 1")
     if not cfg.cache_dir:
         raise ValueError(f"data.cache_dir={cfg.cache_dir!r} must be a folder, e.g. 'data/cache'")
     return cfg
