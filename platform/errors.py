@@ -76,7 +76,7 @@ def composition_error(exc: BaseException, overrides: list[str]) -> str:
     m = re.search(r"Value '([^']*)' (?:of type '\w+' )?could not be converted to (\w+)", cause)
     if m and full_key:  # a value of the wrong type: trainer.max_steps=abc
         key = full_key.group(1)
-        return str(ConfigError(key, m.group(1), f"not a valid {m.group(2).lower()}", f"a {m.group(2).lower()}"))
+        return str(ConfigError(key, m.group(1), f"not a valid {m.group(2).lower()}", ("an " if m.group(2)[0] in "AEIOUaeiou" else "a ") + m.group(2).lower()))
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith(
         ("full_key", "reference_type", "object_type", "Config search path", "provider="))]
     return "; ".join(dict.fromkeys(lines))

@@ -133,7 +133,9 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+# An absolute path: the same config folder whether run as `python -m platform.run` or called in-process.
+@hydra.main(version_base="1.3", config_path=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                         "conf"), config_name="config")
 def _main(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 

@@ -63,16 +63,19 @@ def check_checkpoint(ckpt: Path) -> int:
     """Open the checkpoint the way Lightning will (tensors and plain types only); return its step.
 
     A truncated or foreign file fails here, naming the path, before any MLflow run is touched."""
+    import pickle
+    import zipfile
+
+    if not zipfile.is_zipfile(ckpt):  # torch.save writes a zip archive; its index is at the end
+        raise ConfigError("resume", ckpt, "truncated or not a checkpoint (not a complete zip archive)", RESUME_VALID)
     try:
         state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - torch raises zip, pickle and OS errors alike
-        if isinstance(e, RuntimeError) and "zip" in str(e).lower() or "central directory" in str(e):
-            why = "truncated or not a checkpoint (not a complete zip archive)"
-        elif "weights only" in str(e).lower() or "unpickl" in type(e).__name__.lower():
-            why = "holds objects other than tensors and plain types: not written by platform.run"
-        else:
-            why = f"cannot be read ({type(e).__name__})"
-        raise ConfigError("resume", ckpt, why, RESUME_VALID) from e
+    except pickle.UnpicklingError as e:
+        raise ConfigError("resume", ckpt, "holds objects other than tensors and plain types: not written by "
+                          "platform.run", RESUME_VALID) from e
+    except Exception as e:  # noqa: BLE001 - a damaged archive: torch raises zip, OS and runtime errors alike
+        raise ConfigError("resume", ckpt, f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:80]})",
+                          RESUME_VALID) from e
     if not isinstance(state, dict) or "state_dict" not in state or "global_step" not in state:
         raise ConfigError("resume", ckpt, "not a Lightning checkpoint (no state_dict / global_step)", RESUME_VALID)
     return int(state["global_step"])
@@ -200,7 +203,7 @@ def quiet_lightning() -> None:
     Hydra (whose handlers are on the root logger) that prints every line twice."""
     warnings.filterwarnings("ignore", category=FutureWarning, module="lightning.pytorch.utilities._pytree")
     root = logging.getLogger()
-    for name in ("lightning.pytorch", "lightning.fabric"):
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         lg = logging.getLogger(name)
         if root.handlers:
             for h in list(lg.handlers):
