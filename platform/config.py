@@ -199,12 +199,14 @@ def validate(cfg: DictConfig) -> None:
                 "top_k", "expert_hidden"):
         if m[key] < 1:
             raise ConfigError(f"model.{key}", m[key], "must be a positive integer", ">= 1")
-    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2 or m.n_heads % m.n_kv_heads:
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
         why = (f"does not divide model.d_model={m.d_model}" if m.d_model % m.n_heads else
-               f"gives an odd head dim {m.d_model // m.n_heads} (RoPE needs an even one)"
-               if (m.d_model // m.n_heads) % 2 else f"is not a multiple of model.n_kv_heads={m.n_kv_heads}")
+               f"gives an odd head dim {m.d_model // m.n_heads} (RoPE needs an even one)")
         raise ConfigError("model.n_heads", m.n_heads, why,
                           f"{valid_heads(m)} (with d_model={m.d_model}, n_kv_heads={m.n_kv_heads})")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads} (GQA)",
+                          [h for h in range(1, m.n_heads + 1) if m.n_heads % h == 0])
     if not 1 <= m.top_k <= m.n_experts:
         raise ConfigError("model.top_k", m.top_k, f"must be between 1 and model.n_experts={m.n_experts}",
                           f"1..{m.n_experts}")

@@ -85,8 +85,7 @@ def plot_depth_weights(recorded: dict, out: Path, title: str, residual=None) -> 
     labels = source_labels(residual, first.shape[0]) if residual is not None else None
     fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + (2.2 if labels else 0.8) + 1.0, 2.9 * rows + 0.8),
                              squeeze=False, sharey=True, constrained_layout=True)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#d9d9d9")  # masked: the source does not exist for this consumer
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#d9d9d9")  # masked: no such source for this consumer
     im = None
     for i, ax in enumerate(axes.ravel()):
         if i >= len(names):
