@@ -55,38 +55,64 @@ def source_mask(residual, shape: tuple[int, int]) -> np.ndarray | None:
     return ~exists
 
 
-def source_labels(residual, rows: int) -> list[str]:
-    """Row labels: the embedding, then sublayer outputs (full depth attention) or block summaries."""
-    cfg = getattr(residual, "cfg", None)
-    block = getattr(cfg, "block_size", None)
-    if block and block > 1:
-        return ["embedding"] + [f"block {r - 1} (summary; partial while open)" for r in range(1, rows)]
-    return ["embedding"] + [f"sublayer {r - 1}" for r in range(1, rows)]
+def partial_cells(residual, shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """(source row, consumer) cells that hold the partial sum of the block still being built."""
+    block = getattr(getattr(residual, "cfg", None), "block_size", None)
+    if not block or block < 2 or getattr(residual, "n_sources", None) is None:
+        return []
+    return [(1 + c // block, c) for c in range(shape[1]) if c % block and 1 + c // block < shape[0]]
+
+
+def axis_labels(residual, shape: tuple[int, int]) -> dict:
+    """Tick labels and axis titles for one view of this residual's recording."""
+    rows, cols = shape
+    if getattr(residual, "n_sources", None) is not None:  # depth attention: sources x consumers
+        block = getattr(getattr(residual, "cfg", None), "block_size", None)
+        if block and block > 1:
+            y = ["embedding"] + [f"block {r - 1} summary" for r in range(1, rows)]
+        else:
+            y = ["embedding"] + [f"sublayer {r - 1}" for r in range(1, rows)]
+        return {"y": y, "ylabel": "source", "x": [str(c) for c in range(cols - 1)] + ["out"],
+                "xlabel": "consuming sublayer (out: final output)"}
+    n = getattr(getattr(residual, "cfg", None), "n", None) or cols  # streams (mHC)
+    pairs = n * n == cols and n > 1  # an n x n mixing matrix, row-major
+    x = [f"{i}{j}" for i in range(n) for j in range(n)] if pairs else [str(c) for c in range(cols)]
+    xlabel = "entry ij: stream j into new stream i" if pairs else "stream"
+    return {"y": [f"sublayer {r}" for r in range(rows)], "ylabel": "sublayer", "x": x, "xlabel": xlabel}
+
+
+def _owner(residual, name: str):
+    """The (sub)residual that recorded view `name` (`part.view` for a residual made of parts)."""
+    part = name.split(".")[0] if "." in name else None
+    return getattr(residual, part, residual) if part else residual
 
 
 def plot_depth_weights(recorded: dict, out: Path, title: str, residual=None) -> Path | None:
-    """One heatmap per view: sources (rows) x consuming sublayer (columns), mean weight over tokens.
+    """One heatmap per recorded view, token-mean weights, one shared colour scale and colorbar.
 
-    Sources a consumer cannot see (later sublayers, blocks not started) are masked, not drawn as 0.
-    All views share one colour scale and one colorbar."""
+    Depth attention: sources (rows) x consuming sublayer (columns); sources a consumer cannot see
+    (later sublayers, blocks not started) are masked grey, not drawn as 0, and for block variants
+    the cells holding the partial sum of the open block are marked "p". mHC: sublayer x stream."""
     if not recorded:
         return None
     plt = _pyplot()
     names = sorted(recorded)
     tables = {n: recorded[n].detach().float().cpu().numpy() for n in names}
-    masks = {n: source_mask(residual, w.shape) if residual is not None else None for n, w in tables.items()}
-    shown = {n: np.ma.masked_array(w, mask=np.isnan(w) | (masks[n] if masks[n] is not None else False))
-             for n, w in tables.items()}
+    owners = {n: _owner(residual, n) for n in names}
+    shown = {}
+    for n, w in tables.items():
+        mask = np.isnan(w)
+        extra = source_mask(owners[n], w.shape) if residual is not None else None
+        shown[n] = np.ma.masked_array(w, mask=mask | extra if extra is not None else mask)
     vmin = min(0.0, min(float(w.min()) for w in shown.values() if w.count()))
     vmax = max(1e-6, max(float(w.max()) for w in shown.values() if w.count()))
+    same = len({(w.shape, type(owners[n])) for n, w in shown.items()}) == 1
     cols = min(len(names), 2 if len(names) == 4 else 3)
     rows = math.ceil(len(names) / cols)
-    first = next(iter(tables.values()))
-    labels = source_labels(residual, first.shape[0]) if residual is not None else None
-    fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + (2.2 if labels else 0.8) + 1.0, 2.9 * rows + 0.8),
-                             squeeze=False, sharey=True, constrained_layout=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols + 3.0, 2.9 * rows + 0.8), squeeze=False,
+                             sharey=same, constrained_layout=True)
     cmap = plt.get_cmap("viridis").with_extremes(bad="#d9d9d9")  # masked: no such source for this consumer
-    im = None
+    im, any_partial = None, False
     for i, ax in enumerate(axes.ravel()):
         if i >= len(names):
             ax.set_visible(False)
@@ -94,17 +120,23 @@ def plot_depth_weights(recorded: dict, out: Path, title: str, residual=None) -> 
         name, w = names[i], shown[names[i]]
         im = ax.imshow(w, aspect="auto", origin="lower", cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
         ax.set_title(name)
-        n_src, n_cons = w.shape
-        ax.set_xticks(range(n_cons))
-        ax.set_xticklabels([str(c) if c < n_cons - 1 else "out" for c in range(n_cons)], fontsize=7)
-        ax.set_yticks(range(n_src))
-        if i % cols == 0:
-            ax.set_yticklabels(labels if labels and len(labels) == n_src else range(n_src), fontsize=7)
-            ax.set_ylabel("source")
-        if i // cols == rows - 1 or i + cols >= len(names):
-            ax.set_xlabel("consuming sublayer (out: final output)")
-    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.9, label="mean weight (grey: no such source)")
-    fig.suptitle(title)
+        labels = axis_labels(owners[name], w.shape) if residual is not None else None
+        ax.set_xticks(range(w.shape[1]))
+        ax.set_yticks(range(w.shape[0]))
+        if labels:
+            ax.set_xticklabels(labels["x"], fontsize=7)
+        if i % cols == 0 or not same:
+            ax.set_yticklabels(labels["y"] if labels else range(w.shape[0]), fontsize=7)
+            ax.set_ylabel(labels["ylabel"] if labels else "row")
+        if i + cols >= len(names) or not same:
+            ax.set_xlabel(labels["xlabel"] if labels else "column", fontsize=8)
+        for r, c in (partial_cells(owners[name], w.shape) if residual is not None else []):
+            ax.text(c, r, "p", ha="center", va="center", color="white", fontsize=8, fontweight="bold")
+            any_partial = True
+    label = "mean weight over tokens" + (" (grey: no such source)" if residual is not None and any(
+        getattr(o, "n_sources", None) for o in owners.values()) else "")
+    fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.9, label=label)
+    fig.suptitle(title + ("\np: partial sum of the block being built" if any_partial else ""))
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -1,4 +1,4 @@
-"""MLflow: the local store, run bookkeeping (never left RUNNING), and end-of-run artifacts."""
+"""MLflow: the local store and run bookkeeping (never left RUNNING). The figures: platform/plots.py."""
 
 from __future__ import annotations
 

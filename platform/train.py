@@ -367,7 +367,8 @@ def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult) -
     if cfg.mlflow.depth_heatmaps:
         recorded = record_depth_weights(module, dm)
         if recorded:
-            title = f"depth attention: {run_name(cfg)}"
+            kind = "depth attention" if hasattr(_residual_of(module), "n_sources") else "residual coefficients"
+            title = f"{kind}: {run_name(cfg)}"
             heat = plots.plot_depth_weights(recorded, run_dir / "depth_attention.png", title,
                                             residual=_residual_of(module))
             client.log_artifact(run_id, str(heat), artifact_path="plots")

@@ -88,3 +88,11 @@ def test_config_callbacks_are_built_and_checked():
     (cb,) = build_callbacks(cfg)
     assert type(cb).__name__ == "CountSteps" and cb.label == "x"
     assert build_callbacks(make_cfg()) == []
+
+
+def test_list_keeps_bracketed_text(capsys):
+    from platform.list import main
+
+    main(["residuals"])
+    out = capsys.readouterr().out
+    assert "MSAR over [b_0," in out  # Rich markup would drop "[b_0, ...]" silently
