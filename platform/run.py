@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -46,7 +47,7 @@ GROUPS = {  # group: what it chooses (the options come from conf/ and the regist
     "trainer": "hardware, precision, optimisation, schedule, validation and checkpoint cadence",
     "residual": "the residual mechanism (python -m platform.list for what each computes)",
     "ablation": "a registered ablation of a paper (sets residual and fields; default: none)",
-    "debug": "a preset for fast checks: fast (a smaller-than-tiny run), smoke (4 steps, no MLflow)",
+    "debug": "a preset for quick checks (conf/debug/): a smaller-than-tiny model, few steps",
 }
 
 
@@ -124,7 +125,8 @@ def usage() -> str:
         else:
             options = sorted(p.stem for p in (REPO_ROOT / "conf" / group).glob("*.yaml"))
         shown = ", ".join(o + ("*" if o == defaults.get(group) else "") for o in options)
-        lines += [f"  {group:<9} {what}", f"  {'':<9} {shown or '-'}"]
+        lines += [f"  {group:<9} {what}",
+                  *textwrap.wrap(shown or "-", 100, initial_indent=" " * 12, subsequent_indent=" " * 12)]
     lines += ["", "Keys: any field, e.g. trainer.max_steps=200 seed=3 model.seq_len=256 "
               "(show the composed config: python -m platform.run --cfg job [overrides])",
               "Bad input prints one line `error: <key>=<value>: <why>; valid: <...>` and exits 2;",
