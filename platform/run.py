@@ -125,8 +125,8 @@ def usage() -> str:
         else:
             options = sorted(p.stem for p in (REPO_ROOT / "conf" / group).glob("*.yaml"))
         shown = ", ".join(o + ("*" if o == defaults.get(group) else "") for o in options)
-        lines += [f"  {group:<9} {what}",
-                  *textwrap.wrap(shown or "-", 100, initial_indent=" " * 12, subsequent_indent=" " * 12)]
+        lines += [f"  {group + ':':<10} {what}",
+                  *textwrap.wrap(shown or "-", 100, initial_indent=" " * 13, subsequent_indent=" " * 13)]
     lines += ["", "Keys: any field, e.g. trainer.max_steps=200 seed=3 model.seq_len=256 "
               "(show the composed config: python -m platform.run --cfg job [overrides])",
               "Bad input prints one line `error: <key>=<value>: <why>; valid: <...>` and exits 2;",

@@ -76,7 +76,7 @@ def test_help_lists_groups_with_descriptions_and_no_sweep(capsys):
     main(["--help"])
     out = capsys.readouterr().out
     for group in GROUPS:
-        assert f"  {group} " in out
+        assert f"  {group}: " in out
     assert "tiny*" in out and "msar_block*" in out and "fast, smoke" in out
     assert "sweep" not in out.split("Config groups")[1].split("Keys:")[0]
 
