@@ -242,6 +242,8 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"trainer.{key}", t[key], "an Adam beta must lie in [0, 1)", "[0, 1)")
     if not 0 <= cfg.seed < 2**32:
         raise ConfigError("seed", cfg.seed, "must be a non-negative 32-bit integer", f"0..{2**32 - 1}")
+    if cfg.get("sweep") is not None and cfg.sweep.storage:
+        check_tracking_uri(cfg.sweep.storage, "sweep.storage", storage=True)
     validate_data(cfg.data)
     res_cls = residuals.get(cfg.residual.name)
     res_cfg = residual_config(cfg)
@@ -270,15 +272,18 @@ def check_environment(cfg: DictConfig) -> None:
         check_tracking_uri(tracking_uri(cfg), "mlflow.tracking_uri")
 
 
-def check_tracking_uri(uri: str, key: str) -> None:
-    """A URI MLflow can open: sqlite:///<file> (its folder exists or can be made), http(s)://host, or a
-    database URL. MLflow's own errors for a malformed one are pages long."""
+def check_tracking_uri(uri: str, key: str, storage: bool = False) -> None:
+    """A URI MLflow can open (or, with `storage`, an SQLAlchemy URL for Optuna): sqlite:///<file> (its
+    folder exists or can be made), http(s)://host, or a database URL. The libraries' own errors for a
+    malformed one are pages long and do not name the key."""
     from urllib.parse import urlparse
 
-    schemes = ("sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "file")
+    schemes = ("sqlite", "postgresql", "mysql", "mssql", "oracle") if storage else (
+        "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "file")
     parsed = urlparse(uri)
     scheme = parsed.scheme.split("+")[0]
-    valid = "sqlite:///<path>/mlflow.db, http(s)://<host>:<port>, postgresql://..., mysql://..."
+    valid = ("sqlite:///<path>/optuna.db, postgresql://<user>@<host>/<db>, mysql://..." if storage else
+             "sqlite:///<path>/mlflow.db, http(s)://<host>:<port>, postgresql://..., mysql://...")
     if scheme not in schemes:
         raise ConfigError(key, uri, f"unknown scheme {parsed.scheme!r}" if parsed.scheme else "no scheme", valid)
     if scheme == "sqlite":
@@ -290,7 +295,7 @@ def check_tracking_uri(uri: str, key: str) -> None:
             probe = probe.parent
         if not probe.is_dir() or not os.access(probe, os.W_OK):
             raise ConfigError(key, uri, f"cannot create the database folder {folder}", valid)
-    elif scheme in ("http", "https", "postgresql", "mysql", "mssql") and not parsed.hostname:
+    elif scheme in ("http", "https", "postgresql", "mysql", "mssql", "oracle") and not parsed.hostname:
         raise ConfigError(key, uri, "no host in the URL", valid)
 
 

@@ -52,7 +52,18 @@ GROUPS = {  # group: what it chooses (the options come from conf/ and the regist
 
 
 def check_choices(argv: list[str]) -> None:
-    """Fail fast, before Hydra composes, on a renamed key or an unknown `residual=`/`ablation=` name."""
+    """Fail fast, before Hydra composes, on a renamed key or an unknown `residual=`/`ablation=` name
+    (for the other entry points: one `error:` line through SystemExit)."""
+    from .errors import ConfigError
+
+    try:
+        check_names(argv)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def check_names(argv: list[str]) -> None:
+    """Raise ConfigError on a renamed key or an unknown `residual=`/`ablation=` name."""
     import ablations
     import residuals
 
@@ -63,9 +74,6 @@ def check_choices(argv: list[str]) -> None:
         key = key.lstrip("+~")
         if key in RENAMED:
             raise ConfigError(key, value, RENAMED[key], RENAMED[key].split("renamed to ")[1].split(" ")[0])
-        if key == "sweep":
-            raise ConfigError("sweep", value, "sweep presets run with python -m platform.sweep sweep=<name>, "
-                              "not platform.run", "python -m platform.sweep sweep=" + value)
         if key not in ("residual", "ablation") or "(" in value:  # leave sweep functions to Hydra
             continue
         registry = residuals if key == "residual" else ablations
@@ -180,7 +188,7 @@ def where_results_are(cfg: DictConfig, result) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     from .config import register_configs
-    from .errors import BAD_INPUT_EXIT, debug_errors, one_line
+    from .errors import BAD_INPUT_EXIT, ConfigError, debug_errors, one_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv:
@@ -188,7 +196,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         preload_plugins(argv)
-        check_choices(argv)
+        check_names(argv)
+        for arg in argv:
+            key, _, value = arg.partition("=")
+            if key.lstrip("+~") == "sweep":
+                raise ConfigError("sweep", value, "sweep presets run with python -m platform.sweep, not "
+                                  "platform.run", f"python -m platform.sweep sweep={value}")
         register_configs()
         if not any(a.startswith("-") for a in argv):  # --cfg, --multirun, ...: Hydra's own path
             argv = preflight_cli(argv)

@@ -265,3 +265,23 @@ def test_every_listed_n_heads_really_works():
         for h in listed:
             validate(make_cfg(f"model.d_model={d_model}", f"model.n_kv_heads={n_kv}", f"model.n_heads={h}",
                               "model.moe_impl=sliced"))
+
+
+SWEEP_CASES = [
+    Case("sweep-storage-no-scheme", ["sweep.storage=notaurl"], r"sweep.storage=notaurl: no scheme; valid: sqlite:///"),
+    Case("sweep-storage-no-host", ["sweep.storage=postgresql://"], r"sweep.storage=postgresql://: no host"),
+    Case("sweep-storage-scheme", ["sweep.storage=http://host/db"], r"sweep.storage=http://host/db: unknown scheme"),
+]
+
+
+@pytest.mark.parametrize("case", SWEEP_CASES, ids=[c.id for c in SWEEP_CASES])
+def test_bad_sweep_input(case, tmp_path, capfd):
+    from platform.sweep import main as sweep_main
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with pytest.raises(SystemExit) as exit_info:
+        sweep_main(["sweep=msar_kernels", *case.argv, f"mlflow.tracking_uri={uri}", f"sweep.out_dir={tmp_path}/out"])
+    message = str(exit_info.value.code)
+    assert "\n" not in message and message.startswith("error: ") and re.search(case.expect, message), message
+    assert "; valid: " in message
+    assert mlflow_runs(tmp_path) == {} and not (tmp_path / "out").exists()
