@@ -126,6 +126,9 @@ def _resume_config(cfg: DictConfig, ckpt: Path, cli_overrides: list[str] | None)
     if not saved_path.is_file():
         raise ConfigError("resume", ckpt, f"the run's resolved config {saved_path} is missing", RESUME_VALID)
     saved = OmegaConf.load(saved_path)
+    if "val_batches" in saved.get("data", {}):  # saved before data.val_batches became data.val_windows
+        old = saved.data.pop("val_batches")
+        saved.data.val_windows = None if old is None else old * saved.data.batch_size
     if cli_overrides is None:  # programmatic call: the given config must describe the same run
         now = OmegaConf.to_container(cfg, resolve=True)
         before = OmegaConf.to_container(saved, resolve=True)
