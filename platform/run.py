@@ -173,17 +173,30 @@ def where_results_are(cfg: DictConfig, result) -> str:
     """Where the run's files are, and the one command that opens its MLflow run in the UI."""
     from .config import tracking_uri
 
-    lines = [f"results: {result.run_dir} (config.yaml, checkpoints/, loss_curve.png"
-             + (", depth_attention.png)" if (result.run_dir / "depth_attention.png").is_file() else ")")]
+    files = [name for name in ("config.yaml", "checkpoints/", "loss_curve.png", "depth_attention.png")
+             if (result.run_dir / name).exists()]
+    lines = [f"results: {result.run_dir} ({', '.join(files)})"]
     if result.mlflow_run_id:
         uri = tracking_uri(cfg)
         lines.append(f"MLflow run {result.mlflow_run_id} in experiment {cfg.mlflow.experiment!r}; open the UI with:")
         if uri.startswith(("http://", "https://")):
             lines.append(f"  open {uri.rstrip('/')}/#/experiments (the server is already running)")
         else:
-            lines.append(f"  mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000   "
+            mlflow_cmd = _mlflow_command()
+            lines.append(f"  {mlflow_cmd} ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000   "
                          "# then http://127.0.0.1:5000")
     return "\n".join(lines)
+
+
+def _mlflow_command() -> str:
+    """`mlflow` as this environment runs it: the script beside this Python (e.g. .venv/bin/mlflow)."""
+    import shutil
+
+    beside = os.path.join(os.path.dirname(sys.executable), "mlflow")
+    if os.path.isfile(beside):
+        rel = os.path.relpath(beside)
+        return beside if rel.startswith("..") else rel
+    return "mlflow" if shutil.which("mlflow") else f"{sys.executable} -m mlflow"
 
 
 def main(argv: list[str] | None = None) -> None:
