@@ -38,7 +38,9 @@ class DataConfig:
     split_seed: int = 0  # seeds the document hash that decides train or validation
     batch_size: int = 16  # windows per step on each device
     num_workers: int = 0  # DataLoader workers; windows are array slices, so 0 is usually fastest
-    val_batches: int | None = None  # cap on validation batches (an evenly spread, fixed subset)
+    # Size of the fixed validation set in windows (an evenly spread subset of the held-out text);
+    # None: every window. trainer.val_batches is how many batches of it one validation runs.
+    val_windows: int | None = None
     cache_dir: str = "data/cache"  # tokenizers, token arrays, datasets' cache; relative to the repo root
 
 
@@ -48,6 +50,9 @@ def as_data_config(cfg: DataConfig | Mapping) -> DataConfig:
         return cfg
     known = {f.name for f in fields(DataConfig)}
     unknown = sorted(set(cfg) - known)
+    if "val_batches" in unknown:
+        raise ValueError("data.val_batches was renamed to data.val_windows (the size of the fixed validation "
+                         "set, in windows); trainer.val_batches (batches per validation) is unchanged")
     if unknown:
         raise ValueError(f"unknown data config key(s) {unknown}; valid keys: {sorted(known)}")
     return DataConfig(**{key: cfg[key] for key in cfg})
@@ -59,39 +64,44 @@ def resolve_path(path: str) -> Path:
     return expanded if expanded.is_absolute() else REPO_ROOT / expanded
 
 
+def _bad(key: str, value, why: str, valid: str) -> ValueError:
+    """The one-line form every bad input takes: `data.<key>=<value>: <why>; valid: <...>`."""
+    return ValueError(f"data.{key}={value!r}: {why}; valid: {valid}")
+
+
 def validate(cfg: DataConfig | Mapping) -> DataConfig:
     """Check every value that can be checked without touching data; return the config as a dataclass.
 
-    Raises ``ValueError`` naming the offending field, its value and what would be valid.
+    Raises ``ValueError`` naming the offending field, its value, why, and what would be valid.
     """
     cfg = as_data_config(cfg)
     if cfg.source not in SOURCES:
-        raise ValueError(f"data.source={cfg.source!r} is not a known source; choose one of {list(SOURCES)}")
+        raise _bad("source", cfg.source, "not a known source", ", ".join(SOURCES))
     if cfg.source in ("files", "shards") and not cfg.path:
         what = "a glob of " + "/".join(FILE_SUFFIXES) + " files" if cfg.source == "files" else (
             "the folder written by `python -m data.export`")
-        raise ValueError(f"data.source={cfg.source!r} needs data.path (got {cfg.path!r}): {what}")
+        raise _bad("path", cfg.path, f"data.source={cfg.source!r} needs data.path", what)
     if cfg.source == "hub":
         if not cfg.hub_name:
-            raise ValueError(f"data.source='hub' needs data.hub_name (got {cfg.hub_name!r}), e.g. 'wikitext'")
+            raise _bad("hub_name", cfg.hub_name, "data.source='hub' needs a dataset name", "e.g. 'wikitext'")
         if cfg.max_docs is None:
-            raise ValueError("data.source='hub' needs data.max_docs (got None): Hub datasets are "
-                             "streamed, so the number of documents to take must be given")
+            raise _bad("max_docs", None, "data.source='hub' streams its documents, so how many to take "
+                       "must be given", "an integer >= 1")
     if not cfg.text_field:
-        raise ValueError(f"data.text_field={cfg.text_field!r} must name a column, e.g. 'text'")
+        raise _bad("text_field", cfg.text_field, "must name a column", "a column name, e.g. 'text'")
     if cfg.max_docs is not None and cfg.max_docs < 1:
-        raise ValueError(f"data.max_docs={cfg.max_docs!r} must be None (all) or an integer >= 1")
+        raise _bad("max_docs", cfg.max_docs, "must be positive", "None (all) or an integer >= 1")
     if cfg.vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(f"data.vocab_size={cfg.vocab_size!r} is too small: a byte-level BPE needs at "
-                         f"least {MIN_VOCAB_SIZE} (256 bytes + <|endoftext|> + merges)")
+        raise _bad("vocab_size", cfg.vocab_size, "is too small: a byte-level BPE needs 256 bytes + "
+                   "<|endoftext|> + merges", f">= {MIN_VOCAB_SIZE}")
     if not 0.0 < cfg.val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction={cfg.val_fraction!r} must be in the open interval (0, 1)")
+        raise _bad("val_fraction", cfg.val_fraction, "a share of the documents", "the open interval (0, 1)")
     if cfg.batch_size < 1:
-        raise ValueError(f"data.batch_size={cfg.batch_size!r} must be an integer >= 1")
+        raise _bad("batch_size", cfg.batch_size, "must be positive", "an integer >= 1")
     if cfg.num_workers < 0:
-        raise ValueError(f"data.num_workers={cfg.num_workers!r} must be an integer >= 0")
-    if cfg.val_batches is not None and cfg.val_batches < 1:
-        raise ValueError(f"data.val_batches={cfg.val_batches!r} must be None (all) or an integer >= 1")
+        raise _bad("num_workers", cfg.num_workers, "must not be negative", "an integer >= 0")
+    if cfg.val_windows is not None and cfg.val_windows < 1:
+        raise _bad("val_windows", cfg.val_windows, "must be positive", "None (all) or an integer >= 1")
     if not cfg.cache_dir:
-        raise ValueError(f"data.cache_dir={cfg.cache_dir!r} must be a folder, e.g. 'data/cache'")
+        raise _bad("cache_dir", cfg.cache_dir, "must be a folder", "a path, e.g. 'data/cache'")
     return cfg

@@ -113,7 +113,11 @@ def _file_rows(cfg: DataConfig) -> Rows:
     for path in matching_files(cfg):
         name = _display_path(path)
         if path.suffix == ".txt":
-            yield path.read_text(encoding="utf-8"), name
+            try:
+                yield path.read_text(encoding="utf-8"), name
+            except UnicodeDecodeError as e:
+                raise ValueError(f"data.path={cfg.path}: {name} is not UTF-8 text (byte {e.start}); "
+                                 f"valid: UTF-8 .txt, .jsonl, .json or .parquet files") from None
             continue
         # One file at a time so that every row's title can say which file it came from.
         ds = datasets.load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train",

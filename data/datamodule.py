@@ -126,8 +126,7 @@ class CorpusDataModule(L.LightningDataModule):
             raise ValueError(f"the training split has {len(self.prepared.train)} tokens: not one window "
                              f"of seq_len + 1 = {self.seq_len + 1}; use more documents or a shorter seq_len")
         val_total = len(PackedWindows(self.prepared.val, self.seq_len))
-        limit = None if self.cfg.val_batches is None else self.cfg.val_batches * self.cfg.batch_size
-        self.val_set = PackedWindows(self.prepared.val, self.seq_len, val_window_indices(val_total, limit))
+        self.val_set = PackedWindows(self.prepared.val, self.seq_len, val_window_indices(val_total, self.cfg.val_windows))
 
     def _loader(self, dataset: PackedWindows, sampler: Sampler | None) -> DataLoader:
         if self.cfg.num_workers > 0:

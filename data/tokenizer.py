@@ -13,7 +13,7 @@ never trains may lack it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,11 +92,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     """Token ids of one text (no special token added), as a uint32 array."""
     return np.asarray(tokenizer.encode(text).ids, dtype=np.uint32)
-
-
-def encode_batch(tokenizer: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
-    """``encode`` for many texts at once; ``tokenizers`` spreads the batch over the CPU cores."""
-    return [np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(list(texts))]
 
 
 def decode(tokenizer: Tokenizer, ids: Iterable[int] | np.ndarray) -> str:

@@ -10,8 +10,10 @@ raises before any compute, naming the bad value and the valid choices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -21,6 +23,7 @@ from data.config import DataConfig
 from data.config import validate as validate_data
 
 from .env import REPO_ROOT  # noqa: F401 - re-exported: platform.config.REPO_ROOT
+from .errors import ConfigError
 
 
 @dataclass
@@ -147,6 +150,9 @@ class Config:
     resume: Optional[str] = None  # a checkpoint path, a run dir, or "last"
     plugins: list[str] = field(default_factory=list)  # modules that register extra residuals
     name: Optional[str] = None  # run name suffix (defaults to residual[+ablation])
+    # Extra Lightning callbacks, each a Hydra node {_target_: import.path, arg: value}; added to the
+    # platform's own (checkpointing, progress bar). See docs/running.md.
+    callbacks: list[Any] = field(default_factory=list)
 
 
 def register_configs() -> None:
@@ -172,53 +178,133 @@ def tracking_uri(cfg: DictConfig | None = None) -> str:
 
 def _choice(what: str, value: Any, choices) -> None:
     if value not in choices:
-        raise ValueError(f"{what}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
+        raise ConfigError(what, value, "not a known choice", list(choices))
+
+
+def _finite(key: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ConfigError(key, value, "must be a finite number", "a finite number")
+
+
+def valid_heads(m) -> list[int]:
+    """n_heads values that work with this d_model and n_kv_heads: divide d_model, even head dim, GQA."""
+    return [h for h in range(1, m.d_model + 1)
+            if m.d_model % h == 0 and (m.d_model // h) % 2 == 0 and h % m.n_kv_heads == 0]
 
 
 def validate(cfg: DictConfig) -> None:
-    """Check what composition cannot, before any compute. Raises ValueError naming value and choices."""
+    """Check what composition cannot, before any compute. Raises ConfigError (a ValueError) naming
+    the key, its value, why and the valid choices."""
     import residuals
 
     m, t = cfg.model, cfg.trainer
     for key in ("d_model", "n_blocks", "n_heads", "n_kv_heads", "seq_len", "dense_hidden", "n_experts",
                 "top_k", "expert_hidden"):
         if m[key] < 1:
-            raise ValueError(f"model.{key}={m[key]} must be a positive integer")
-    if m.d_model % m.n_heads:
-        raise ValueError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-                         f"valid n_heads for this d_model: {[h for h in range(1, m.d_model + 1) if m.d_model % h == 0]}")
-    if (m.d_model // m.n_heads) % 2:
-        raise ValueError(f"head dim d_model/n_heads={m.d_model // m.n_heads} must be even for RoPE")
+            raise ConfigError(f"model.{key}", m[key], "must be a positive integer", ">= 1")
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+        why = (f"does not divide model.d_model={m.d_model}" if m.d_model % m.n_heads else
+               f"gives an odd head dim {m.d_model // m.n_heads} (RoPE needs an even one)")
+        raise ConfigError("model.n_heads", m.n_heads, why,
+                          f"{valid_heads(m)} (with d_model={m.d_model}, n_kv_heads={m.n_kv_heads})")
     if m.n_heads % m.n_kv_heads:
-        raise ValueError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}; "
-                         f"valid: {[h for h in range(1, m.n_heads + 1) if m.n_heads % h == 0]}")
+        raise ConfigError("model.n_kv_heads", m.n_kv_heads, f"must divide model.n_heads={m.n_heads} (GQA)",
+                          [h for h in range(1, m.n_heads + 1) if m.n_heads % h == 0])
     if not 1 <= m.top_k <= m.n_experts:
-        raise ValueError(f"model.top_k={m.top_k} must be between 1 and model.n_experts={m.n_experts}")
+        raise ConfigError("model.top_k", m.top_k, f"must be between 1 and model.n_experts={m.n_experts}",
+                          f"1..{m.n_experts}")
     if m.n_shared < 0:
-        raise ValueError(f"model.n_shared={m.n_shared} must be >= 0")
+        raise ConfigError("model.n_shared", m.n_shared, "must be >= 0", ">= 0")
     _choice("model.moe_impl", m.moe_impl, ("grouped_mm", "sliced"))
     if m.moe_impl == "grouped_mm" and (m.d_model % 8 or m.expert_hidden % 8):
-        raise ValueError(f"model.moe_impl=grouped_mm needs d_model ({m.d_model}) and expert_hidden "
-                         f"({m.expert_hidden}) to be multiples of 8 (grouped GEMM alignment); "
-                         "use model.moe_impl=sliced for other sizes")
+        key = "model.d_model" if m.d_model % 8 else "model.expert_hidden"
+        raise ConfigError(key, m[key.split(".")[1]], "model.moe_impl=grouped_mm needs multiples of 8 "
+                          "(grouped GEMM alignment)", "a multiple of 8, or model.moe_impl=sliced")
     _choice("model.attention", m.attention, ("auto", "flex", "sdpa"))
     _choice("model.recompute", m.recompute, ("none", "attention", "mlp", "full"))
     _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
     if m.attention == "flex" and t.accelerator == "cpu":
-        raise ValueError("model.attention=flex needs a GPU to train (PyTorch has no FlexAttention backward on "
-                         "CPU); use model.attention=sdpa or auto with trainer.accelerator=cpu")
+        raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "
+                          "and trainer.accelerator=cpu", "sdpa or auto on a CPU; flex with trainer=gpu")
     _choice("trainer.precision", t.precision, ("32-true", "bf16-mixed", "16-mixed", "bf16-true"))
-    for key in ("max_steps", "val_every", "val_batches", "log_every", "ckpt_every", "accumulate_grad_batches"):
+    for key in ("devices", "max_steps", "val_every", "val_batches", "log_every", "ckpt_every",
+                "accumulate_grad_batches"):
         if t[key] < 1:
-            raise ValueError(f"trainer.{key}={t[key]} must be a positive integer")
-    if t.warmup_steps < 0:
-        raise ValueError(f"trainer.warmup_steps={t.warmup_steps} must be >= 0")
-    if not (t.lr > 0 and 0 <= t.min_lr_ratio <= 1):
-        raise ValueError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr_ratio={t.min_lr_ratio} in [0, 1]")
+            raise ConfigError(f"trainer.{key}", t[key], "must be a positive integer", ">= 1")
+    for key in ("warmup_steps", "threads"):
+        if t[key] < 0:
+            raise ConfigError(f"trainer.{key}", t[key], "must be >= 0", ">= 0" + (" (0: torch's default)"
+                                                                                   if key == "threads" else ""))
+    for key in ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip"):
+        _finite(f"trainer.{key}", t[key])
+    if t.lr <= 0:
+        raise ConfigError("trainer.lr", t.lr, "must be > 0", "a finite number > 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError("trainer.min_lr_ratio", t.min_lr_ratio, "must lie in [0, 1]", "[0, 1]")
+    if t.weight_decay < 0:
+        raise ConfigError("trainer.weight_decay", t.weight_decay, "must be >= 0", ">= 0 (0: off)")
+    if t.grad_clip < 0:
+        raise ConfigError("trainer.grad_clip", t.grad_clip, "must be >= 0", ">= 0 (0: no clipping)")
+    for key in ("beta1", "beta2"):
+        if not 0 <= t[key] < 1:
+            raise ConfigError(f"trainer.{key}", t[key], "an Adam beta must lie in [0, 1)", "[0, 1)")
+    if not 0 <= cfg.seed < 2**32:
+        raise ConfigError("seed", cfg.seed, "must be a non-negative 32-bit integer", f"0..{2**32 - 1}")
+    if cfg.get("sweep") is not None and cfg.sweep.storage:
+        check_tracking_uri(cfg.sweep.storage, "sweep.storage", storage=True)
     validate_data(cfg.data)
     res_cls = residuals.get(cfg.residual.name)
     res_cfg = residual_config(cfg)
     res_cls.validate(res_cfg, d_model=m.d_model, n_sublayers=2 * m.n_blocks)
+
+
+def check_environment(cfg: DictConfig) -> None:
+    """What this machine must offer the config: a GPU for accelerator=gpu or backend=triton, enough
+    devices, a well-formed MLflow tracking URI. Runs before any MLflow run is opened."""
+    import torch
+
+    t = cfg.trainer
+    n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if t.accelerator == "gpu" and n_gpus == 0:
+        raise ConfigError("trainer.accelerator", "gpu", "no CUDA device on this machine", "cpu, auto")
+    if t.accelerator == "gpu" and t.devices > n_gpus:
+        raise ConfigError("trainer.devices", t.devices, f"this machine has {n_gpus} GPU(s)", f"1..{n_gpus}")
+    if t.precision == "16-mixed" and (t.accelerator == "cpu" or n_gpus == 0):
+        raise ConfigError("trainer.precision", t.precision, "fp16 mixed precision needs a GPU",
+                          "32-true, bf16-mixed, bf16-true")
+    backend = cfg.residual.get("backend") if hasattr(cfg.residual, "get") else None
+    if backend == "triton" and n_gpus == 0 and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("residual.backend", "triton", "the Triton kernels need a CUDA device "
+                          "(or TRITON_INTERPRET=1, the slow interpreter)", "auto, torch")
+    if cfg.mlflow.enabled:
+        check_tracking_uri(tracking_uri(cfg), "mlflow.tracking_uri")
+
+
+def check_tracking_uri(uri: str, key: str, storage: bool = False) -> None:
+    """A URI MLflow can open (or, with `storage`, an SQLAlchemy URL for Optuna): sqlite:///<file> (its
+    folder exists or can be made), http(s)://host, or a database URL. The libraries' own errors for a
+    malformed one are pages long and do not name the key."""
+    from urllib.parse import urlparse
+
+    schemes = ("sqlite", "postgresql", "mysql", "mssql", "oracle") if storage else (
+        "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "file")
+    parsed = urlparse(uri)
+    scheme = parsed.scheme.split("+")[0]
+    valid = ("sqlite:///<path>/optuna.db, postgresql://<user>@<host>/<db>, mysql://..." if storage else
+             "sqlite:///<path>/mlflow.db, http(s)://<host>:<port>, postgresql://..., mysql://...")
+    if scheme not in schemes:
+        raise ConfigError(key, uri, f"unknown scheme {parsed.scheme!r}" if parsed.scheme else "no scheme", valid)
+    if scheme == "sqlite":
+        if not uri.startswith("sqlite:///") or len(uri) <= len("sqlite:///"):
+            raise ConfigError(key, uri, "a SQLite URL is sqlite:/// followed by a file path", valid)
+        folder = Path(uri[len("sqlite:///"):]).parent
+        probe = folder
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir() or not os.access(probe, os.W_OK):
+            raise ConfigError(key, uri, f"cannot create the database folder {folder}", valid)
+    elif scheme in ("http", "https", "postgresql", "mysql", "mssql", "oracle") and not parsed.hostname:
+        raise ConfigError(key, uri, "no host in the URL", valid)
 
 
 def residual_config(cfg: DictConfig):

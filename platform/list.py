@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     if what not in ("all", "residuals", "ablations"):
         raise SystemExit(f"error: unknown listing {what!r}; choose residuals, ablations, --markdown or nothing")
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=max(120, Console().width))
@@ -65,14 +66,14 @@ def main(argv: list[str] | None = None) -> None:
         for col in ("name", "description", "config fields (defaults)"):
             table.add_column(col, overflow="fold")
         for row in residual_table():
-            table.add_row(*row)
+            table.add_row(*map(escape, row))  # descriptions hold [brackets] that Rich would read as markup
         console.print(table)
     if what in ("all", "ablations"):
         table = Table(title="ablations (ablation=<name>)", show_lines=True)
         for col in ("name", "question", "baseline", "changes", "paper"):
             table.add_column(col, overflow="fold")
         for ab in ablations.all_ablations():
-            table.add_row(ab.name, ab.question, ab.baseline, ab.describe_changes(), ab.paper or "-")
+            table.add_row(*map(escape, (ab.name, ab.question, ab.baseline, ab.describe_changes(), ab.paper or "-")))
         if not ablations.names():
             table.add_row("(none registered yet)", "", "", "", "")
         console.print(table)

@@ -197,6 +197,11 @@ class LMModule(L.LightningModule):
 
     # Exact resume: carry every RNG the run might touch (the data order is a function of the step).
     def on_save_checkpoint(self, checkpoint):
+        # Never write a checkpoint that cannot be resumed: a diverged update leaves non-finite weights.
+        if not all(torch.isfinite(p).all() for p in self.parameters()):
+            ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none yet"
+            raise NonFiniteLossError(f"parameters are not finite after step {self.global_step}; stopping "
+                                     f"without writing a checkpoint. Last good checkpoint: {ckpt}")
         kind, keys, pos, has_gauss, gauss = np.random.get_state()  # plain types: loads with weights_only
         checkpoint["rng"] = {"torch": torch.get_rng_state(),
                              "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)],

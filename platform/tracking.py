@@ -1,5 +1,5 @@
 """MLflow: opening the store (safe when several processes create it at once), run bookkeeping (never
-left RUNNING), the rename map of residuals, and end-of-run artifacts."""
+left RUNNING), the rename map of residuals. The figures: platform/plots.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from .env import set_offline_defaults
 set_offline_defaults()
 
 PID_TAG, HOST_TAG = "platform.pid", "platform.host"
+NOTE_TAG, REAPED_NOTE = "platform.note", "process died without closing the run"
 
 # Residuals renamed after runs were logged under the old name: {old name: new name}. MLflow keeps the
 # name a run was logged with (`params.residual/name`); comparisons look runs up under every old name
@@ -109,8 +110,14 @@ def make_logger(**kwargs):
     from lightning.pytorch.loggers import MLFlowLogger
 
     class StepAlignedMLFlowLogger(MLFlowLogger):
+        step_offset = 1  # 0 for a validation after fit, which Lightning reports at the finished step
+        logged_steps: dict = {}  # resumed run: metric -> last step the killed process logged
+
         def log_metrics(self, metrics, step=None):
-            super().log_metrics(metrics, None if step is None else step + 1)
+            step = None if step is None else step + self.step_offset
+            if step is not None and self.logged_steps:
+                metrics = {k: v for k, v in metrics.items() if step > self.logged_steps.get(k, -1)}
+            super().log_metrics(metrics, step)
 
     return StepAlignedMLFlowLogger(**kwargs)
 
@@ -160,7 +167,7 @@ def reap_orphans(client, experiment_id: str) -> list[str]:
     for run in runs:
         tags = run.data.tags
         if tags.get(HOST_TAG) == host and PID_TAG in tags and not _alive(int(tags[PID_TAG])):
-            client.set_tag(run.info.run_id, "platform.note", "process died without closing the run")
+            client.set_tag(run.info.run_id, NOTE_TAG, REAPED_NOTE)
             client.set_terminated(run.info.run_id, "KILLED")
             reaped.append(run.info.run_id)
     return reaped
@@ -171,56 +178,3 @@ def run_tags(parent_run_id: str | None = None) -> dict[str, str]:
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id  # shows the run nested under its parent in the UI
     return tags
-
-
-def plot_loss_curves(client, run_id: str, out: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    drawn = False
-    for key, style in (("train/loss", "-"), ("val/loss", "o-")):
-        hist = sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
-        if hist:
-            ax.plot([m.step for m in hist], [m.value for m in hist], style, label=key, alpha=0.8)
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return None
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
-def plot_depth_weights(recorded: dict, out: Path, title: str) -> Path | None:
-    """One heatmap per view: sources (rows) x consuming sublayer (columns), mean weight over tokens."""
-    if not recorded:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = sorted(recorded)
-    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names) + 1, 3.6), squeeze=False)
-    for ax, name in zip(axes[0], names):
-        w = recorded[name].detach().float().cpu().numpy()
-        im = ax.imshow(w, aspect="auto", origin="lower", cmap="viridis", vmin=0.0, vmax=max(1e-6, float(w.max())))
-        ax.set_title(name)
-        ax.set_xticks(range(w.shape[1]))
-        ax.set_yticks(range(w.shape[0]))
-        ax.set_xlabel("consuming sublayer (last: final output)")
-        ax.set_ylabel("source (0: embedding)")
-        fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out

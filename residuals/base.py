@@ -106,9 +106,13 @@ class Vanilla(Residual):
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
-    """RMSNorm over the last axis, computed in fp32 and cast back (shared by the variants)."""
-    xf = x.float()
+    """RMSNorm over the last axis, shared by the variants; cast back to x's dtype.
+
+    Computed in at least fp32 (16-bit inputs are upcast) and in fp64 for fp64 inputs, so that fp64
+    gradchecks of the variants that use it are exact."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(dtype)
     return y.to(x.dtype)

@@ -22,7 +22,7 @@ BAD = [
     pytest.param({"batch_size": 0}, ["data.batch_size=0", ">= 1"], id="batch-size-zero"),
     pytest.param({"max_docs": 0}, ["data.max_docs=0"], id="max-docs-zero"),
     pytest.param({"num_workers": -1}, ["data.num_workers=-1"], id="negative-workers"),
-    pytest.param({"val_batches": 0}, ["data.val_batches=0"], id="val-batches-zero"),
+    pytest.param({"val_windows": 0}, ["data.val_windows=0"], id="val-windows-zero"),
     pytest.param({"text_field": ""}, ["data.text_field"], id="empty-text-field"),
 ]
 

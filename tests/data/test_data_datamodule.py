@@ -94,7 +94,7 @@ def test_validation_is_fixed_and_capped(small_cfg, datamodule):
     first = _batches(datamodule.val_dataloader())
     assert torch.equal(torch.cat(first), torch.cat(_batches(datamodule.val_dataloader())))
     total = len(datamodule.val_set)
-    capped = CorpusDataModule(DataConfig(**{**vars(small_cfg), "val_batches": 2}), SEQ_LEN, seed=5, max_steps=12)
+    capped = CorpusDataModule(DataConfig(**{**vars(small_cfg), "val_windows": 8}), SEQ_LEN, seed=5, max_steps=12)
     capped.setup("validate")
     assert total > 8 and len(capped.val_set) == 8 and len(_batches(capped.val_dataloader())) == 2
     assert capped.val_set.windows[0] == 0 and capped.val_set.windows[-1] == total - 1

@@ -29,13 +29,13 @@ def test_unknown_residual_lists_registered():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["model.d_model=66", "model.moe_impl=sliced"], r"d_model=66 is not divisible by model.n_heads=4"),
-    (["model.top_k=9"], r"top_k=9 must be between 1 and model.n_experts=8"),
-    (["model.n_kv_heads=3"], r"n_kv_heads=3 must divide model.n_heads=4; valid: \[1, 2, 4\]"),
-    (["model.moe_impl=loop"], r"moe_impl='loop' is not valid; choose one of: grouped_mm, sliced"),
-    (["model.expert_hidden=60"], r"multiples of 8"),
-    (["trainer.precision=fp8"], r"precision='fp8' is not valid; choose one of"),
-    (["trainer.accelerator=tpu"], r"accelerator='tpu'"),
+    (["model.d_model=66", "model.moe_impl=sliced"], r"model.n_heads=4: does not divide model.d_model=66"),
+    (["model.top_k=9"], r"model.top_k=9: must be between 1 and model.n_experts=8"),
+    (["model.n_kv_heads=3"], r"model.n_kv_heads=3: must divide model.n_heads=4 \(GQA\); valid: \[1, 2, 4\]"),
+    (["model.moe_impl=loop"], r"model.moe_impl=loop: not a known choice; valid: \[grouped_mm, sliced\]"),
+    (["model.expert_hidden=60"], r"multiple of 8"),
+    (["trainer.precision=fp8"], r"trainer.precision=fp8: not a known choice; valid: \[32-true"),
+    (["trainer.accelerator=tpu"], r"accelerator=tpu"),
     (["trainer.warmup_steps=-1"], r"warmup_steps=-1"),
     (["trainer.max_steps=0"], r"max_steps=0"),
     (["data.source=web"], r"web"),
@@ -53,10 +53,46 @@ def _run_cli(*args):
 
 def test_cli_unknown_names_fail_before_compute():
     out = _run_cli("residual=nope")
-    assert out.returncode != 0 and "unknown residual 'nope'; registered residuals:" in out.stderr
-    assert "vanilla" in out.stderr
-    out = _run_cli("ablation=nope")
-    assert out.returncode != 0 and "unknown ablation 'nope'; registered ablations:" in out.stderr
-    out = _run_cli("model.top_k=99")
-    assert out.returncode != 0 and "top_k=99" in out.stderr
-    assert "Epoch" not in out.stdout  # nothing trained
+    assert out.returncode == 2 and out.stderr.startswith("error: residual=nope: no such residual; valid: [")
+    assert "vanilla" in out.stderr and not out.stdout
+
+
+def test_debug_presets_compose_and_validate():
+    from platform.config import REPO_ROOT
+
+    presets = sorted(p.stem for p in (REPO_ROOT / "conf" / "debug").glob("*.yaml"))
+    assert presets == ["fast", "smoke"]
+    for name in presets:
+        cfg = make_cfg(f"debug={name}")
+        validate(cfg)
+        assert cfg.model.d_model == 32 and cfg.trainer.max_steps <= 40
+    assert make_cfg("debug=smoke").mlflow.enabled is False
+    assert make_cfg("debug=fast", "model.d_model=48").model.d_model == 48  # the command line still wins
+
+
+def test_help_lists_groups_with_descriptions_and_no_sweep(capsys):
+    from platform.run import GROUPS, main
+
+    main(["--help"])
+    out = capsys.readouterr().out
+    for group in GROUPS:
+        assert f"  {group}: " in out
+    assert "tiny*" in out and "msar_block*" in out and "fast, smoke" in out
+    assert "sweep" not in out.split("Config groups")[1].split("Keys:")[0]
+
+
+def test_config_callbacks_are_built_and_checked():
+    from platform.train import build_callbacks
+
+    cfg = make_cfg("callbacks=[{_target_:tests.platform.callbacks.CountSteps,label:x}]")
+    (cb,) = build_callbacks(cfg)
+    assert type(cb).__name__ == "CountSteps" and cb.label == "x"
+    assert build_callbacks(make_cfg()) == []
+
+
+def test_list_keeps_bracketed_text(capsys):
+    from platform.list import main
+
+    main(["residuals"])
+    out = capsys.readouterr().out
+    assert "MSAR over [b_0," in out  # Rich markup would drop "[b_0, ...]" silently

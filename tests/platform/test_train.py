@@ -8,14 +8,13 @@ import mlflow
 import pytest
 import torch
 
+from platform import tracking
 from platform.train import train
-from tests.helpers import make_cfg
+from tests.helpers import ROOT, make_cfg
+from tests.platform.callbacks import PoisonAfter, SigtermAt
 
-# A smaller-than-tiny setup so each run takes seconds on one thread.
-FAST = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.seq_len=64", "model.dense_hidden=64",
-        "model.expert_hidden=32", "model.n_experts=4", "data.vocab_size=512", "data.batch_size=8",
-        "trainer.progress_bar=false", "trainer.threads=1", "trainer.warmup_steps=5", "trainer.val_batches=2",
-        "mlflow.depth_heatmaps=false"]
+# A smaller-than-tiny setup (conf/debug/fast.yaml) so each run takes seconds on one thread.
+FAST = ["debug=fast", "trainer.progress_bar=false", "trainer.threads=1"]
 
 
 class LossRecorder(L.Callback):
@@ -50,35 +49,58 @@ def cfg_for(tmp_path, *overrides):
 
 
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
-    common = ("trainer.max_steps=24", "trainer.ckpt_every=8", "trainer.val_every=12", "residual=vanilla")
+    common = ("trainer.max_steps=24", "trainer.ckpt_every=8", "trainer.val_every=12", "trainer.log_every=2",
+              "residual=vanilla")
     full = LossRecorder()
     ra = train(cfg_for(tmp_path, *common), callbacks=[full], run_dir=tmp_path / "a")
     assert ra.steps == 24 and len(full.losses) == 24
 
     first = LossRecorder()
-    with pytest.raises(SystemExit):
-        train(cfg_for(tmp_path, *common), callbacks=[first, InterruptAt(16)], run_dir=tmp_path / "b")
+    with pytest.raises(SystemExit):  # killed at step 20: the last checkpoint is step 16
+        train(cfg_for(tmp_path, *common), callbacks=[first, InterruptAt(20)], run_dir=tmp_path / "b")
     assert (tmp_path / "b" / "checkpoints" / "last.ckpt").is_file()
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = (tmp_path / "b" / "mlflow_run_id").read_text().strip()
+    client.set_tag(run_id, tracking.NOTE_TAG, tracking.REAPED_NOTE)  # as if the process had died
     second = LossRecorder()
     rb = train(cfg_for(tmp_path, *common, f"resume={tmp_path / 'b'}"), callbacks=[second])
-    assert sorted(first.losses) == list(range(1, 17)) and sorted(second.losses) == list(range(17, 25))
+    assert sorted(first.losses) == list(range(1, 21)) and sorted(second.losses) == list(range(17, 25))
     resumed = {**first.losses, **second.losses}
     for step, loss in full.losses.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-6, abs=1e-6), f"step {step}"
     assert rb.val_loss == pytest.approx(ra.val_loss, rel=1e-6)
 
     # MLflow: the interrupted run was marked KILLED, then the same run went on to FINISHED.
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
-    assert rb.mlflow_run_id == (tmp_path / "b" / "mlflow_run_id").read_text().strip()
+    assert rb.mlflow_run_id == run_id
     run = client.get_run(rb.mlflow_run_id)
-    assert run.info.status == "FINISHED"
-    hist = client.get_metric_history(rb.mlflow_run_id, "train/loss")
-    steps = {m.step for m in hist}
-    assert min(steps) < 16 < max(steps), steps  # one run's history spans the interruption
+    assert run.info.status == "FINISHED" and tracking.NOTE_TAG not in run.data.tags
+    for key in ("train/loss", "val/loss", "lr"):
+        steps = [m.step for m in client.get_metric_history(rb.mlflow_run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))  # steps 17..20 are not logged twice
+    steps = {m.step for m in client.get_metric_history(rb.mlflow_run_id, "train/loss")}
+    assert min(steps) < 16 < max(steps) == 24, steps  # one run's history spans the interruption
+    full_hist = {m.step: m.value for m in client.get_metric_history(ra.mlflow_run_id, "train/loss")}
+    for m in client.get_metric_history(rb.mlflow_run_id, "train/loss"):
+        assert m.value == pytest.approx(full_hist[m.step], rel=1e-6, abs=1e-6), m.step
+
+    # The command line resumes in the run's own dir (no stray Hydra dir named after the default).
+    from platform.run import preflight_cli
+
+    argv = preflight_cli([f"resume={tmp_path / 'b'}", "trainer.max_steps=30"])
+    assert f"hydra.run.dir={tmp_path / 'b'}" in argv and "hydra.output_subdir=null" in argv
+
+
+def test_sigterm_marks_the_run_killed_and_exits_non_zero(tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        train(cfg_for(tmp_path, "trainer.max_steps=20"), callbacks=[SigtermAt(3)], run_dir=tmp_path / "t")
+    assert exit_info.value.code == 143  # 128 + SIGTERM, as a shell reports it
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("residuals").experiment_id])
+    assert [r.info.status for r in runs] == ["KILLED"]
 
 
 def test_mlflow_run_params_metrics_artifacts(tmp_path):
-    r = train(cfg_for(tmp_path, "residual=vanilla", "trainer.max_steps=12", "trainer.val_every=6", "trainer.log_every=2"),
+    r = train(cfg_for(tmp_path, "residual=vanilla", "trainer.max_steps=12", "trainer.val_every=5", "trainer.log_every=2"),
               run_dir=tmp_path / "run")
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     run = client.get_run(r.mlflow_run_id)
@@ -90,7 +112,7 @@ def test_mlflow_run_params_metrics_artifacts(tmp_path):
                 "moe/layer3/max_over_mean", "moe/layer3/entropy", "final/val_loss"):
         assert client.get_metric_history(r.mlflow_run_id, key), key
     val = client.get_metric_history(r.mlflow_run_id, "val/loss")
-    assert [m.step for m in val][-1] == 12 and math.isfinite(val[-1].value)
+    assert sorted(m.step for m in val) == [5, 10, 12] and all(math.isfinite(m.value) for m in val)
     arts = {a.path for a in client.list_artifacts(r.mlflow_run_id, "hydra")}
     assert "hydra/config.yaml" in arts
     plots = {a.path for a in client.list_artifacts(r.mlflow_run_id, "plots")}
@@ -125,6 +147,20 @@ def test_nan_loss_stops_with_message_and_marks_failed(tmp_path):
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
+def test_diverged_update_never_becomes_the_last_good_checkpoint(tmp_path):
+    # The update of step 6 leaves NaN weights; the checkpoint due at step 6 must not be written.
+    common = ("trainer.max_steps=9", "trainer.ckpt_every=3", "residual=vanilla")
+    with pytest.raises(FloatingPointError, match=r"parameters are not finite after step 6; .*Last good checkpoint: "
+                                                 r".*last.ckpt"):
+        train(cfg_for(tmp_path, *common), callbacks=[PoisonAfter(6)], run_dir=tmp_path / "nan")
+    assert not (tmp_path / "nan" / "checkpoints" / "step000006.ckpt").exists()
+    assert torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    losses = LossRecorder()
+    r = train(cfg_for(tmp_path, *common, f"resume={tmp_path / 'nan'}"), callbacks=[losses])
+    assert sorted(losses.losses) == list(range(4, 10)) and all(math.isfinite(v) for v in losses.losses.values())
+    assert math.isfinite(r.val_loss)
+
+
 def test_orphaned_running_runs_are_reaped(tmp_path):
     from platform import tracking
 
@@ -156,3 +192,20 @@ def test_tiny_default_learns_well_below_unigram_entropy(tmp_path):
     r = train(cfg, run_dir=tmp_path / "run")
     # 0.75 nats below the unigram entropy: less than half its perplexity, i.e. context is used.
     assert r.val_loss < unigram - 0.75, (r.val_loss, unigram)
+
+
+def test_the_run_path_a_user_watches(tmp_path):
+    import subprocess
+    import sys
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    out = subprocess.run([sys.executable, "-m", "platform.run", "debug=fast", "trainer.max_steps=4", "trainer.val_every=4",
+                          "trainer.threads=1", f"mlflow.tracking_uri={uri}", f"hydra.run.dir={tmp_path}/run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert text.count("GPU available") == 1, text  # Lightning's INFO lines once, not twice
+    assert "Tip" not in text and "litlogger" not in text and "FutureWarning" not in text, text
+    assert "Epoch" not in text and "v_num" not in text, text
+    assert f"results: {tmp_path / 'run'}" in text
+    assert f"mlflow ui --backend-store-uri {uri}" in text
