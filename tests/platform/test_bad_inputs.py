@@ -96,7 +96,7 @@ CASES = [
     # --- composition: keys, types, presets, names -------------------------------------------------
     Case("misspelt-key", ["model.d_modle=64"], r"model.d_modle=64: no such key; valid: \[.*d_model"),
     Case("wrong-type", ["trainer.max_steps=abc"], r"trainer.max_steps=abc: not a valid integer"),
-    Case("unknown-model", ["model=huge"], r"model=huge: no such model preset; valid: \[medium, small, tiny\]"),
+    Case("unknown-model", ["model=huge"], r"model=huge: no such model preset; valid: \[medium, scale_m, scale_s, scale_xs, small, tiny\]"),
     Case("unknown-debug", ["debug=slow"], r"debug=slow: .*valid: \[fast, smoke\]"),
     Case("unknown-residual", ["residual=nope"], r"residual=nope: no such residual; valid: \[.*vanilla"),
     Case("unknown-ablation", ["ablation=nope"], r"ablation=nope: no such ablation; valid: "),
