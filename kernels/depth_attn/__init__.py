@@ -90,9 +90,8 @@ def depth_attn(sources, queries, key_gains=None, *, key_sources=None, key_norm=T
                   key_gains=key_gains)
     from . import fused  # imports triton: only when asked for
 
-    out, lse, logits = fused.SummariesFunction.apply(
-        values.contiguous(), values.shape[0], False, bool(key_norm), float(eps), bool(return_weights),
-        _folded(queries, key_gains))
+    out, lse, logits = fused.summaries(values.contiguous(), values.shape[0], False, bool(key_norm), float(eps),
+                                       bool(return_weights), _folded(queries, key_gains))
     return (out, torch.exp(logits - lse.detach()[:, None])) if return_weights else out
 
 
@@ -135,8 +134,8 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
 
     C, n = queries.shape[0], len(sources) if buffered else x.shape[0]
     rows = sources.rows if buffered else ()
-    res = fused.SummariesFunction.apply(x if buffered else x.contiguous(), n, True, bool(key_norm), float(eps),
-                                        bool(return_weights), _folded(queries, key_gains), *rows)
+    res = fused.summaries(x if buffered else x.contiguous(), n, True, bool(key_norm), float(eps),
+                          bool(return_weights), _folded(queries, key_gains), tuple(rows))
     outs, lses, logits = res[:C], res[C: 2 * C], res[-1]
     if return_weights:
         return outs, lses, torch.exp(logits - torch.stack(lses).detach()[:, None])
@@ -162,9 +161,8 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor, query: Tensor, k
     _check_triton("depth_attn_merge", 1, d, out=out, partial=partial, query=query, key_gain=key_gain)
     from . import fused
 
-    return fused.MergeFunction.apply(out.contiguous(), lse.float().contiguous(), partial.contiguous(),
-                                     _folded(query[None], None if key_gain is None else key_gain[None])[0],
-                                     bool(key_norm), float(eps))
+    return fused.merge(out.contiguous(), lse.float().contiguous(), partial.contiguous(),
+                       _folded(query[None], None if key_gain is None else key_gain[None])[0], bool(key_norm), float(eps))
 
 
 __all__ = ["BACKENDS", "SourceBuffer", "depth_attn", "depth_attn_merge", "depth_attn_summaries"]

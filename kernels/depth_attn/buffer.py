@@ -53,6 +53,7 @@ class SourceBuffer:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @torch.compiler.disable  # storage bookkeeping: a graph break under torch.compile
     def append(self, *terms: Tensor) -> Tensor:
         if len(self.rows) == self.data.shape[0]:
             raise ValueError(f"SourceBuffer: all {self.data.shape[0]} rows are written")

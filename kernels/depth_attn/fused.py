@@ -46,12 +46,6 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _pick(x, offs_c, c):
-    """Row c of a (BLOCK_C, ...) register tensor, as (...)."""
-    return tl.sum(tl.where(offs_c[:, None, None] == c, x, 0.0), axis=0)
-
-
-@triton.jit
 def _summaries_fwd_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries q_c ⊙ g_c (C, d) fp32
@@ -276,11 +270,11 @@ def _tiles(C: int, d: int) -> tuple[int, int, int, int]:
     return block_c, block_t, block_d, warps
 
 
-def _n_programs(n_tiles: int) -> int:
+def _n_programs(n_tiles: int, device: torch.device) -> int:
     """Programs of the persistent backward kernels: a few per SM (few partial sums)."""
     if interpreting():
         return min(n_tiles, 2)
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(n_tiles, 4 * sms))
 
 
@@ -308,7 +302,7 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     C = qg.shape[0]
     block_c, block_t, block_d, warps = _tiles(C, d)
     n_tiles = triton.cdiv(N, block_t)
-    programs = _n_programs(n_tiles)
+    programs = _n_programs(n_tiles, src.device)
     dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
     _summaries_bwd_kernel[(programs,)](
@@ -335,7 +329,7 @@ def merge_bwd(o: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, key_no
     N = o.numel() // d
     _, block_t, block_d, warps = _tiles(1, d)
     n_tiles = triton.cdiv(N, block_t)
-    programs = _n_programs(n_tiles)
+    programs = _n_programs(n_tiles, o.device)
     do, dp = torch.empty_like(o), torch.empty_like(p)
     dlse = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
     dqg = torch.empty(programs, d, device=o.device, dtype=torch.float32)
@@ -406,3 +400,15 @@ class MergeFunction(torch.autograd.Function):
         o, p, qg, w = ctx.saved_tensors
         do, dp, dlse, dqg = merge_bwd(o, p, qg, w, dh.contiguous(), key_norm=ctx.key_norm, eps=ctx.eps)
         return do, dlse, dp, dqg, None, None
+
+
+# --- entry points (inputs validated by kernels.depth_attn) -----------------------------------------
+@torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
+def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, store_logits: bool, qg: Tensor,
+              rows: tuple[Tensor, ...] = ()):
+    return SummariesFunction.apply(src, n, split, key_norm, eps, store_logits, qg, *rows)
+
+
+@torch.compiler.disable
+def merge(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, key_norm: bool, eps: float):
+    return MergeFunction.apply(o, lse, p, qg, key_norm, eps)
