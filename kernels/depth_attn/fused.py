@@ -301,6 +301,7 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
     block_c, block_t, block_d, warps = _tiles(C, d)
+    warps = warps if interpreting() else min(16, 2 * warps)  # ~3 tiles live (dO, dq-direction, dqg): more threads
     n_tiles = triton.cdiv(N, block_t)
     programs = _n_programs(n_tiles, src.device)
     dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)

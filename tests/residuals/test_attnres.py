@@ -327,16 +327,18 @@ def test_fused_backend_refuses_what_it_does_not_compute(name, fields):
     assert not make(name, **fields).fused_covers()  # auto runs the reference for them
 
 
-@pytest.mark.parametrize("name", ["attnres", "attnres_block"])
-def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name):
+@pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres", ("residual.key_norm=false",)),
+                                             ("attnres_block", ()), ("attnres_block", ("residual.block_size=2",))],
+                         ids=["attnres", "attnres-raw-keys", "attnres_block", "attnres_block-size=2"])
+def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, overrides):
     # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
     # PyTorch reference, with checkpoint_reads on for the fused one: outputs and every gradient.
     from tests.helpers import build_backbone, packed_batch
 
     torch.manual_seed(0)
-    ref = build_backbone(name, vocab=37, n_blocks=2)
+    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=overrides)
     torch.manual_seed(0)
-    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.backend=triton",),
+    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=triton"),
                            checkpoint_reads=True)
     with torch.no_grad():
         for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
