@@ -73,9 +73,12 @@ def _summaries_fwd_kernel(
     l_i = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
     acc = tl.zeros((BLOCK_C, BLOCK_T, BLOCK_D), dtype=tl.float32)
     s = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
+    x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)  # source 0
     while s < n:
-        x = tl.load(src_ptr + (s * N + tok)[:, None] * D + offs_d[None, :], mask=mask_td,
-                    other=0.0).to(tl.float32)  # (BLOCK_T, BLOCK_D)
+        x = x_next.to(tl.float32)  # (BLOCK_T, BLOCK_D)
+        # prefetch the next source while this one is processed: one load always in flight
+        x_next = tl.load(src_ptr + ((s + 1) * N + tok)[:, None] * D + offs_d[None, :],
+                         mask=mask_td & (s + 1 < n), other=0.0)
         logit = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)  # (BLOCK_C, BLOCK_T): (q ⊙ g)·x
         if KEY_NORM:  # the sum of squares is shared by every consumer
             logit = logit * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[None, :]
@@ -106,7 +109,7 @@ def _summaries_bwd_kernel(
     dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
     dsrc_ptr,  # result: gradient of the sources (n, N, d), the sources' dtype
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
-    n, N, D, eps, n_tiles,
+    n, N, D, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -119,6 +122,7 @@ def _summaries_bwd_kernel(
     qg = tl.load(qg_ptr + offs_c[:, None] * D + offs_d[None, :],
                  mask=mask_c[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_C, BLOCK_D)
     dqg = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
+    n_tiles = tl.cdiv(N, BLOCK_T)
     tile = pid
     while tile < n_tiles:  # a few programs per SM, each over many token blocks: few partial sums
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -137,9 +141,11 @@ def _summaries_bwd_kernel(
         # pass 1: delta_c = dO_c · o_c = Σ_s w_cs dO_c · x_s, in fp32 from the sources themselves
         delta = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
         s = pid * 0
+        x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)
         while s < n:
-            x = tl.load(src_ptr + (s * N + tok)[:, None] * D + offs_d[None, :], mask=mask_td,
-                        other=0.0).to(tl.float32)
+            x = x_next.to(tl.float32)
+            x_next = tl.load(src_ptr + ((s + 1) * N + tok)[:, None] * D + offs_d[None, :],
+                             mask=mask_td & (s + 1 < n), other=0.0)  # prefetch
             logit = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)
             if KEY_NORM:
                 logit = logit * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[None, :]
@@ -148,9 +154,11 @@ def _summaries_bwd_kernel(
             s += 1
         # pass 2: the gradient of every source
         s = pid * 0
+        x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)
         while s < n:
-            x = tl.load(src_ptr + (s * N + tok)[:, None] * D + offs_d[None, :], mask=mask_td,
-                        other=0.0).to(tl.float32)
+            x = x_next.to(tl.float32)
+            x_next = tl.load(src_ptr + ((s + 1) * N + tok)[:, None] * D + offs_d[None, :],
+                             mask=mask_td & (s + 1 < n), other=0.0)  # prefetch
             dot = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)  # (BLOCK_C, BLOCK_T)
             if KEY_NORM:
                 r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # (BLOCK_T,)
@@ -220,7 +228,7 @@ def _merge_bwd_kernel(
     dp_ptr,  # result: gradient of the partial (N, d), the partial's dtype
     dlse_ptr,  # result: gradient of the phase-1 log-sum-exp (N,) fp32
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, d) fp32
-    N, D, eps, n_tiles,
+    N, D, eps,
     KEY_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -229,6 +237,7 @@ def _merge_bwd_kernel(
     mask_d = offs_d < D
     qg = tl.load(qg_ptr + offs_d, mask=mask_d, other=0.0)
     dqg = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    n_tiles = tl.cdiv(N, BLOCK_T)
     tile = pid
     while tile < n_tiles:
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -258,24 +267,47 @@ def _merge_bwd_kernel(
 
 
 # --- launchers -----------------------------------------------------------------------------------
-def _tiles(C: int, d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_C, BLOCK_T, BLOCK_D, num_warps): the (C, T, d) accumulator of a program holds about
-    8192 fp32 values (32 per thread at 8 warps); under the interpreter each program costs
-    milliseconds, so big blocks."""
-    block_c, block_d = triton.next_power_of_2(C), triton.next_power_of_2(d)
+def _prune(configs, named_args, **kwargs):
+    """Keep token blocks whose (C, T, d) tile is 2048-8192 fp32 values (or one token when a single
+    token is wider) at 4-32 values per thread: within the register file, with loads in flight."""
+    meta = {**named_args, **kwargs}
+    width = meta["BLOCK_D"] * meta.get("BLOCK_C", 1)
+    lo, hi = min(2048, 16 * width), max(8192, width)
+    keep = [c for c in configs if lo <= width * c.kwargs["BLOCK_T"] <= hi
+            and 4 <= width * c.kwargs["BLOCK_T"] // (32 * c.num_warps) <= 32]
+    return keep or [c for c in configs if c.kwargs["BLOCK_T"] == 1 and c.num_warps == 16]
+
+
+_CONFIGS = [triton.Config({"BLOCK_T": bt}, num_warps=w) for bt in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+
+
+def _tuned(kernel, key):
+    """The kernel autotuned over token block and warps (GPU only: the interpreter cannot autotune).
+    The kernels only write their outputs, so re-running them while tuning is harmless."""
+    return triton.autotune(configs=_CONFIGS, key=key, prune_configs_by={"early_config_prune": _prune})(kernel)
+
+
+_summaries_fwd_tuned = _tuned(_summaries_fwd_kernel, ["C", "D", "KEY_NORM", "STORE_LOGITS"])
+_summaries_bwd_tuned = _tuned(_summaries_bwd_kernel, ["C", "D", "KEY_NORM"])
+_merge_fwd_tuned = _tuned(_merge_fwd_kernel, ["D", "KEY_NORM"])
+_merge_bwd_tuned = _tuned(_merge_bwd_kernel, ["D", "KEY_NORM"])
+
+
+def _launch(kernel, tuned, grid, *args, **meta):
+    """``grid(BLOCK_T)``: the launch grid. Under the interpreter each program costs milliseconds:
+    one config with big blocks; on the GPU the autotuned kernel."""
     if interpreting():
-        return block_c, 32, block_d, 4
-    block_t = max(1, min(16, 8192 // (block_c * block_d)))
-    warps = max(4, min(16, block_c * block_t * block_d // 1024))
-    return block_c, block_t, block_d, warps
+        kernel[grid(32)](*args, **meta, BLOCK_T=32, num_warps=4)
+    else:
+        tuned[lambda m: grid(m["BLOCK_T"])](*args, **meta)
 
 
-def _n_programs(n_tiles: int, device: torch.device) -> int:
+def _n_programs(N: int, device: torch.device) -> int:
     """Programs of the persistent backward kernels: a few per SM (few partial sums)."""
     if interpreting():
-        return min(n_tiles, 2)
+        return min(triton.cdiv(N, 32), 2)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n_tiles, 4 * sms))
+    return max(1, min(N, 4 * sms))
 
 
 def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float, store_logits: bool):
@@ -287,11 +319,10 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     out = torch.empty(C, *shape, device=src.device, dtype=src.dtype)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
-    block_c, block_t, block_d, warps = _tiles(C, d)
-    _summaries_fwd_kernel[(triton.cdiv(N, block_t),)](
-        src, qg, out, lse, logits, n, N, d, eps,
-        C=C, BLOCK_C=block_c, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    _launch(_summaries_fwd_kernel, _summaries_fwd_tuned, lambda bt: (triton.cdiv(N, bt),),
+            src, qg, out, lse, logits, n, N, d, eps,
+            C=C, BLOCK_C=triton.next_power_of_2(C), KEY_NORM=key_norm, STORE_LOGITS=store_logits,
+            BLOCK_D=triton.next_power_of_2(d))
     return out, lse, (logits if store_logits else None)
 
 
@@ -300,15 +331,12 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     """-> dsrc (n, B, T, d) in the sources' dtype, dqg (C, d) fp32."""
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
-    block_c, block_t, block_d, warps = _tiles(C, d)
-    warps = warps if interpreting() else min(16, 2 * warps)  # ~3 tiles live (dO, dq-direction, dqg): more threads
-    n_tiles = triton.cdiv(N, block_t)
-    programs = _n_programs(n_tiles, src.device)
+    programs = _n_programs(N, src.device)
     dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
-    _summaries_bwd_kernel[(programs,)](
-        src, qg, lse, douts, dlse, dsrc, dqg, n, N, d, eps, n_tiles,
-        C=C, BLOCK_C=block_c, KEY_NORM=key_norm, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    _launch(_summaries_bwd_kernel, _summaries_bwd_tuned, lambda bt: (programs,),
+            src, qg, lse, douts, dlse, dsrc, dqg, n, N, d, eps,
+            C=C, BLOCK_C=triton.next_power_of_2(C), KEY_NORM=key_norm, BLOCK_D=triton.next_power_of_2(d))
     return dsrc, dqg.sum(0)
 
 
@@ -318,9 +346,8 @@ def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, 
     N = o.numel() // d
     h = torch.empty(o.shape, device=o.device, dtype=torch.promote_types(o.dtype, p.dtype))
     w = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
-    _, block_t, block_d, warps = _tiles(1, d)
-    _merge_fwd_kernel[(triton.cdiv(N, block_t),)](o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm,
-                                                  BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    _launch(_merge_fwd_kernel, _merge_fwd_tuned, lambda bt: (triton.cdiv(N, bt),),
+            o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm, BLOCK_D=triton.next_power_of_2(d))
     return h, w
 
 
@@ -328,14 +355,12 @@ def merge_bwd(o: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, key_no
     """-> do (o's dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32."""
     d = o.shape[-1]
     N = o.numel() // d
-    _, block_t, block_d, warps = _tiles(1, d)
-    n_tiles = triton.cdiv(N, block_t)
-    programs = _n_programs(n_tiles, o.device)
+    programs = _n_programs(N, o.device)
     do, dp = torch.empty_like(o), torch.empty_like(p)
     dlse = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
     dqg = torch.empty(programs, d, device=o.device, dtype=torch.float32)
-    _merge_bwd_kernel[(programs,)](o, p, qg, w, dh, do, dp, dlse, dqg, N, d, eps, n_tiles,
-                                   KEY_NORM=key_norm, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    _launch(_merge_bwd_kernel, _merge_bwd_tuned, lambda bt: (programs,),
+            o, p, qg, w, dh, do, dp, dlse, dqg, N, d, eps, KEY_NORM=key_norm, BLOCK_D=triton.next_power_of_2(d))
     return do, dp, dlse, dqg.sum(0)
 
 
