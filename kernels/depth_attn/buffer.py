@@ -20,14 +20,14 @@ class StoreFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, holder, row, *terms):
         dst = holder[0][row]
-        if len(terms) >= 2 and terms[0].dtype == terms[1].dtype == dst.dtype:
-            torch.add(terms[0], terms[1], out=dst)  # the block summary b_n = partial + last output
-            rest = terms[2:]
-        else:
+        if len(terms) == 1:
             dst.copy_(terms[0])
-            rest = terms[1:]
-        for t in rest:
-            dst.add_(t)
+        elif all(t.dtype == dst.dtype for t in terms):
+            torch.add(terms[0], terms[1], out=dst)  # the block summary b_n = partial + last output
+            for t in terms[2:]:
+                dst.add_(t)
+        else:  # sum in the terms' own precision, as the reference does, then cast like torch.stack
+            dst.copy_(sum(terms[1:], terms[0]))
         ctx.dtypes = [t.dtype for t in terms]
         # an alias of the row that autograd does not know as a view of the buffer: a view would make
         # autograd refuse it once a later row is written in place (the row itself never changes)

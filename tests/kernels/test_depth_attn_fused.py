@@ -146,6 +146,20 @@ def test_buffer_rows_are_read_in_place_and_written_once():
         buffer.append(leaf[0])
 
 
+def test_buffer_sums_in_the_terms_precision_and_routes_gradients():
+    # A bf16 block summary stored in an fp32 buffer (bf16-mixed training: the embedding is fp32):
+    # summed in bf16 like the reference's partial + out, then cast; gradients reach both terms in bf16.
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(2, 3, 5, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    buffer = SourceBuffer(2, torch.zeros(2, 3, 5))
+    buffer.append(torch.zeros(2, 3, 5))
+    row = buffer.append(a, b)
+    assert row.dtype == torch.float32 and torch.equal(row, (a + b).float())
+    up = torch.randn(row.shape, generator=g)
+    da, db = torch.autograd.grad((row * up).sum(), (a, b))
+    assert da.dtype == db.dtype == torch.bfloat16 and torch.equal(da, up.bfloat16()) and torch.equal(db, da)
+
+
 def test_unsupported_inputs_are_refused(monkeypatch):
     sources, partials, queries, key_gains = make_inputs(2, 3, 1, 4, 8, True)
     with pytest.raises(ValueError, match="float64"):
