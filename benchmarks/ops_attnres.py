@@ -1,6 +1,10 @@
 """Block AttnRes and AttnRes depth attention: fused two-phase op vs reference vs public kernels (CUDA).
 
-    python -m benchmarks.ops_attnres [--shapes small medium d2048] [--ops block full]
+    python -m benchmarks.ops_attnres [--shapes small medium d2048] [--ops block full] [--impls ...]
+
+Writes benchmarks/results/ops_attnres_<gpu>_<shapes>.md. The first call of each kernel shape
+autotunes the fused kernels and compiles the reference under torch.compile (minutes in total):
+run one shape per invocation where a time limit applies.
 
 One process measures everything (timings on a shared host swing 13-17% between invocations):
 
@@ -251,7 +255,8 @@ def main(argv=None) -> None:
                 print(table.rows[-1], flush=True)
                 torch.cuda.empty_cache()
     table.notes.append("fused speedup: the other implementation's time over the fused op's (> 1: fused faster)")
-    table.write("ops_attnres_" + torch.cuda.get_device_name().lower().replace(" ", "_"))
+    gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower())
+    table.write(f"ops_attnres_{gpu}_{'_'.join(args.shapes)}")
     if failed:
         raise SystemExit(f"parity check failed: {', '.join(failed)}")
 
