@@ -76,7 +76,7 @@ class FusedState:
 
     ctx: Context
     buffer: SourceBuffer  # completed sources (AttnRes: v_0..v_l; Block AttnRes: b_0..b_{n-1}), (n_max, B, T, d)
-    first: int  # the group's first consumer; consumer c reads phase1[c - first]
+    first: int  # the group's first consumer; consumer c reads outs[c - first], lses[c - first]
     outs: tuple[Tensor, ...]  # phase 1, per consumer of the group: normalised output (B, T, d)
     lses: tuple[Tensor, ...]  # phase 1, per consumer: log-sum-exp over the buffered sources (B, T) fp32
     partial: Tensor | None  # the one source not in the buffer pass (merged by phase 2), (B, T, d)
