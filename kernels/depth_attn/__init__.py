@@ -16,7 +16,6 @@ does not compute are an error naming the value, never a silent fallback.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -161,8 +160,9 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor, query: Tensor, k
     _check_triton("depth_attn_merge", 1, d, out=out, partial=partial, query=query, key_gain=key_gain)
     from . import fused
 
-    return fused.merge(out.contiguous(), lse.float().contiguous(), partial.contiguous(),
-                       _folded(query[None], None if key_gain is None else key_gain[None])[0], bool(key_norm), float(eps))
+    qg = _folded(query[None], None if key_gain is None else key_gain[None])[0]  # (d,)
+    return fused.merge(out.contiguous(), lse.float().contiguous(), partial.contiguous(), qg, bool(key_norm),
+                       float(eps))
 
 
 __all__ = ["BACKENDS", "SourceBuffer", "depth_attn", "depth_attn_merge", "depth_attn_summaries"]

@@ -322,7 +322,8 @@ def test_fused_state_keeps_sources_in_one_buffer():
                          ids=["attnres-heads", "attnres-query", "block-heads", "block-query"])
 def test_fused_backend_refuses_what_it_does_not_compute(name, fields):
     cfg = config_for(name, **fields, backend="triton")
-    with pytest.raises(ValueError, match=r"residual.backend='triton'.*needs heads=1, query=static.*use residual.backend"):
+    match = r"residual.backend='triton'.*needs heads=1, query=static.*use residual.backend"
+    with pytest.raises(ValueError, match=match):
         get(name).validate(cfg, d_model=D, n_sublayers=L)
     assert not make(name, **fields).fused_covers()  # auto runs the reference for them
 
