@@ -80,13 +80,13 @@ def _summaries_fwd_kernel(
     while s < n:
         x = x_next.to(tl.float32)  # (BLOCK_T, BLOCK_D)
         # prefetch the next source while this one is processed: one load always in flight
-        x_next = tl.load(src_ptr + ((s + 1) * N + tok)[:, None] * D + offs_d[None, :],
+        x_next = tl.load(src_ptr + ((s + 1).to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
                          mask=mask_td & (s + 1 < n), other=0.0)
         logit = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)  # (BLOCK_C, BLOCK_T): (q ⊙ g)·x
         if KEY_NORM:  # the sum of squares is shared by every consumer
             logit = logit * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[None, :]
         if STORE_LOGITS:
-            tl.store(logits_ptr + (offs_c[:, None] * n + s) * N + tok[None, :], logit,
+            tl.store(logits_ptr + (offs_c[:, None] * n + s).to(tl.int64) * N + tok[None, :], logit,
                      mask=mask_c[:, None] & mask_t[None, :])
         m_new = tl.maximum(m_i, logit)
         alpha = tl.exp(m_i - m_new)
@@ -147,7 +147,7 @@ def _summaries_bwd_kernel(
         x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)
         while s < n:
             x = x_next.to(tl.float32)
-            x_next = tl.load(src_ptr + ((s + 1) * N + tok)[:, None] * D + offs_d[None, :],
+            x_next = tl.load(src_ptr + ((s + 1).to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
                              mask=mask_td & (s + 1 < n), other=0.0)  # prefetch
             logit = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)
             if KEY_NORM:
@@ -160,7 +160,7 @@ def _summaries_bwd_kernel(
         x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)
         while s < n:
             x = x_next.to(tl.float32)
-            x_next = tl.load(src_ptr + ((s + 1) * N + tok)[:, None] * D + offs_d[None, :],
+            x_next = tl.load(src_ptr + ((s + 1).to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
                              mask=mask_td & (s + 1 < n), other=0.0)  # prefetch
             dot = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)  # (BLOCK_C, BLOCK_T)
             if KEY_NORM:
@@ -180,7 +180,7 @@ def _summaries_bwd_kernel(
             else:
                 dx += dq_dir
                 dqg += tl.sum(dlogit[:, :, None] * x[None, :, :], axis=1)
-            tl.store(dsrc_ptr + (s * N + tok)[:, None] * D + offs_d[None, :],
+            tl.store(dsrc_ptr + (s.to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
                      dx.to(dsrc_ptr.dtype.element_ty), mask=mask_td)
             s += 1
         tile += n_prog
@@ -272,8 +272,8 @@ def _merge_bwd_kernel(
 # --- launchers -----------------------------------------------------------------------------------
 def _prune(configs, named_args, **kwargs):
     """Keep token blocks whose (C, T, d) tile is 2048-8192 fp32 values (or one token when a single
-    token is wider) at 16 values per thread (else 8-32): on sm_90 every such config of every kernel
-    here fits in 128 registers without spills, and there are only ~3 configs to compile and time."""
+    token is wider) at 16 values per thread (else 8-32): ~3 configs to compile and time. Compiled
+    for sm_90 they use 64-220 registers; a few 16-warp backward configs spill and lose the tuning."""
     meta = {**named_args, **kwargs}
     width = meta["BLOCK_D"] * meta.get("BLOCK_C", 1)
     lo, hi = min(2048, 16 * width), max(8192, width)
