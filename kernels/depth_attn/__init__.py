@@ -33,10 +33,14 @@ def _resolve(backend: str, x: Tensor, op: str) -> str:
         raise ValueError(f"{op}: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    return backend
+
+
+def _check_device(x: Tensor, op: str) -> None:
+    """After the inputs are validated: the fused kernels need CUDA, or the interpreter on CPU."""
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError(f"{op}: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                            f"triton is imported to run on {x.device.type}; use backend='torch' or 'auto'")
-    return backend
 
 
 def _check_triton(op: str, C: int, d: int, **tensors: Tensor | None) -> None:
@@ -87,6 +91,7 @@ def depth_attn(sources, queries, key_gains=None, *, key_sources=None, key_norm=T
     _check_queries("depth_attn", queries, key_gains, values.shape[-1])
     _check_triton("depth_attn", queries.shape[0], values.shape[-1], sources=values, queries=queries,
                   key_gains=key_gains)
+    _check_device(values, "depth_attn")
     from . import fused  # imports triton: only when asked for
 
     out, lse, logits = fused.summaries(values.contiguous(), values.shape[0], False, bool(key_norm), float(eps),
@@ -129,6 +134,7 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
         return res
     _check_triton("depth_attn_summaries", queries.shape[0], x.shape[-1], sources=x, queries=queries,
                   key_gains=key_gains)
+    _check_device(x, "depth_attn_summaries")
     from . import fused
 
     C, n = queries.shape[0], len(sources) if buffered else x.shape[0]
@@ -158,6 +164,7 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor, query: Tensor, k
     if backend == "torch":
         return reference.merge(out, lse, partial, query, key_gain, key_norm=key_norm, eps=eps)
     _check_triton("depth_attn_merge", 1, d, out=out, partial=partial, query=query, key_gain=key_gain)
+    _check_device(out, "depth_attn_merge")
     from . import fused
 
     qg = _folded(query[None], None if key_gain is None else key_gain[None])[0]  # (d,)
