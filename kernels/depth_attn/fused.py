@@ -37,6 +37,7 @@ modified afterwards (so the backward may read them after later rows are filled).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,6 +50,43 @@ def interpreting() -> bool:
 
 
 @triton.jit
+def _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S: tl.constexpr):
+    """Sources s0 .. s0 + BLOCK_S - 1 of a token block in one load (BLOCK_S rows in flight at once):
+    x (BLOCK_S, BLOCK_T, BLOCK_D) fp32 (0 past n), the source mask (BLOCK_S,) and the rows
+    s·N + t (BLOCK_S, BLOCK_T) int64 in the (n, N) source-token grid."""
+    idx = s0 + tl.arange(0, BLOCK_S)
+    mask_s = idx < n
+    rows = idx.to(tl.int64)[:, None] * N + tok[None, :]
+    x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                mask=mask_s[:, None, None] & mask_td[None, :, :], other=0.0)
+    return x.to(tl.float32), mask_s, rows
+
+
+@triton.jit
+def _chunk_rstd(x, D, eps, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    """r = rsqrt(mean x² + eps) (S, T) of a chunk (1 for raw keys): shared by every consumer."""
+    if KEY_NORM:
+        r = tl.rsqrt(tl.sum(x * x, axis=2) / D + eps)
+    else:
+        r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+    return r
+
+
+@triton.jit
+def _fwd_chunk(x, r, mask_s, qg, m_i, l_i, acc):
+    """One consumer (qg (D,)) over a chunk x (S, T, D): logits (S, T) and the online-softmax state
+    (running max m_i (T,), sum l_i (T,), accumulator acc (T, D)) updated."""
+    logit = tl.sum(x * qg[None, None, :], axis=2) * r
+    masked = tl.where(mask_s[:, None], logit, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(masked, axis=0))  # a chunk holds at least one source
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(masked - m_new[None, :])  # (S, T)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * x, axis=0)
+    return logit, m_new, l_i, acc
+
+
+@triton.jit
 def _summaries_fwd_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries q_c ⊙ g_c (C, d) fp32
@@ -56,51 +94,84 @@ def _summaries_fwd_kernel(
     lse_ptr,  # result: log-sum-exp of the logits over sources (C, N) fp32
     logits_ptr,  # result: raw logits (C, n, N) fp32, only when STORE_LOGITS
     n, N, D, eps,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, BLOCK_C)
     mask_t = offs_t < N
     mask_d = offs_d < D
-    mask_c = offs_c < C
     mask_td = mask_t[:, None] & mask_d[None, :]
-    qg = tl.load(qg_ptr + offs_c[:, None] * D + offs_d[None, :],
-                 mask=mask_c[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_C, BLOCK_D)
     tok = offs_t.to(tl.int64)
+    td = tok[:, None] * D + offs_d[None, :]
+    if ONE_CHUNK:  # every source in registers: read once for all consumers
+        x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
+        r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+    for c in tl.static_range(C):
+        qg = tl.load(qg_ptr + c * D + offs_d, mask=mask_d, other=0.0)  # (BLOCK_D,)
+        # online softmax over chunks of sources, fp32 (AttnRes §3: the softmax is in fp32)
+        m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        if ONE_CHUNK:
+            logit, m_i, l_i, acc = _fwd_chunk(x, r, mask_s, qg, m_i, l_i, acc)
+            if STORE_LOGITS:
+                tl.store(logits_ptr + c * n * N + rows, logit, mask=mask_s[:, None] & mask_t[None, :])
+        else:  # chunk by chunk; consumers after the first read them from L2
+            s0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
+            while s0 < n:
+                xc, mask_sc, rows_c = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+                rc = _chunk_rstd(xc, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+                logit, m_i, l_i, acc = _fwd_chunk(xc, rc, mask_sc, qg, m_i, l_i, acc)
+                if STORE_LOGITS:
+                    tl.store(logits_ptr + c * n * N + rows_c, logit, mask=mask_sc[:, None] & mask_t[None, :])
+                s0 += BLOCK_S
+        out_rows = tok + c * N  # (T,) int64 in (C, N)
+        tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask_td)
+        tl.store(lse_ptr + c * N + tok, m_i + tl.log(l_i), mask=mask_t)
 
-    # online softmax over sources, fp32 (AttnRes §3: the softmax is specified in fp32)
-    m_i = tl.full((BLOCK_C, BLOCK_T), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_C, BLOCK_T, BLOCK_D), dtype=tl.float32)
-    s = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
-    x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)  # source 0
-    while s < n:
-        x = x_next.to(tl.float32)  # (BLOCK_T, BLOCK_D)
-        # prefetch the next source while this one is processed: one load always in flight
-        x_next = tl.load(src_ptr + ((s + 1).to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
-                         mask=mask_td & (s + 1 < n), other=0.0)
-        logit = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)  # (BLOCK_C, BLOCK_T): (q ⊙ g)·x
-        if KEY_NORM:  # the sum of squares is shared by every consumer
-            logit = logit * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[None, :]
-        if STORE_LOGITS:
-            tl.store(logits_ptr + (offs_c[:, None] * n + s).to(tl.int64) * N + tok[None, :], logit,
-                     mask=mask_c[:, None] & mask_t[None, :])
-        m_new = tl.maximum(m_i, logit)
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(logit - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, :, None] + p[:, :, None] * x[None, :, :]
-        m_i = m_new
-        s += 1
-    out = acc / l_i[:, :, None]
-    rows = offs_c[:, None].to(tl.int64) * N + tok[None, :]  # (BLOCK_C, BLOCK_T) in (C, N)
-    mask_ct = mask_c[:, None] & mask_t[None, :]
-    tl.store(out_ptr + rows[:, :, None] * D + offs_d[None, None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask_ct[:, :, None] & mask_d[None, None, :])
-    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=mask_ct)
+
+@triton.jit
+def _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t, mask_td, mask_d, N, D):
+    """Consumer c over a chunk x (S, T, D): its query qg (D,), upstream gradient dO (T, D), the logits
+    (S, T), the weights w = exp(logit − lse) (S, T) (0 past n) and a = dO·x_s (S, T)."""
+    qg = tl.load(qg_ptr + c * D + offs_d, mask=mask_d, other=0.0)
+    do = tl.load(do_ptr + td, mask=mask_td, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + c * N + tok, mask=mask_t, other=0.0)
+    logit = tl.sum(x * qg[None, None, :], axis=2) * r
+    w = tl.where(mask_s[:, None], tl.exp(logit - lse[None, :]), 0.0)
+    a = tl.sum(x * do[None, :, :], axis=2)
+    return qg, do, logit, w, a
+
+
+@triton.jit
+def _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d, mask_t,
+                 mask_td, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr, LOCAL_DELTA: tl.constexpr):
+    """Gradient dx (S, T, D) of a chunk of sources, and dqg (BLOCK_C, D) plus this chunk's share:
+        dlogit_cs = w_cs (a_cs − delta_c + dlse_c),  delta_c = dO_c·o_c = Σ_s w_cs a_cs
+        dx_s = Σ_c w_cs dO_c + r_s Σ_c dlogit_cs qg_c − r_s² x_s Σ_c dlogit_cs logit_cs / d
+    ``LOCAL_DELTA``: the chunk holds every source, delta_c is summed here; else it is given (C, T)."""
+    dx = tl.zeros_like(x)
+    dl_l = tl.zeros_like(r)  # Σ_c dlogit_cs logit_cs (S, T)
+    for c in tl.static_range(C):
+        qg, do, logit, w, a = _consumer_scores(x, r, mask_s, qg_ptr, douts[c], lse_ptr, c, tok, td, offs_d, mask_t,
+                                               mask_td, mask_d, N, D)
+        if LOCAL_DELTA:
+            delta_c = tl.sum(w * a, axis=0)  # (T,), from the sources in fp32
+        else:
+            delta_c = tl.sum(tl.where(offs_c[:, None] == c, delta, 0.0), axis=0)
+        dlse = tl.load(dlse_ptr + c * N + tok, mask=mask_t, other=0.0)
+        dl = w * (a - delta_c[None, :] + dlse[None, :])  # softmax backward (S, T)
+        dl_l += dl * logit
+        dlr = dl * r
+        dx += w[:, :, None] * do[None, :, :] + dlr[:, :, None] * qg[None, None, :]
+        dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,): Σ dlogit · r x
+        dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
+    if KEY_NORM:  # through r = rsqrt(mean x² + eps)
+        dx -= (r * r * dl_l / D)[:, :, None] * x
+    return dx, dqg
 
 
 @triton.jit
@@ -113,79 +184,54 @@ def _summaries_bwd_kernel(
     dsrc_ptr,  # result: gradient of the sources (n, N, d), the sources' dtype
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
     n, N, D, eps,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, BLOCK_C)
     mask_d = offs_d < D
-    mask_c = offs_c < C
-    qg = tl.load(qg_ptr + offs_c[:, None] * D + offs_d[None, :],
-                 mask=mask_c[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_C, BLOCK_D)
     dqg = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
     n_tiles = tl.cdiv(N, BLOCK_T)
     tile = pid
-    while tile < n_tiles:  # a few programs per SM, each over many token blocks: few partial sums
+    while tile < n_tiles:  # as many programs as fit on the GPU at once, each over many token blocks
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         mask_t = offs_t < N
         mask_td = mask_t[:, None] & mask_d[None, :]
-        mask_ct = mask_c[:, None] & mask_t[None, :]
         tok = offs_t.to(tl.int64)
         td = tok[:, None] * D + offs_d[None, :]
-        do = tl.zeros((BLOCK_C, BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for c in tl.static_range(C):
-            g = tl.load(douts[c] + td, mask=mask_td, other=0.0).to(tl.float32)
-            do += tl.where(offs_c[:, None, None] == c, g[None, :, :], 0.0)
-        rows = offs_c[:, None].to(tl.int64) * N + tok[None, :]
-        lse = tl.load(lse_ptr + rows, mask=mask_ct, other=0.0)  # (BLOCK_C, BLOCK_T)
-        dlse = tl.load(dlse_ptr + rows, mask=mask_ct, other=0.0)
-        # pass 1: delta_c = dO_c · o_c = Σ_s w_cs dO_c · x_s, in fp32 from the sources themselves
-        delta = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
-        s = pid * 0
-        x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)
-        while s < n:
-            x = x_next.to(tl.float32)
-            x_next = tl.load(src_ptr + ((s + 1).to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
-                             mask=mask_td & (s + 1 < n), other=0.0)  # prefetch
-            logit = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)
-            if KEY_NORM:
-                logit = logit * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[None, :]
-            w = tl.exp(logit - lse)
-            delta += w * tl.sum(do * x[None, :, :], axis=2)
-            s += 1
-        # pass 2: the gradient of every source
-        s = pid * 0
-        x_next = tl.load(src_ptr + tok[:, None] * D + offs_d[None, :], mask=mask_td, other=0.0)
-        while s < n:
-            x = x_next.to(tl.float32)
-            x_next = tl.load(src_ptr + ((s + 1).to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
-                             mask=mask_td & (s + 1 < n), other=0.0)  # prefetch
-            dot = tl.sum(x[None, :, :] * qg[:, None, :], axis=2)  # (BLOCK_C, BLOCK_T)
-            if KEY_NORM:
-                r = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)  # (BLOCK_T,)
-                logit = dot * r[None, :]
-            else:
-                logit = dot
-            w = tl.exp(logit - lse)
-            dlogit = w * (tl.sum(do * x[None, :, :], axis=2) - delta + dlse)  # softmax backward
-            dx = tl.sum(w[:, :, None] * do, axis=0)  # value path (BLOCK_T, BLOCK_D)
-            dq_dir = tl.sum(dlogit[:, :, None] * qg[:, None, :], axis=0)  # Σ_c dlogit_c qg_c
-            if KEY_NORM:
-                # ∂logit/∂x = r (qg − logit · r x / d)
-                dl_l = tl.sum(dlogit * logit, axis=0)  # (BLOCK_T,)
-                dx += r[:, None] * dq_dir - (r * r * dl_l / D)[:, None] * x
-                dqg += tl.sum(dlogit[:, :, None] * (x * r[:, None])[None, :, :], axis=1)
-            else:
-                dx += dq_dir
-                dqg += tl.sum(dlogit[:, :, None] * x[None, :, :], axis=1)
-            tl.store(dsrc_ptr + (s.to(tl.int64) * N + tok)[:, None] * D + offs_d[None, :],
-                     dx.to(dsrc_ptr.dtype.element_ty), mask=mask_td)
-            s += 1
+        if ONE_CHUNK:  # every source in one load: each source and upstream gradient read once
+            x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+            r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+            dx, dqg = _chunk_grads(x, r, mask_s, dqg, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d,
+                                   mask_t, mask_td, mask_d, N, D, C, KEY_NORM, True)
+            tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                     mask=mask_s[:, None, None] & mask_td[None, :, :])
+        else:
+            # pass 1: delta_c = dO_c·o_c (C, T); pass 2 (the chunks again, usually from L2): gradients
+            delta = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
+            s0 = pid * 0
+            while s0 < n:
+                x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+                r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+                for c in tl.static_range(C):
+                    qg, do, logit, w, a = _consumer_scores(x, r, mask_s, qg_ptr, douts[c], lse_ptr, c, tok, td,
+                                                           offs_d, mask_t, mask_td, mask_d, N, D)
+                    delta += tl.where(offs_c[:, None] == c, tl.sum(w * a, axis=0)[None, :], 0.0)
+                s0 += BLOCK_S
+            s0 = pid * 0
+            while s0 < n:
+                x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+                r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+                dx, dqg = _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c,
+                                       offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, False)
+                tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                         mask=mask_s[:, None, None] & mask_td[None, :, :])
+                s0 += BLOCK_S
         tile += n_prog
     tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
-             mask=mask_c[:, None] & mask_d[None, :])
+             mask=(offs_c[:, None] < C) & mask_d[None, :])
 
 
 @triton.jit
@@ -270,51 +316,64 @@ def _merge_bwd_kernel(
 
 
 # --- launchers -----------------------------------------------------------------------------------
-def _prune(configs, named_args, **kwargs):
-    """Keep token blocks whose (C, T, d) tile is 2048-8192 fp32 values (or one token when a single
-    token is wider) at 16 values per thread (else 8-32): ~3 configs to compile and time. Compiled
-    for sm_90 they use 64-220 registers; a few 16-warp backward configs spill and lose the tuning."""
-    meta = {**named_args, **kwargs}
-    width = meta["BLOCK_D"] * meta.get("BLOCK_C", 1)
-    lo, hi = min(2048, 16 * width), max(8192, width)
-    sized = [c for c in configs if lo <= width * c.kwargs["BLOCK_T"] <= hi]
-    for per_thread in ((16,), (8, 16, 32)):
-        keep = [c for c in sized if width * c.kwargs["BLOCK_T"] // (32 * c.num_warps) in per_thread]
-        if keep:
-            return keep
-    return [c for c in configs if c.kwargs["BLOCK_T"] == 1 and c.num_warps == 16]
+@dataclass(frozen=True)
+class Tiles:
+    """One program's tile: BLOCK_T tokens × all d channels (warps along d: ~4 fp32 per thread and
+    row), BLOCK_S sources per load, ``one_chunk`` when every source fits in one load."""
+
+    block_t: int
+    block_d: int
+    block_s: int
+    one_chunk: bool
+    num_warps: int
 
 
-_CONFIGS = [triton.Config({"BLOCK_T": bt}, num_warps=w) for bt in (1, 2, 4, 8, 16) for w in (4, 8, 16)]
+def tiles(n: int, d: int) -> Tiles:
+    """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)).
 
-
-def _tuned(kernel, key):
-    """The kernel autotuned over token block and warps (GPU only: the interpreter cannot autotune).
-    The kernels only write their outputs, so re-running them while tuning is harmless."""
-    return triton.autotune(configs=_CONFIGS, key=key, prune_configs_by={"early_config_prune": _prune})(kernel)
-
-
-_summaries_fwd_tuned = _tuned(_summaries_fwd_kernel, ["C", "D", "KEY_NORM", "STORE_LOGITS"])
-_summaries_bwd_tuned = _tuned(_summaries_bwd_kernel, ["C", "D", "KEY_NORM"])
-_merge_fwd_tuned = _tuned(_merge_fwd_kernel, ["D", "KEY_NORM"])
-_merge_bwd_tuned = _tuned(_merge_bwd_kernel, ["D", "KEY_NORM"])
-
-
-def _launch(kernel, tuned, grid, *args, **meta):
-    """``grid(BLOCK_T)``: the launch grid. Under the interpreter each program costs milliseconds:
-    one config with big blocks; on the GPU the autotuned kernel."""
+    GPU: one token per program for d >= 512 (a 512-channel row per 4 warps; 16 warps at most), else
+    as many tokens as make a 512-value row block. The chunk holds up to 8 sources and at most 32 fp32
+    per thread, so at d <= 2048 a block of Block AttnRes with up to 8 summaries is read once, in
+    one load. Interpreter: 32 tokens per program (each program costs milliseconds)."""
+    block_d = triton.next_power_of_2(d)
     if interpreting():
-        kernel[grid(32)](*args, **meta, BLOCK_T=32, num_warps=4)
+        block_t, warps = 32, 4
     else:
-        tuned[lambda m: grid(m["BLOCK_T"])](*args, **meta)
+        block_t = max(1, 512 // block_d)
+        warps = min(16, max(1, block_t * block_d // 128))
+    per_thread = max(1, block_t * block_d // (32 * warps))
+    block_s = min(triton.next_power_of_2(n), 8, max(1, 32 // per_thread))
+    return Tiles(block_t, block_d, block_s, n <= block_s, warps)
 
 
-def _n_programs(N: int, device: torch.device) -> int:
-    """Programs of the persistent backward kernels: a few per SM (few partial sums)."""
-    if interpreting():
-        return min(triton.cdiv(N, 32), 2)
+_RESIDENT: dict = {}
+
+
+def _resident_programs(kernel, args, meta, num_warps: int, device: torch.device) -> int:
+    """Programs of a persistent kernel: as many as fit on the GPU at once (registers, threads and
+    shared memory of the compiled kernel, cached per specialisation), so one wave covers every token
+    block and the per-program partial sums stay few."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(N, 4 * sms))
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, device.index,
+           tuple(sorted((k, v) for k, v in meta.items())), num_warps,
+           tuple(a.dtype for a in args if isinstance(a, Tensor)))
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **meta)
+        compiled._init_handles()
+        regs = max(1, compiled.n_regs)
+        per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in units of 256
+        by_regs = 65536 // (per_warp * num_warps)
+        by_threads = 2048 // (32 * num_warps)
+        smem = compiled.metadata.shared
+        by_smem = (227 * 1024) // smem if smem else by_threads
+        _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
+    return sms * _RESIDENT[key]
+
+
+def _persistent_grid(kernel, args, meta, num_warps: int, n_tiles: int, device: torch.device) -> int:
+    if interpreting():
+        return min(n_tiles, 2)
+    return max(1, min(n_tiles, _resident_programs(kernel, args, meta, num_warps, device)))
 
 
 def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float, store_logits: bool):
@@ -323,13 +382,13 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     shape = src.shape[1:]
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
+    t = tiles(n, d)
     out = torch.empty(C, *shape, device=src.device, dtype=src.dtype)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
-    _launch(_summaries_fwd_kernel, _summaries_fwd_tuned, lambda bt: (triton.cdiv(N, bt),),
-            src, qg, out, lse, logits, n, N, d, eps,
-            C=C, BLOCK_C=triton.next_power_of_2(C), KEY_NORM=key_norm, STORE_LOGITS=store_logits,
-            BLOCK_D=triton.next_power_of_2(d))
+    _summaries_fwd_kernel[(triton.cdiv(N, t.block_t),)](
+        src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
+        ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, num_warps=t.num_warps)
     return out, lse, (logits if store_logits else None)
 
 
@@ -338,23 +397,36 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     """-> dsrc (n, B, T, d) in the sources' dtype, dqg (C, d) fp32."""
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
-    programs = _n_programs(N, src.device)
+    t = tiles(n, d)
     dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
+    meta = dict(C=C, BLOCK_C=triton.next_power_of_2(C), KEY_NORM=key_norm, ONE_CHUNK=t.one_chunk,
+                BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
+    args = (src, qg, lse, douts, dlse, dsrc, None, n, N, d, eps)
+    programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,
+                                triton.cdiv(N, t.block_t), src.device)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
-    _launch(_summaries_bwd_kernel, _summaries_bwd_tuned, lambda bt: (programs,),
-            src, qg, lse, douts, dlse, dsrc, dqg, n, N, d, eps,
-            C=C, BLOCK_C=triton.next_power_of_2(C), KEY_NORM=key_norm, BLOCK_D=triton.next_power_of_2(d))
+    _summaries_bwd_kernel[(programs,)](*args[:6], dqg, *args[7:], **meta, num_warps=t.num_warps)
     return dsrc, dqg.sum(0)
+
+
+def _row_tiles(d: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, warps) of the merge kernels: rows of ~8 fp32 per thread (they hold three)."""
+    block_d = triton.next_power_of_2(d)
+    if interpreting():
+        return 32, block_d, 4
+    block_t = max(1, 1024 // block_d)
+    return block_t, block_d, min(16, max(1, block_t * block_d // 256))
 
 
 def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, eps: float):
     """o, p (B, T, d) contiguous, lse (B, T) fp32, qg (d,) fp32 -> h (B, T, d), w (B, T) fp32."""
     d = o.shape[-1]
     N = o.numel() // d
+    block_t, block_d, warps = _row_tiles(d)
     h = torch.empty(o.shape, device=o.device, dtype=torch.promote_types(o.dtype, p.dtype))
     w = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
-    _launch(_merge_fwd_kernel, _merge_fwd_tuned, lambda bt: (triton.cdiv(N, bt),),
-            o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm, BLOCK_D=triton.next_power_of_2(d))
+    _merge_fwd_kernel[(triton.cdiv(N, block_t),)](o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm,
+                                                  BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
     return h, w
 
 
@@ -362,12 +434,14 @@ def merge_bwd(o: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, key_no
     """-> do (o's dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32."""
     d = o.shape[-1]
     N = o.numel() // d
-    programs = _n_programs(N, o.device)
+    block_t, block_d, warps = _row_tiles(d)
     do, dp = torch.empty_like(o), torch.empty_like(p)
     dlse = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
-    dqg = torch.empty(programs, d, device=o.device, dtype=torch.float32)
-    _launch(_merge_bwd_kernel, _merge_bwd_tuned, lambda bt: (programs,),
-            o, p, qg, w, dh, do, dp, dlse, dqg, N, d, eps, KEY_NORM=key_norm, BLOCK_D=triton.next_power_of_2(d))
+    meta = dict(KEY_NORM=key_norm, BLOCK_T=block_t, BLOCK_D=block_d)
+    args = [o, p, qg, w, dh, do, dp, dlse, qg, N, d, eps]
+    programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, triton.cdiv(N, block_t), o.device)
+    args[8] = dqg = torch.empty(programs, d, device=o.device, dtype=torch.float32)
+    _merge_bwd_kernel[(programs,)](*args, **meta, num_warps=warps)
     return do, dp, dlse, dqg.sum(0)
 
 
