@@ -137,12 +137,13 @@ def _summaries_fwd_kernel(
 def _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t, mask_td, mask_d, N, D):
     """Consumer c over a chunk x (S, T, D): its query qg (D,), upstream gradient dO (T, D), the logits
     (S, T), the weights w = exp(logit − lse) (S, T) (0 past n) and a = dO·x_s (S, T)."""
-    qg = tl.load(qg_ptr + c * D + offs_d, mask=mask_d, other=0.0)
-    do = tl.load(do_ptr + td, mask=mask_td, other=0.0).to(tl.float32)
+    # loaded as (1, T, D) and (1, 1, D): the layout of the chunk, no conversion through shared memory
+    qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+    do = tl.load(do_ptr + td[None, :, :], mask=mask_td[None, :, :], other=0.0).to(tl.float32)
     lse = tl.load(lse_ptr + c * N + tok, mask=mask_t, other=0.0)
-    logit = tl.sum(x * qg[None, None, :], axis=2) * r
+    logit = tl.sum(x * qg, axis=2) * r
     w = tl.where(mask_s[:, None], tl.exp(logit - lse[None, :]), 0.0)
-    a = tl.sum(x * do[None, :, :], axis=2)
+    a = tl.sum(x * do, axis=2)
     return qg, do, logit, w, a
 
 
@@ -166,7 +167,7 @@ def _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok
         dl = w * (a - delta_c[None, :] + dlse[None, :])  # softmax backward (S, T)
         dl_l += dl * logit
         dlr = dl * r
-        dx += w[:, :, None] * do[None, :, :] + dlr[:, :, None] * qg[None, None, :]
+        dx += w[:, :, None] * do + dlr[:, :, None] * qg
         dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,): Σ dlogit · r x
         dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
     if KEY_NORM:  # through r = rsqrt(mean x² + eps)
