@@ -1,10 +1,12 @@
 """Block AttnRes and AttnRes depth attention: fused two-phase op vs reference vs public kernels (CUDA).
 
     python -m benchmarks.ops_attnres [--shapes small medium d2048] [--ops block full] [--impls ...]
+    python -m benchmarks.ops_attnres --quick --shapes small medium   # no torch.compile: ~1 min
 
-Writes benchmarks/results/ops_attnres_<gpu>_<shapes>.md. The first call of each kernel shape
-autotunes the fused kernels and compiles the reference under torch.compile (minutes in total):
-run one shape per invocation where a time limit applies.
+Writes benchmarks/results/ops_attnres_<gpu>_<shapes>[_quick].md and prints each row as soon as it
+is measured. The fused kernels have fixed tiles (no autotuning: the first call per shape only
+compiles them, seconds); ``torch.compile(reference)`` takes about a minute per shape, so ``--quick``
+(fused, reference, fast-attnres and fla) leaves it out.
 
 One process measures everything (timings on a shared host swing 13-17% between invocations):
 
@@ -20,7 +22,10 @@ One process measures everything (timings on a shared host swing 13-17% between i
   ``fla.ops.attnres.fused_attnres`` (one call per consumer, key RMSNorm with gain);
 - the minimal bytes and CUDA-core FLOPs of the op, its roofline time
   max(bytes / copy bandwidth, FLOPs / fp32 rate) with both ceilings measured in this run, and the
-  fraction of it each implementation achieves.
+  fraction of it each implementation achieves;
+- for ``block``, a breakdown of the fused op: each Triton kernel launched alone (phase-1 forward
+  and backward, one merge forward and backward) and the sum of the kernels one block launches, so
+  the gap between that sum and the op's time is the host side (autograd, launches, small torch ops).
 
 The ops, per token, bf16 (e = 2 bytes), B·T tokens of width d:
 
@@ -49,6 +54,7 @@ SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "d2048": (16, 20
 # name -> (n completed sources, consumers C); consumers 1..C-1 each merge one more source
 OPS = {"block": (5, 4), "full": (17, 2)}
 IMPLS = ("fused", "reference", "torch.compile(reference)", "fast-attnres", "fla fused_attnres")
+QUICK_IMPLS = ("fused", "reference", "fast-attnres", "fla fused_attnres")
 
 
 def make_inputs(n, C, B, T, d, *, dtype=torch.bfloat16, seed=0):
@@ -194,12 +200,47 @@ def measure(impl, n, C, B, T, d) -> tuple[float, float]:
     return bench_ms(fwd), bench_ms(fwd_bwd)
 
 
+def kernel_breakdown(n, C, B, T, d) -> list[tuple[str, float]]:
+    """Milliseconds of each fused kernel launched alone (no autograd), and the sum one block launches:
+    phase 1 forward and backward once, merge forward and backward C-1 times."""
+    from kernels.depth_attn import fused
+
+    buffer, partials, queries, gains = make_inputs(n, C, B, T, d)
+    src, qg = buffer.data, (queries * gains).detach().float().contiguous()
+    out, lse, _ = fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6, store_logits=False)
+    douts = tuple(torch.randn_like(out[c]) for c in range(C))
+    dlse = torch.randn_like(lse)
+    p, o, lse1, q1 = partials[0].detach(), out[1], lse[1].contiguous(), qg[1].contiguous()
+    h, w = fused.merge_fwd(o, lse1, p, q1, key_norm=True, eps=1e-6)
+    dh = torch.randn_like(h)
+    times = [
+        ("phase 1 forward", bench_ms(lambda: fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6,
+                                                                 store_logits=False))),
+        ("phase 1 backward", bench_ms(lambda: fused.summaries_bwd(src, n, qg, lse, douts, dlse, key_norm=True,
+                                                                  eps=1e-6))),
+        ("merge forward (one consumer)", bench_ms(lambda: fused.merge_fwd(o, lse1, p, q1, key_norm=True, eps=1e-6))),
+        ("merge backward (one consumer)", bench_ms(lambda: fused.merge_bwd(o, p, q1, w, dh, key_norm=True,
+                                                                           eps=1e-6))),
+    ]
+    t = dict(times)
+    times.append(("kernels of one block, fwd", t["phase 1 forward"] + (C - 1) * t["merge forward (one consumer)"]))
+    times.append(("kernels of one block, fwd+bwd", times[-1][1] + t["phase 1 backward"]
+                  + (C - 1) * t["merge backward (one consumer)"]))
+    return times
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    p.add_argument("--impls", nargs="+", default=None, choices=list(IMPLS),
+                   help="default: all (with --quick: fused, reference, fast-attnres, fla)")
+    p.add_argument("--quick", action="store_true",
+                   help="fused + reference + fast-attnres + fla at the given shapes (no torch.compile)")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel times of the fused op")
     args = p.parse_args(argv)
+    if args.impls is None:
+        args.impls = list(QUICK_IMPLS if args.quick else IMPLS)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_attnres needs a CUDA GPU (the CPU interpreter cannot time kernels)")
 
@@ -224,6 +265,7 @@ def main(argv=None) -> None:
         for op in args.ops:
             n, C = OPS[op]
             err = parity(n, C, B, T, d)
+            print(f"{shape}/{op}: parity {err:.1e}", flush=True)
             ok = err < 1e-2
             if not ok:
                 failed.append(f"{shape}/{op}: {err:.2e}")
@@ -243,7 +285,7 @@ def main(argv=None) -> None:
                 if why is not None:
                     table.add(shape, op, f"{B}×{T}, {d}", f"{err:.1e} {'ok' if ok else 'FAIL'}", impl, why,
                               "", "", "", "", "")
-                    print(table.rows[-1], flush=True)
+                    print(" | ".join(table.rows[-1]), flush=True)
                     continue
                 tf, tfb = times[impl]
                 speed = ""
@@ -252,11 +294,16 @@ def main(argv=None) -> None:
                 table.add(shape, op, f"{B}×{T}, {d}", f"{err:.1e} {'ok' if ok else 'FAIL'}", impl,
                           f"{tf:.3f}", f"{tfb:.3f}", f"{floor_f:.3f} / {floor_fb:.3f} ({binding})",
                           f"{100 * floor_f / tf:.0f}%", f"{100 * floor_fb / tfb:.0f}%", speed)
-                print(table.rows[-1], flush=True)
+                print(" | ".join(table.rows[-1]), flush=True)
+                torch.cuda.empty_cache()
+            if op == "block" and "fused" in args.impls and not args.no_breakdown:
+                for name, ms in kernel_breakdown(n, C, B, T, d):
+                    table.add(shape, op, f"{B}×{T}, {d}", "", f"fused: {name}", f"{ms:.3f}", "", "", "", "", "")
+                    print(" | ".join(table.rows[-1]), flush=True)
                 torch.cuda.empty_cache()
     table.notes.append("fused speedup: the other implementation's time over the fused op's (> 1: fused faster)")
     gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower())
-    table.write(f"ops_attnres_{gpu}_{'_'.join(args.shapes)}")
+    table.write(f"ops_attnres_{gpu}_{'_'.join(args.shapes)}{'_quick' if args.quick else ''}")
     if failed:
         raise SystemExit(f"parity check failed: {', '.join(failed)}")
 

@@ -104,7 +104,6 @@ def _summaries_fwd_kernel(
     mask_d = offs_d < D
     mask_td = mask_t[:, None] & mask_d[None, :]
     tok = offs_t.to(tl.int64)
-    td = tok[:, None] * D + offs_d[None, :]
     if ONE_CHUNK:  # every source in registers: read once for all consumers
         x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
         r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
