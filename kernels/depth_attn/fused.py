@@ -36,7 +36,9 @@ modified afterwards (so the backward may read them after later rows are filled).
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -316,6 +318,16 @@ def _merge_bwd_kernel(
 
 
 # --- launchers -----------------------------------------------------------------------------------
+# Host-side arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr
+# functions whose every host call costs microseconds, and a block launches these kernels ~8 times.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
 @dataclass(frozen=True)
 class Tiles:
     """One program's tile: BLOCK_T tokens × all d channels (warps along d: ~4 fp32 per thread and
@@ -328,6 +340,7 @@ class Tiles:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=None)
 def tiles(n: int, d: int) -> Tiles:
     """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)).
 
@@ -335,14 +348,14 @@ def tiles(n: int, d: int) -> Tiles:
     as many tokens as make a 512-value row block. The chunk holds up to 8 sources and at most 32 fp32
     per thread, so at d <= 2048 a block of Block AttnRes with up to 8 summaries is read once, in
     one load. Interpreter: 32 tokens per program (each program costs milliseconds)."""
-    block_d = triton.next_power_of_2(d)
+    block_d = _pow2(d)
     if interpreting():
         block_t, warps = 32, 4
     else:
         block_t = max(1, 512 // block_d)
         warps = min(16, max(1, block_t * block_d // 128))
     per_thread = max(1, block_t * block_d // (32 * warps))
-    block_s = min(triton.next_power_of_2(n), 8, max(1, 32 // per_thread))
+    block_s = min(_pow2(n), 8, max(1, 32 // per_thread))
     return Tiles(block_t, block_d, block_s, n <= block_s, warps)
 
 
@@ -353,21 +366,25 @@ def _resident_programs(kernel, args, meta, num_warps: int, device: torch.device)
     """Programs of a persistent kernel: as many as fit on the GPU at once (registers, threads and
     shared memory of the compiled kernel, cached per specialisation), so one wave covers every token
     block and the per-program partial sums stay few."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, device.index,
-           tuple(sorted((k, v) for k, v in meta.items())), num_warps,
-           tuple(a.dtype for a in args if isinstance(a, Tensor)))
+    key = (id(kernel), device.index, *meta.values(), num_warps, *(a.dtype for a in args if isinstance(a, Tensor)))
     if key not in _RESIDENT:
-        compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **meta)
-        compiled._init_handles()
-        regs = max(1, compiled.n_regs)
-        per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in units of 256
-        by_regs = 65536 // (per_warp * num_warps)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
         by_threads = 2048 // (32 * num_warps)
-        smem = compiled.metadata.shared
-        by_smem = (227 * 1024) // smem if smem else by_threads
-        _RESIDENT[key] = max(1, min(by_regs, by_threads, by_smem, 32))
-    return sms * _RESIDENT[key]
+        try:  # compile without launching, then read the kernel's resources
+            compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **meta)
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled._init_handles()
+            per_warp = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # registers go per warp, in units of 256
+            by_regs = 65536 // (per_warp * num_warps)
+            smem = compiled.metadata.shared
+            by_smem = (227 * 1024) // smem if smem else by_threads
+            fit = min(by_regs, by_threads, by_smem)
+        except Exception as exc:  # a grid-size estimate only: the kernel itself still runs, say so once
+            fit = 16 // num_warps
+            warnings.warn(f"depth_attn: could not read the resources of {getattr(kernel, '__name__', kernel)} "
+                          f"({type(exc).__name__}: {exc}); persistent grid of {fit} programs per SM")
+        _RESIDENT[key] = sms * max(1, min(fit, 32))
+    return _RESIDENT[key]
 
 
 def _persistent_grid(kernel, args, meta, num_warps: int, n_tiles: int, device: torch.device) -> int:
@@ -386,7 +403,7 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     out = torch.empty(C, *shape, device=src.device, dtype=src.dtype)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
-    _summaries_fwd_kernel[(triton.cdiv(N, t.block_t),)](
+    _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
         src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
         ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, num_warps=t.num_warps)
     return out, lse, (logits if store_logits else None)
@@ -399,19 +416,20 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     C = qg.shape[0]
     t = tiles(n, d)
     dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
-    meta = dict(C=C, BLOCK_C=triton.next_power_of_2(C), KEY_NORM=key_norm, ONE_CHUNK=t.one_chunk,
+    meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.one_chunk,
                 BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
     args = (src, qg, lse, douts, dlse, dsrc, None, n, N, d, eps)
     programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,
-                                triton.cdiv(N, t.block_t), src.device)
+                                _cdiv(N, t.block_t), src.device)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
     _summaries_bwd_kernel[(programs,)](*args[:6], dqg, *args[7:], **meta, num_warps=t.num_warps)
     return dsrc, dqg.sum(0)
 
 
+@functools.lru_cache(maxsize=None)
 def _row_tiles(d: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_D, warps) of the merge kernels: rows of ~8 fp32 per thread (they hold three)."""
-    block_d = triton.next_power_of_2(d)
+    block_d = _pow2(d)
     if interpreting():
         return 32, block_d, 4
     block_t = max(1, 1024 // block_d)
@@ -425,7 +443,7 @@ def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, 
     block_t, block_d, warps = _row_tiles(d)
     h = torch.empty(o.shape, device=o.device, dtype=torch.promote_types(o.dtype, p.dtype))
     w = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
-    _merge_fwd_kernel[(triton.cdiv(N, block_t),)](o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm,
+    _merge_fwd_kernel[(_cdiv(N, block_t),)](o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm,
                                                   BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
     return h, w
 
@@ -439,7 +457,7 @@ def merge_bwd(o: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, key_no
     dlse = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
     meta = dict(KEY_NORM=key_norm, BLOCK_T=block_t, BLOCK_D=block_d)
     args = [o, p, qg, w, dh, do, dp, dlse, qg, N, d, eps]
-    programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, triton.cdiv(N, block_t), o.device)
+    programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, _cdiv(N, block_t), o.device)
     args[8] = dqg = torch.empty(programs, d, device=o.device, dtype=torch.float32)
     _merge_bwd_kernel[(programs,)](*args, **meta, num_warps=warps)
     return do, dp, dlse, dqg.sum(0)
