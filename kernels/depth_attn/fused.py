@@ -331,13 +331,16 @@ def _pow2(x: int) -> int:
 @dataclass(frozen=True)
 class Tiles:
     """One program's tile: BLOCK_T tokens × all d channels (warps along d: ~4 fp32 per thread and
-    row), BLOCK_S sources per load, ``one_chunk`` when every source fits in one load."""
+    row), BLOCK_S sources per load, ``one_chunk`` when every source fits in one load; the backward
+    holds more per source (the gradient too) and may take fewer sources per load."""
 
     block_t: int
     block_d: int
     block_s: int
     one_chunk: bool
     num_warps: int
+    bwd_block_s: int
+    bwd_one_chunk: bool
 
 
 @functools.lru_cache(maxsize=None)
@@ -356,7 +359,10 @@ def tiles(n: int, d: int) -> Tiles:
         warps = min(16, max(1, block_t * block_d // 128))
     per_thread = max(1, block_t * block_d // (32 * warps))
     block_s = min(_pow2(n), 8, max(1, 32 // per_thread))
-    return Tiles(block_t, block_d, block_s, n <= block_s, warps)
+    # 16 warps cap a thread at 128 registers: the backward then spills with 8 sources per load
+    # (sm_90, d=2048, 4 consumers: 712 bytes) and barely with 4 (40 bytes)
+    bwd_block_s = min(block_s, 4) if warps >= 16 else block_s
+    return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s)
 
 
 _RESIDENT: dict = {}
@@ -416,8 +422,8 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     C = qg.shape[0]
     t = tiles(n, d)
     dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
-    meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.one_chunk,
-                BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
+    meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk,
+                BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
     args = (src, qg, lse, douts, dlse, dsrc, None, n, N, d, eps)
     programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,
                                 _cdiv(N, t.block_t), src.device)
