@@ -8,11 +8,14 @@ online-softmax merge (phase 2). Same semantics as ``reference.py``; all math in 
 sources' dtype (bf16 on the GPU). PyTorch only folds the key gains into the queries (q ⊙ g, with
 autograd) and sums per-program partial query gradients (deterministic, no atomics).
 
-Phase 1, ``_summaries_fwd_kernel``: one program per block of BLOCK_T tokens, all C consumers and
-all d channels in registers. For every source s (read once for all consumers): the sum of squares
-(shared by the consumers), the C logits (q_c ⊙ g_c)·x_s·rstd_s, an online softmax over s (running
-max and sum per consumer, fp32) and the C accumulators. Writes each consumer's normalised output
-(C, N, d) in the sources' dtype and its log-sum-exp (C, N) fp32 (N = B·T tokens).
+Phase 1, ``_summaries_fwd_kernel``: one program per block of BLOCK_T tokens (one token for
+d >= 512) with all d channels, warps along d. A chunk of BLOCK_S (<= 8) sources is read in one
+load, so every source of a token is in flight at once; with n <= BLOCK_S (``ONE_CHUNK``: Block
+AttnRes up to 8 blocks at d <= 2048) the chunk is loaded once for all C consumers. Per consumer (a
+static loop): the logits (q_c ⊙ g_c)·x_s·r_s (the sums of squares r_s are shared), the softmax over
+the sources in fp32 (online across chunks when n > BLOCK_S, the later consumers then read the chunks
+from L2), and the weighted sum. Writes each consumer's normalised output (C, N, d) in the sources'
+dtype and its log-sum-exp (C, N) fp32 (N = B·T tokens).
 
 Phase 2, ``_merge_fwd_kernel``: for one consumer and its partial p, z = (q ⊙ g)·RMSNorm(p) and
 w = σ(z − lse) (the partial's share of the merged softmax), h = o + w·(p − o). Reads o and p,
@@ -22,12 +25,18 @@ Backward, ``_merge_bwd_kernel`` (per consumer) then ``_summaries_bwd_kernel`` (p
     merge:   do = (1−w)·dh,  dz = w(1−w)·dh·(p − o),  dlse = −dz,  dp = w·dh + dz·∂z/∂p
     phase 1: dlogit_cs = w_cs (dO_c·x_s − dO_c·o_c + dlse_c),  w_cs = exp(logit_cs − lse_c)
              dx_s = Σ_c w_cs dO_c + Σ_c dlogit_cs ∂logit_cs/∂x_s
-with ∂logit/∂x = r (qg − logit·r·x / d), r = rsqrt(mean x² + eps) for the key RMSNorm. The phase-1
-backward reads the sources twice per token block (the first pass sums dO_c·o_c = Σ_s w_cs dO_c·x_s
-in fp32, so no fp32 copy of the outputs is kept); the second pass usually hits L2.
+with ∂logit/∂x = r (qg − logit·r·x / d), r = rsqrt(mean x² + eps) for the key RMSNorm. With
+``ONE_CHUNK`` the phase-1 backward reads every source and every upstream gradient of a token block
+once: dO_c·o_c = Σ_s w_cs dO_c·x_s comes from the chunk in registers (no fp32 copy of the outputs is
+kept), then the chunk's gradients are written. Otherwise a first pass over the chunks sums
+dO_c·o_c and a second (usually from L2) writes the gradients. Both backward kernels are persistent
+(each program loops over token blocks and writes one partial gradient of q ⊙ g) with as many
+programs as fit on the GPU at once, read from the compiled kernel's registers and shared memory.
 
-On the GPU every kernel is autotuned over its token block and warps (``_prune`` keeps ~3 configs);
-under the interpreter one config with big blocks runs.
+Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
+resource report (``python -m benchmarks.depth_attn_ptxas``): ~4 fp32 per thread and row, at most 32
+fp32 of a chunk per thread, at most 4 sources per load in a 16-warp backward (128 registers).
+Under the interpreter: 32 tokens per program.
 
 Sources are never stacked per read: phase 1 reads rows [0, n) of a preallocated (n_max, B, T, d)
 buffer (``SourceBuffer``), whose rows are written once, when a source is complete, and never
