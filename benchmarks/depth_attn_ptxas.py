@@ -81,7 +81,8 @@ def main(argv=None) -> int:
             ("phase 1 backward", fused._summaries_bwd_kernel,
              dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, dsrc_ptr=bf16,
                   dqg_ptr=f32, eps="fp32"),
-             dict(C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True, ONE_CHUNK=t.bwd_one_chunk, BLOCK_S=t.bwd_block_s,
+             dict(C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
+                  BLOCK_S=t.bwd_block_s,
                   BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps),
             ("merge forward", fused._merge_fwd_kernel,
              dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, eps="fp32"),
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
                 print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {exc}", flush=True)
                 continue
             smem = int(info.split("shared ", 1)[1].split(" ", 1)[0])
-            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k == "ONE_CHUNK"}
+            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C")}
             print(f"{name} {tiles} warps={warps}: {info} | {per_sm(regs, warps, smem)} programs/SM", flush=True)
     return 1 if failed else 0
 

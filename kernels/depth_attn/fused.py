@@ -158,28 +158,55 @@ def _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, 
 
 
 @triton.jit
+def _pick(ptrs, c, C: tl.constexpr):
+    """ptrs[c] for a runtime index c (a chain of selects over the tuple)."""
+    ptr = ptrs[0]
+    for j in tl.static_range(1, C):
+        ptr = tl.where(c == j, ptrs[j], ptr)
+    return ptr
+
+
+@triton.jit
+def _consumer_grad(x, r, mask_s, delta, dqg, dx, dl_l, qg_ptr, do_ptr, lse_ptr, dlse_ptr, c, tok, td, offs_c,
+                   offs_d, mask_t, mask_td, mask_d, N, D, LOCAL_DELTA: tl.constexpr):
+    """Consumer c's share of a chunk's gradients: dx (S, T, D), Σ_c dlogit·logit (S, T), dqg row c."""
+    qg, do, logit, w, a = _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t,
+                                           mask_td, mask_d, N, D)
+    if LOCAL_DELTA:
+        delta_c = tl.sum(w * a, axis=0)  # (T,), from the sources in fp32
+    else:
+        delta_c = tl.sum(tl.where(offs_c[:, None] == c, delta, 0.0), axis=0)
+    dlse = tl.load(dlse_ptr + c * N + tok, mask=mask_t, other=0.0)
+    dl = w * (a - delta_c[None, :] + dlse[None, :])  # softmax backward (S, T)
+    dl_l += dl * logit
+    dlr = dl * r
+    dx += w[:, :, None] * do + dlr[:, :, None] * qg
+    dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,): Σ dlogit · r x
+    dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
+    return dx, dl_l, dqg
+
+
+@triton.jit
 def _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d, mask_t,
-                 mask_td, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr, LOCAL_DELTA: tl.constexpr):
+                 mask_td, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr, LOCAL_DELTA: tl.constexpr,
+                 UNROLL_C: tl.constexpr):
     """Gradient dx (S, T, D) of a chunk of sources, and dqg (BLOCK_C, D) plus this chunk's share:
         dlogit_cs = w_cs (a_cs − delta_c + dlse_c),  delta_c = dO_c·o_c = Σ_s w_cs a_cs
         dx_s = Σ_c w_cs dO_c + r_s Σ_c dlogit_cs qg_c − r_s² x_s Σ_c dlogit_cs logit_cs / d
-    ``LOCAL_DELTA``: the chunk holds every source, delta_c is summed here; else it is given (C, T)."""
+    ``LOCAL_DELTA``: the chunk holds every source, delta_c is summed here; else it is given (C, T).
+    ``UNROLL_C``: consumers unrolled (the compiler overlaps their upstream-gradient loads); else a
+    loop that keeps one consumer's values live at a time (for the 128-register cap of 16 warps)."""
     dx = tl.zeros_like(x)
     dl_l = tl.zeros_like(r)  # Σ_c dlogit_cs logit_cs (S, T)
-    for c in tl.static_range(C):
-        qg, do, logit, w, a = _consumer_scores(x, r, mask_s, qg_ptr, douts[c], lse_ptr, c, tok, td, offs_d, mask_t,
-                                               mask_td, mask_d, N, D)
-        if LOCAL_DELTA:
-            delta_c = tl.sum(w * a, axis=0)  # (T,), from the sources in fp32
-        else:
-            delta_c = tl.sum(tl.where(offs_c[:, None] == c, delta, 0.0), axis=0)
-        dlse = tl.load(dlse_ptr + c * N + tok, mask=mask_t, other=0.0)
-        dl = w * (a - delta_c[None, :] + dlse[None, :])  # softmax backward (S, T)
-        dl_l += dl * logit
-        dlr = dl * r
-        dx += w[:, :, None] * do + dlr[:, :, None] * qg
-        dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,): Σ dlogit · r x
-        dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
+    if UNROLL_C:
+        for c in tl.static_range(C):
+            dx, dl_l, dqg = _consumer_grad(x, r, mask_s, delta, dqg, dx, dl_l, qg_ptr, douts[c], lse_ptr, dlse_ptr,
+                                           c, tok, td, offs_c, offs_d, mask_t, mask_td, mask_d, N, D, LOCAL_DELTA)
+    else:
+        for c in range(C):
+            dx, dl_l, dqg = _consumer_grad(x, r, mask_s, delta, dqg, dx, dl_l, qg_ptr, _pick(douts, c, C), lse_ptr,
+                                           dlse_ptr, c, tok, td, offs_c, offs_d, mask_t, mask_td, mask_d, N, D,
+                                           LOCAL_DELTA)
     if KEY_NORM:  # through r = rsqrt(mean x² + eps)
         dx -= (r * r * dl_l / D)[:, :, None] * x
     return dx, dqg
@@ -196,7 +223,7 @@ def _summaries_bwd_kernel(
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
     n, N, D, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNROLL_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -216,7 +243,7 @@ def _summaries_bwd_kernel(
             x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
             r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
             dx, dqg = _chunk_grads(x, r, mask_s, dqg, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d,
-                                   mask_t, mask_td, mask_d, N, D, C, KEY_NORM, True)
+                                   mask_t, mask_td, mask_d, N, D, C, KEY_NORM, True, UNROLL_C)
             tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
                      mask=mask_s[:, None, None] & mask_td[None, :, :])
         else:
@@ -236,7 +263,8 @@ def _summaries_bwd_kernel(
                 x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
                 r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
                 dx, dqg = _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c,
-                                       offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, False)
+                                       offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, False,
+                                       UNROLL_C)
                 tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
                          mask=mask_s[:, None, None] & mask_td[None, :, :])
                 s0 += BLOCK_S
@@ -350,6 +378,7 @@ class Tiles:
     num_warps: int
     bwd_block_s: int
     bwd_one_chunk: bool
+    bwd_unroll_c: bool
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,8 +399,10 @@ def tiles(n: int, d: int) -> Tiles:
     block_s = min(_pow2(n), 8, max(1, 32 // per_thread))
     # 16 warps cap a thread at 128 registers: the backward then spills with 8 sources per load
     # (sm_90, d=2048, 4 consumers: 712 bytes) and barely with 4 (40 bytes)
+    # and loops over the consumers instead of unrolling them (unrolled, the compiler overlaps the
+    # consumers' upstream-gradient loads but keeps their values live: 252 vs 219 registers at d=512)
     bwd_block_s = min(block_s, 4) if warps >= 16 else block_s
-    return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s)
+    return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16)
 
 
 _RESIDENT: dict = {}
@@ -431,7 +462,7 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     C = qg.shape[0]
     t = tiles(n, d)
     dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
-    meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk,
+    meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
                 BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
     args = (src, qg, lse, douts, dlse, dsrc, None, n, N, d, eps)
     programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,

@@ -109,17 +109,19 @@ def test_two_phase_matches_reference(case):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("chunks", [(2, 2), (8, 2), (1, 4)], ids=["ragged-chunks", "fwd-one-bwd-two-pass", "S1"])
+@pytest.mark.parametrize("chunks", [(2, 2, True), (8, 2, False), (1, 4, True), (8, 8, False)],
+                         ids=["ragged-chunks", "fwd-one-bwd-two-pass-loop", "S1", "one-chunk-loop"])
 def test_source_chunking_does_not_change_the_result(monkeypatch, chunks):
     # The kernels load BLOCK_S sources at a time: one chunk (read once), several with a ragged last
     # chunk (online softmax forward, two-pass backward), and a forward in one chunk with a backward
-    # in several (the 16-warp tiles on the GPU). Every split must give the reference's result.
+    # in several (the 16-warp tiles on the GPU); the backward unrolls its consumers or loops over
+    # them. Every split must give the reference's result.
     from kernels.depth_attn import fused
 
-    fwd_s, bwd_s = chunks
+    fwd_s, bwd_s, unroll = chunks
     n, d = 5, 37
     monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), fwd_s, n_ <= fwd_s, 4,
-                                                                   bwd_s, n_ <= bwd_s))
+                                                                   bwd_s, n_ <= bwd_s, unroll))
     sources, partials, queries, key_gains = make_inputs(3, n, 2, 19, d, True, seed=3)
     leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
     fused_h, fused_w, _ = two_phase("triton", sources, partials, queries, key_gains, True)
