@@ -12,6 +12,14 @@ w_l is zero at init, so at step 0 every h_l is the plain mean of its sources. Th
 ``key_norm`` (raw keys), ``heads`` (channel-split multi-head depth attention, the paper's
 16-head ablation) and ``query="input"`` (q_l = w_l + W_l·RMSNorm(latest source), W_l zero-init).
 
+Backends (``residual.backend``): the fused op (``kernels/depth_attn``, docs/kernel_attnres.md) covers
+static queries and ``heads=1``, key RMSNorm on or off. It runs the two-phase schedule of the paper:
+the consumers of a group (AttnRes: the two sublayers of a Transformer block; Block AttnRes: the S
+sublayers of a block) attend every completed source in one batched pass when the group opens
+(phase 1, in ``write``), and a consumer with a newer source (AttnRes: the group's first output;
+Block AttnRes: the block's partial sum) folds it in by an online-softmax merge (phase 2, in
+``read``). Sources are written once into a preallocated buffer and never re-stacked.
+
 This file also holds what the depth-attention variants share (attnres_block, msar, msar_block
 build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, accounting),
 :class:`PseudoQueries` (per consumer and view: w, key gain, optional input projection) and
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from kernels.depth_attn import depth_attn
+from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries
 
 from .base import Context, Residual, ResidualConfig, rms_norm
 from .registry import register
@@ -59,6 +67,20 @@ class DepthAttentionConfig(ResidualConfig):
     key_norm: bool = True  # RMSNorm the keys (learnable gain, init 1); False: keys are the raw sources
     query: str = "static"  # "static": learned w_l; "input": w_l + W_l·RMSNorm(latest source), W_l zero-init
     backend: str = "auto"  # "torch" (reference), "triton" (fused op), "auto" (fused on CUDA, reference on CPU)
+
+
+@dataclass(frozen=True)
+class FusedState:
+    """Between sublayers on the fused path (AttnRes and Block AttnRes): sources in one buffer, and
+    the phase-1 result of the consumers of the current group."""
+
+    ctx: Context
+    buffer: SourceBuffer  # completed sources (AttnRes: v_0..v_l; Block AttnRes: b_0..b_{n-1}), (n_max, B, T, d)
+    first: int  # the group's first consumer; consumer c reads outs[c - first], lses[c - first]
+    outs: tuple[Tensor, ...]  # phase 1, per consumer of the group: normalised output (B, T, d)
+    lses: tuple[Tensor, ...]  # phase 1, per consumer: log-sum-exp over the buffered sources (B, T) fp32
+    partial: Tensor | None  # the one source not in the buffer pass (merged by phase 2), (B, T, d)
+    weights: Tensor | None = None  # phase-1 weights (C, n, B, T) when ctx.record
 
 
 @dataclass(frozen=True)
@@ -216,10 +238,89 @@ class AttnRes(DepthAttentionResidual):
             divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise ValueError(f"residual.heads={cfg.heads!r} must divide d_model={d_model} (channel-split heads); "
                              f"choose one of: {', '.join(map(str, divisors))}")
+        if cfg.backend == "triton" and (cfg.heads != 1 or cfg.query != "static"):
+            raise ValueError(f"residual.backend={cfg.backend!r}: the fused depth attention computes one head with "
+                             f"static queries; it needs heads=1, query=static (got heads={cfg.heads!r}, "
+                             f"query={cfg.query!r}); use residual.backend=torch or auto")
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
         self.queries = PseudoQueries(self.n_consumers, 1, d_model, key_norm=cfg.key_norm, query=cfg.query)
+
+    # --- backend dispatch ------------------------------------------------------------------------
+    def fused_covers(self) -> bool:
+        """Whether the fused op computes this configuration (one head, static queries)."""
+        return self.cfg.heads == 1 and self.cfg.query == "static"
+
+    def _fused(self, x: Tensor) -> bool:
+        """Explicit dispatch: "triton" always (validated), "auto" on CUDA where the fused op covers the
+        configuration, "torch" never."""
+        return self.cfg.backend == "triton" or (self.cfg.backend == "auto" and x.is_cuda and self.fused_covers())
+
+    def begin(self, embedding: Tensor, ctx: Context):
+        if not self._fused(embedding):
+            return super().begin(embedding, ctx)
+        if ctx.record:
+            self.recorded = {}
+        buffer = SourceBuffer(self._buffer_rows(), embedding)
+        buffer.append(embedding)  # v_0 = b_0
+        return self._open_group(ctx, buffer, 0)
+
+    def read(self, state, layer: int) -> Tensor:
+        if isinstance(state, FusedState):
+            return self._fused_read(state, layer)
+        return super().read(state, layer)
+
+    def write(self, state, layer: int, out: Tensor):
+        if isinstance(state, FusedState):
+            return self._fused_write(state, layer, out)
+        return super().write(state, layer, out)
+
+    def end(self, state) -> Tensor:
+        if isinstance(state, FusedState):
+            return self._fused_read(state, self.n_sublayers)
+        return super().end(state)
+
+    # --- the fused path: two-phase schedule over a source buffer -----------------------------------
+    def _group_size(self) -> int:
+        """Consumers that share a phase-1 pass: the two sublayers of a Transformer block."""
+        return 2
+
+    def _buffer_rows(self) -> int:
+        return self.n_sublayers + 1  # v_0 .. v_L
+
+    def _open_group(self, ctx: Context, buffer: SourceBuffer, first: int) -> FusedState:
+        """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own)."""
+        last = self.n_sublayers + 1 if first == self.n_sublayers else min(first + self._group_size(), self.n_sublayers)
+        gain = self.queries.key_gain
+        res = depth_attn_summaries(buffer, self.queries.weight[first:last, 0],  # (C, d)
+                                   None if gain is None else gain[first:last, 0],
+                                   key_norm=self.cfg.key_norm, return_weights=ctx.record, backend="triton")
+        return FusedState(ctx, buffer, first, res[0], res[1], None, res[2] if ctx.record else None)
+
+    def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
+        c = consumer - state.first
+        out = state.outs[c]  # (B, T, d): attention over the buffered sources
+        if state.partial is None:
+            if state.ctx.record:
+                self._record(state.ctx, consumer, state.weights[c][None])
+            return out
+        gain = self.queries.key_gain
+        h, w = depth_attn_merge(out, state.lses[c], state.partial, self.queries.weight[consumer, 0],
+                                None if gain is None else gain[consumer, 0], key_norm=self.cfg.key_norm,
+                                backend="triton")
+        if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
+            w = w.detach()
+            self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])
+        return h
+
+    def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
+        """AttnRes: every output is a source. The first output of a group is the second consumer's
+        partial (merged by phase 2); after the group's last sublayer the next group opens."""
+        row = state.buffer.append(out)  # v_{layer+1}
+        if layer + 1 - state.first < self._group_size() and layer + 1 < self.n_sublayers:
+            return FusedState(state.ctx, state.buffer, state.first, state.outs, state.lses, row, state.weights)
+        return self._open_group(state.ctx, state.buffer, layer + 1)
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
         heads = self.cfg.heads

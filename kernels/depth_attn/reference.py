@@ -93,3 +93,58 @@ def depth_attn(
         out = torch.einsum(f"msbt,{v_sub}->mbtd", weights, values.to(ct))  # (m, B, T, d)
     out = out.to(values.dtype)
     return (out, weights) if return_weights else out
+
+
+# --- the two-phase schedule (SPEC §3, Block AttnRes), as a composition of the spec --------------
+def summaries(
+    sources: Tensor | Sequence[Tensor],
+    queries: Tensor,
+    key_gains: Tensor | None = None,
+    *,
+    key_norm: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Phase 1: C static queries (C, d) attend the same sources (S, B, T, d) at once.
+
+    Returns the normalised outputs ``(C, B, T, d)`` (sources' dtype, as :func:`depth_attn`) and the
+    log-sum-exp of the logits over sources ``(C, B, T)`` (fp32, fp64 for fp64 inputs)."""
+    values = _stacked(sources)
+    out, weights = depth_attn(values, queries, key_gains, key_norm=key_norm, eps=eps, return_weights=True)
+    ct = _compute_dtype(values, queries, key_gains)
+    with torch.autocast(device_type=values.device.type, enabled=False):
+        k = values.to(ct)
+        if key_norm:
+            k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
+        q = queries.to(ct) * (1 if key_gains is None else key_gains.to(ct))
+        logits = torch.einsum("sbtd,md->msbt", k, q)  # (C, S, B, T)
+        lse = torch.logsumexp(logits, dim=1)
+    return out, lse
+
+
+def merge(
+    out: Tensor,
+    lse: Tensor,
+    partial: Tensor,
+    query: Tensor,
+    key_gain: Tensor | None = None,
+    *,
+    key_norm: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Phase 2: fold one more source (the intra-block partial, (B, T, d)) into a phase-1 result by
+    an online-softmax merge. ``out`` (B, T, d) and ``lse`` (B, T) come from :func:`summaries` for
+    one query (d,). With z = (q ⊙ g)·RMSNorm(partial) and w = σ(z − lse), the partial's share,
+
+        h = (1 − w)·out + w·partial  ==  depth_attn([sources..., partial], q, g)
+
+    Returns h in the promoted dtype of ``out`` and ``partial``, and w (B, T) in the compute dtype."""
+    ct = _compute_dtype(out, partial, query, key_gain)
+    with torch.autocast(device_type=out.device.type, enabled=False):
+        p = partial.to(ct)
+        k = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + eps) if key_norm else p
+        q = query.to(ct) * (1 if key_gain is None else key_gain.to(ct))
+        z = k @ q  # (B, T)
+        w = torch.sigmoid(z - lse.to(ct))
+        o = out.to(ct)
+        h = o + w[..., None] * (p - o)
+    return h.to(torch.promote_types(out.dtype, partial.dtype)), w

@@ -128,8 +128,8 @@ def test_backends_dispatch_explicitly():
     sources, queries, gains, _ = _inputs(2, 3, 1, 2, 4, False, False, False)
     torch.testing.assert_close(depth_attn(sources, queries, gains, backend="torch"),
                                depth_attn(sources, queries, gains, backend="auto"))
-    with pytest.raises(NotImplementedError, match="triton.*available backends: torch"):
-        depth_attn(sources, queries, gains, backend="triton")
+    with pytest.raises(ValueError, match="backend 'triton' takes keys = values"):  # fused: tests/kernels/test_depth_attn_fused.py
+        depth_attn(sources, queries, gains, key_sources=sources, backend="triton")
     with pytest.raises(ValueError, match="'cuda'.*choices"):
         depth_attn(sources, queries, gains, backend="cuda")
 

@@ -8,6 +8,7 @@ so a leak across tokens or documents anywhere in a mechanism shows up in the fin
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -267,3 +268,128 @@ def test_bad_config_values(name, fields, match):
         get(name).validate(cfg, d_model=D, n_sublayers=L)
     with pytest.raises(ValueError, match=match):
         get(name)(cfg, D, L)
+
+
+# --- the fused backend (kernels/depth_attn, two-phase schedule; TRITON_INTERPRET=1 on CPU) ----------
+FUSED = [
+    ("attnres", {}),
+    ("attnres", {"key_norm": False}),
+    ("attnres_block", {}),
+    ("attnres_block", {"block_size": 2, "key_norm": False}),
+    ("attnres_block", {"block_size": 8}),
+    ("attnres_block", {"block_size": 1}),
+]
+FUSED_IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in f.items()) or 'default'}" for n, f in FUSED]
+# backend=triton on CPU tensors runs only under the interpreter (set by conftest.py without CUDA)
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name, fields", FUSED, ids=FUSED_IDS)
+def test_fused_backend_matches_the_reference(name, fields):
+    # Every read, the final output and every gradient (embedding, queries, key gains, the stack's
+    # weights) with a random upstream gradient; the recorded weights too.
+    ref = randomize(make(name, **fields, backend="torch"))
+    fused = make(name, **fields, backend="triton")
+    fused.load_state_dict(ref.state_dict())
+    stack = FakeStack()
+    with torch.no_grad():
+        _, reads_ref, _, _ = stack(ref, embedding(), Context(DOC_IDS, record=True))
+        _, reads_fused, _, states = stack(fused, embedding(), Context(DOC_IDS, record=True))
+    for consumer, (a, b) in enumerate(zip(reads_fused, reads_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"consumer {consumer}")
+    assert sorted(fused.recorded) == sorted(ref.recorded) == ["view0"]
+    torch.testing.assert_close(fused.recorded["view0"], ref.recorded["view0"], rtol=1e-5, atol=1e-6)
+    out_ref, grads_ref = grads_through_stack(ref, stack)
+    out_fused, grads_fused = grads_through_stack(fused, stack)
+    torch.testing.assert_close(out_fused, out_ref, rtol=1e-5, atol=1e-5)
+    for k in sorted(grads_ref):
+        torch.testing.assert_close(grads_fused[k], grads_ref[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@needs_interpreter
+def test_fused_state_keeps_sources_in_one_buffer():
+    # Block AttnRes on the fused path: b_0 and the completed summaries are rows of one preallocated
+    # buffer (never re-stacked); each row holds exactly the block sum.
+    res = make("attnres_block", block_size=2, backend="triton")
+    emb = embedding()
+    _, _, outs, states = FakeStack()(res, emb, Context(DOC_IDS))
+    buffer = states[-1].buffer
+    assert all(s.buffer is buffer for s in states) and buffer.data.shape == (L // 2 + 1, B, T, D)
+    for n, row in enumerate(buffer.rows):
+        expected = emb if n == 0 else outs[2 * n - 2] + outs[2 * n - 1]
+        torch.testing.assert_close(buffer.data[n], expected.detach(), rtol=1e-6, atol=1e-6)
+        assert row.data_ptr() == buffer.data[n].data_ptr()
+
+
+@pytest.mark.parametrize("name, fields", [("attnres", {"heads": 2}), ("attnres", {"query": "input"}),
+                                          ("attnres_block", {"heads": 4}), ("attnres_block", {"query": "input"})],
+                         ids=["attnres-heads", "attnres-query", "block-heads", "block-query"])
+def test_fused_backend_refuses_what_it_does_not_compute(name, fields):
+    cfg = config_for(name, **fields, backend="triton")
+    match = r"residual.backend='triton'.*needs heads=1, query=static.*use residual.backend"
+    with pytest.raises(ValueError, match=match):
+        get(name).validate(cfg, d_model=D, n_sublayers=L)
+    assert not make(name, **fields).fused_covers()  # auto runs the reference for them
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres", ("residual.key_norm=false",)),
+                                             ("attnres_block", ()), ("attnres_block", ("residual.block_size=2",))],
+                         ids=["attnres", "attnres-raw-keys", "attnres_block", "attnres_block-size=2"])
+def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, overrides):
+    # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
+    # PyTorch reference, with checkpoint_reads on for the fused one: outputs and every gradient.
+    from tests.helpers import build_backbone, packed_batch
+
+    torch.manual_seed(0)
+    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=overrides)
+    torch.manual_seed(0)
+    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=triton"),
+                           checkpoint_reads=True)
+    with torch.no_grad():
+        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
+            p_ref.add_(0.2 * torch.randn_like(p_ref))
+            p_fused.copy_(p_ref)
+    tokens, docs = packed_batch(1, 11, 37, n_docs=2)
+    out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
+    torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fused.backward(g)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres_block", ()),
+                                             ("attnres_block", ("residual.block_size=2",))],
+                         ids=["attnres", "attnres_block", "attnres_block-size=2"])
+def test_gpu_auto_backend_is_the_fused_op_and_matches_the_reference(name, overrides):
+    # On CUDA, backend=auto runs the fused op (its state is the fused one); fp32 backbone, outputs and
+    # every gradient against backend=torch.
+    from residuals.attnres import FusedState
+    from tests.helpers import build_backbone, packed_batch
+
+    torch.manual_seed(0)
+    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=torch")).cuda()
+    torch.manual_seed(0)
+    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=overrides).cuda()
+    with torch.no_grad():
+        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
+            p_ref.add_(0.2 * torch.randn_like(p_ref))
+            p_fused.copy_(p_ref)
+    tokens, docs = (t.cuda() for t in packed_batch(2, 67, 37, n_docs=3))
+    emb = fused.embed(tokens)
+    assert isinstance(fused.residual.begin(emb, Context(docs)), FusedState)
+    out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
+    torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_fused.backward(g)
+    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)

@@ -1,0 +1,110 @@
+"""Compile the fused depth-attention kernels for an H100/H200 (sm_90a) without a GPU; print resources.
+
+    python -m benchmarks.depth_attn_ptxas [--shapes block-small block-medium ...]
+
+Uses Triton's NVIDIA backend and the ``ptxas`` shipped in the triton wheel, with the tiles that
+``kernels/depth_attn/fused.tiles`` picks and the argument specialisation of a real launch (pointers
+and d, N divisible by 16), so it runs on a CPU-only machine. One line per kernel: shared memory,
+registers per thread, spill bytes, and the programs per SM those allow (the persistent backward
+grids are sized from the same numbers at run time). Not a timing: the GPU benchmark is
+``benchmarks.ops_attnres``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+# name -> (consumers C, sources n, d): the ops of benchmarks.ops_attnres at its widths, and the limits
+SHAPES = {
+    "block-small": (4, 5, 512), "block-medium": (4, 5, 1024), "block-d2048": (4, 5, 2048),
+    "full-small": (2, 17, 512), "full-medium": (2, 17, 1024), "full-d2048": (2, 17, 2048),
+    "block8-d4096": (8, 9, 4096), "one-d8192": (1, 9, 8192),
+}
+
+
+def compile_report(fn, types: dict, constexprs: dict, num_warps: int) -> tuple[str, int]:
+    """Compile ``fn`` for sm_90a -> (ptxas's register/spill summary, registers per thread)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {}  # what a launch specialises: 16-byte aligned pointers, d and N divisible by 16
+    for i, name in enumerate(fn.arg_names):
+        t = sig[name]
+        if isinstance(t, tuple):
+            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(t))})
+        elif t.startswith("*") or name in ("D", "N"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True)
+    finally:
+        os.unlink(f.name)
+    info = [ln.split(":", 1)[-1].strip() for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln]
+    regs = int(next(w for w in " ".join(info).replace(",", " ").split("Used", 1)[1].split() if w.isdigit()))
+    return f"shared {kernel.metadata.shared} B | " + "; ".join(info), regs
+
+
+def per_sm(regs: int, warps: int, smem: int) -> int:
+    per_warp = -(-regs * 32 // 256) * 256
+    return max(1, min(65536 // (per_warp * warps), 2048 // (32 * warps), (227 * 1024) // smem if smem else 64))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = p.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # the GPU tiles, not the interpreter's
+    from kernels.depth_attn import fused
+
+    bf16, f32 = "*bf16", "*fp32"
+    failed = 0
+    for shape in args.shapes:
+        C, n, d = SHAPES[shape]
+        t = fused.tiles(n, d)
+        bt, bd, mw = fused._row_tiles(d)
+        runs = [
+            ("phase 1 forward", fused._summaries_fwd_kernel,
+             dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, eps="fp32"),
+             dict(C=C, KEY_NORM=True, STORE_LOGITS=False, ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s,
+                  BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps),
+            ("phase 1 backward", fused._summaries_bwd_kernel,
+             dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, dsrc_ptr=bf16,
+                  dqg_ptr=f32, eps="fp32"),
+             dict(C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
+                  BLOCK_S=t.bwd_block_s,
+                  BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps),
+            ("merge forward", fused._merge_fwd_kernel,
+             dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, eps="fp32"),
+             dict(KEY_NORM=True, BLOCK_T=bt, BLOCK_D=bd), mw),
+            ("merge backward", fused._merge_bwd_kernel,
+             dict(o_ptr=bf16, p_ptr=bf16, qg_ptr=f32, w_ptr=f32, dh_ptr=bf16, do_ptr=bf16, dp_ptr=bf16,
+                  dlse_ptr=f32, dqg_ptr=f32, eps="fp32"),
+             dict(KEY_NORM=True, BLOCK_T=bt, BLOCK_D=bd), mw),
+        ]
+        print(f"== {shape}: C={C} n={n} d={d} tiles {t}", flush=True)
+        for name, fn, types, consts, warps in runs:
+            try:
+                info, regs = compile_report(fn, types, consts, warps)
+            except Exception as exc:
+                failed += 1
+                print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            smem = int(info.split("shared ", 1)[1].split(" ", 1)[0])
+            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C")}
+            print(f"{name} {tiles} warps={warps}: {info} | {per_sm(regs, warps, smem)} programs/SM", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,585 @@
+"""Depth attention fused in Triton: the two-phase schedule of Block AttnRes (SPEC §3).
+
+Paper: "Attention Residuals", Kimi Team, arXiv 2603.15031 (two-phase computation).
+
+Static pseudo-queries do not depend on the input, so the C consumers of a block can attend the
+completed sources at once (phase 1), and each consumer then folds in its intra-block partial with an
+online-softmax merge (phase 2). Same semantics as ``reference.py``; all math in fp32 whatever the
+sources' dtype (bf16 on the GPU). PyTorch only folds the key gains into the queries (q ⊙ g, with
+autograd) and sums per-program partial query gradients (deterministic, no atomics).
+
+Phase 1, ``_summaries_fwd_kernel``: one program per block of BLOCK_T tokens (one token for
+d >= 512) with all d channels, warps along d. A chunk of BLOCK_S (<= 8) sources is read in one
+load, so every source of a token is in flight at once; with n <= BLOCK_S (``ONE_CHUNK``: Block
+AttnRes up to 8 blocks at d <= 2048) the chunk is loaded once for all C consumers. Per consumer (a
+static loop): the logits (q_c ⊙ g_c)·x_s·r_s (the sums of squares r_s are shared), the softmax over
+the sources in fp32 (online across chunks when n > BLOCK_S, the later consumers then read the chunks
+from L2), and the weighted sum. Writes each consumer's normalised output (C, N, d) in the sources'
+dtype and its log-sum-exp (C, N) fp32 (N = B·T tokens).
+
+Phase 2, ``_merge_fwd_kernel``: for one consumer and its partial p, z = (q ⊙ g)·RMSNorm(p) and
+w = σ(z − lse) (the partial's share of the merged softmax), h = o + w·(p − o). Reads o and p,
+writes h and w (N,) fp32.
+
+Backward, ``_merge_bwd_kernel`` (per consumer) then ``_summaries_bwd_kernel`` (per block):
+    merge:   do = (1−w)·dh,  dz = w(1−w)·dh·(p − o),  dlse = −dz,  dp = w·dh + dz·∂z/∂p
+    phase 1: dlogit_cs = w_cs (dO_c·x_s − dO_c·o_c + dlse_c),  w_cs = exp(logit_cs − lse_c)
+             dx_s = Σ_c w_cs dO_c + Σ_c dlogit_cs ∂logit_cs/∂x_s
+with ∂logit/∂x = r (qg − logit·r·x / d), r = rsqrt(mean x² + eps) for the key RMSNorm. With
+``ONE_CHUNK`` the phase-1 backward reads every source and every upstream gradient of a token block
+once: dO_c·o_c = Σ_s w_cs dO_c·x_s comes from the chunk in registers (no fp32 copy of the outputs is
+kept), then the chunk's gradients are written. Otherwise a first pass over the chunks sums
+dO_c·o_c and a second (usually from L2) writes the gradients. Both backward kernels are persistent
+(each program loops over token blocks and writes one partial gradient of q ⊙ g) with as many
+programs as fit on the GPU at once, read from the compiled kernel's registers and shared memory.
+
+Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
+resource report (``python -m benchmarks.depth_attn_ptxas``): ~4 fp32 per thread and row, at most 32
+fp32 of a chunk per thread, at most 4 sources per load in a 16-warp backward (128 registers).
+Under the interpreter: 32 tokens per program.
+
+Sources are never stacked per read: phase 1 reads rows [0, n) of a preallocated (n_max, B, T, d)
+buffer (``SourceBuffer``), whose rows are written once, when a source is complete, and never
+modified afterwards (so the backward may read them after later rows are filled).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S: tl.constexpr):
+    """Sources s0 .. s0 + BLOCK_S - 1 of a token block in one load (BLOCK_S rows in flight at once):
+    x (BLOCK_S, BLOCK_T, BLOCK_D) fp32 (0 past n), the source mask (BLOCK_S,) and the rows
+    s·N + t (BLOCK_S, BLOCK_T) int64 in the (n, N) source-token grid."""
+    idx = s0 + tl.arange(0, BLOCK_S)
+    mask_s = idx < n
+    rows = idx.to(tl.int64)[:, None] * N + tok[None, :]
+    x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                mask=mask_s[:, None, None] & mask_td[None, :, :], other=0.0)
+    return x.to(tl.float32), mask_s, rows
+
+
+@triton.jit
+def _chunk_rstd(x, D, eps, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    """r = rsqrt(mean x² + eps) (S, T) of a chunk (1 for raw keys): shared by every consumer."""
+    if KEY_NORM:
+        r = tl.rsqrt(tl.sum(x * x, axis=2) / D + eps)
+    else:
+        r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+    return r
+
+
+@triton.jit
+def _fwd_chunk(x, r, mask_s, qg, m_i, l_i, acc):
+    """One consumer (qg (D,)) over a chunk x (S, T, D): logits (S, T) and the online-softmax state
+    (running max m_i (T,), sum l_i (T,), accumulator acc (T, D)) updated."""
+    logit = tl.sum(x * qg[None, None, :], axis=2) * r
+    masked = tl.where(mask_s[:, None], logit, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(masked, axis=0))  # a chunk holds at least one source
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(masked - m_new[None, :])  # (S, T)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * x, axis=0)
+    return logit, m_new, l_i, acc
+
+
+@triton.jit
+def _summaries_fwd_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries q_c ⊙ g_c (C, d) fp32
+    out_ptr,  # result: normalised outputs (C, N, d), the sources' dtype
+    lse_ptr,  # result: log-sum-exp of the logits over sources (C, N) fp32
+    logits_ptr,  # result: raw logits (C, n, N) fp32, only when STORE_LOGITS
+    n, N, D, eps,
+    C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_t = offs_t < N
+    mask_d = offs_d < D
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    tok = offs_t.to(tl.int64)
+    if ONE_CHUNK:  # every source in registers: read once for all consumers
+        x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
+        r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+    for c in tl.static_range(C):
+        qg = tl.load(qg_ptr + c * D + offs_d, mask=mask_d, other=0.0)  # (BLOCK_D,)
+        # online softmax over chunks of sources, fp32 (AttnRes §3: the softmax is in fp32)
+        m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        if ONE_CHUNK:
+            logit, m_i, l_i, acc = _fwd_chunk(x, r, mask_s, qg, m_i, l_i, acc)
+            if STORE_LOGITS:
+                tl.store(logits_ptr + c * n * N + rows, logit, mask=mask_s[:, None] & mask_t[None, :])
+        else:  # chunk by chunk; consumers after the first read them from L2
+            s0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
+            while s0 < n:
+                xc, mask_sc, rows_c = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+                rc = _chunk_rstd(xc, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+                logit, m_i, l_i, acc = _fwd_chunk(xc, rc, mask_sc, qg, m_i, l_i, acc)
+                if STORE_LOGITS:
+                    tl.store(logits_ptr + c * n * N + rows_c, logit, mask=mask_sc[:, None] & mask_t[None, :])
+                s0 += BLOCK_S
+        out_rows = tok + c * N  # (T,) int64 in (C, N)
+        tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask_td)
+        tl.store(lse_ptr + c * N + tok, m_i + tl.log(l_i), mask=mask_t)
+
+
+@triton.jit
+def _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t, mask_td, mask_d, N, D):
+    """Consumer c over a chunk x (S, T, D): its query qg (D,), upstream gradient dO (T, D), the logits
+    (S, T), the weights w = exp(logit − lse) (S, T) (0 past n) and a = dO·x_s (S, T)."""
+    # loaded as (1, T, D) and (1, 1, D): the layout of the chunk, no conversion through shared memory
+    qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+    do = tl.load(do_ptr + td[None, :, :], mask=mask_td[None, :, :], other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + c * N + tok, mask=mask_t, other=0.0)
+    logit = tl.sum(x * qg, axis=2) * r
+    w = tl.where(mask_s[:, None], tl.exp(logit - lse[None, :]), 0.0)
+    a = tl.sum(x * do, axis=2)
+    return qg, do, logit, w, a
+
+
+@triton.jit
+def _pick(ptrs, c, C: tl.constexpr):
+    """ptrs[c] for a runtime index c (a chain of selects over the tuple)."""
+    ptr = ptrs[0]
+    for j in tl.static_range(1, C):
+        ptr = tl.where(c == j, ptrs[j], ptr)
+    return ptr
+
+
+@triton.jit
+def _consumer_grad(x, r, mask_s, delta, dqg, dx, dl_l, qg_ptr, do_ptr, lse_ptr, dlse_ptr, c, tok, td, offs_c,
+                   offs_d, mask_t, mask_td, mask_d, N, D, LOCAL_DELTA: tl.constexpr):
+    """Consumer c's share of a chunk's gradients: dx (S, T, D), Σ_c dlogit·logit (S, T), dqg row c."""
+    qg, do, logit, w, a = _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t,
+                                           mask_td, mask_d, N, D)
+    if LOCAL_DELTA:
+        delta_c = tl.sum(w * a, axis=0)  # (T,), from the sources in fp32
+    else:
+        delta_c = tl.sum(tl.where(offs_c[:, None] == c, delta, 0.0), axis=0)
+    dlse = tl.load(dlse_ptr + c * N + tok, mask=mask_t, other=0.0)
+    dl = w * (a - delta_c[None, :] + dlse[None, :])  # softmax backward (S, T)
+    dl_l += dl * logit
+    dlr = dl * r
+    dx += w[:, :, None] * do + dlr[:, :, None] * qg
+    dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,): Σ dlogit · r x
+    dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
+    return dx, dl_l, dqg
+
+
+@triton.jit
+def _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d, mask_t,
+                 mask_td, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr, LOCAL_DELTA: tl.constexpr,
+                 UNROLL_C: tl.constexpr):
+    """Gradient dx (S, T, D) of a chunk of sources, and dqg (BLOCK_C, D) plus this chunk's share:
+        dlogit_cs = w_cs (a_cs − delta_c + dlse_c),  delta_c = dO_c·o_c = Σ_s w_cs a_cs
+        dx_s = Σ_c w_cs dO_c + r_s Σ_c dlogit_cs qg_c − r_s² x_s Σ_c dlogit_cs logit_cs / d
+    ``LOCAL_DELTA``: the chunk holds every source, delta_c is summed here; else it is given (C, T).
+    ``UNROLL_C``: consumers unrolled (the compiler overlaps their upstream-gradient loads); else a
+    loop that keeps one consumer's values live at a time (for the 128-register cap of 16 warps)."""
+    dx = tl.zeros_like(x)
+    dl_l = tl.zeros_like(r)  # Σ_c dlogit_cs logit_cs (S, T)
+    if UNROLL_C:
+        for c in tl.static_range(C):
+            dx, dl_l, dqg = _consumer_grad(x, r, mask_s, delta, dqg, dx, dl_l, qg_ptr, douts[c], lse_ptr, dlse_ptr,
+                                           c, tok, td, offs_c, offs_d, mask_t, mask_td, mask_d, N, D, LOCAL_DELTA)
+    else:
+        for c in range(C):
+            dx, dl_l, dqg = _consumer_grad(x, r, mask_s, delta, dqg, dx, dl_l, qg_ptr, _pick(douts, c, C), lse_ptr,
+                                           dlse_ptr, c, tok, td, offs_c, offs_d, mask_t, mask_td, mask_d, N, D,
+                                           LOCAL_DELTA)
+    if KEY_NORM:  # through r = rsqrt(mean x² + eps)
+        dx -= (r * r * dl_l / D)[:, :, None] * x
+    return dx, dqg
+
+
+@triton.jit
+def _summaries_bwd_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries (C, d) fp32
+    lse_ptr,  # forward log-sum-exp (C, N) fp32
+    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
+    dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
+    dsrc_ptr,  # result: gradient of the sources (n, N, d), the sources' dtype
+    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
+    n, N, D, eps,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    UNROLL_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_d = offs_d < D
+    dqg = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
+    n_tiles = tl.cdiv(N, BLOCK_T)
+    tile = pid
+    while tile < n_tiles:  # as many programs as fit on the GPU at once, each over many token blocks
+        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < N
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        tok = offs_t.to(tl.int64)
+        td = tok[:, None] * D + offs_d[None, :]
+        if ONE_CHUNK:  # every source in one load: each source and upstream gradient read once
+            x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+            r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+            dx, dqg = _chunk_grads(x, r, mask_s, dqg, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d,
+                                   mask_t, mask_td, mask_d, N, D, C, KEY_NORM, True, UNROLL_C)
+            tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                     mask=mask_s[:, None, None] & mask_td[None, :, :])
+        else:
+            # pass 1: delta_c = dO_c·o_c (C, T); pass 2 (the chunks again, usually from L2): gradients
+            delta = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
+            s0 = pid * 0
+            while s0 < n:
+                x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+                r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+                for c in tl.static_range(C):
+                    qg, do, logit, w, a = _consumer_scores(x, r, mask_s, qg_ptr, douts[c], lse_ptr, c, tok, td,
+                                                           offs_d, mask_t, mask_td, mask_d, N, D)
+                    delta += tl.where(offs_c[:, None] == c, tl.sum(w * a, axis=0)[None, :], 0.0)
+                s0 += BLOCK_S
+            s0 = pid * 0
+            while s0 < n:
+                x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+                r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+                dx, dqg = _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c,
+                                       offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, False,
+                                       UNROLL_C)
+                tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                         mask=mask_s[:, None, None] & mask_td[None, :, :])
+                s0 += BLOCK_S
+        tile += n_prog
+    tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
+             mask=(offs_c[:, None] < C) & mask_d[None, :])
+
+
+@triton.jit
+def _merge_fwd_kernel(
+    o_ptr,  # phase-1 output of this consumer (N, d)
+    lse_ptr,  # its log-sum-exp (N,) fp32
+    p_ptr,  # the intra-block partial (N, d)
+    qg_ptr,  # gain-folded query (d,) fp32
+    h_ptr,  # result: merged output (N, d)
+    w_ptr,  # result: weight of the partial in the merged softmax (N,) fp32
+    N, D, eps,
+    KEY_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_t = offs_t < N
+    mask_d = offs_d < D
+    mask = mask_t[:, None] & mask_d[None, :]
+    td = offs_t.to(tl.int64)[:, None] * D + offs_d[None, :]
+    qg = tl.load(qg_ptr + offs_d, mask=mask_d, other=0.0)
+    o = tl.load(o_ptr + td, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(p_ptr + td, mask=mask, other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+    z = tl.sum(p * qg[None, :], axis=1)
+    if KEY_NORM:
+        z = z * tl.rsqrt(tl.sum(p * p, axis=1) / D + eps)
+    # online-softmax merge of {phase-1 sources} (lse) with one more source (logit z)
+    w = 1.0 / (1.0 + tl.exp(lse - z))
+    h = o + w[:, None] * (p - o)
+    tl.store(h_ptr + td, h.to(h_ptr.dtype.element_ty), mask=mask)
+    tl.store(w_ptr + offs_t, w, mask=mask_t)
+
+
+@triton.jit
+def _merge_bwd_kernel(
+    o_ptr,  # phase-1 output (N, d)
+    p_ptr,  # the partial (N, d)
+    qg_ptr,  # gain-folded query (d,) fp32
+    w_ptr,  # forward weight of the partial (N,) fp32
+    dh_ptr,  # upstream gradient of h (N, d) contiguous
+    do_ptr,  # result: gradient of o (N, d), o's dtype
+    dp_ptr,  # result: gradient of the partial (N, d), the partial's dtype
+    dlse_ptr,  # result: gradient of the phase-1 log-sum-exp (N,) fp32
+    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, d) fp32
+    N, D, eps,
+    KEY_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    qg = tl.load(qg_ptr + offs_d, mask=mask_d, other=0.0)
+    dqg = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    n_tiles = tl.cdiv(N, BLOCK_T)
+    tile = pid
+    while tile < n_tiles:
+        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < N
+        mask = mask_t[:, None] & mask_d[None, :]
+        td = offs_t.to(tl.int64)[:, None] * D + offs_d[None, :]
+        o = tl.load(o_ptr + td, mask=mask, other=0.0).to(tl.float32)
+        p = tl.load(p_ptr + td, mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + td, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_t, mask=mask_t, other=0.0)
+        dz = w * (1.0 - w) * tl.sum(dh * (p - o), axis=1)  # through w = σ(z − lse)
+        dp = w[:, None] * dh
+        if KEY_NORM:
+            r = tl.rsqrt(tl.sum(p * p, axis=1) / D + eps)
+            nk = p * r[:, None]
+            z = tl.sum(nk * qg[None, :], axis=1)
+            dp += (dz * r)[:, None] * (qg[None, :] - nk * (z / D)[:, None])
+            dqg += tl.sum(dz[:, None] * nk, axis=0)
+        else:
+            dp += dz[:, None] * qg[None, :]
+            dqg += tl.sum(dz[:, None] * p, axis=0)
+        tl.store(do_ptr + td, ((1.0 - w)[:, None] * dh).to(do_ptr.dtype.element_ty), mask=mask)
+        tl.store(dp_ptr + td, dp.to(dp_ptr.dtype.element_ty), mask=mask)
+        tl.store(dlse_ptr + offs_t, -dz, mask=mask_t)
+        tile += n_prog
+    tl.store(dqg_ptr + pid.to(tl.int64) * D + offs_d, dqg, mask=mask_d)
+
+
+# --- launchers -----------------------------------------------------------------------------------
+# Host-side arithmetic in plain Python: triton.cdiv and triton.next_power_of_2 are constexpr
+# functions whose every host call costs microseconds, and a block launches these kernels ~8 times.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One program's tile: BLOCK_T tokens × all d channels (warps along d: ~4 fp32 per thread and
+    row), BLOCK_S sources per load, ``one_chunk`` when every source fits in one load; the backward
+    holds more per source (the gradient too) and may take fewer sources per load."""
+
+    block_t: int
+    block_d: int
+    block_s: int
+    one_chunk: bool
+    num_warps: int
+    bwd_block_s: int
+    bwd_one_chunk: bool
+    bwd_unroll_c: bool
+
+
+@functools.lru_cache(maxsize=None)
+def tiles(n: int, d: int) -> Tiles:
+    """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)).
+
+    GPU: one token per program for d >= 512 (a 512-channel row per 4 warps; 16 warps at most), else
+    as many tokens as make a 512-value row block. The chunk holds up to 8 sources and at most 32 fp32
+    per thread, so at d <= 2048 a block of Block AttnRes with up to 8 summaries is read once, in
+    one load. Interpreter: 32 tokens per program (each program costs milliseconds)."""
+    block_d = _pow2(d)
+    if interpreting():
+        block_t, warps = 32, 4
+    else:
+        block_t = max(1, 512 // block_d)
+        warps = min(16, max(1, block_t * block_d // 128))
+    per_thread = max(1, block_t * block_d // (32 * warps))
+    block_s = min(_pow2(n), 8, max(1, 32 // per_thread))
+    # 16 warps cap a thread at 128 registers: the backward then spills with 8 sources per load
+    # (sm_90, d=2048, 4 consumers: 712 bytes) and barely with 4 (40 bytes)
+    # and loops over the consumers instead of unrolling them (unrolled, the compiler overlaps the
+    # consumers' upstream-gradient loads but keeps their values live: 252 vs 219 registers at d=512)
+    bwd_block_s = min(block_s, 4) if warps >= 16 else block_s
+    return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16)
+
+
+_RESIDENT: dict = {}
+
+
+def _resident_programs(kernel, args, meta, num_warps: int, device: torch.device) -> int:
+    """Programs of a persistent kernel: as many as fit on the GPU at once (registers, threads and
+    shared memory of the compiled kernel, cached per specialisation), so one wave covers every token
+    block and the per-program partial sums stay few."""
+    key = (id(kernel), device.index, *meta.values(), num_warps, *(a.dtype for a in args if isinstance(a, Tensor)))
+    if key not in _RESIDENT:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        by_threads = 2048 // (32 * num_warps)
+        try:  # compile without launching, then read the kernel's resources
+            compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **meta)
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled._init_handles()
+            per_warp = -(-max(1, compiled.n_regs) * 32 // 256) * 256  # registers go per warp, in units of 256
+            by_regs = 65536 // (per_warp * num_warps)
+            smem = compiled.metadata.shared
+            by_smem = (227 * 1024) // smem if smem else by_threads
+            fit = min(by_regs, by_threads, by_smem)
+        except Exception as exc:  # a grid-size estimate only: the kernel itself still runs, say so once
+            fit = 16 // num_warps
+            warnings.warn(f"depth_attn: could not read the resources of {getattr(kernel, '__name__', kernel)} "
+                          f"({type(exc).__name__}: {exc}); persistent grid of {fit} programs per SM")
+        _RESIDENT[key] = sms * max(1, min(fit, 32))
+    return _RESIDENT[key]
+
+
+def _persistent_grid(kernel, args, meta, num_warps: int, n_tiles: int, device: torch.device) -> int:
+    if interpreting():
+        return min(n_tiles, 2)
+    return max(1, min(n_tiles, _resident_programs(kernel, args, meta, num_warps, device)))
+
+
+def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float, store_logits: bool):
+    """src (n_max, B, T, d) contiguous, qg (C, d) fp32 -> out (C, B, T, d), lse (C, B, T) fp32,
+    logits (C, n, B, T) fp32 or None."""
+    shape = src.shape[1:]
+    N, d = src[0].numel() // src.shape[-1], src.shape[-1]
+    C = qg.shape[0]
+    t = tiles(n, d)
+    out = torch.empty(C, *shape, device=src.device, dtype=src.dtype)
+    lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
+    logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
+    _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
+        src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
+        ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, num_warps=t.num_warps)
+    return out, lse, (logits if store_logits else None)
+
+
+def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Tensor, ...], dlse: Tensor,
+                  *, key_norm: bool, eps: float) -> tuple[Tensor, Tensor]:
+    """-> dsrc (n, B, T, d) in the sources' dtype, dqg (C, d) fp32."""
+    N, d = src[0].numel() // src.shape[-1], src.shape[-1]
+    C = qg.shape[0]
+    t = tiles(n, d)
+    dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
+    meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
+                BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
+    args = (src, qg, lse, douts, dlse, dsrc, None, n, N, d, eps)
+    programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,
+                                _cdiv(N, t.block_t), src.device)
+    dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
+    _summaries_bwd_kernel[(programs,)](*args[:6], dqg, *args[7:], **meta, num_warps=t.num_warps)
+    return dsrc, dqg.sum(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_tiles(d: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, warps) of the merge kernels: rows of ~8 fp32 per thread (they hold three)."""
+    block_d = _pow2(d)
+    if interpreting():
+        return 32, block_d, 4
+    block_t = max(1, 1024 // block_d)
+    return block_t, block_d, min(16, max(1, block_t * block_d // 256))
+
+
+def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, eps: float):
+    """o, p (B, T, d) contiguous, lse (B, T) fp32, qg (d,) fp32 -> h (B, T, d), w (B, T) fp32."""
+    d = o.shape[-1]
+    N = o.numel() // d
+    block_t, block_d, warps = _row_tiles(d)
+    h = torch.empty(o.shape, device=o.device, dtype=torch.promote_types(o.dtype, p.dtype))
+    w = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
+    _merge_fwd_kernel[(_cdiv(N, block_t),)](o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm,
+                                                  BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    return h, w
+
+
+def merge_bwd(o: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, key_norm: bool, eps: float):
+    """-> do (o's dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32."""
+    d = o.shape[-1]
+    N = o.numel() // d
+    block_t, block_d, warps = _row_tiles(d)
+    do, dp = torch.empty_like(o), torch.empty_like(p)
+    dlse = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
+    meta = dict(KEY_NORM=key_norm, BLOCK_T=block_t, BLOCK_D=block_d)
+    args = [o, p, qg, w, dh, do, dp, dlse, qg, N, d, eps]
+    programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, _cdiv(N, block_t), o.device)
+    args[8] = dqg = torch.empty(programs, d, device=o.device, dtype=torch.float32)
+    _merge_bwd_kernel[(programs,)](*args, **meta, num_warps=warps)
+    return do, dp, dlse, dqg.sum(0)
+
+
+# --- autograd ------------------------------------------------------------------------------------
+class SummariesFunction(torch.autograd.Function):
+    """Phase 1. ``apply(src, n, split, key_norm, eps, store_logits, qg, *rows)``.
+
+    ``rows`` empty: ``src`` (n, B, T, d) is itself the differentiable input. ``rows`` given: they are
+    the n differentiable sources, views of the rows [0, n) of the buffer ``src`` (n_max, B, T, d),
+    which is read directly (never stacked) and kept on ``ctx`` outside the saved tensors, because
+    later rows of the buffer are written after this call (rows [0, n) never change again).
+    ``split``: return C outputs and C log-sum-exps (one per consumer) instead of two stacked tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, src, n, split, key_norm, eps, store_logits, qg, *rows):
+        out, lse, logits = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps, store_logits=store_logits)
+        ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
+        if rows:
+            ctx.src = src
+            ctx.save_for_backward(qg, lse)
+        else:
+            ctx.save_for_backward(qg, lse, src)
+        if logits is None:
+            logits = lse.new_empty(0)
+        ctx.mark_non_differentiable(logits)
+        outs = (*out.unbind(0), *lse.unbind(0)) if split else (out, lse)
+        return (*outs, logits)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.buffered:
+            qg, lse = ctx.saved_tensors
+            src = ctx.src
+        else:
+            qg, lse, src = ctx.saved_tensors
+        C = qg.shape[0]
+        if ctx.split:
+            douts = tuple(g.contiguous() for g in grads[:C])
+            dlse = torch.stack(grads[C: 2 * C]).float()  # (C, B, T): small
+        else:
+            douts = tuple(grads[0].contiguous().unbind(0))
+            dlse = grads[1].float().contiguous()
+        dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps)
+        if ctx.buffered:
+            return (None, None, None, None, None, None, dqg, *dsrc.unbind(0))
+        return (dsrc, None, None, None, None, None, dqg)
+
+
+class MergeFunction(torch.autograd.Function):
+    """Phase 2. ``apply(o, lse, p, qg, key_norm, eps)`` -> h, w (w not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, o, lse, p, qg, key_norm, eps):
+        h, w = merge_fwd(o, lse, p, qg, key_norm=key_norm, eps=eps)
+        ctx.save_for_backward(o, p, qg, w)
+        ctx.key_norm, ctx.eps = key_norm, eps
+        ctx.mark_non_differentiable(w)
+        return h, w
+
+    @staticmethod
+    def backward(ctx, dh, _dw):
+        o, p, qg, w = ctx.saved_tensors
+        do, dp, dlse, dqg = merge_bwd(o, p, qg, w, dh.contiguous(), key_norm=ctx.key_norm, eps=ctx.eps)
+        return do, dlse, dp, dqg, None, None
+
+
+# --- entry points (inputs validated by kernels.depth_attn) -----------------------------------------
+@torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
+def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, store_logits: bool, qg: Tensor,
+              rows: tuple[Tensor, ...] = ()):
+    return SummariesFunction.apply(src, n, split, key_norm, eps, store_logits, qg, *rows)
+
+
+@torch.compiler.disable
+def merge(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, key_norm: bool, eps: float):
+    return MergeFunction.apply(o, lse, p, qg, key_norm, eps)

@@ -1,0 +1,267 @@
+"""The fused depth attention (kernels/depth_attn/fused.py) against its reference.
+
+Outputs are compared elementwise; gradients by relative error in norm (< 1e-5 in fp32: the query
+gradients are sums over every token, in a different order than the reference's).
+
+On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py): fp32, tight tolerances. The
+``gpu`` tests compare bf16 inputs on CUDA with the fp32 reference on the same bf16-rounded inputs.
+Every gradient is taken with a random upstream gradient.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, reference
+
+# (id, C queries, n sources, B, T, d, key_norm, gains): odd d and B·T (the interpreter's token block is 32)
+CASES = [
+    ("C4-n5-d37", 4, 5, 2, 19, 37, True, True),
+    ("T1", 3, 3, 1, 1, 16, True, True),
+    ("one-source", 4, 1, 2, 7, 24, True, True),
+    ("many-sources-C1", 1, 9, 1, 45, 20, True, True),
+    ("raw-keys", 3, 4, 2, 17, 33, False, False),
+    ("no-gain", 2, 3, 3, 11, 9, True, False),
+    ("C6-d64", 6, 4, 1, 40, 64, True, True),
+]
+IDS = [c[0] for c in CASES]
+# backend='triton' on CPU tensors runs only under the interpreter (set by conftest.py without CUDA)
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
+
+
+def make_inputs(C, n, B, T, d, gains, *, device="cpu", seed=0):
+    g = torch.Generator(device).manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g, device=device)
+
+    sources = rand(n, B, T, d, scale=2.0) + rand(n, 1, 1, d)  # per-source offsets: logits spread
+    partials = rand(C, B, T, d, scale=1.5)  # one per consumer (consumer 0 merges none)
+    queries = rand(C, d, scale=0.5)
+    key_gains = 1 + 0.3 * rand(C, d) if gains else None
+    return sources, partials, queries, key_gains
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def two_phase(backend, sources, partials, queries, key_gains, key_norm):
+    """Block AttnRes for one block: consumer 0 reads phase 1 alone, consumer c > 0 merges partials[c].
+    Sources go through a SourceBuffer, as in the residual."""
+    buffer = SourceBuffer(sources.shape[0] + 2, sources[0])  # spare rows: only [0, n) are read
+    for s in sources.unbind(0):
+        buffer.append(s)
+    outs, lses, weights = depth_attn_summaries(buffer, queries, key_gains, key_norm=key_norm,
+                                               return_weights=True, backend=backend)
+    hs, merged_w = [outs[0]], []
+    for c in range(1, queries.shape[0]):
+        h, w = depth_attn_merge(outs[c], lses[c], partials[c], queries[c],
+                                None if key_gains is None else key_gains[c], key_norm=key_norm, backend=backend)
+        hs.append(h)
+        merged_w.append(w)
+    return hs, weights, merged_w
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_one_pass_matches_reference(case):
+    _, C, n, B, T, d, key_norm, gains = case
+    sources, _, queries, key_gains = make_inputs(C, n, B, T, d, gains)
+    leaves = [t.requires_grad_() for t in (sources, queries, key_gains) if t is not None]
+    out, w = depth_attn(sources, queries, key_gains, key_norm=key_norm, return_weights=True, backend="triton")
+    ref, ref_w = depth_attn(sources, queries, key_gains, key_norm=key_norm, return_weights=True, backend="torch")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    for i, (a, b) in enumerate(zip(torch.autograd.grad((out * up).sum(), leaves),
+                                   torch.autograd.grad((ref * up).sum(), leaves))):
+        assert rel_err(a, b) < 1e-5, f"input {i}: relative error {rel_err(a, b):.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_two_phase_matches_reference(case):
+    _, C, n, B, T, d, key_norm, gains = case
+    sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains)
+    leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains) if t is not None]
+    fused, fused_w, fused_mw = two_phase("triton", sources, partials, queries, key_gains, key_norm)
+    ref, ref_w, ref_mw = two_phase("torch", sources, partials, queries, key_gains, key_norm)
+    for c, (a, b) in enumerate(zip(fused, ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"consumer {c}")
+    torch.testing.assert_close(fused_w, ref_w, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_mw, ref_mw):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    g = torch.Generator().manual_seed(2)
+    ups = [torch.randn(h.shape, generator=g) for h in ref]
+    grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(fused, ups)), leaves, allow_unused=True)
+    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref, ups)), leaves, allow_unused=True)
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        if b is None:  # partials[0]: consumer 0 merges nothing
+            assert a is None
+            continue
+        # fp32 sums over tokens (query gradients): compare in norm, 1e-5 is ~100 ulps
+        assert rel_err(a, b) < 1e-5, f"input {i}: relative error {rel_err(a, b):.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("chunks", [(2, 2, True), (8, 2, False), (1, 4, True), (8, 8, False)],
+                         ids=["ragged-chunks", "fwd-one-bwd-two-pass-loop", "S1", "one-chunk-loop"])
+def test_source_chunking_does_not_change_the_result(monkeypatch, chunks):
+    # The kernels load BLOCK_S sources at a time: one chunk (read once), several with a ragged last
+    # chunk (online softmax forward, two-pass backward), and a forward in one chunk with a backward
+    # in several (the 16-warp tiles on the GPU); the backward unrolls its consumers or loops over
+    # them. Every split must give the reference's result.
+    from kernels.depth_attn import fused
+
+    fwd_s, bwd_s, unroll = chunks
+    n, d = 5, 37
+    monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), fwd_s, n_ <= fwd_s, 4,
+                                                                   bwd_s, n_ <= bwd_s, unroll))
+    sources, partials, queries, key_gains = make_inputs(3, n, 2, 19, d, True, seed=3)
+    leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
+    fused_h, fused_w, _ = two_phase("triton", sources, partials, queries, key_gains, True)
+    ref_h, ref_w, _ = two_phase("torch", sources, partials, queries, key_gains, True)
+    for a, b in zip(fused_h, ref_h):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_w, ref_w, rtol=1e-5, atol=1e-6)
+    g = torch.Generator().manual_seed(4)
+    ups = [torch.randn(h.shape, generator=g) for h in ref_h]
+    grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(fused_h, ups)), leaves, allow_unused=True)
+    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref_h, ups)), leaves, allow_unused=True)
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert rel_err(a, b) < 1e-5, f"input {i}: relative error {rel_err(a, b):.2e}"
+
+
+def test_two_phase_reference_is_the_spec():
+    # The composition summaries + merge is depth attention over [sources..., partial] (fp64).
+    sources, partials, queries, key_gains = make_inputs(3, 4, 2, 5, 7, True)
+    sources, partials, queries, key_gains = (t.double() for t in (sources, partials, queries, key_gains))
+    for key_norm in (True, False):
+        out, lse = reference.summaries(sources, queries, key_gains, key_norm=key_norm)
+        for c in range(3):
+            h, w = reference.merge(out[c], lse[c], partials[c], queries[c], key_gains[c], key_norm=key_norm)
+            spec, spec_w = reference.depth_attn(torch.cat([sources, partials[c][None]]), queries[c:c + 1],
+                                                key_gains[c:c + 1], key_norm=key_norm, return_weights=True)
+            torch.testing.assert_close(h, spec[0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(w, spec_w[0, -1], rtol=1e-12, atol=1e-12)
+
+
+def test_two_phase_reference_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    src, p, q, gain = (torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
+                       for s in ((3, 1, 2, 5), (1, 2, 5), (2, 5), (2, 5)))
+
+    def f(src, p, q, gain):
+        out, lse = reference.summaries(src, q, gain)
+        return reference.merge(out[1], lse[1], p, q[1], gain[1])[0], out[0]
+
+    torch.autograd.gradcheck(f, (src, p, q, gain))
+
+
+@needs_interpreter
+def test_buffer_rows_are_read_in_place_and_written_once():
+    # Phase 1 reads the buffer rows written so far; a later append does not change an earlier
+    # result's backward (rows are never modified), and a full buffer is an error.
+    sources, _, queries, key_gains = make_inputs(2, 3, 1, 6, 8, True)
+    leaf = sources.requires_grad_()
+    buffer = SourceBuffer(3, leaf[0])
+    for s in leaf[:2].unbind(0):
+        buffer.append(s)
+    outs, _ = depth_attn_summaries(buffer, queries, key_gains, backend="triton")
+    buffer.append(leaf[2] * 3)  # written after the phase-1 call above
+    ref = depth_attn(leaf[:2], queries, key_gains, backend="torch")
+    up = torch.randn(ref.shape)
+    (a,) = torch.autograd.grad(sum((o * u).sum() for o, u in zip(outs, up)), leaf)
+    (b,) = torch.autograd.grad((ref * up).sum(), leaf)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="all 3 rows are written"):
+        buffer.append(leaf[0])
+
+
+def test_buffer_sums_in_the_terms_precision_and_routes_gradients():
+    # A bf16 block summary stored in an fp32 buffer (bf16-mixed training: the embedding is fp32):
+    # summed in bf16 like the reference's partial + out, then cast; gradients reach both terms in bf16.
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(2, 3, 5, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    buffer = SourceBuffer(2, torch.zeros(2, 3, 5))
+    buffer.append(torch.zeros(2, 3, 5))
+    row = buffer.append(a, b)
+    assert row.dtype == torch.float32 and torch.equal(row, (a + b).float())
+    up = torch.randn(row.shape, generator=g)
+    da, db = torch.autograd.grad((row * up).sum(), (a, b))
+    assert da.dtype == db.dtype == torch.bfloat16 and torch.equal(da, up.bfloat16()) and torch.equal(db, da)
+
+
+def test_unsupported_inputs_are_refused(monkeypatch):
+    sources, partials, queries, key_gains = make_inputs(2, 3, 1, 4, 8, True)
+    with pytest.raises(ValueError, match="float64"):
+        depth_attn(sources.double(), queries.double(), backend="triton")
+    with pytest.raises(ValueError, match="static"):
+        depth_attn(sources, queries[:, None, None].expand(2, 1, 4, 8), backend="triton")
+    with pytest.raises(ValueError, match="shared sources"):
+        depth_attn(sources[None].expand(2, -1, -1, -1, -1), queries, backend="triton")
+    with pytest.raises(ValueError, match=r"next_pow2\(queries\)·next_pow2\(d\) <= 32768, got 2 queries and d=20000"):
+        depth_attn(torch.zeros(1, 1, 1, 20000), torch.zeros(2, 20000), backend="triton")
+    with pytest.raises(ValueError, match="no source yet"):
+        depth_attn_summaries(SourceBuffer(2, sources[0]), queries, backend="triton")
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        depth_attn_merge(sources[0], sources[0, ..., 0], partials[0], queries[0], backend="cuda")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
+        depth_attn_summaries(sources, queries, backend="triton")
+    outs, _ = depth_attn_summaries(sources, queries, backend="auto")  # CPU: the reference
+    torch.testing.assert_close(torch.stack(outs), depth_attn(sources, queries, backend="torch"))
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+GPU_CASES = [
+    ("block-C4-n5-B4-T1024-d512", 4, 5, 4, 1024, 512, True, True),
+    ("block-C4-n9-B2-T2048-d1024", 4, 9, 2, 2048, 1024, True, True),
+    ("block-C4-n5-B1-T2048-d2048", 4, 5, 1, 2048, 2048, True, True),
+    ("full-C2-n17-B2-T777-d200-rawkeys", 2, 17, 2, 777, 200, False, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_bf16_matches_fp32_reference(case):
+    # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
+    # every gradient against the fp32 reference on the same bf16-rounded inputs.
+    _, C, n, B, T, d, key_norm, gains = case
+    sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains, device="cuda")
+    bf = [sources.bfloat16().requires_grad_(), partials.bfloat16().requires_grad_(),
+          queries.requires_grad_(), *([key_gains.requires_grad_()] if gains else [])]
+    ref_in = [t.detach().float().requires_grad_() for t in bf]
+    fused, _, _ = two_phase("triton", bf[0], bf[1], bf[2], bf[3] if gains else None, key_norm)
+    ref, _, _ = two_phase("torch", ref_in[0], ref_in[1], ref_in[2], ref_in[3] if gains else None, key_norm)
+    assert all(h.dtype == torch.bfloat16 for h in fused)
+    for c, (a, b) in enumerate(zip(fused, ref)):
+        assert rel_err(a, b) < 1e-2, f"consumer {c}: {rel_err(a, b):.2e}"
+    g = torch.Generator("cuda").manual_seed(1)
+    ups = [torch.randn(h.shape, device="cuda", generator=g) for h in ref]
+    grads = torch.autograd.grad(sum((h.float() * u).sum() for h, u in zip(fused, ups)), bf)
+    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref, ups)), ref_in)
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        assert rel_err(a, b) < 1e-2, f"input {i}: relative error {rel_err(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp32_matches_reference():
+    sources, partials, queries, key_gains = make_inputs(4, 5, 2, 333, 768, True, device="cuda")
+    leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
+    fused, _, _ = two_phase("triton", *leaves, True)
+    ref, _, _ = two_phase("torch", *leaves, True)
+    for a, b in zip(fused, ref):
+        assert rel_err(a, b) < 1e-5
+    ups = [torch.randn_like(h) for h in ref]
+    grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(fused, ups)), leaves)
+    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref, ups)), leaves)
+    for a, b in zip(grads, ref_grads):
+        assert rel_err(a, b) < 1e-4
