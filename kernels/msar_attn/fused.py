@@ -46,7 +46,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import reference
 
 
 def interpreting() -> bool:
@@ -121,6 +120,78 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
 
 
 @triton.jit
+def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, mask_j,
+              b, S, B, T, D, K_MAX, eps,
+              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr,
+              BT: tl.constexpr, BD: tl.constexpr):
+    """d in one tile: logits, online softmax over sources (fp32) and weighted sums together.
+    Returns the streams r (M_PAD, BT, BD) and the lse (M_PAD, BT)."""
+    jv = tl.arange(0, M_PAD)
+    qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full((M_PAD, BT), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
+    acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                   M_PAD, K_LOOP, BT, BD)
+        logit = tl.sum(e * qg[:, None, :], axis=2)  # (M_PAD, BT): (q ⊙ g)·E
+        if KEY_NORM:
+            logit = logit * tl.rsqrt(tl.sum(e * e, axis=2) / D + eps)
+        if STORE_LOGITS:
+            tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
+                     logit, mask=mask_j[:, None] & mask_t[None, :])
+        m_new = tl.maximum(m_i, logit)
+        scale = tl.exp(m_i - m_new)
+        p = tl.exp(logit - m_new)
+        l_i = l_i * scale + p
+        acc = acc * scale[:, :, None] + p[:, :, None] * e
+        m_i = m_new
+        s += 1
+    return acc / l_i[:, :, None], m_i + tl.log(l_i)
+
+
+@triton.jit
+def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
+                b, S, B, T, D, K_MAX, eps, n_dt,
+                KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr,
+                BD: tl.constexpr):
+    """d over several tiles, pass 1: the logits (reductions over all channel tiles) of every source,
+    written to logits (M_PAD, S, B, T) for the next passes; returns their lse (M_PAD, BT)."""
+    jv = tl.arange(0, M_PAD)
+    m_i = tl.full((M_PAD, BT), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        dot = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
+                         other=0.0)
+            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, K_LOOP, BT, BD)
+            dot += tl.sum(e * qg[:, None, :], axis=2)
+            ss += tl.sum(e * e, axis=2)
+            dt += 1
+        logit = dot
+        if KEY_NORM:
+            logit = dot * tl.rsqrt(ss / D + eps)
+        tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
+                 logit, mask=mask_t[None, :])  # padded views too: the next passes read them back
+        m_new = tl.maximum(m_i, logit)
+        l_i = l_i * tl.exp(m_i - m_new) + tl.exp(logit - m_new)
+        m_i = m_new
+        s += 1
+    tl.debug_barrier()  # the logits written here are read back by other threads of the program
+    return m_i + tl.log(l_i)
+
+
+@triton.jit
 def _fwd_kernel(
     x_ptr,  # sources (S, B, T, d), contiguous, any float dtype
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32, zero past k_j and for padded views; view 0 Dirac
@@ -131,7 +202,7 @@ def _fwd_kernel(
     doc_ptr,  # document ids (B, T) int64
     out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
-    logits_ptr,  # logits (m, S, B, T) fp32: written when STORE_LOGITS or not SINGLE
+    logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
     S, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
     SINGLE: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
@@ -146,38 +217,16 @@ def _fwd_kernel(
     doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]  # (M_PAD, BT) index into (m, B, T)
     stat_mask = mask_j[:, None] & mask_t[None, :]
+    rows = (b * T + offs_t).to(tl.int64)  # (BT,) index into (B, T)
     alpha = tl.load(alpha_ptr)  # (with WRITE_R these point at a dummy buffer, unused)
     bias = tl.load(bias_ptr + jv, mask=mask_j, other=0.0)
 
-    m_i = tl.full((M_PAD, BT), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
-    if SINGLE:
-        # one pass: logits, online softmax and weighted sums together; R stays in registers
+    if SINGLE:  # one pass; R stays in registers
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
-        qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
-        acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
-        s = b * 0
-        while s < S:
-            row0 = (s * B + b).to(tl.int64) * T
-            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, K_LOOP, BT, BD)
-            logit = tl.sum(e * qg[:, None, :], axis=2)  # (M_PAD, BT): (q ⊙ g)·E
-            if KEY_NORM:
-                logit = logit * tl.rsqrt(tl.sum(e * e, axis=2) / D + eps)
-            if STORE_LOGITS:
-                tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
-                         logit, mask=stat_mask)
-            m_new = tl.maximum(m_i, logit)
-            scale = tl.exp(m_i - m_new)
-            p = tl.exp(logit - m_new)
-            l_i = l_i * scale + p
-            acc = acc * scale[:, :, None] + p[:, :, None] * e
-            m_i = m_new
-            s += 1
-        lse = m_i + tl.log(l_i)
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, K_LOOP, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
-        r = acc / l_i[:, :, None]  # (M_PAD, BT, BD)
         if WRITE_R:
             tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
                      mask=stat_mask[:, :, None] & mask_d[None, None, :])
@@ -185,39 +234,12 @@ def _fwd_kernel(
             rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
             g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
             h = tl.sum(g[:, :, None] * r, axis=0)  # (BT, BD)
-            rows = (b * T + offs_t).to(tl.int64)
             tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
     else:
-        # pass 1: logits (reductions over all channel tiles) and their log-sum-exp over sources
-        s = b * 0
-        while s < S:
-            row0 = (s * B + b).to(tl.int64) * T
-            dot = tl.zeros((M_PAD, BT), dtype=tl.float32)
-            ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
-            dt = b * 0
-            while dt < n_dt:
-                offs_d = dt * BD + tl.arange(0, BD)
-                mask_d = offs_d < D
-                qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
-                             other=0.0)
-                e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                           M_PAD, K_LOOP, BT, BD)
-                dot += tl.sum(e * qg[:, None, :], axis=2)
-                ss += tl.sum(e * e, axis=2)
-                dt += 1
-            logit = dot
-            if KEY_NORM:
-                logit = dot * tl.rsqrt(ss / D + eps)
-            tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
-                     logit, mask=mask_t[None, :])  # padded views too: pass 2 reads them back
-            m_new = tl.maximum(m_i, logit)
-            l_i = l_i * tl.exp(m_i - m_new) + tl.exp(logit - m_new)
-            m_i = m_new
-            s += 1
-        lse = m_i + tl.log(l_i)
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
-        tl.debug_barrier()  # the logits written above are read back below by other threads
         if WRITE_R:
             dt = b * 0
             while dt < n_dt:
@@ -244,7 +266,6 @@ def _fwd_kernel(
                 dt += 1
             g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
             # pass 3: recompute the streams tile by tile and write h
-            rows = (b * T + offs_t).to(tl.int64)
             dt = b * 0
             while dt < n_dt:
                 offs_d = dt * BD + tl.arange(0, BD)
@@ -258,19 +279,52 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _de_kernel(
-    x_ptr,  # sources (S, B, T, d)
-    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
-    qg_ptr,  # gain-folded queries (m, d) fp32
-    doc_ptr,  # document ids (B, T) int64
-    dr_ptr,  # dL/dR (m, B, T, d) fp32
-    delta_ptr,  # dR_j · R_j (m, B, T) fp32
-    lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
-    de_ptr,  # result: dL/dE_j(x_s) (m, B, T, d) fp32 for this source
-    dqg_ptr,  # per-program partial dL/d(q ⊙ g) (n_tb·B, M_PAD, d) fp32, accumulated over sources
-    s, B, T, D, M, K_MAX, eps, n_dt,
-    KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+def _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID: tl.constexpr):
+    """From z = R·φ, ‖R‖² and dg_j = dh·r_j: g, dz (M_PAD, BT), ρ_R (BT,) and Σ_i dz_i y_i (BT,),
+    y = ρ_R z the normalised projection (so dα = Σ_t Σ_i dz_i y_i)."""
+    g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
+    if SIGMOID:
+        dz = g * (1.0 - g) * dg
+    else:
+        dz = g * (dg - tl.sum(g * dg, axis=0)[None, :])
+    dz = tl.where(mask_j[:, None], dz, 0.0)
+    rho = tl.rsqrt(rr / (M * D) + eps)
+    return g, dz, rho, tl.sum(dz * z, axis=0) * rho
+
+
+@triton.jit
+def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D,
+             M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """dL/dR of one channel tile (M_PAD, BT, BD):
+    dR_j = g_j dh + ρ α Σ_i dz_i φ_i[j] - ρ² α (Σ_i dz_i y_i) R_j / (m d)  (RMSNorm backward)."""
+    jv = tl.arange(0, M_PAD)
+    proj = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
+    for i in tl.static_range(M_PAD):
+        ph = tl.load(phi_ptr + (jv[:, None] * D + offs_d[None, :]) * M + i,
+                     mask=mask_j[:, None] & mask_d[None, :] & (i < M), other=0.0)  # φ[j·d + c, i]
+        dz_i = tl.sum(tl.where(jv[:, None] == i, dz, 0.0), axis=0)  # (BT,)
+        proj += dz_i[None, :, None] * ph[:, None, :]
+    return (g[:, :, None] * dh[None, :, :] + (rho * alpha)[None, :, None] * proj
+            - (rho * rho * alpha * dzy / (M * D))[None, :, None] * r)
+
+
+@triton.jit
+def _mix_bwd_kernel(
+    x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, doc_ptr,  # as in _fwd_kernel
+    dh_ptr,  # upstream gradient (B, T, d), contiguous
+    r_ptr,  # result: the streams R (m, B, T, d) fp32 (for dφ)
+    dr_ptr,  # result: dL/dR (m, B, T, d) fp32
+    lse_ptr,  # result: log-sum-exp of the logits (m, B, T) fp32
+    logits_ptr,  # scratch logits (M_PAD, S, B, T) fp32 when not SINGLE
+    delta_ptr,  # result: dR_j · R_j (m, B, T) fp32
+    dz_ptr,  # result: dL/dz (B, T, m) fp32 (db = Σ_t dz)
+    coef_ptr,  # result: α ρ_R dz (B, T, m) fp32 (dφ = Σ_t vec R ⊗ coef)
+    dzy_ptr,  # result: Σ_i dz_i y_i (B, T) fp32 (dα = Σ_t)
+    S, B, T, D, M, K_MAX, eps, n_dt,
+    KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr,
+    K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
+    """Backward of the mixer, with the streams recomputed as in the forward (never stored by it)."""
     tb = tl.program_id(0)
     b = tl.program_id(1)
     offs_t = tb * BT + tl.arange(0, BT)
@@ -281,172 +335,267 @@ def _de_kernel(
     doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
     stat_mask = mask_j[:, None] & mask_t[None, :]
-    row0 = (s * B + b).to(tl.int64) * T
+    rows = (b * T + offs_t).to(tl.int64)
+    alpha = tl.load(alpha_ptr)
+    bias = tl.load(bias_ptr + jv, mask=mask_j, other=0.0)
 
-    # pass 1: per (view, token) reductions over all channels
-    dot_q = tl.zeros((M_PAD, BT), dtype=tl.float32)
-    ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
-    dot_r = tl.zeros((M_PAD, BT), dtype=tl.float32)
-    dt = b * 0
-    while dt < n_dt:
-        offs_d = dt * BD + tl.arange(0, BD)
+    if SINGLE:
+        offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
-        m2 = mask_j[:, None] & mask_d[None, :]
-        qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=m2, other=0.0)
-        e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, K_LOOP, BT, BD)
-        dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
-                     mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
-        dot_q += tl.sum(e * qg[:, None, :], axis=2)
-        ss += tl.sum(e * e, axis=2)
-        dot_r += tl.sum(e * dr, axis=2)
-        dt += 1
-    lse = tl.load(lse_ptr + stat, mask=stat_mask, other=0.0)
-    delta = tl.load(delta_ptr + stat, mask=stat_mask, other=0.0)
-    if KEY_NORM:
-        rho = tl.rsqrt(ss / D + eps)
-        logit = dot_q * rho
-    else:
-        logit = dot_q
-    w = tl.where(stat_mask, tl.exp(logit - lse), 0.0)
-    dlogit = w * (dot_r - delta)  # softmax backward: dR·E - Σ_s w dR·E
-    if KEY_NORM:
-        # logit = qg·E ρ, ρ = (‖E‖²/d + eps)^-½  =>  ∂logit/∂E = ρ qg - logit ρ² E / d
-        kappa = dlogit * rho
-        mu = kappa * rho * logit / D
-    else:
-        kappa = dlogit
-        mu = tl.zeros((M_PAD, BT), dtype=tl.float32)
-
-    # pass 2: dE = w dR + κ qg - μ E, and Σ_t κ E for the query gradient
-    part = ((tb * B + b).to(tl.int64) * M_PAD + jv[:, None]) * D  # (M_PAD, 1)
-    dt = b * 0
-    while dt < n_dt:
-        offs_d = dt * BD + tl.arange(0, BD)
-        mask_d = offs_d < D
-        m2 = mask_j[:, None] & mask_d[None, :]
-        m3 = stat_mask[:, :, None] & mask_d[None, None, :]
-        qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=m2, other=0.0)
-        e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, K_LOOP, BT, BD)
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, K_LOOP, BT, BD)
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                     other=0.0).to(tl.float32)
+        rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
+        dg = tl.sum(r * dh[None, :, :], axis=2)  # (M_PAD, BT)
+        g, dz, rho, dzy = _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID)
+        dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
         tile = stat[:, :, None] * D + offs_d[None, None, :]
-        dr = tl.load(dr_ptr + tile, mask=m3, other=0.0)
-        de = w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e
-        tl.store(de_ptr + tile, de, mask=m3)
-        dq_ptrs = dqg_ptr + part + offs_d[None, :]
-        dq = tl.load(dq_ptrs, mask=m2, other=0.0) + tl.sum(kappa[:, :, None] * e, axis=1)
-        tl.store(dq_ptrs, dq, mask=m2)
-        dt += 1
+        m3 = stat_mask[:, :, None] & mask_d[None, None, :]
+        tl.store(r_ptr + tile, r, mask=m3)
+        tl.store(dr_ptr + tile, dr, mask=m3)
+        delta = tl.sum(dr * r, axis=2)
+    else:
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
+        # pass 2: ‖R‖², R·φ and dh·r_j over all channel tiles
+        rr = tl.zeros((BT,), dtype=tl.float32)
+        z = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dg = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+            rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
+            rr += rr_part
+            z += z_part
+            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)
+            dg += tl.sum(r * dh[None, :, :], axis=2)
+            dt += 1
+        g, dz, rho, dzy = _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID)
+        # pass 3: dR tile by tile
+        delta = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)
+            dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
+            tile = stat[:, :, None] * D + offs_d[None, None, :]
+            m3 = stat_mask[:, :, None] & mask_d[None, None, :]
+            tl.store(r_ptr + tile, r, mask=m3)
+            tl.store(dr_ptr + tile, dr, mask=m3)
+            delta += tl.sum(dr * r, axis=2)
+            dt += 1
+    tl.store(lse_ptr + stat, lse, mask=stat_mask)
+    tl.store(delta_ptr + stat, delta, mask=stat_mask)
+    tok = rows[None, :] * M + jv[:, None]  # (M_PAD, BT) index into (B, T, m)
+    tl.store(dz_ptr + tok, dz, mask=stat_mask)
+    tl.store(coef_ptr + tok, (alpha * rho)[None, :] * dz, mask=stat_mask)
+    tl.store(dzy_ptr + rows, dzy, mask=mask_t)
 
 
 @triton.jit
-def _dx_kernel(
-    de_ptr,  # dL/dE_j(x_s) (m, B, T, d) fp32
+def _stats_kernel(
+    x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
+    qg_ptr,  # gain-folded queries (m, d) fp32
     doc_ptr,  # document ids (B, T) int64
-    dx_ptr,  # result: dL/dx_s (B, T, d), x's dtype
-    B, T, D, M, K_MAX,
-    M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    delta_ptr,  # dR_j · R_j (m, B, T) fp32
+    lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
+    coef_ptr,  # result: w, κ, μ (3, M_PAD, S, B, T) fp32
+    S, B, T, D, M, K_MAX, eps, n_dt, plane,
+    KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
-    """dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] · [doc(t+τ) = doc(t)]: the adjoint of the
-    causal conv reads the later tokens of the same document."""
+    """Per (view, source, token), the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
+    w = exp(logit - lse), dlogit = w (dR_j·E - dR_j·R_j), κ = dlogit ρ, μ = dlogit logit ρ² / d
+    (ρ = (‖E‖²/d + eps)^-½; without key norm κ = dlogit, μ = 0). Reductions over all channels."""
     tb = tl.program_id(0)
     b = tl.program_id(1)
-    dt = tl.program_id(2)
     offs_t = tb * BT + tl.arange(0, BT)
-    offs_d = dt * BD + tl.arange(0, BD)
     mask_t = offs_t < T
-    mask_d = offs_d < D
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
     doc_row_ptr = doc_ptr + b.to(tl.int64) * T
     doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
-    acc = tl.zeros((BT, BD), dtype=tl.float32)
-    for tau in tl.static_range(K_LOOP):
-        dst_t = offs_t + tau
-        ok = mask_t & (dst_t < T)
-        doc_dst = tl.load(doc_row_ptr + dst_t, mask=ok, other=-1)
-        ok = ok & (doc_dst == doc_t)
-        c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :], mask=mask_d[None, :], other=0.0)
-        rows = (jv[:, None] * B + b).to(tl.int64) * T + dst_t[None, :]  # (M_PAD, BT)
-        dv = tl.load(de_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-                     mask=(mask_j[:, None] & ok[None, :])[:, :, None] & mask_d[None, None, :], other=0.0)
-        acc += tl.sum(c[:, None, :] * dv, axis=0)
-    rows = (b * T + offs_t).to(tl.int64)
-    tl.store(dx_ptr + rows[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_d[None, :])
+    stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
+    stat_mask = mask_j[:, None] & mask_t[None, :]
+    lse = tl.load(lse_ptr + stat, mask=stat_mask, other=0.0)
+    delta = tl.load(delta_ptr + stat, mask=stat_mask, other=0.0)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        dot_q = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dot_r = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
+                         other=0.0)
+            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, K_LOOP, BT, BD)
+            dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
+                         mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
+            dot_q += tl.sum(e * qg[:, None, :], axis=2)
+            ss += tl.sum(e * e, axis=2)
+            dot_r += tl.sum(e * dr, axis=2)
+            dt += 1
+        if KEY_NORM:
+            rho = tl.rsqrt(ss / D + eps)
+            logit = dot_q * rho
+        else:
+            logit = dot_q
+        w = tl.where(stat_mask, tl.exp(logit - lse), 0.0)
+        dlogit = w * (dot_r - delta)  # softmax backward
+        if KEY_NORM:
+            # logit = qg·E ρ  =>  ∂logit/∂E = ρ qg - logit ρ² E / d
+            kappa = dlogit * rho
+            mu = kappa * rho * logit / D
+        else:
+            kappa = dlogit
+            mu = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :]
+        tl.store(coef_ptr + cidx, w, mask=stat_mask)
+        tl.store(coef_ptr + plane + cidx, kappa, mask=stat_mask)
+        tl.store(coef_ptr + 2 * plane + cidx, mu, mask=stat_mask)
+        s += 1
 
 
 @triton.jit
-def _dtap_kernel(
-    de_ptr,  # dL/dE_j(x_s) (m, B, T, d) fp32
-    x_ptr,  # source s (B, T, d)
+def _src_kernel(
+    x_ptr,  # sources (S, B, T, d)
+    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
+    qg_ptr,  # gain-folded queries (m, d) fp32
     doc_ptr,  # document ids (B, T) int64
-    dtaps_ptr,  # per-program partial dL/dc (K_MAX, n_chunks·B, M_PAD, d) fp32, accumulated over sources
-    B, T, D, M, n_chunks, SUB,
-    M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
+    dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
+    dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
+    dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
+    S, B, T, D, M, K_MAX, plane, SUB,
+    M_PAD: tl.constexpr, K_LOOP: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
-    """dc_τ^{(j)} += Σ_t dE_j(x_s)[t] ⊙ x_s[t-τ] · [doc(t-τ) = doc(t)] over SUB token blocks.
-    τ is the fastest grid axis: the programs reading the same chunk run together and share it in L2."""
-    tau = tl.program_id(0)
-    chunk = tl.program_id(1)
-    bd = tl.program_id(2)
-    n_dt = tl.cdiv(D, BD)
-    b = bd // n_dt
-    dt = bd % n_dt
+    """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
+    channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
+    next BT tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
+        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), never written to memory,
+    then dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] by token shifts of that
+    register tile (``tl.gather``), dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc]
+    over the block's own tokens."""
+    chunk = tl.program_id(0)
+    b = tl.program_id(1)
+    dt = tl.program_id(2)
     offs_d = dt * BD + tl.arange(0, BD)
     mask_d = offs_d < D
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
+    kv = tl.arange(0, K_PAD)
+    loc_e = tl.arange(0, 2 * BT)
+    loc = tl.arange(0, BT)
     doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
+    qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
+    dqg = tl.zeros((M_PAD, BD), dtype=tl.float32)
+    dtaps = tl.zeros((K_PAD, M_PAD, BD), dtype=tl.float32)
+    zero_idx = tl.zeros((M_PAD, BT, BD), dtype=tl.int32)
     i = b * 0
     while i < SUB:
-        offs_t = (chunk * SUB + i) * BT + tl.arange(0, BT)
-        src_t = offs_t - tau
-        ok = (offs_t < T) & (src_t >= 0)
-        doc_t = tl.load(doc_row_ptr + offs_t, mask=ok, other=-1)
-        doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-2)
-        ok = ok & (doc_src == doc_t)
-        xv = tl.load(x_ptr + (b.to(tl.int64) * T + src_t)[:, None] * D + offs_d[None, :],
-                     mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
-        dv = tl.load(de_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-                     mask=(mask_j[:, None] & ok[None, :])[:, :, None] & mask_d[None, None, :], other=0.0)
-        acc += dv * xv[None, :, :]
+        t0 = (chunk * SUB + i) * BT
+        offs_e = t0 + loc_e  # the block and the next BT tokens
+        mask_e = offs_e < T
+        offs_t = t0 + loc  # the block
+        mask_t = offs_t < T
+        doc_e = tl.load(doc_row_ptr + offs_e, mask=mask_e, other=-1)
+        doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+        m_e = mask_j[:, None] & mask_e[None, :]
+        own = (loc_e < BT)[None, :, None]
+        dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_e[None, :]  # (M_PAD, 2·BT)
+        s = b * 0
+        while s < S:
+            row0 = (s * B + b).to(tl.int64) * T
+            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_e, offs_e, mask_e, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, K_LOOP, 2 * BT, BD)
+            cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_e[None, :]
+            w = tl.load(coef_ptr + cidx, mask=m_e, other=0.0)
+            kappa = tl.load(coef_ptr + plane + cidx, mask=m_e, other=0.0)
+            mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_e, other=0.0)
+            dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
+                         mask=m_e[:, :, None] & mask_d[None, None, :], other=0.0)
+            de = w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e
+            dqg += tl.sum(tl.where(own, kappa[:, :, None] * e, 0.0), axis=1)
+            de_own = tl.gather(de, zero_idx + loc[None, :, None], axis=1)  # (M_PAD, BT, BD): dE on the block
+            acc = tl.zeros((BT, BD), dtype=tl.float32)
+            for tau in tl.static_range(K_LOOP):
+                if tau == 0:
+                    shifted = de_own
+                else:
+                    shifted = tl.gather(de, zero_idx + (loc + tau)[None, :, None], axis=1)  # dE[t+τ]
+                dst_t = offs_t + tau
+                ok = mask_t & (dst_t < T)
+                doc_dst = tl.load(doc_row_ptr + dst_t, mask=ok, other=-1)
+                ok = ok & (doc_dst == doc_t)
+                c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :], mask=mask_d[None, :],
+                            other=0.0)
+                acc += tl.where(ok[:, None], tl.sum(c[:, None, :] * shifted, axis=0), 0.0)
+                # tap gradient of τ: dE on the block times the source τ tokens back
+                src_t = offs_t - tau
+                ok = mask_t & (src_t >= 0)
+                doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-1)
+                ok = ok & (doc_src == doc_t)
+                xv = tl.load(x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :],
+                             mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                contrib = tl.sum(de_own * xv[None, :, :], axis=1)  # (M_PAD, BD)
+                dtaps += tl.where((kv == tau)[:, None, None], contrib[None, :, :], 0.0)
+            tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
+                     mask=mask_t[:, None] & mask_d[None, :])
+            s += 1
         i += 1
-    part = ((tau * n_chunks + chunk) * B + b).to(tl.int64) * M_PAD
-    ptrs = dtaps_ptr + (part + jv[:, None]) * D + offs_d[None, :]
-    m2 = mask_j[:, None] & mask_d[None, :]
-    tl.store(ptrs, tl.load(ptrs, mask=m2, other=0.0) + tl.sum(acc, axis=1), mask=m2)
+    part = (chunk * B + b).to(tl.int64)
+    tl.store(dqg_ptr + (part * M_PAD + jv[:, None]) * D + offs_d[None, :], dqg,
+             mask=mask_j[:, None] & mask_d[None, :])
+    tl.store(dtap_ptr + ((part * K_PAD + kv[:, None, None]) * M_PAD + jv[None, :, None]) * D + offs_d[None, None, :],
+             dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
 
 
 # --- launchers -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Blocks:
-    bt: int  # tokens per program
-    bd: int  # channels per tile
+    bt: int  # tokens per program of the forward, mixer-backward and stats kernels
+    bd: int  # channels per tile of those kernels
     single: bool  # d fits one tile: the one-pass forward
     warps: int
-    sub: int  # token blocks per tap-gradient program
+    src_bt: int  # tokens per block of the source-gradient kernel (>= K_MAX - 1)
+    src_bd: int  # channels per program of the source-gradient kernel
+    src_warps: int
+    sub: int  # token blocks per source-gradient program (fewer partial sums of the query and tap gradients)
 
 
-def _blocks(T: int, d: int, m_pad: int) -> Blocks:
-    """Tile sizes. GPU: about 8192 fp32 elements of the (m, BT, BD) view tile per program
-    (32 per thread at 8 warps, plus as many for the accumulator), channels in one tile up to
-    8192 / m_pad, so d ≤ 2048 at m = 4 runs the one-pass forward. Under the interpreter each
-    program costs milliseconds: big blocks."""
+def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
+    """Tile sizes. GPU: about 8192 fp32 elements of the (m, BT, BD) view tile per program (32 per
+    thread at 8 warps, as many again for the accumulator); channels in one tile up to 8192 / m_pad,
+    so d <= 2048 at m = 4 runs the one-pass forward. The source-gradient kernel holds three
+    (m, 2·BT, BD) tiles and the (K_MAX, m, BD) tap gradients: 32 channels a program. Under the
+    interpreter each program costs milliseconds: big blocks."""
+    halo = triton.next_power_of_2(max(k_max - 1, 1))
     if interpreting():
         bd = triton.next_power_of_2(d) if d <= 1024 else 512
-        return Blocks(min(triton.next_power_of_2(T), 16), bd, bd >= d, 4, 4)
+        bt = min(triton.next_power_of_2(T), 16)
+        return Blocks(bt, bd, bd >= d, 4, max(bt, halo), bd, 4, 4)
     elems = 8192
     bd_full = triton.next_power_of_2(d)
-    if m_pad * bd_full <= elems:
-        bd = bd_full
-    else:
-        bd = max(64, elems // (m_pad * 4))  # 4 tokens per block at least
+    bd = bd_full if m_pad * bd_full <= elems else max(64, elems // (m_pad * 4))  # then 4 tokens a block
     bt = max(1, min(triton.next_power_of_2(T), elems // (m_pad * bd), 16))
-    return Blocks(bt, bd, bd >= d, 8 if m_pad * bt * bd >= 4096 else 4, 16)
+    src_bt = max(halo, min(16, triton.next_power_of_2(T)))
+    src_bd = max(16, min(64, 4096 // (m_pad * 2 * src_bt)))
+    return Blocks(bt, bd, bd >= d, 8 if m_pad * bt * bd >= 4096 else 4, src_bt, src_bd, 8, 8)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -466,55 +615,77 @@ def folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
     return (q if key_gains is None else q * key_gains.detach().float()).contiguous()  # (m, d)
 
 
-def forward(x, packed, k_max, m, qg, doc_ids, *, key_norm, eps, phi=None, alpha=None, bias=None,
-            sigmoid=True, write_r=False, store_logits=False, blocks=None):
+def _mixer_params(phi, alpha, bias):
+    return (phi.detach().float().contiguous(), alpha.detach().float().reshape(1).contiguous(),
+            bias.detach().float().contiguous())
+
+
+def forward(x, packed, k_max, m, qg, doc_ids, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
+            store_logits=False):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, and
-    the logits (m, S, B, T) fp32 when ``store_logits`` (else None)."""
+    the logits (m, S, B, T) fp32 when ``store_logits`` (else None). ``mixer``: (φ, α, b) fp32."""
     S, B, T, d = x.shape
     m_pad = packed.shape[0]
-    blk = blocks or _blocks(T, d, m_pad)
+    blk = _blocks(T, d, m_pad, k_max)
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
            else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
     lse = torch.empty(m, B, T, device=x.device, dtype=torch.float32)
-    need_logits = store_logits or not blk.single
-    logits = torch.empty(m_pad if not blk.single else m, S, B, T, device=x.device, dtype=torch.float32) \
-        if need_logits else lse
-    if write_r:
-        phi = alpha = bias = lse  # unused by the kernel
-    grid = (triton.cdiv(T, blk.bt), B)
-    _fwd_kernel[grid](x, packed, qg, phi, alpha, bias, doc_ids, out, lse, logits,
-                      S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bd),
-                      KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
-                      SINGLE=blk.single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+    if blk.single:
+        logits = torch.empty(m, S, B, T, device=x.device, dtype=torch.float32) if store_logits else lse
+    else:  # the passes over channel tiles keep the logits of every (padded) view
+        logits = torch.empty(m_pad, S, B, T, device=x.device, dtype=torch.float32)
+    phi, alpha, bias = (lse, lse, lse) if write_r else mixer  # unused by the kernel with WRITE_R
+    _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
+        x, packed, qg, phi, alpha, bias, doc_ids, out, lse, logits, S, B, T, d, m, k_max, eps,
+        triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
+        SINGLE=blk.single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
     return out, lse, (logits[:m] if store_logits else None)
 
 
-def streams_backward(dr, r, lse, x, taps, packed, k_max, qg, doc_ids, *, key_norm, eps, blocks=None):
-    """Gradients of the streams R w.r.t. x, the taps and q ⊙ g, given dR (m, B, T, d) fp32:
-    dx (S, B, T, d) in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32."""
+def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps, sigmoid):
+    """Streams recomputed and the mixer's backward: dR (m, B, T, d) fp32, dR·R (m, B, T), lse, and
+    the gradients of φ, α, b (fp32)."""
+    S, B, T, d = x.shape
+    m_pad = packed.shape[0]
+    blk = _blocks(T, d, m_pad, k_max)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    r, dr = torch.empty(m, B, T, d, **f32), torch.empty(m, B, T, d, **f32)
+    lse, delta = torch.empty(m, B, T, **f32), torch.empty(m, B, T, **f32)
+    dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
+    logits = lse if blk.single else torch.empty(m_pad, S, B, T, **f32)
+    _mix_bwd_kernel[(triton.cdiv(T, blk.bt), B)](
+        x, packed, qg, *mixer, doc_ids, dh, r, dr, lse, logits, delta, dz, coef, dzy,
+        S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bd),
+        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd,
+        num_warps=blk.warps)
+    dphi = torch.einsum("jbtc,bti->jci", r, coef).reshape(m * d, m)  # Σ_t vec R ⊗ α ρ dz
+    return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
+
+
+def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids, *, key_norm, eps):
+    """Gradients through the streams, given dR (m, B, T, d) fp32 and dR·R (m, B, T): dx (S, B, T, d)
+    in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over all sources."""
     S, B, T, d = x.shape
     m, m_pad = dr.shape[0], packed.shape[0]
-    blk = blocks or _blocks(T, d, m_pad)
-    n_tb, n_dt = triton.cdiv(T, blk.bt), triton.cdiv(d, blk.bd)
-    sub = min(blk.sub, n_tb)
-    n_chunks = triton.cdiv(n_tb, sub)
-    delta = (dr * r).sum(-1).contiguous()  # (m, B, T): dR_j · R_j
-    de = torch.empty(m, B, T, d, device=x.device, dtype=torch.float32)  # one source at a time
-    dqg_part = torch.zeros(n_tb * B, m_pad, d, device=x.device, dtype=torch.float32)
-    dtap_part = torch.zeros(k_max, n_chunks * B, m_pad, d, device=x.device, dtype=torch.float32)
+    blk = _blocks(T, d, m_pad, k_max)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    plane = m_pad * S * B * T
+    coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
+    _stats_kernel[(triton.cdiv(T, blk.bt), B)](
+        x, packed, qg, doc_ids, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bd), plane,
+        KEY_NORM=key_norm, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+    n_blocks = triton.cdiv(T, blk.src_bt)
+    sub = min(blk.sub, n_blocks)
+    n_chunks = triton.cdiv(n_blocks, sub)
+    k_pad = triton.next_power_of_2(k_max)
+    dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
+    dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     dx = torch.empty_like(x)
-    for s in range(S):
-        _de_kernel[(n_tb, B)](x, packed, qg, doc_ids, dr, delta, lse, de, dqg_part,
-                              s, B, T, d, m, k_max, eps, n_dt,
-                              KEY_NORM=key_norm, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd,
-                              num_warps=blk.warps)
-        _dx_kernel[(n_tb, B, n_dt)](de, packed, doc_ids, dx[s], B, T, d, m, k_max,
-                                    M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
-        if taps:
-            _dtap_kernel[(k_max, n_chunks, B * n_dt)](de, x[s], doc_ids, dtap_part, B, T, d, m, n_chunks, sub,
-                                                      M_PAD=m_pad, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+    _src_kernel[(n_chunks, B, triton.cdiv(d, blk.src_bd))](
+        x, packed, qg, doc_ids, dr, coef, dx, dqg_part, dtap_part, S, B, T, d, m, k_max, plane, sub,
+        M_PAD=m_pad, K_LOOP=k_max, K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd, num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
-    dtaps_all = dtap_part.sum(1)  # (K_MAX, M_PAD, d)
+    dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
     return dx, dtaps, dqg
 
@@ -527,19 +698,17 @@ def _query_grads(dqg, queries, key_gains):
 
 class MsarFunction(torch.autograd.Function):
     """The whole MSAR read. Inputs: x, queries, key_gains (or None), doc_ids, φ, α, b, flags, *taps.
-    Outputs: h (differentiable), lse and logits (diagnostics, not differentiable)."""
+    Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves only the
+    inputs: the backward recomputes the streams."""
 
     @staticmethod
     def forward(ctx, x, queries, key_gains, doc_ids, phi, alpha, bias, key_norm, eps, fusion, store_logits,
                 *taps):
         d, m = x.shape[-1], queries.shape[0]
         packed, k_max, _ = pack_taps(taps, d, x.device)
-        qg = folded_queries(queries, key_gains)
-        h, lse, logits = forward(x, packed, k_max, m, qg, doc_ids, key_norm=key_norm, eps=eps,
-                                 phi=phi.detach().float().contiguous(),
-                                 alpha=alpha.detach().float().reshape(1).contiguous(),
-                                 bias=bias.detach().float().contiguous(), sigmoid=fusion == "sigmoid",
-                                 store_logits=store_logits)
+        h, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), doc_ids,
+                                 key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
+                                 sigmoid=fusion == "sigmoid", store_logits=store_logits)
         ctx.save_for_backward(x, queries, key_gains, doc_ids, phi, alpha, bias, *taps)
         ctx.key_norm, ctx.eps, ctx.fusion = key_norm, eps, fusion
         if logits is None:
@@ -554,31 +723,26 @@ class MsarFunction(torch.autograd.Function):
         packed, k_max, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            r, lse, _ = forward(x, packed, k_max, m, qg, doc_ids, key_norm=ctx.key_norm, eps=ctx.eps,
-                                write_r=True)  # (m, B, T, d) fp32: recomputed, never saved
-            with torch.enable_grad():
-                leaves = [r.requires_grad_(), phi.detach().float().requires_grad_(),
-                          alpha.detach().float().requires_grad_(), bias.detach().float().requires_grad_()]
-                h = reference.mix(*leaves, fusion=ctx.fusion, eps=ctx.eps)
-                dr, dphi, dalpha, dbias = torch.autograd.grad(h, leaves, dh.float())
-            dx, dtaps, dqg = streams_backward(dr.contiguous(), r.detach(), lse, x, taps, packed, k_max, qg, doc_ids,
+            dr, delta, lse, dphi, dalpha, dbias = mixer_backward(
+                dh.contiguous(), x, packed, k_max, m, qg, doc_ids, _mixer_params(phi, alpha, bias),
+                key_norm=ctx.key_norm, eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
-        return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.to(alpha.dtype), dbias.to(bias.dtype),
-                None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
+        return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
+                dbias.to(bias.dtype), None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
 
 class StreamsFunction(torch.autograd.Function):
     """The streams R (m, B, T, d) without the mixer (``msar_attn``). Inputs: x, queries, key_gains,
-    doc_ids, flags, *taps. Outputs: R in x's dtype, lse, logits."""
+    doc_ids, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves R in fp32 (it is the output)."""
 
     @staticmethod
     def forward(ctx, x, queries, key_gains, doc_ids, key_norm, eps, store_logits, *taps):
         d, m = x.shape[-1], queries.shape[0]
         packed, k_max, _ = pack_taps(taps, d, x.device)
-        qg = folded_queries(queries, key_gains)
-        r, lse, logits = forward(x, packed, k_max, m, qg, doc_ids, key_norm=key_norm, eps=eps, write_r=True,
-                                 store_logits=store_logits)
+        r, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), doc_ids,
+                                 key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
         ctx.save_for_backward(x, queries, key_gains, doc_ids, r, lse, *taps)
         ctx.key_norm, ctx.eps = key_norm, eps
         if logits is None:
@@ -593,7 +757,9 @@ class StreamsFunction(torch.autograd.Function):
         packed, k_max, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            dx, dtaps, dqg = streams_backward(dr.float().contiguous(), r, lse, x, taps, packed, k_max, qg, doc_ids,
+            dr = dr.float().contiguous()
+            delta = (dr * r).sum(-1).contiguous()  # (m, B, T): dR_j · R_j
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))

@@ -54,10 +54,15 @@ def rel_err(a, b):
 
 
 def _blocks(bt, bd, sub=2):
-    """A block-size override for fused._blocks: GPU-like geometry under the interpreter."""
+    """A block-size override for fused._blocks: GPU-like geometry under the interpreter (several
+    channel tiles, token blocks that straddle documents, several blocks per source-gradient program)."""
     from kernels.msar_attn import fused
 
-    return lambda T, d, m_pad: fused.Blocks(bt, bd, bd >= d, 4, sub)
+    def blocks(T, d, m_pad, k_max):
+        src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
+        return fused.Blocks(bt, bd, bd >= d, 4, src_bt, bd, 4, sub)
+
+    return blocks
 
 
 # (id, S, B, T, d, kernels, key_norm, gains, fusion, (BT, BD) override or None)
@@ -66,7 +71,7 @@ CASES = [
     ("S1-B1-T1-d8-k3-one-source-one-token", 1, 1, 1, 8, (3,), True, True, "sigmoid", None),
     ("S2-B1-T3-d8-k5-T-below-k-softmax-nogain", 2, 1, 3, 8, (5,), True, False, "softmax", None),
     ("S3-B1-T9-d20-k2,3-tiled-rawkeys", 3, 1, 9, 20, (2, 3), False, True, "sigmoid", (4, 8)),
-    ("S3-B1-T11-d12-k3,2-tiled-softmax", 3, 1, 11, 12, (3, 2), True, True, "softmax", (4, 8)),
+    ("S3-B1-T11-d12-k5,2-tiled-softmax", 3, 1, 11, 12, (5, 2), True, True, "softmax", (4, 8)),
     ("S2-B1-T4-d1100-k2-wide", 2, 1, 4, 1100, (2,), True, True, "sigmoid", None),
     ("S5-B1-T6-d12-k1,1,1-identity-views", 5, 1, 6, 12, (1, 1, 1), True, True, "softmax", None),
     ("S2-B1-T10-d16-k4,8,12", 2, 1, 10, 16, (4, 8, 12), True, True, "sigmoid", None),
