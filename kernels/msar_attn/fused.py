@@ -22,15 +22,18 @@ RMSNorm (gain folded into the query), logit, online softmax over sources (fp32),
 ``WRITE_R`` makes the same kernel write the streams R (m, B, T, d) fp32 instead of h: the public
 ``msar_attn`` (streams only) and the backward's recomputation.
 
-Backward (``MsarFunction.backward``): recompute R (``WRITE_R``); the mixer's backward on R gives
-dR, dφ, dα, db (PyTorch, fp32, (m, B, T, d)-sized); then per source s (so the transient is
-(m, B, T, d), never (m, S, B, T, d)):
-- ``_de_kernel``: pass 1 over channel tiles: q·E, ‖E‖², dR·E per (view, token); then
-  w = exp(logit - lse), dlogit = w (dR·E - dR·R), and pass 2 writes
-  dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the key
-  RMS reciprocal), and the partial sums of dL/d(q ⊙ g) = Σ κ E.
-- ``_dx_kernel``: dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] · [same doc] (the conv adjoint).
-- ``_dtap_kernel``: dc_τ^{(j)} += Σ_{b,t} dE_j(x_s)[t] ⊙ x_s[t-τ] · [same doc], partial per chunk.
+Backward (``MsarFunction.backward``), three kernels, each over all sources (never an
+(m, S, B, T, d) buffer):
+- ``_mix_bwd_kernel``: recomputes R as the forward does, then the mixer's backward per token:
+  dR (m, B, T, d) fp32, dR·R per view, and per-token scalars for dφ, dα, db (dφ = Σ_t vec R ⊗
+  α ρ dz is one matrix product over the written R).
+- ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
+  w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
+  key RMS reciprocal); reductions over all channels.
+- ``_src_kernel``: dE rebuilt in registers on a token block and the next BT tokens, the conv
+  adjoint dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] · [same doc] by token shifts of that tile
+  (``tl.gather``), and the query and tap gradients, partial per program.
+Partial sums are reduced with ``torch.sum``: deterministic, no atomics.
 
 All math is fp32 whatever x's dtype (bf16 on the GPU).
 """
