@@ -59,10 +59,13 @@ def interpreting() -> bool:
 def _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
            M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """All m views of one source tile: E (M_PAD, BT, BD) fp32,
-    E[j, t] = Σ_{τ<K_MAX} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)] (taps zero past k_j)."""
+    E[j, t] = Σ_{τ<K_MAX} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)] (taps zero past k_j).
+    A runtime loop over τ: unrolled, the compiler hoists every tap tile out of the loop over
+    sources and runs out of registers (K_MAX·m·BD values)."""
     jv = tl.arange(0, M_PAD)
     e = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
-    for tau in tl.static_range(K_LOOP):
+    tau = row0 * 0
+    while tau < K_MAX:
         src_t = offs_t - tau
         ok = mask_t & (src_t >= 0)
         doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-1)
@@ -72,6 +75,7 @@ def _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, 
         c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :],
                     mask=mask_d[None, :], other=0.0)  # (M_PAD, BD)
         e += c[:, None, :] * xv[None, :, :]
+        tau += 1
     return e
 
 
@@ -536,11 +540,9 @@ def _src_kernel(
             dqg += tl.sum(tl.where(own, kappa[:, :, None] * e, 0.0), axis=1)
             de_own = tl.gather(de, zero_idx + loc[None, :, None], axis=1)  # (M_PAD, BT, BD): dE on the block
             acc = tl.zeros((BT, BD), dtype=tl.float32)
-            for tau in tl.static_range(K_LOOP):
-                if tau == 0:
-                    shifted = de_own
-                else:
-                    shifted = tl.gather(de, zero_idx + (loc + tau)[None, :, None], axis=1)  # dE[t+τ]
+            tau = b * 0  # a runtime loop: unrolled, the tap tiles are hoisted and exhaust the registers
+            while tau < K_MAX:
+                shifted = tl.gather(de, zero_idx + (loc + tau)[None, :, None], axis=1)  # dE[t+τ]
                 dst_t = offs_t + tau
                 ok = mask_t & (dst_t < T)
                 doc_dst = tl.load(doc_row_ptr + dst_t, mask=ok, other=-1)
@@ -557,6 +559,7 @@ def _src_kernel(
                              mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
                 contrib = tl.sum(de_own * xv[None, :, :], axis=1)  # (M_PAD, BD)
                 dtaps += tl.where((kv == tau)[:, None, None], contrib[None, :, :], 0.0)
+                tau += 1
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
             s += 1
@@ -571,10 +574,14 @@ def _src_kernel(
 # --- launchers -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Blocks:
-    bt: int  # tokens per program of the forward, mixer-backward and stats kernels
-    bd: int  # channels per tile of those kernels
-    single: bool  # d fits one tile: the one-pass forward
+    bd: int  # channels per tile of the forward, mixer-backward and stats kernels
+    single: bool  # d fits one tile: one pass over the sources
+    bt: int  # tokens per program of the forward
     warps: int
+    bwd_bd: int  # channels per tile of the mixer-backward and stats kernels
+    bwd_single: bool  # d fits one tile of the mixer backward
+    bwd_bt: int  # tokens per program of the mixer-backward and stats kernels
+    bwd_warps: int
     src_bt: int  # tokens per block of the source-gradient kernel (>= K_MAX - 1)
     src_bd: int  # channels per program of the source-gradient kernel
     src_warps: int
@@ -582,23 +589,27 @@ class Blocks:
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
-    """Tile sizes. GPU: about 8192 fp32 elements of the (m, BT, BD) view tile per program (32 per
-    thread at 8 warps, as many again for the accumulator); channels in one tile up to 8192 / m_pad,
-    so d <= 2048 at m = 4 runs the one-pass forward. The source-gradient kernel holds three
-    (m, 2·BT, BD) tiles and the (K_MAX, m, BD) tap gradients: 32 channels a program. Under the
-    interpreter each program costs milliseconds: big blocks."""
+    """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of
+    8192 elements over 16 warps; channels in one tile up to 8192 / m_pad (d <= 2048 at m = 4 runs
+    the one-pass forward), else tiles of 512 channels. The backward kernels hold more tiles of the
+    same shape: half the tokens, and one channel tile only up to 4096 / m_pad channels (at d = 2048
+    the one-tile mixer backward spills registers even at one token). The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 8
+    channels a program over 4 warps. Chosen so that ptxas (sm_90a) reports no register spills at
+    d = 512, 1024, 2048 and 3000 with m = 4 and K_MAX = 12. Under the interpreter each program
+    costs milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
     if interpreting():
         bd = triton.next_power_of_2(d) if d <= 1024 else 512
         bt = min(triton.next_power_of_2(T), 16)
-        return Blocks(bt, bd, bd >= d, 4, max(bt, halo), bd, 4, 4)
+        return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(bt, halo), bd, 4, 4)
     elems = 8192
     bd_full = triton.next_power_of_2(d)
-    bd = bd_full if m_pad * bd_full <= elems else max(64, elems // (m_pad * 4))  # then 4 tokens a block
-    bt = max(1, min(triton.next_power_of_2(T), elems // (m_pad * bd), 16))
-    src_bt = max(halo, min(16, triton.next_power_of_2(T)))
-    src_bd = max(16, min(64, 4096 // (m_pad * 2 * src_bt)))
-    return Blocks(bt, bd, bd >= d, 8 if m_pad * bt * bd >= 4096 else 4, src_bt, src_bd, 8, 8)
+    bd = bd_full if m_pad * bd_full <= elems else 512
+    t_pow = triton.next_power_of_2(T)
+    bt = max(1, min(t_pow, elems // (m_pad * bd), 16))
+    bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
+    bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
+    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 8)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -655,12 +666,12 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
     r, dr = torch.empty(m, B, T, d, **f32), torch.empty(m, B, T, d, **f32)
     lse, delta = torch.empty(m, B, T, **f32), torch.empty(m, B, T, **f32)
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
-    logits = lse if blk.single else torch.empty(m_pad, S, B, T, **f32)
-    _mix_bwd_kernel[(triton.cdiv(T, blk.bt), B)](
+    logits = lse if blk.bwd_single else torch.empty(m_pad, S, B, T, **f32)
+    _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         x, packed, qg, *mixer, doc_ids, dh, r, dr, lse, logits, delta, dz, coef, dzy,
-        S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bd),
-        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd,
-        num_warps=blk.warps)
+        S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd),
+        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt,
+        BD=blk.bwd_bd, num_warps=blk.bwd_warps)
     dphi = torch.einsum("jbtc,bti->jci", r, coef).reshape(m * d, m)  # Σ_t vec R ⊗ α ρ dz
     return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
 
@@ -674,9 +685,9 @@ def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids, *, key
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
     coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
-    _stats_kernel[(triton.cdiv(T, blk.bt), B)](
-        x, packed, qg, doc_ids, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bd), plane,
-        KEY_NORM=key_norm, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+    _stats_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
+        x, packed, qg, doc_ids, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
+        KEY_NORM=key_norm, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)

@@ -60,7 +60,7 @@ def _blocks(bt, bd, sub=2):
 
     def blocks(T, d, m_pad, k_max):
         src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
-        return fused.Blocks(bt, bd, bd >= d, 4, src_bt, bd, 4, sub)
+        return fused.Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, src_bt, bd, 4, sub)
 
     return blocks
 
