@@ -315,6 +315,20 @@ def test_auto_is_torch_on_cpu():
     assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists(),
+                    reason="the triton wheel has no ptxas")
+def test_kernels_compile_for_sm90_without_spills():
+    """Every fused kernel compiles for an H100/H200 (Triton's NVIDIA backend and ptxas, no GPU needed),
+    with the tile sizes ``_blocks`` picks at model=small: catches GPU-only compile errors on CPU CI."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = [line for line in res.stdout.splitlines() if "registers" in line]
+    assert len(lines) == 4, res.stdout
+    assert all(" 0 bytes spill stores" in line for line in lines), res.stdout
+
+
 # --- GPU ------------------------------------------------------------------------------------------
 # (id, S, B, T, d, kernels, key_norm, gains, fusion)
 GPU_CASES = [
