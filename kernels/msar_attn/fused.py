@@ -672,7 +672,8 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
         S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd),
         KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt,
         BD=blk.bwd_bd, num_warps=blk.bwd_warps)
-    dphi = torch.einsum("jbtc,bti->jci", r, coef).reshape(m * d, m)  # Σ_t vec R ⊗ α ρ dz
+    # dφ = Σ_t vec R ⊗ α ρ dz: per view (d, B·T) @ (B·T, m), a transposed view of R (no copy)
+    dphi = torch.matmul(r.reshape(m, B * T, d).transpose(1, 2), coef.reshape(B * T, m)).reshape(m * d, m)
     return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
 
 
