@@ -60,7 +60,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SINGLE=blk.single, BT=blk.bt,
                 BD=blk.bd, **common), blk.warps)
     yield ("mixer backward", fused._mix_bwd_kernel,
-           dict(**views, **mixer, dh_ptr=x_type, r_ptr=F32, dr_ptr=F32, lse_ptr=F32, logits_ptr=F32, delta_ptr=F32,
+           dict(**views, **mixer, dh_ptr=x_type, r_ptr=x_type, dr_ptr=F32, lse_ptr=F32, logits_ptr=F32, delta_ptr=F32,
                 dz_ptr=F32, coef_ptr=F32, dzy_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, SINGLE=blk.bwd_single, BT=blk.bwd_bt, BD=blk.bwd_bd, **common),
            blk.bwd_warps)

@@ -26,7 +26,7 @@ Backward (``MsarFunction.backward``), three kernels, each over all sources (neve
 (m, S, B, T, d) buffer):
 - ``_mix_bwd_kernel``: recomputes R as the forward does, then the mixer's backward per token:
   dR (m, B, T, d) fp32, dR·R per view, and per-token scalars for dφ, dα, db (dφ = Σ_t vec R ⊗
-  α ρ dz is one matrix product over the written R).
+  α ρ dz is one matrix product over R, written in x's dtype for it).
 - ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
   w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
   key RMS reciprocal); reductions over all channels.
@@ -319,7 +319,7 @@ def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, 
 def _mix_bwd_kernel(
     x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, doc_ptr,  # as in _fwd_kernel
     dh_ptr,  # upstream gradient (B, T, d), contiguous
-    r_ptr,  # result: the streams R (m, B, T, d) fp32 (for dφ)
+    r_ptr,  # result: the streams R (m, B, T, d) in x's dtype (for dφ only)
     dr_ptr,  # result: dL/dR (m, B, T, d) fp32
     lse_ptr,  # result: log-sum-exp of the logits (m, B, T) fp32
     logits_ptr,  # scratch logits (M_PAD, S, B, T) fp32 when not SINGLE
@@ -359,7 +359,7 @@ def _mix_bwd_kernel(
         dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
         tile = stat[:, :, None] * D + offs_d[None, None, :]
         m3 = stat_mask[:, :, None] & mask_d[None, None, :]
-        tl.store(r_ptr + tile, r, mask=m3)
+        tl.store(r_ptr + tile, r.to(r_ptr.dtype.element_ty), mask=m3)
         tl.store(dr_ptr + tile, dr, mask=m3)
         delta = tl.sum(dr * r, axis=2)
     else:
@@ -396,7 +396,7 @@ def _mix_bwd_kernel(
             dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
             tile = stat[:, :, None] * D + offs_d[None, None, :]
             m3 = stat_mask[:, :, None] & mask_d[None, None, :]
-            tl.store(r_ptr + tile, r, mask=m3)
+            tl.store(r_ptr + tile, r.to(r_ptr.dtype.element_ty), mask=m3)
             tl.store(dr_ptr + tile, dr, mask=m3)
             delta += tl.sum(dr * r, axis=2)
             dt += 1
@@ -663,7 +663,8 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
     m_pad = packed.shape[0]
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
-    r, dr = torch.empty(m, B, T, d, **f32), torch.empty(m, B, T, d, **f32)
+    # R only feeds dφ: x's dtype (half the bytes in bf16); dR feeds every other gradient: fp32
+    r, dr = torch.empty(m, B, T, d, device=x.device, dtype=x.dtype), torch.empty(m, B, T, d, **f32)
     lse, delta = torch.empty(m, B, T, **f32), torch.empty(m, B, T, **f32)
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
     logits = lse if blk.bwd_single else torch.empty(m_pad, S, B, T, **f32)
@@ -673,7 +674,8 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
         KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt,
         BD=blk.bwd_bd, num_warps=blk.bwd_warps)
     # dφ = Σ_t vec R ⊗ α ρ dz: per view (d, B·T) @ (B·T, m), a transposed view of R (no copy)
-    dphi = torch.matmul(r.reshape(m, B * T, d).transpose(1, 2), coef.reshape(B * T, m)).reshape(m * d, m)
+    dphi = torch.matmul(r.reshape(m, B * T, d).transpose(1, 2), coef.reshape(B * T, m).to(r.dtype))
+    dphi = dphi.float().reshape(m * d, m)
     return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
 
 
