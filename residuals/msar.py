@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from kernels.causal_conv import causal_conv
 from kernels.depth_attn import depth_attn
+from kernels.msar_attn import MAX_K
 from kernels.msar_attn import msar as msar_fused
 from kernels.msar_attn.reference import mix
 
@@ -83,9 +84,10 @@ class Msar(DepthAttentionResidual):
         if cfg.backend == "triton" and not cls.covered(cfg):
             raise ValueError(f"residual.backend={cfg.backend!r}: the fused kernel computes conv (or identity) views "
                              "attended as keys and values with static queries; it needs view=conv or identity, "
-                             f"placement=streams, expand_values=true, query=static (got view={cfg.view!r}, "
-                             f"placement={cfg.placement!r}, expand_values={cfg.expand_values!r}, "
-                             f"query={cfg.query!r}); use residual.backend=torch or auto")
+                             f"placement=streams, expand_values=true, query=static and kernels <= {MAX_K} "
+                             f"(got view={cfg.view!r}, placement={cfg.placement!r}, "
+                             f"expand_values={cfg.expand_values!r}, query={cfg.query!r}, "
+                             f"kernels={list(cfg.kernels)}); use residual.backend=torch or auto")
         if cfg.placement == "post" and (cfg.view != "conv" or not cfg.expand_values):
             raise ValueError(f"residual.placement='post' applies the convs to h once: it needs residual.view=conv "
                              f"and residual.expand_values=true, got view={cfg.view!r}, "
@@ -112,10 +114,10 @@ class Msar(DepthAttentionResidual):
     @staticmethod
     def covered(cfg: Config) -> bool:
         """Whether the fused op computes this configuration: conv views (any taps placement, any
-        init) or identity views (taps of size 1 equal to one), attended as keys and values with
-        static queries, m attention streams, either fusion."""
+        init; kernel sizes up to MAX_K) or identity views (taps of size 1 equal to one), attended as
+        keys and values with static queries, m attention streams, either fusion."""
         return (cfg.view in ("conv", "identity") and cfg.placement == "streams" and cfg.expand_values
-                and cfg.query == "static")
+                and cfg.query == "static" and (cfg.view == "identity" or max(cfg.kernels) <= MAX_K))
 
     def fused_covers(self) -> bool:
         return self.covered(self.cfg)

@@ -253,6 +253,6 @@ def test_fused_kernel_refuses_what_it_does_not_compute():
     from platform.config import validate
 
     for extra in ("residual.view=scalar", "residual.placement=post", "residual.expand_values=false",
-                  "residual.query=input"):
+                  "residual.query=input", "residual.kernels=[4,17]"):
         with pytest.raises(ValueError, match=r"residual.backend='triton'.*use residual.backend=torch or auto"):
             validate(make_cfg("residual=msar_block", "residual.backend=triton", extra))
