@@ -17,7 +17,8 @@ the sources once and writes h and the per-view lse; forward+backward adds readin
 again, dh and the lse, and writing dx. FLOPs: the arithmetic of the op counted once (convs Σ_j 2
 k_j d per source, key RMS and logit 4 m d, weighted sum 2 m d, mixer 4 m d + 2 m² d); backward
 counted as twice the forward, so forward+backward = 3× forward (the backward's recomputation of the
-streams is not counted: it is the op's choice, not its cost). The table is written to
+streams is not counted: it is the op's choice, not its cost). The fused op's pieces are timed too
+(forward kernel; mixer backward; stats + source-gradient kernels). The table is written to
 benchmarks/results/msar_attn_<gpu>.md with the command, the GPU and the date. Targets (issue 7):
 fused ≥ 50% of its roofline forward and ≥ 30% forward+backward; the last lines say which are met.
 The process exits non-zero if a parity check fails (after writing the table).
@@ -142,6 +143,28 @@ def timings(fn, S, B, T, d, seed) -> dict[str, float]:
     return out
 
 
+def fused_breakdown(S, B, T, d, seed) -> dict[str, float]:
+    """Milliseconds of the fused op's pieces: the forward kernel, the mixer backward (with the
+    recomputation of the streams and dφ), the stats and source-gradient kernels (streams backward)."""
+    from kernels.msar_attn import fused
+
+    x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, B, T, d, seed)
+    m = 1 + len(taps)
+    packed, k_max, _ = fused.pack_taps(taps, d, x.device)
+    qg = fused.folded_queries(q, g)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    dh = torch.randn(B, T, d, device="cuda", dtype=x.dtype)
+    kw = dict(key_norm=True, eps=1e-6)
+    dr, delta, lse, *_ = fused.mixer_backward(dh, x, packed, k_max, m, qg, doc, mixer, sigmoid=True, **kw)
+    return {
+        "forward": bench_ms(lambda: fused.forward(x, packed, k_max, m, qg, doc, mixer=mixer, **kw)),
+        "mixer bwd": bench_ms(lambda: fused.mixer_backward(dh, x, packed, k_max, m, qg, doc, mixer, sigmoid=True,
+                                                           **kw)),
+        "streams bwd": bench_ms(lambda: fused.streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc,
+                                                               **kw)),
+    }
+
+
 def implementations(compile_reference: bool):
     from kernels.msar_attn import msar, reference
 
@@ -182,7 +205,7 @@ def main(argv=None) -> int:
                f"parity: fused bf16 vs fp32 reference on the same values, 2 rows, h and every gradient; "
                f"tolerance {PARITY_TOL}"])
     impls = implementations(not args.no_compile)
-    failed, verdicts = [], []
+    failed, verdicts, breakdown = [], [], []
     for shape in args.shapes:
         B, T, d = SHAPES[shape]
         for S in args.sources:
@@ -208,6 +231,9 @@ def main(argv=None) -> int:
                     print(f"[{shape} S={S}] {name} failed:\n{traceback.format_exc()}", flush=True)
                     results[name] = "error"
                 torch.cuda.empty_cache()
+            parts = fused_breakdown(S, B, T, d, args.seed)
+            breakdown.append(f"{shape} S={S}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items()))
+            print(f"[{shape} S={S}] fused pieces: {breakdown[-1]}", flush=True)
             fused = results.get("fused")
             for name, r in results.items():
                 parity_cell = f"{errs[worst]:.1e}: {worst} {'ok' if ok else 'FAIL'}"
@@ -226,6 +252,8 @@ def main(argv=None) -> int:
                 verdicts.append(f"{shape} S={S}: fwd {100 * frac_f:.0f}% ({'met' if frac_f >= TARGET_FWD else 'MISSED'}"
                                 f", bound by {bind_f}), fwd+bwd {100 * frac_fb:.0f}% "
                                 f"({'met' if frac_fb >= TARGET_FB else 'MISSED'}, bound by {bind_fb})")
+    table.notes.append("fused op's pieces (forward kernel; mixer backward with the streams recomputed and dφ; "
+                       "stats + source-gradient kernels): " + "; ".join(breakdown))
     table.notes.append(f"targets (fused ≥ {TARGET_FWD:.0%} of roofline fwd, ≥ {TARGET_FB:.0%} fwd+bwd): "
                        + "; ".join(verdicts))
     gpu = torch.cuda.get_device_name()
