@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d3000": (1024, 3000)}
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-F32, I64 = "*fp32", "*i64"
+F32, I32 = "*fp32", "*i32"
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
@@ -54,7 +54,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     blk = fused._blocks(T, d, m_pad, k_max)
     common = dict(M_PAD=m_pad, K_LOOP=k_max)
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
-    views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, doc_ptr=I64, eps="fp32")
+    views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
     yield ("forward (h)", fused._fwd_kernel,
            dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SINGLE=blk.single, BT=blk.bt,

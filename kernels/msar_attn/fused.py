@@ -56,7 +56,7 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
            M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """All m views of one source tile: E (M_PAD, BT, BD) fp32,
     E[j, t] = Σ_{τ<K_MAX} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)] (taps zero past k_j).
@@ -67,9 +67,7 @@ def _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, 
     tau = row0 * 0
     while tau < K_MAX:
         src_t = offs_t - tau
-        ok = mask_t & (src_t >= 0)
-        doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-1)
-        ok = ok & (doc_src == doc_t)  # never read another document
+        ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
         xv = tl.load(x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :],
                      mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
         c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :],
@@ -80,7 +78,7 @@ def _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, 
 
 
 @triton.jit
-def _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
+def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, mask_d,
               b, S, B, T, D, K_MAX,
               M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Streams of one channel tile from stored logits: R[j, t] = Σ_s exp(logit - lse) E_j(x_s)[t]."""
@@ -89,7 +87,7 @@ def _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask
     s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
-        e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                    M_PAD, K_LOOP, BT, BD)
         lg = tl.load(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
                      mask=mask_t[None, :], other=0.0)
@@ -127,7 +125,7 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
 
 
 @triton.jit
-def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, mask_j,
+def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
               b, S, B, T, D, K_MAX, eps,
               KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr,
               BT: tl.constexpr, BD: tl.constexpr):
@@ -141,7 +139,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, m
     s = b * 0
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
-        e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                    M_PAD, K_LOOP, BT, BD)
         logit = tl.sum(e * qg[:, None, :], axis=2)  # (M_PAD, BT): (q ⊙ g)·E
         if KEY_NORM:
@@ -160,7 +158,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, m
 
 
 @triton.jit
-def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
+def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
                 b, S, B, T, D, K_MAX, eps, n_dt,
                 KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr,
                 BD: tl.constexpr):
@@ -180,7 +178,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t,
             mask_d = offs_d < D
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
-            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                        M_PAD, K_LOOP, BT, BD)
             dot += tl.sum(e * qg[:, None, :], axis=2)
             ss += tl.sum(e * e, axis=2)
@@ -206,7 +204,7 @@ def _fwd_kernel(
     phi_ptr,  # mixer projection φ (m·d, m) fp32
     alpha_ptr,  # mixer scale α (1,) fp32
     bias_ptr,  # mixer bias b (m,) fp32
-    doc_ptr,  # document ids (B, T) int64
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
     logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
@@ -220,8 +218,7 @@ def _fwd_kernel(
     mask_t = offs_t < T
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]  # (M_PAD, BT) index into (m, B, T)
     stat_mask = mask_j[:, None] & mask_t[None, :]
     rows = (b * T + offs_t).to(tl.int64)  # (BT,) index into (B, T)
@@ -231,7 +228,7 @@ def _fwd_kernel(
     if SINGLE:  # one pass; R stays in registers
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
-        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
                            mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, K_LOOP, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
@@ -244,7 +241,7 @@ def _fwd_kernel(
             tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
     else:
-        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
                           b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
@@ -252,7 +249,7 @@ def _fwd_kernel(
             while dt < n_dt:
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
-                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
                               mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
                 tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
                          mask=stat_mask[:, :, None] & mask_d[None, None, :])
@@ -265,7 +262,7 @@ def _fwd_kernel(
             while dt < n_dt:
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
-                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
                               mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
                 rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
                 rr += rr_part
@@ -277,7 +274,7 @@ def _fwd_kernel(
             while dt < n_dt:
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
-                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
                               mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
                 h = tl.sum(g[:, :, None] * r, axis=0)
                 tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
@@ -317,7 +314,7 @@ def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, 
 
 @triton.jit
 def _mix_bwd_kernel(
-    x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, doc_ptr,  # as in _fwd_kernel
+    x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, near_ptr,  # as in _fwd_kernel
     dh_ptr,  # upstream gradient (B, T, d), contiguous
     r_ptr,  # result: the streams R (m, B, T, d) in x's dtype (for dφ only)
     dr_ptr,  # result: dL/dR (m, B, T, d) fp32
@@ -338,8 +335,7 @@ def _mix_bwd_kernel(
     mask_t = offs_t < T
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
     stat_mask = mask_j[:, None] & mask_t[None, :]
     rows = (b * T + offs_t).to(tl.int64)
@@ -349,7 +345,7 @@ def _mix_bwd_kernel(
     if SINGLE:
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
-        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
                            mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, K_LOOP, BT, BD)
         dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                      other=0.0).to(tl.float32)
@@ -363,7 +359,7 @@ def _mix_bwd_kernel(
         tl.store(dr_ptr + tile, dr, mask=m3)
         delta = tl.sum(dr * r, axis=2)
     else:
-        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
                           b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
         # pass 2: ‖R‖², R·φ and dh·r_j over all channel tiles
         rr = tl.zeros((BT,), dtype=tl.float32)
@@ -373,7 +369,7 @@ def _mix_bwd_kernel(
         while dt < n_dt:
             offs_d = dt * BD + tl.arange(0, BD)
             mask_d = offs_d < D
-            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
                           mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
             rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
             rr += rr_part
@@ -389,7 +385,7 @@ def _mix_bwd_kernel(
         while dt < n_dt:
             offs_d = dt * BD + tl.arange(0, BD)
             mask_d = offs_d < D
-            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
                           mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
             dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                          other=0.0).to(tl.float32)
@@ -413,7 +409,7 @@ def _stats_kernel(
     x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
-    doc_ptr,  # document ids (B, T) int64
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     dr_ptr,  # dL/dR (m, B, T, d) fp32
     delta_ptr,  # dR_j · R_j (m, B, T) fp32
     lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
@@ -430,8 +426,7 @@ def _stats_kernel(
     mask_t = offs_t < T
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
     stat_mask = mask_j[:, None] & mask_t[None, :]
     lse = tl.load(lse_ptr + stat, mask=stat_mask, other=0.0)
@@ -448,7 +443,7 @@ def _stats_kernel(
             mask_d = offs_d < D
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
-            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                        M_PAD, K_LOOP, BT, BD)
             dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                          mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
@@ -482,7 +477,7 @@ def _src_kernel(
     x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
-    doc_ptr,  # document ids (B, T) int64
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     dr_ptr,  # dL/dR (m, B, T, d) fp32
     coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
     dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
@@ -508,7 +503,7 @@ def _src_kernel(
     kv = tl.arange(0, K_PAD)
     loc_e = tl.arange(0, 2 * BT)
     loc = tl.arange(0, BT)
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
+    near_row_ptr = near_ptr + b.to(tl.int64) * T
     qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
     dqg = tl.zeros((M_PAD, BD), dtype=tl.float32)
     dtaps = tl.zeros((K_PAD, M_PAD, BD), dtype=tl.float32)
@@ -520,15 +515,15 @@ def _src_kernel(
         mask_e = offs_e < T
         offs_t = t0 + loc  # the block
         mask_t = offs_t < T
-        doc_e = tl.load(doc_row_ptr + offs_e, mask=mask_e, other=-1)
-        doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+        near_e = tl.load(near_row_ptr + offs_e, mask=mask_e, other=0)
+        near_t = tl.load(near_row_ptr + offs_t, mask=mask_t, other=0)
         m_e = mask_j[:, None] & mask_e[None, :]
         own = (loc_e < BT)[None, :, None]
         dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_e[None, :]  # (M_PAD, 2·BT)
         s = b * 0
         while s < S:
             row0 = (s * B + b).to(tl.int64) * T
-            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_e, offs_e, mask_e, offs_d, mask_d, row0, D, K_MAX,
+            e = _views(x_ptr, taps_ptr, near_e, offs_e, mask_e, offs_d, mask_d, row0, D, K_MAX,
                        M_PAD, K_LOOP, 2 * BT, BD)
             cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_e[None, :]
             w = tl.load(coef_ptr + cidx, mask=m_e, other=0.0)
@@ -543,18 +538,13 @@ def _src_kernel(
             tau = b * 0  # a runtime loop: unrolled, the tap tiles are hoisted and exhaust the registers
             while tau < K_MAX:
                 shifted = tl.gather(de, zero_idx + (loc + tau)[None, :, None], axis=1)  # dE[t+τ]
-                dst_t = offs_t + tau
-                ok = mask_t & (dst_t < T)
-                doc_dst = tl.load(doc_row_ptr + dst_t, mask=ok, other=-1)
-                ok = ok & (doc_dst == doc_t)
+                ok = ((near_t >> (16 + tau)) & 1) != 0  # t + τ in the row and in t's document
                 c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :], mask=mask_d[None, :],
                             other=0.0)
                 acc += tl.where(ok[:, None], tl.sum(c[:, None, :] * shifted, axis=0), 0.0)
                 # tap gradient of τ: dE on the block times the source τ tokens back
                 src_t = offs_t - tau
-                ok = mask_t & (src_t >= 0)
-                doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-1)
-                ok = ok & (doc_src == doc_t)
+                ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document
                 xv = tl.load(x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :],
                              mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
                 contrib = tl.sum(de_own * xv[None, :, :], axis=1)  # (M_PAD, BD)
@@ -571,7 +561,42 @@ def _src_kernel(
              dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
 
 
-# --- launchers -----------------------------------------------------------------------------------
+@triton.jit
+def _doc_window_kernel(doc_ptr, near_ptr, T, BT: tl.constexpr):
+    """Window bits of one block of tokens: bit τ of near[t] is [t-τ >= 0 and doc(t-τ) = doc(t)],
+    bit 16 + τ is [t+τ < T and doc(t+τ) = doc(t)], for τ < 16."""
+    tb = tl.program_id(0)
+    b = tl.program_id(1)
+    offs = tb * BT + tl.arange(0, BT)
+    mask = offs < T
+    row = doc_ptr + b.to(tl.int64) * T
+    doc = tl.load(row + offs, mask=mask, other=0)
+    one = tl.full((BT,), 1, dtype=tl.int32)
+    bits = tl.zeros((BT,), dtype=tl.int32)
+    for tau in tl.static_range(16):
+        ok = mask & (offs - tau >= 0)
+        ok = ok & (tl.load(row + offs - tau, mask=ok, other=0) == doc)
+        bits = bits | tl.where(ok, one << tau, 0)
+        ok = mask & (offs + tau < T)
+        ok = ok & (tl.load(row + offs + tau, mask=ok, other=0) == doc)
+        bits = bits | tl.where(ok, one << (16 + tau), 0)
+    tl.store(near_ptr + b.to(tl.int64) * T + offs, bits, mask=mask)
+
+
+def doc_window(doc_ids: Tensor) -> Tensor:
+    """The document mask of every tap as bits, (B, T) int32: bit τ of near[b, t] says t-τ is in the
+    row and in t's document, bit 16 + τ the same of t+τ (τ < 16, the longest kernel the op takes).
+    One small kernel per call; the tap loops then test a bit instead of loading two document ids
+    (no load whose address waits for another load)."""
+    B, T = doc_ids.shape
+    doc_ids = doc_ids.to(torch.int64).contiguous()
+    near = torch.empty(B, T, device=doc_ids.device, dtype=torch.int32)
+    bt = min(triton.next_power_of_2(max(T, 1)), 1024)
+    _doc_window_kernel[(triton.cdiv(T, bt), B)](doc_ids, near, T, BT=bt)
+    return near
+
+
+# --- launchers# --- launchers -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Blocks:
     bd: int  # channels per tile of the forward, mixer-backward and stats kernels
@@ -634,7 +659,7 @@ def _mixer_params(phi, alpha, bias):
             bias.detach().float().contiguous())
 
 
-def forward(x, packed, k_max, m, qg, doc_ids, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
+def forward(x, packed, k_max, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
             store_logits=False):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, and
     the logits (m, S, B, T) fp32 when ``store_logits`` (else None). ``mixer``: (φ, α, b) fp32."""
@@ -650,13 +675,13 @@ def forward(x, packed, k_max, m, qg, doc_ids, *, key_norm, eps, mixer=None, sigm
         logits = torch.empty(m_pad, S, B, T, device=x.device, dtype=torch.float32)
     phi, alpha, bias = (lse, lse, lse) if write_r else mixer  # unused by the kernel with WRITE_R
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
-        x, packed, qg, phi, alpha, bias, doc_ids, out, lse, logits, S, B, T, d, m, k_max, eps,
+        x, packed, qg, phi, alpha, bias, near, out, lse, logits, S, B, T, d, m, k_max, eps,
         triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
         SINGLE=blk.single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
     return out, lse, (logits[:m] if store_logits else None)
 
 
-def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps, sigmoid):
+def mixer_backward(dh, x, packed, k_max, m, qg, near, mixer, *, key_norm, eps, sigmoid):
     """Streams recomputed and the mixer's backward: dR (m, B, T, d) fp32, dR·R (m, B, T), lse, and
     the gradients of φ, α, b (fp32)."""
     S, B, T, d = x.shape
@@ -669,7 +694,7 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
     logits = lse if blk.bwd_single else torch.empty(m_pad, S, B, T, **f32)
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        x, packed, qg, *mixer, doc_ids, dh, r, dr, lse, logits, delta, dz, coef, dzy,
+        x, packed, qg, *mixer, near, dh, r, dr, lse, logits, delta, dz, coef, dzy,
         S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd),
         KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt,
         BD=blk.bwd_bd, num_warps=blk.bwd_warps)
@@ -679,7 +704,7 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
     return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
 
 
-def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids, *, key_norm, eps):
+def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, near, *, key_norm, eps):
     """Gradients through the streams, given dR (m, B, T, d) fp32 and dR·R (m, B, T): dx (S, B, T, d)
     in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over all sources."""
     S, B, T, d = x.shape
@@ -689,7 +714,7 @@ def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids, *, key
     plane = m_pad * S * B * T
     coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
     _stats_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        x, packed, qg, doc_ids, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
+        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
         KEY_NORM=key_norm, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
@@ -699,7 +724,7 @@ def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids, *, key
     dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     dx = torch.empty_like(x)
     _src_kernel[(n_chunks, B, triton.cdiv(d, blk.src_bd))](
-        x, packed, qg, doc_ids, dr, coef, dx, dqg_part, dtap_part, S, B, T, d, m, k_max, plane, sub,
+        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, S, B, T, d, m, k_max, plane, sub,
         M_PAD=m_pad, K_LOOP=k_max, K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd, num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
@@ -714,19 +739,19 @@ def _query_grads(dqg, queries, key_gains):
 
 
 class MsarFunction(torch.autograd.Function):
-    """The whole MSAR read. Inputs: x, queries, key_gains (or None), doc_ids, φ, α, b, flags, *taps.
+    """The whole MSAR read. Inputs: x, queries, key_gains (or None), near, φ, α, b, flags, *taps.
     Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves only the
     inputs: the backward recomputes the streams."""
 
     @staticmethod
-    def forward(ctx, x, queries, key_gains, doc_ids, phi, alpha, bias, key_norm, eps, fusion, store_logits,
+    def forward(ctx, x, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
                 *taps):
         d, m = x.shape[-1], queries.shape[0]
         packed, k_max, _ = pack_taps(taps, d, x.device)
-        h, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), doc_ids,
+        h, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), near,
                                  key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                  sigmoid=fusion == "sigmoid", store_logits=store_logits)
-        ctx.save_for_backward(x, queries, key_gains, doc_ids, phi, alpha, bias, *taps)
+        ctx.save_for_backward(x, queries, key_gains, near, phi, alpha, bias, *taps)
         ctx.key_norm, ctx.eps, ctx.fusion = key_norm, eps, fusion
         if logits is None:
             logits = lse.new_empty(0)
@@ -735,15 +760,15 @@ class MsarFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, _dlse, _dlogits):
-        x, queries, key_gains, doc_ids, phi, alpha, bias, *taps = ctx.saved_tensors
+        x, queries, key_gains, near, phi, alpha, bias, *taps = ctx.saved_tensors
         d, m = x.shape[-1], queries.shape[0]
         packed, k_max, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr, delta, lse, dphi, dalpha, dbias = mixer_backward(
-                dh.contiguous(), x, packed, k_max, m, qg, doc_ids, _mixer_params(phi, alpha, bias),
+                dh.contiguous(), x, packed, k_max, m, qg, near, _mixer_params(phi, alpha, bias),
                 key_norm=ctx.key_norm, eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids,
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
@@ -752,15 +777,15 @@ class MsarFunction(torch.autograd.Function):
 
 class StreamsFunction(torch.autograd.Function):
     """The streams R (m, B, T, d) without the mixer (``msar_attn``). Inputs: x, queries, key_gains,
-    doc_ids, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves R in fp32 (it is the output)."""
+    near, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves R in fp32 (it is the output)."""
 
     @staticmethod
-    def forward(ctx, x, queries, key_gains, doc_ids, key_norm, eps, store_logits, *taps):
+    def forward(ctx, x, queries, key_gains, near, key_norm, eps, store_logits, *taps):
         d, m = x.shape[-1], queries.shape[0]
         packed, k_max, _ = pack_taps(taps, d, x.device)
-        r, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), doc_ids,
+        r, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), near,
                                  key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
-        ctx.save_for_backward(x, queries, key_gains, doc_ids, r, lse, *taps)
+        ctx.save_for_backward(x, queries, key_gains, near, r, lse, *taps)
         ctx.key_norm, ctx.eps = key_norm, eps
         if logits is None:
             logits = lse.new_empty(0)
@@ -769,14 +794,14 @@ class StreamsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dr, _dlse, _dlogits):
-        x, queries, key_gains, doc_ids, r, lse, *taps = ctx.saved_tensors
+        x, queries, key_gains, near, r, lse, *taps = ctx.saved_tensors
         d = x.shape[-1]
         packed, k_max, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr = dr.float().contiguous()
             delta = (dr * r).sum(-1).contiguous()  # (m, B, T): dR_j · R_j
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids,
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
@@ -784,7 +809,7 @@ class StreamsFunction(torch.autograd.Function):
 
 def _prepare(x, taps, queries, key_gains, doc_ids):
     return (x.contiguous(), [c.contiguous() for c in taps], queries.contiguous(),
-            None if key_gains is None else key_gains.contiguous(), doc_ids.to(torch.int64).contiguous())
+            None if key_gains is None else key_gains.contiguous(), doc_window(doc_ids))
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
@@ -792,8 +817,8 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
          eps=1e-6, return_weights=False):
     """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. Weights are
     returned detached (diagnostics)."""
-    x, taps, queries, key_gains, doc_ids = _prepare(x, taps, queries, key_gains, doc_ids)
-    h, lse, logits = MsarFunction.apply(x, queries, key_gains, doc_ids, phi, alpha, bias, bool(key_norm),
+    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
+    h, lse, logits = MsarFunction.apply(x, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
                                         float(eps), fusion, bool(return_weights), *taps)
     if not return_weights:
         return h
@@ -803,8 +828,8 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
 @torch.compiler.disable
 def msar_attn(x, taps, queries, key_gains, doc_ids, *, key_norm=True, eps=1e-6, return_weights=False):
     """The fused streams (no mixer); inputs already validated by ``kernels.msar_attn.msar_attn``."""
-    x, taps, queries, key_gains, doc_ids = _prepare(x, taps, queries, key_gains, doc_ids)
-    r, lse, logits = StreamsFunction.apply(x, queries, key_gains, doc_ids, bool(key_norm), float(eps),
+    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
+    r, lse, logits = StreamsFunction.apply(x, queries, key_gains, near, bool(key_norm), float(eps),
                                            bool(return_weights), *taps)
     if not return_weights:
         return r
