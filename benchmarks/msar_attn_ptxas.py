@@ -52,7 +52,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     m = 1 + len(kernel_sizes)
     k_max, m_pad = max(1, *kernel_sizes), triton.next_power_of_2(m)
     blk = fused._blocks(T, d, m_pad, k_max)
-    common = dict(M_PAD=m_pad, K_LOOP=k_max)
+    common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
     yield ("forward (h)", fused._fwd_kernel,

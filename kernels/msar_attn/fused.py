@@ -57,30 +57,33 @@ def interpreting() -> bool:
 
 @triton.jit
 def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-           M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+           M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """All m views of one source tile: E (M_PAD, BT, BD) fp32,
-    E[j, t] = Σ_{τ<K_MAX} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)] (taps zero past k_j).
-    A runtime loop over τ: unrolled, the compiler hoists every tap tile out of the loop over
-    sources and runs out of registers (K_MAX·m·BD values)."""
+    E[j, t] = Σ_{τ<k_j} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)], rows past m zero.
+    Per view j a (BT, BD) tile over its own k_j = KS[j] taps (constexpr: Σ_j k_j multiply-adds
+    an element, not m·K_MAX), unrolled so that every shifted load of the view is in flight at once;
+    the shifted tiles re-read the same rows (L1 hits). Then placed in row j of the view tile."""
     jv = tl.arange(0, M_PAD)
     e = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
-    tau = row0 * 0
-    while tau < K_MAX:
-        src_t = offs_t - tau
-        ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
-        xv = tl.load(x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :],
-                     mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
-        c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)  # (M_PAD, BD)
-        e += c[:, None, :] * xv[None, :, :]
-        tau += 1
+    # zero, but not provably: the tap loads stay in the caller's loop over sources instead of being
+    # hoisted out of it (Σ_j k_j tap vectors held across that loop spill registers)
+    taps_ptr = taps_ptr + (row0 >> 62)
+    for j in tl.static_range(len(KS)):
+        ej = tl.zeros((BT, BD), dtype=tl.float32)
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
+            xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                         mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
+            c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+            ej += c[None, :] * xv
+        e = tl.where(jv[:, None, None] == j, ej[None, :, :], e)
     return e
 
 
 @triton.jit
 def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, mask_d,
               b, S, B, T, D, K_MAX,
-              M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+              M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Streams of one channel tile from stored logits: R[j, t] = Σ_s exp(logit - lse) E_j(x_s)[t]."""
     jv = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
@@ -88,7 +91,7 @@ def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, 
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
         e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, K_LOOP, BT, BD)
+                   M_PAD, KS, BT, BD)
         lg = tl.load(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
                      mask=mask_t[None, :], other=0.0)
         acc += tl.exp(lg - lse)[:, :, None] * e
@@ -127,7 +130,7 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
 @triton.jit
 def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
               b, S, B, T, D, K_MAX, eps,
-              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr,
+              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
               BT: tl.constexpr, BD: tl.constexpr):
     """d in one tile: logits, online softmax over sources (fp32) and weighted sums together.
     Returns the streams r (M_PAD, BT, BD) and the lse (M_PAD, BT)."""
@@ -140,7 +143,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
         e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, K_LOOP, BT, BD)
+                   M_PAD, KS, BT, BD)
         logit = tl.sum(e * qg[:, None, :], axis=2)  # (M_PAD, BT): (q ⊙ g)·E
         if KEY_NORM:
             logit = logit * tl.rsqrt(tl.sum(e * e, axis=2) / D + eps)
@@ -160,7 +163,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
 @triton.jit
 def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
                 b, S, B, T, D, K_MAX, eps, n_dt,
-                KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr,
+                KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
                 BD: tl.constexpr):
     """d over several tiles, pass 1: the logits (reductions over all channel tiles) of every source,
     written to logits (M_PAD, S, B, T) for the next passes; returns their lse (M_PAD, BT)."""
@@ -179,7 +182,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
             e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, K_LOOP, BT, BD)
+                       M_PAD, KS, BT, BD)
             dot += tl.sum(e * qg[:, None, :], axis=2)
             ss += tl.sum(e * e, axis=2)
             dt += 1
@@ -210,7 +213,7 @@ def _fwd_kernel(
     logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
     S, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
-    SINGLE: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     tb = tl.program_id(0)
     b = tl.program_id(1)
@@ -229,7 +232,7 @@ def _fwd_kernel(
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
         r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, K_LOOP, BT, BD)
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
@@ -242,7 +245,7 @@ def _fwd_kernel(
                      mask=mask_t[:, None] & mask_d[None, :])
     else:
         lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
-                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             dt = b * 0
@@ -250,7 +253,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
                 tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
                          mask=stat_mask[:, :, None] & mask_d[None, None, :])
                 dt += 1
@@ -263,7 +266,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
                 rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
                 rr += rr_part
                 z += z_part
@@ -275,7 +278,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
                 h = tl.sum(g[:, :, None] * r, axis=0)
                 tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
                          mask=mask_t[:, None] & mask_d[None, :])
@@ -326,7 +329,7 @@ def _mix_bwd_kernel(
     dzy_ptr,  # result: Σ_i dz_i y_i (B, T) fp32 (dα = Σ_t)
     S, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr,
-    K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Backward of the mixer, with the streams recomputed as in the forward (never stored by it)."""
     tb = tl.program_id(0)
@@ -346,7 +349,7 @@ def _mix_bwd_kernel(
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
         r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, K_LOOP, BT, BD)
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, KS, BT, BD)
         dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                      other=0.0).to(tl.float32)
         rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
@@ -360,7 +363,7 @@ def _mix_bwd_kernel(
         delta = tl.sum(dr * r, axis=2)
     else:
         lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
-                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
         # pass 2: ‖R‖², R·φ and dh·r_j over all channel tiles
         rr = tl.zeros((BT,), dtype=tl.float32)
         z = tl.zeros((M_PAD, BT), dtype=tl.float32)
@@ -370,7 +373,7 @@ def _mix_bwd_kernel(
             offs_d = dt * BD + tl.arange(0, BD)
             mask_d = offs_d < D
             r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                          mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
             rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
             rr += rr_part
             z += z_part
@@ -386,7 +389,7 @@ def _mix_bwd_kernel(
             offs_d = dt * BD + tl.arange(0, BD)
             mask_d = offs_d < D
             r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                          mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
             dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                          other=0.0).to(tl.float32)
             dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
@@ -415,7 +418,7 @@ def _stats_kernel(
     lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
     coef_ptr,  # result: w, κ, μ (3, M_PAD, S, B, T) fp32
     S, B, T, D, M, K_MAX, eps, n_dt, plane,
-    KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Per (view, source, token), the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
     w = exp(logit - lse), dlogit = w (dR_j·E - dR_j·R_j), κ = dlogit ρ, μ = dlogit logit ρ² / d
@@ -444,7 +447,7 @@ def _stats_kernel(
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
             e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, K_LOOP, BT, BD)
+                       M_PAD, KS, BT, BD)
             dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                          mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
             dot_q += tl.sum(e * qg[:, None, :], axis=2)
@@ -484,7 +487,7 @@ def _src_kernel(
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
     S, B, T, D, M, K_MAX, plane, SUB,
-    M_PAD: tl.constexpr, K_LOOP: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    M_PAD: tl.constexpr, KS: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
     channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
@@ -524,7 +527,7 @@ def _src_kernel(
         while s < S:
             row0 = (s * B + b).to(tl.int64) * T
             e = _views(x_ptr, taps_ptr, near_e, offs_e, mask_e, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, K_LOOP, 2 * BT, BD)
+                       M_PAD, KS, 2 * BT, BD)
             cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_e[None, :]
             w = tl.load(coef_ptr + cidx, mask=m_e, other=0.0)
             kappa = tl.load(coef_ptr + plane + cidx, mask=m_e, other=0.0)
@@ -639,14 +642,14 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
     """All views' taps as one (M_PAD, K_MAX, d) fp32 tensor (view 0 the Dirac, zero rows past k_j
-    and for padded views), K_MAX and M_PAD."""
+    and for padded views), the kernel sizes (1, k_1, …) (the kernels' constexpr KS) and M_PAD."""
     ks = [1, *(c.shape[0] for c in taps)]
     k_max, m_pad = max(ks), triton.next_power_of_2(len(ks))
     packed = torch.zeros(m_pad, k_max, d, device=device, dtype=torch.float32)
     packed[0, 0] = 1.0
     for j, c in enumerate(taps, start=1):
         packed[j, : c.shape[0]] = c.detach().float()
-    return packed, k_max, m_pad
+    return packed, tuple(ks), m_pad
 
 
 def folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
@@ -659,12 +662,12 @@ def _mixer_params(phi, alpha, bias):
             bias.detach().float().contiguous())
 
 
-def forward(x, packed, k_max, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
+def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
             store_logits=False):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, and
     the logits (m, S, B, T) fp32 when ``store_logits`` (else None). ``mixer``: (φ, α, b) fp32."""
     S, B, T, d = x.shape
-    m_pad = packed.shape[0]
+    m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
            else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
@@ -677,15 +680,15 @@ def forward(x, packed, k_max, m, qg, near, *, key_norm, eps, mixer=None, sigmoid
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
         x, packed, qg, phi, alpha, bias, near, out, lse, logits, S, B, T, d, m, k_max, eps,
         triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
-        SINGLE=blk.single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+        SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
     return out, lse, (logits[:m] if store_logits else None)
 
 
-def mixer_backward(dh, x, packed, k_max, m, qg, near, mixer, *, key_norm, eps, sigmoid):
+def mixer_backward(dh, x, packed, ks, m, qg, near, mixer, *, key_norm, eps, sigmoid):
     """Streams recomputed and the mixer's backward: dR (m, B, T, d) fp32, dR·R (m, B, T), lse, and
     the gradients of φ, α, b (fp32)."""
     S, B, T, d = x.shape
-    m_pad = packed.shape[0]
+    m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
     # R only feeds dφ: x's dtype (half the bytes in bf16); dR feeds every other gradient: fp32
@@ -696,7 +699,7 @@ def mixer_backward(dh, x, packed, k_max, m, qg, near, mixer, *, key_norm, eps, s
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         x, packed, qg, *mixer, near, dh, r, dr, lse, logits, delta, dz, coef, dzy,
         S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd),
-        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt,
+        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt,
         BD=blk.bwd_bd, num_warps=blk.bwd_warps)
     # dφ = Σ_t vec R ⊗ α ρ dz: per view (d, B·T) @ (B·T, m), a transposed view of R (no copy)
     dphi = torch.matmul(r.reshape(m, B * T, d).transpose(1, 2), coef.reshape(B * T, m).to(r.dtype))
@@ -704,18 +707,18 @@ def mixer_backward(dh, x, packed, k_max, m, qg, near, mixer, *, key_norm, eps, s
     return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
 
 
-def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, near, *, key_norm, eps):
+def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     """Gradients through the streams, given dR (m, B, T, d) fp32 and dR·R (m, B, T): dx (S, B, T, d)
     in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over all sources."""
     S, B, T, d = x.shape
-    m, m_pad = dr.shape[0], packed.shape[0]
+    m, m_pad, k_max = dr.shape[0], packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
     coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
     _stats_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
-        KEY_NORM=key_norm, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
+        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
@@ -725,7 +728,7 @@ def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, near, *, key_no
     dx = torch.empty_like(x)
     _src_kernel[(n_chunks, B, triton.cdiv(d, blk.src_bd))](
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, S, B, T, d, m, k_max, plane, sub,
-        M_PAD=m_pad, K_LOOP=k_max, K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd, num_warps=blk.src_warps)
+        M_PAD=m_pad, KS=ks, K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd, num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
@@ -747,8 +750,8 @@ class MsarFunction(torch.autograd.Function):
     def forward(ctx, x, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
                 *taps):
         d, m = x.shape[-1], queries.shape[0]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
-        h, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), near,
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        h, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                  key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                  sigmoid=fusion == "sigmoid", store_logits=store_logits)
         ctx.save_for_backward(x, queries, key_gains, near, phi, alpha, bias, *taps)
@@ -762,13 +765,13 @@ class MsarFunction(torch.autograd.Function):
     def backward(ctx, dh, _dlse, _dlogits):
         x, queries, key_gains, near, phi, alpha, bias, *taps = ctx.saved_tensors
         d, m = x.shape[-1], queries.shape[0]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
+        packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr, delta, lse, dphi, dalpha, dbias = mixer_backward(
-                dh.contiguous(), x, packed, k_max, m, qg, near, _mixer_params(phi, alpha, bias),
+                dh.contiguous(), x, packed, ks, m, qg, near, _mixer_params(phi, alpha, bias),
                 key_norm=ctx.key_norm, eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, near,
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
@@ -782,8 +785,8 @@ class StreamsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, queries, key_gains, near, key_norm, eps, store_logits, *taps):
         d, m = x.shape[-1], queries.shape[0]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
-        r, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), near,
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        r, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                  key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
         ctx.save_for_backward(x, queries, key_gains, near, r, lse, *taps)
         ctx.key_norm, ctx.eps = key_norm, eps
@@ -796,12 +799,12 @@ class StreamsFunction(torch.autograd.Function):
     def backward(ctx, dr, _dlse, _dlogits):
         x, queries, key_gains, near, r, lse, *taps = ctx.saved_tensors
         d = x.shape[-1]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
+        packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr = dr.float().contiguous()
             delta = (dr * r).sum(-1).contiguous()  # (m, B, T): dR_j · R_j
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, near,
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
