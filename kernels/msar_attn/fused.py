@@ -486,6 +486,7 @@ def _src_kernel(
     dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
+    scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 tile per program (dE of one source)
     S, B, T, D, M, K_MAX, plane, SUB,
     M_PAD: tl.constexpr, KS: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
@@ -510,7 +511,9 @@ def _src_kernel(
     qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
     dqg = tl.zeros((M_PAD, BD), dtype=tl.float32)
     dtaps = tl.zeros((K_PAD, M_PAD, BD), dtype=tl.float32)
-    zero_idx = tl.zeros((M_PAD, BT, BD), dtype=tl.int32)
+    ld = tl.arange(0, BD)
+    pid = (chunk * B + b) * tl.num_programs(2) + dt
+    scr = scratch_ptr + pid.to(tl.int64) * (M_PAD * 2 * BT * BD)  # this program's (M_PAD, 2·BT, BD) tile
     i = b * 0
     while i < SUB:
         t0 = (chunk * SUB + i) * BT
@@ -536,23 +539,28 @@ def _src_kernel(
                          mask=m_e[:, :, None] & mask_d[None, None, :], other=0.0)
             de = w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e
             dqg += tl.sum(tl.where(own, kappa[:, :, None] * e, 0.0), axis=1)
-            de_own = tl.gather(de, zero_idx + loc[None, :, None], axis=1)  # (M_PAD, BT, BD): dE on the block
+            # dE through a per-program scratch tile (L1-resident), read back shifted: no register
+            # gather, and every shifted load of a view in flight at once
+            tl.debug_barrier()  # every thread is done reading the previous source's dE
+            tl.store(scr + (jv[:, None, None] * (2 * BT) + loc_e[None, :, None]) * BD + ld[None, None, :], de)
+            tl.debug_barrier()  # dE visible to every thread of the program
             acc = tl.zeros((BT, BD), dtype=tl.float32)
-            tau = b * 0  # a runtime loop: unrolled, the tap tiles are hoisted and exhaust the registers
-            while tau < K_MAX:
-                shifted = tl.gather(de, zero_idx + (loc + tau)[None, :, None], axis=1)  # dE[t+τ]
-                ok = ((near_t >> (16 + tau)) & 1) != 0  # t + τ in the row and in t's document
-                c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :], mask=mask_d[None, :],
-                            other=0.0)
-                acc += tl.where(ok[:, None], tl.sum(c[:, None, :] * shifted, axis=0), 0.0)
-                # tap gradient of τ: dE on the block times the source τ tokens back
-                src_t = offs_t - tau
-                ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document
-                xv = tl.load(x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :],
-                             mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                contrib = tl.sum(de_own * xv[None, :, :], axis=1)  # (M_PAD, BD)
-                dtaps += tl.where((kv == tau)[:, None, None], contrib[None, :, :], 0.0)
-                tau += 1
+            tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
+            for j in tl.static_range(len(KS)):
+                de_j = tl.load(scr + (j * 2 * BT + loc[:, None]) * BD + ld[None, :])  # (BT, BD): dE_j on the block
+                for tau in tl.static_range(tl.constexpr(KS[j])):
+                    c = tl.load(tap_row + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+                    # conv adjoint: c_τ ⊙ dE_j[t+τ] where t + τ is in the row and in t's document
+                    sh = tl.load(scr + (j * 2 * BT + loc[:, None] + tau) * BD + ld[None, :])
+                    ok = ((near_t >> (16 + tau)) & 1) != 0
+                    acc += tl.where(ok[:, None], c[None, :] * sh, 0.0)
+                    # tap gradient of (j, τ): dE_j on the block times the source τ tokens back
+                    ok = ((near_t >> tau) & 1) != 0
+                    xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                                 mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                    contrib = tl.sum(de_j * xv, axis=0)  # (BD,)
+                    sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
+                    dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
             s += 1
@@ -726,8 +734,10 @@ def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm,
     dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
     dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     dx = torch.empty_like(x)
-    _src_kernel[(n_chunks, B, triton.cdiv(d, blk.src_bd))](
-        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, S, B, T, d, m, k_max, plane, sub,
+    grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
+    scratch = torch.empty(grid[0] * grid[1] * grid[2], m_pad, 2 * blk.src_bt, blk.src_bd, **f32)
+    _src_kernel[grid](
+        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, S, B, T, d, m, k_max, plane, sub,
         M_PAD=m_pad, KS=ks, K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd, num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
