@@ -640,9 +640,12 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
         return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(bt, halo), bd, 4, 4)
     elems = 8192
     bd_full = triton.next_power_of_2(d)
-    bd = bd_full if m_pad * bd_full <= elems else 512
+    # forward: the unrolled per-view tap loops keep Σ_j k_j shifted loads in flight; above 512
+    # channels half the tile (ptxas: (4, 2, 1024) spills 368 B, (4, 1, 2048) spills kilobytes)
+    fwd_elems = elems if bd_full <= 512 else elems // 2
+    bd = bd_full if m_pad * bd_full <= fwd_elems else 512
     t_pow = triton.next_power_of_2(T)
-    bt = max(1, min(t_pow, elems // (m_pad * bd), 16))
+    bt = max(1, min(t_pow, fwd_elems // (m_pad * bd), 16))
     bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
     bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
     return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 8)
