@@ -4,11 +4,13 @@ Same semantics as ``reference.py`` (SPEC §4). PyTorch only packs the taps, fold
 into the queries, and sums per-program partial gradients (deterministic: no atomics).
 
 Data flow of the forward, ``_fwd_kernel``: one program per (block of BT tokens, row b), all m views
-at once. Per source s and channel tile, the program loads the K_MAX shifted, document-masked tiles
-x_s[t-τ] (BT tokens plus a halo of K_MAX-1 earlier ones; the halo comes from L1/L2, so HBM sees
-each source tile once) and accumulates all m views in one (m, BT, BD) register tile; the view
-taps are packed (m, K_MAX, d) with zero rows past k_j (view 0 is the Dirac). Then, per view: key
-RMSNorm (gain folded into the query), logit, online softmax over sources (fp32), weighted sum.
+at once. Per source s and channel tile, each view j is built as its own (BT, BD) tile over its own
+k_j taps (the kernel sizes are the constexpr tuple ``KS``: unrolled tap loops, Σ_j k_j
+multiply-adds an element) from the shifted tiles x_s[t-τ] (BT tokens plus a halo; the halo comes
+from L1/L2, so HBM sees each source tile once), then placed in one (m, BT, BD) tile; the taps are
+packed (m, K_MAX, d) (view 0 is the Dirac). Document masks are bits of one int32 per token
+(``doc_window``), so no load waits on another. Then, per view: key RMSNorm (gain folded into the
+query), logit, online softmax over sources (fp32), weighted sum.
 
 - d fits one channel tile (``SINGLE``): one pass over the sources; the streams R (m, BT, d) stay
   in registers and the mixer runs in the epilogue: ‖R‖², R·φ, z = α·ρ_R·(R·φ) + b, g = σ(z) (or
@@ -30,9 +32,9 @@ Backward (``MsarFunction.backward``), three kernels, each over all sources (neve
 - ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
   w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
   key RMS reciprocal); reductions over all channels.
-- ``_src_kernel``: dE rebuilt in registers on a token block and the next BT tokens, the conv
-  adjoint dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] · [same doc] by token shifts of that tile
-  (``tl.gather``), and the query and tap gradients, partial per program.
+- ``_src_kernel``: dE rebuilt in registers on a token block and the next BT tokens and stored to a
+  per-program scratch tile; the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
+  [same doc] from shifted loads of it, and the query and tap gradients, partial per program.
 Partial sums are reduced with ``torch.sum``: deterministic, no atomics.
 
 All math is fp32 whatever x's dtype (bf16 on the GPU).
@@ -493,10 +495,10 @@ def _src_kernel(
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
     channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
     next BT tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
-        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), never written to memory,
-    then dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] by token shifts of that
-    register tile (``tl.gather``), dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc]
-    over the block's own tokens."""
+        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch tile,
+    then dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] from shifted loads of
+    the scratch tile, dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc] over the
+    block's own tokens; the tap loops per view, unrolled."""
     chunk = tl.program_id(0)
     b = tl.program_id(1)
     dt = tl.program_id(2)
