@@ -68,8 +68,10 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(**views, dr_ptr=F32, delta_ptr=F32, lse_ptr=F32, coef_ptr=F32),
            dict(KEY_NORM=True, BT=blk.bwd_bt, BD=blk.bwd_bd, **common), blk.bwd_warps)
     yield ("source gradients", fused._src_kernel,
-           dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32),
-           dict(K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd, **common), blk.src_warps)
+           dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
+                tap_scratch_ptr=F32),
+           dict(K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
+                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common), blk.src_warps)
 
 
 def main(argv=None) -> int:

@@ -489,8 +489,10 @@ def _src_kernel(
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
     scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 tile per program (dE of one source)
+    tap_scratch_ptr,  # scratch: one (NPAIR, BT, BD) fp32 tile per program (tap-gradient partials)
     S, B, T, D, M, K_MAX, plane, SUB,
-    M_PAD: tl.constexpr, KS: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
     channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
@@ -516,6 +518,10 @@ def _src_kernel(
     ld = tl.arange(0, BD)
     pid = (chunk * B + b) * tl.num_programs(2) + dt
     scr = scratch_ptr + pid.to(tl.int64) * (M_PAD * 2 * BT * BD)  # this program's (M_PAD, 2·BT, BD) tile
+    tacc = tap_scratch_ptr + pid.to(tl.int64) * (NPAIR * BT * BD)  # (NPAIR, BT, BD) tap-gradient partials
+    tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
+    for p in tl.static_range(NPAIR):
+        tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
     i = b * 0
     while i < SUB:
         t0 = (chunk * SUB + i) * BT
@@ -560,13 +566,20 @@ def _src_kernel(
                     ok = ((near_t >> tau) & 1) != 0
                     xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
                                  mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                    contrib = tl.sum(de_j * xv, axis=0)  # (BD,)
-                    sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
-                    dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
+                    # summed over tokens once per program, at the end: here only a per-thread
+                    # update of this (view, tap)'s (BT, BD) partial in the scratch
+                    pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
+                    tl.store(pair, tl.load(pair) + de_j * xv)
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
             s += 1
         i += 1
+    tl.debug_barrier()  # the partials of every thread written
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
+            sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
+            dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
     part = (chunk * B + b).to(tl.int64)
     tl.store(dqg_ptr + (part * M_PAD + jv[:, None]) * D + offs_d[None, :], dqg,
              mask=mask_j[:, None] & mask_d[None, :])
@@ -628,13 +641,15 @@ class Blocks:
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of
-    8192 elements over 16 warps; channels in one tile up to 8192 / m_pad (d <= 2048 at m = 4 runs
-    the one-pass forward), else tiles of 512 channels. The backward kernels hold more tiles of the
-    same shape: half the tokens, and one channel tile only up to 4096 / m_pad channels (at d = 2048
-    the one-tile mixer backward spills registers even at one token). The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 8
-    channels a program over 4 warps. Chosen so that ptxas (sm_90a) reports no register spills at
-    d = 512, 1024, 2048 and 3000 with m = 4 and K_MAX = 12. Under the interpreter each program
-    costs milliseconds: big blocks."""
+    8192 elements over 16 warps up to 512 channels, 4096 above (the unrolled per-view tap loops
+    keep many loads in flight: (4, 2, 1024) and (4, 1, 2048) spill); channels in one tile up to
+    4096 / m_pad above 512 (d <= 1024 at m = 4 runs the one-pass forward), else tiles of 512
+    channels and three passes. The backward kernels hold more tiles of the same shape: half the
+    tokens, and one channel tile only up to 4096 / m_pad channels. The source-gradient kernel: 16
+    tokens (>= K_MAX - 1) and 8 channels a program over 4 warps, 16 token blocks a program (its
+    scratch, 4 + 0.5·Σ_j k_j KiB a program, and the partial sums scale with the number of programs).
+    ptxas (sm_90a) spill bytes at m = 4, K_MAX = 12: see docs/kernel_msar.md. Under the
+    interpreter each program costs milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
     if interpreting():
         bd = triton.next_power_of_2(d) if d <= 1024 else 512
@@ -650,7 +665,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     bt = max(1, min(t_pow, fwd_elems // (m_pad * bd), 16))
     bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
     bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
-    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 8)
+    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -740,10 +755,14 @@ def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm,
     dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     dx = torch.empty_like(x)
     grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
-    scratch = torch.empty(grid[0] * grid[1] * grid[2], m_pad, 2 * blk.src_bt, blk.src_bd, **f32)
+    n_prog = grid[0] * grid[1] * grid[2]
+    koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
+    scratch = torch.empty(n_prog, m_pad, 2 * blk.src_bt, blk.src_bd, **f32)
+    tap_scratch = torch.empty(n_prog, sum(ks), blk.src_bt, blk.src_bd, **f32)
     _src_kernel[grid](
-        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, S, B, T, d, m, k_max, plane, sub,
-        M_PAD=m_pad, KS=ks, K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd, num_warps=blk.src_warps)
+        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
+        sub, M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
+        num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
