@@ -489,7 +489,8 @@ def _src_kernel(
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
     scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 tile per program (dE of one source)
-    tap_scratch_ptr,  # scratch: one (NPAIR, BT, BD) fp32 tile per program (tap-gradient partials)
+    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, 2·BT, BD)
+    # query-gradient partials, fp32
     S, B, T, D, M, K_MAX, plane, SUB,
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
@@ -513,7 +514,6 @@ def _src_kernel(
     loc = tl.arange(0, BT)
     near_row_ptr = near_ptr + b.to(tl.int64) * T
     qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
-    dqg = tl.zeros((M_PAD, BD), dtype=tl.float32)
     dtaps = tl.zeros((K_PAD, M_PAD, BD), dtype=tl.float32)
     ld = tl.arange(0, BD)
     pid = (chunk * B + b) * tl.num_programs(2) + dt
@@ -522,6 +522,9 @@ def _src_kernel(
     tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
     for p in tl.static_range(NPAIR):
         tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
+    qacc = tacc + NPAIR * BT * BD  # (M_PAD, 2·BT, BD) query-gradient partials
+    tile_e = (jv[:, None, None] * (2 * BT) + loc_e[None, :, None]) * BD + ld[None, None, :]
+    tl.store(qacc + tile_e, tl.zeros((M_PAD, 2 * BT, BD), dtype=tl.float32))
     i = b * 0
     while i < SUB:
         t0 = (chunk * SUB + i) * BT
@@ -546,7 +549,8 @@ def _src_kernel(
             dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
                          mask=m_e[:, :, None] & mask_d[None, None, :], other=0.0)
             de = w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e
-            dqg += tl.sum(tl.where(own, kappa[:, :, None] * e, 0.0), axis=1)
+            q_part = tl.load(qacc + tile_e)  # κ E on the block, summed over tokens at the end
+            tl.store(qacc + tile_e, q_part + tl.where(own, kappa[:, :, None] * e, 0.0))
             # dE through a per-program scratch tile (L1-resident), read back shifted: no register
             # gather, and every shifted load of a view in flight at once
             tl.debug_barrier()  # every thread is done reading the previous source's dE
@@ -575,6 +579,7 @@ def _src_kernel(
             s += 1
         i += 1
     tl.debug_barrier()  # the partials of every thread written
+    dqg = tl.sum(tl.load(qacc + tile_e), axis=1)  # (M_PAD, BD)
     for j in tl.static_range(len(KS)):
         for tau in tl.static_range(tl.constexpr(KS[j])):
             contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
@@ -647,7 +652,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     channels and three passes. The backward kernels hold more tiles of the same shape: half the
     tokens, and one channel tile only up to 4096 / m_pad channels. The source-gradient kernel: 16
     tokens (>= K_MAX - 1) and 8 channels a program over 4 warps, 16 token blocks a program (its
-    scratch, 4 + 0.5·Σ_j k_j KiB a program, and the partial sums scale with the number of programs).
+    scratch, 4 + 0.5·(Σ_j k_j + 2·m_pad) KiB a program, and the partial sums scale with the number of programs).
     ptxas (sm_90a) spill bytes at m = 4, K_MAX = 12: see docs/kernel_msar.md. Under the
     interpreter each program costs milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
@@ -758,7 +763,7 @@ def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm,
     n_prog = grid[0] * grid[1] * grid[2]
     koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
     scratch = torch.empty(n_prog, m_pad, 2 * blk.src_bt, blk.src_bd, **f32)
-    tap_scratch = torch.empty(n_prog, sum(ks), blk.src_bt, blk.src_bd, **f32)
+    tap_scratch = torch.empty(n_prog, (sum(ks) + 2 * m_pad) * blk.src_bt * blk.src_bd, **f32)
     _src_kernel[grid](
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
         sub, M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
