@@ -55,6 +55,8 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
+    yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
+           dict(BT=fused.doc_window_block(T)), 4)
     yield ("forward (h)", fused._fwd_kernel,
            dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SINGLE=blk.single, BT=blk.bt,

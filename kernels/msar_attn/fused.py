@@ -614,6 +614,11 @@ def _doc_window_kernel(doc_ptr, near_ptr, T, BT: tl.constexpr):
     tl.store(near_ptr + b.to(tl.int64) * T + offs, bits, mask=mask)
 
 
+def doc_window_block(T: int) -> int:
+    """Tokens a program of ``_doc_window_kernel`` (over 4 warps; 1024 spills registers)."""
+    return min(triton.next_power_of_2(max(T, 1)), 256)
+
+
 def doc_window(doc_ids: Tensor) -> Tensor:
     """The document mask of every tap as bits, (B, T) int32: bit τ of near[b, t] says t-τ is in the
     row and in t's document, bit 16 + τ the same of t+τ (τ < 16, the longest kernel the op takes).
@@ -622,8 +627,8 @@ def doc_window(doc_ids: Tensor) -> Tensor:
     B, T = doc_ids.shape
     doc_ids = doc_ids.to(torch.int64).contiguous()
     near = torch.empty(B, T, device=doc_ids.device, dtype=torch.int32)
-    bt = min(triton.next_power_of_2(max(T, 1)), 1024)
-    _doc_window_kernel[(triton.cdiv(T, bt), B)](doc_ids, near, T, BT=bt)
+    bt = doc_window_block(T)
+    _doc_window_kernel[(triton.cdiv(T, bt), B)](doc_ids, near, T, BT=bt, num_warps=4)
     return near
 
 

@@ -351,7 +351,7 @@ def test_kernels_compile_for_sm90_with_few_spills():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    assert len(lines) == 4, res.stdout
+    assert len(lines) == 5, res.stdout
     spills = [int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines]
     assert max(spills) <= 64, res.stdout  # a few spilled scalars at most; tiles that spill cost far more
 
