@@ -83,6 +83,11 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, mask_d,
               b, S, B, T, D, K_MAX,
               M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
@@ -146,9 +151,11 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
         row0 = (s * B + b).to(tl.int64) * T
         e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                    M_PAD, KS, BT, BD)
-        logit = tl.sum(e * qg[:, None, :], axis=2)  # (M_PAD, BT): (q ⊙ g)·E
-        if KEY_NORM:
-            logit = logit * tl.rsqrt(tl.sum(e * e, axis=2) / D + eps)
+        if KEY_NORM:  # (q ⊙ g)·E and ‖E‖² in one reduction over the channels (one round of barriers)
+            logit, ss = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (M_PAD, BT) each
+            logit = logit * tl.rsqrt(ss / D + eps)
+        else:
+            logit = tl.sum(e * qg[:, None, :], axis=2)
         if STORE_LOGITS:
             tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
                      logit, mask=mask_j[:, None] & mask_t[None, :])
@@ -185,8 +192,9 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
                          other=0.0)
             e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                        M_PAD, KS, BT, BD)
-            dot += tl.sum(e * qg[:, None, :], axis=2)
-            ss += tl.sum(e * e, axis=2)
+            dot_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)
+            dot += dot_part
+            ss += ss_part
             dt += 1
         logit = dot
         if KEY_NORM:
@@ -452,8 +460,9 @@ def _stats_kernel(
                        M_PAD, KS, BT, BD)
             dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                          mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
-            dot_q += tl.sum(e * qg[:, None, :], axis=2)
-            ss += tl.sum(e * e, axis=2)
+            dq_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (three at once spill)
+            dot_q += dq_part
+            ss += ss_part
             dot_r += tl.sum(e * dr, axis=2)
             dt += 1
         if KEY_NORM:
