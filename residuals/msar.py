@@ -32,10 +32,12 @@ from torch import Tensor, nn
 
 from kernels.causal_conv import causal_conv
 from kernels.depth_attn import depth_attn
-from kernels.msar_attn import msar_attn
+from kernels.msar_attn import MAX_K
+from kernels.msar_attn import msar as msar_fused
+from kernels.msar_attn.reference import mix
 
 from .attnres import DepthAttentionConfig, DepthAttentionResidual, PseudoQueries, check_choice, depth_attn_flops
-from .base import Context, rms_norm
+from .base import Context
 from .registry import register
 
 VIEWS = ("conv", "identity", "scalar")
@@ -79,12 +81,13 @@ class Msar(DepthAttentionResidual):
                              f"(view 0 is already the identity, k = 1)")
         if not cfg.conv_init_noise >= 0:
             raise ValueError(f"residual.conv_init_noise={cfg.conv_init_noise!r} must be >= 0")
-        if cfg.backend == "triton" and (cfg.view != "conv" or cfg.placement != "streams" or not cfg.expand_values
-                                      or cfg.query != "static"):
-            raise ValueError(f"residual.backend={cfg.backend!r}: the fused kernel computes conv views attended as "
-                             "keys and values with static queries; it needs view=conv, placement=streams, "
-                             f"expand_values=true, query=static (got view={cfg.view!r}, placement={cfg.placement!r}, "
-                             f"expand_values={cfg.expand_values!r}, query={cfg.query!r}); use residual.backend=torch")
+        if cfg.backend == "triton" and not cls.covered(cfg):
+            raise ValueError(f"residual.backend={cfg.backend!r}: the fused kernel computes conv (or identity) views "
+                             "attended as keys and values with static queries; it needs view=conv or identity, "
+                             f"placement=streams, expand_values=true, query=static and kernels <= {MAX_K} "
+                             f"(got view={cfg.view!r}, placement={cfg.placement!r}, "
+                             f"expand_values={cfg.expand_values!r}, query={cfg.query!r}, "
+                             f"kernels={list(cfg.kernels)}); use residual.backend=torch or auto")
         if cfg.placement == "post" and (cfg.view != "conv" or not cfg.expand_values):
             raise ValueError(f"residual.placement='post' applies the convs to h once: it needs residual.view=conv "
                              f"and residual.expand_values=true, got view={cfg.view!r}, "
@@ -108,11 +111,16 @@ class Msar(DepthAttentionResidual):
         bias = -math.log(m - 1) if cfg.fusion == "sigmoid" else 0.0
         self.fusion_bias = nn.Parameter(torch.full((consumers, m), bias))
 
+    @staticmethod
+    def covered(cfg: Config) -> bool:
+        """Whether the fused op computes this configuration: conv views (any taps placement, any
+        init; kernel sizes up to MAX_K) or identity views (taps of size 1 equal to one), attended as
+        keys and values with static queries, m attention streams, either fusion."""
+        return (cfg.view in ("conv", "identity") and cfg.placement == "streams" and cfg.expand_values
+                and cfg.query == "static" and (cfg.view == "identity" or max(cfg.kernels) <= MAX_K))
+
     def fused_covers(self) -> bool:
-        """Whether the fused op computes this configuration (conv views as keys and values, static
-        queries, m attention streams)."""
-        cfg = self.cfg
-        return cfg.view == "conv" and cfg.placement == "streams" and cfg.expand_values and cfg.query == "static"
+        return self.covered(self.cfg)
 
     def _fused(self, x: Tensor) -> bool:
         """Explicit dispatch: "triton" always (validated), "auto" on CUDA where the fused op covers
@@ -148,12 +156,16 @@ class Msar(DepthAttentionResidual):
         x = torch.stack(sources)  # (S, B, T, d)
         queries = self.queries(consumer, latest=sources[-1])  # (V, d) or (V, B, T, d)
         gain = self.queries.gain(consumer)  # (V, d) or None
-        if self._fused(x):  # fused views + depth attention (validated: conv, streams, static)
-            group = self._tap_group(consumer)
-            streams, weights = msar_attn(x, [taps[group] for taps in self.conv_taps], queries, gain, ctx.doc_ids,
-                                         key_norm=self.cfg.key_norm, return_weights=True,
-                                         backend="triton")  # (m, B, T, d)
-        elif self.cfg.placement == "post":
+        if self._fused(x):  # the whole read in one op, mixer included (validated: see covered)
+            phi, alpha, bias = (self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
+            res = msar_fused(x, self._view_taps(consumer, x), queries, gain, ctx.doc_ids, phi, alpha, bias,
+                             key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
+                             backend="triton")  # (B, T, d)
+            h, weights = res if ctx.record else (res, None)
+            if weights is not None:
+                self._record(ctx, consumer, weights)
+            return h
+        if self.cfg.placement == "post":
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True)  # (1, B, T, d)
             streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
         else:
@@ -165,15 +177,18 @@ class Msar(DepthAttentionResidual):
         return self._fuse(streams, consumer)
 
     def _fuse(self, streams: Tensor, consumer: int) -> Tensor:
-        """h = Σ_j g_j r^{(j)} with g = σ(α·RMSNorm(vec R)·φ + b) (or softmax); fp32 like mHC's φ."""
-        ct = torch.promote_types(streams.dtype, torch.float32)
-        with torch.autocast(device_type=streams.device.type, enabled=False):
-            r = streams.to(ct)  # (m, B, T, d)
-            x = rms_norm(r.movedim(0, -2).flatten(-2))  # (B, T, m·d)
-            z = self.fusion_scale[consumer] * (x @ self.fusion_proj[consumer].to(ct)) + self.fusion_bias[consumer]
-            g = torch.sigmoid(z) if self.cfg.fusion == "sigmoid" else torch.softmax(z, dim=-1)  # (B, T, m)
-            h = torch.einsum("btm,mbtd->btd", g, r)
-        return h.to(streams.dtype)
+        """h = Σ_j g_j r^{(j)} with g = σ(α·RMSNorm(vec R)·φ + b) (or softmax); fp32 like mHC's φ
+        (fp64 for fp64 streams: the kernel reference's mixer, which the fused op is tested against)."""
+        return mix(streams, self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer],
+                   fusion=self.cfg.fusion)
+
+    def _view_taps(self, consumer: int, x: Tensor) -> list[Tensor]:
+        """The m-1 tap tensors (k_j, d) the fused op convolves with: the consumer's conv taps, or for
+        identity views taps of size 1 equal to one (Dirac, no parameters)."""
+        if self.cfg.view == "identity":
+            return [x.new_ones(1, x.shape[-1])] * (self.n_views - 1)
+        group = self._tap_group(consumer)
+        return [taps[group] for taps in self.conv_taps]
 
     # --- accounting ------------------------------------------------------------------------------
     def consumer_flops(self, n_sources: int) -> int:

@@ -1,7 +1,15 @@
-"""MSAR retrieval: conv views of the sources + per-view depth attention (see ``reference.py``).
+"""MSAR as one op: conv views of the sources, per-view depth attention, H^pre mixer (``reference.py``).
 
-``backend="triton"`` runs ``fused.py`` (the views are made inside the kernel, never stored);
-``backend="torch"`` runs the reference composition of ``causal_conv`` and ``depth_attn``.
+Two public functions, each with an explicit ``backend``:
+- ``msar``: the whole read, h (B, T, d). ``backend="triton"`` runs ``fused.py`` (views made inside
+  the kernel, mixer in its epilogue: the forward writes only h and the per-view lse);
+  ``backend="torch"`` runs ``reference.msar`` (the composition of ``causal_conv``, ``depth_attn``
+  and the mixer).
+- ``msar_attn``: the m streams R (m, B, T, d) without the mixer, same backends.
+
+``backend="auto"`` is ``"triton"`` for CUDA tensors, else ``"torch"``. An unavailable backend is
+an error, never a silent fallback. The identity views of the ``wo_conv`` ablation are taps of size
+1 equal to one (Dirac), so the fused op covers them too.
 """
 
 from __future__ import annotations
@@ -13,14 +21,16 @@ import torch
 from torch import Tensor
 
 from . import reference
+from .reference import FUSIONS
 
 BACKENDS = ("torch", "triton")
-MAX_D = 1024  # the fused kernel keeps next_pow2(d) channels of a token block in registers
-MAX_K = 16  # longest conv kernel the fused kernel accepts
+MAX_K = 16  # longest conv kernel the fused kernel accepts (its tap loop is unrolled)
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_inputs(x, taps, queries, key_gains, doc_ids) -> None:
+def _check_inputs(x, taps, queries, key_gains, doc_ids, backend) -> None:
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"msar_attn: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
     if x.dim() != 4:
         raise ValueError(f"msar_attn: x must be (S, B, T, d), got shape {tuple(x.shape)}")
     S, B, T, d = x.shape
@@ -41,16 +51,28 @@ def _check_inputs(x, taps, queries, key_gains, doc_ids) -> None:
         raise ValueError(f"msar_attn: all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def check_triton_supported(x: Tensor, taps: Sequence[Tensor], queries: Tensor,
-                           key_gains: Tensor | None) -> None:
+def _check_mixer(m, d, phi, alpha, bias, fusion, device) -> None:
+    if phi.shape != (m * d, m):
+        raise ValueError(f"msar: phi must be (m·d, m) = ({m * d}, {m}), got {tuple(phi.shape)}")
+    if alpha.numel() != 1:
+        raise ValueError(f"msar: alpha must be a scalar tensor, got shape {tuple(alpha.shape)}")
+    if bias.shape != (m,):
+        raise ValueError(f"msar: bias must be (m,) = ({m},), got {tuple(bias.shape)}")
+    if fusion not in FUSIONS:
+        raise ValueError(f"msar: unknown fusion {fusion!r}; choices: {', '.join(FUSIONS)}")
+    if {phi.device, alpha.device, bias.device} != {device}:
+        raise ValueError(f"msar: phi, alpha and bias must be on {device}")
+
+
+def check_triton_supported(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None,
+                           *extra: Tensor) -> None:
     """Raise if the fused kernel cannot run these inputs (never fall back silently)."""
-    d = x.shape[-1]
-    if d > MAX_D:
-        raise ValueError(f"msar_attn: backend 'triton' supports d <= {MAX_D}, got d={d}")
     ks = [c.shape[0] for c in taps]
-    if any(k < 2 or k > MAX_K for k in ks) or len(set(ks)) != len(ks):
-        raise ValueError(f"msar_attn: backend 'triton' needs distinct kernel sizes in 2..{MAX_K}, got {ks}")
-    for name, t in (("x", x), ("queries", queries), ("key_gains", key_gains), *(("taps", c) for c in taps)):
+    if any(k > MAX_K for k in ks):
+        raise ValueError(f"msar_attn: backend 'triton' needs kernel sizes <= {MAX_K}, got {ks}")
+    named = [("x", x), ("queries", queries), ("key_gains", key_gains), *(("taps", c) for c in taps),
+             *(("phi/alpha/bias", t) for t in extra)]
+    for name, t in named:
         if t is not None and t.dtype not in TRITON_DTYPES:
             raise ValueError(f"msar_attn: backend 'triton' computes in fp32 and takes "
                              f"{[str(dt) for dt in TRITON_DTYPES]}; {name} is {t.dtype} "
@@ -61,38 +83,64 @@ def check_triton_supported(x: Tensor, taps: Sequence[Tensor], queries: Tensor,
                            f"or backend='auto'")
 
 
-def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None,
-              doc_ids: Tensor | None, *, key_norm: bool = True, eps: float = 1e-6,
-              return_weights: bool = False, backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
-    """MSAR retrieval; same signature as :func:`reference.msar_attn` plus ``backend``.
+def _doc_ids(doc_ids, x):
+    if doc_ids is None:
+        return torch.zeros(x.shape[1], x.shape[2], dtype=torch.int64, device=x.device)
+    return doc_ids
+
+
+def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None, doc_ids: Tensor | None,
+         phi: Tensor, alpha: Tensor, bias: Tensor, *, key_norm: bool = True, fusion: str = "sigmoid",
+         eps: float = 1e-6, return_weights: bool = False,
+         backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+    """The whole MSAR read of one consumer: h = Σ_j g_j r^{(j)} (SPEC §4).
 
     Args:
         x: sources ``(S, B, T, d)``; taps: ``m-1`` tensors ``(k_j, d)``; queries ``(m, d)``;
         key_gains ``(m, d)`` or None; doc_ids ``(B, T)`` integer (None: one document per row).
+        phi: ``(m·d, m)``; alpha: scalar tensor; bias: ``(m,)``; fusion: ``"sigmoid"`` or ``"softmax"``.
         backend: ``"auto"`` (``"triton"`` for CUDA tensors, else ``"torch"``), ``"triton"`` (the
-            fused kernel; on CPU tensors only under ``TRITON_INTERPRET=1``), ``"torch"`` (the
-            reference). An unavailable backend is an error, never a silent fallback.
+            fused kernel; on CPU tensors only under ``TRITON_INTERPRET=1``), ``"torch"``.
 
     Returns:
-        streams ``(m, B, T, d)`` in x's dtype, and with ``return_weights`` the softmax weights
-        ``(m, S, B, T)`` fp32 (fp64 from the torch backend on fp64 inputs). The triton backend
-        returns them detached.
+        h ``(B, T, d)`` in x's dtype, and with ``return_weights`` the softmax weights
+        ``(m, S, B, T)`` fp32 (fp64 from the torch backend on fp64 inputs; detached from triton).
     """
-    if backend not in ("auto", *BACKENDS):
-        raise ValueError(f"msar_attn: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
-    _check_inputs(x, taps, queries, key_gains, doc_ids)
+    _check_inputs(x, taps, queries, key_gains, doc_ids, backend)
+    _check_mixer(queries.shape[0], x.shape[-1], phi, alpha, bias, fusion, x.device)
+    doc_ids = _doc_ids(doc_ids, x)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend == "torch":
+        return reference.msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm,
+                              fusion=fusion, eps=eps, return_weights=return_weights)
+    check_triton_supported(x, taps, queries, key_gains, phi, alpha, bias)
+    from . import fused  # imports triton: only when asked for
+
+    return fused.msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm, fusion=fusion,
+                      eps=eps, return_weights=return_weights)
+
+
+def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None,
+              doc_ids: Tensor | None, *, key_norm: bool = True, eps: float = 1e-6,
+              return_weights: bool = False, backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+    """The m streams without the mixer; same arguments as :func:`msar` minus the mixer's.
+
+    Returns:
+        streams ``(m, B, T, d)`` in x's dtype, and with ``return_weights`` the weights ``(m, S, B, T)``.
+    """
+    _check_inputs(x, taps, queries, key_gains, doc_ids, backend)
+    doc_ids = _doc_ids(doc_ids, x)
     if backend == "auto":
         backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         return reference.msar_attn(x, taps, queries, key_gains, doc_ids, key_norm=key_norm, eps=eps,
                                    return_weights=return_weights)
     check_triton_supported(x, taps, queries, key_gains)
-    from . import fused  # imports triton: only when asked for
+    from . import fused
 
-    if doc_ids is None:
-        doc_ids = torch.zeros(x.shape[1], x.shape[2], dtype=torch.int64, device=x.device)
     return fused.msar_attn(x, taps, queries, key_gains, doc_ids, key_norm=key_norm, eps=eps,
                            return_weights=return_weights)
 
 
-__all__ = ["BACKENDS", "MAX_D", "MAX_K", "check_triton_supported", "msar_attn"]
+__all__ = ["BACKENDS", "FUSIONS", "MAX_K", "check_triton_supported", "msar", "msar_attn"]

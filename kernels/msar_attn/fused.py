@@ -1,424 +1,892 @@
-"""MSAR retrieval fused in Triton: conv views made on the fly inside the depth attention.
+"""MSAR fused in Triton: conv views, key RMSNorm, online softmax over sources and the H^pre mixer.
 
-Same semantics as ``reference.py`` (SPEC §4). Everything below runs in Triton; PyTorch only packs
-the taps, folds the gains into the queries and sums per-program partial gradients.
+Same semantics as ``reference.py`` (SPEC §4). PyTorch only packs the taps, folds the key gains
+into the queries, and sums per-program partial gradients (deterministic: no atomics).
 
-Forward, ``_msar_fwd_kernel``, one program per (view j, block of BLOCK_T tokens of row b), all d
-channels: for every source s, build the view tile E_j(x_s) from k_j shifted, document-masked loads
-of x, key RMSNorm per token, logit = (q_j ⊙ g_j) · key, online softmax over s (running max and sum,
-fp32), out_j += w_s · E_j(x_s). Stores the streams (m, B, T, d) in x's dtype, the log-sum-exp of
-the logits (m, B, T) fp32, and for 16-bit x an fp32 copy of the streams when a gradient is needed.
-The (m, S, B, T, d) views never exist in memory.
+Data flow of the forward, ``_fwd_kernel``: one program per (block of BT tokens, row b), all m views
+at once. Per source s and channel tile, each view j is built as its own (BT, BD) tile over its own
+k_j taps (the kernel sizes are the constexpr tuple ``KS``: unrolled tap loops, Σ_j k_j
+multiply-adds an element) from the shifted tiles x_s[t-τ] (BT tokens plus a halo; the halo comes
+from L1/L2, so HBM sees each source tile once), then placed in one (m, BT, BD) tile; the taps are
+packed (m, K_MAX, d) (view 0 is the Dirac). Document masks are bits of one int32 per token
+(``doc_window``), so no load waits on another. Then, per view: key RMSNorm (gain folded into the
+query), logit, online softmax over sources (fp32), weighted sum.
 
-Backward, three kernels:
-- ``_msar_bwd_kernel`` (per view, chunk of tokens, row) recomputes E_j(x_s) and the weights
-  w_s = exp(logit_s - lse) and writes
-      dE_j(x_s) = w_s · dOut_j + dlogit_s · ∂logit_s/∂E,  dlogit_s = w_s (dOut_j · E_j(x_s) - dOut_j · out_j)
-  (value path; key path through the softmax, the RMSNorm and the gain-folded query), plus partial
-  sums of dL/d(q_j ⊙ g_j). dE (m, S, B, T, d) in x's dtype is transient and backward-only: it is the one
-  large buffer of this op, freed when the backward returns.
-- ``_conv_adjoint_kernel``: dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] · [same doc] (view 0: +dE_0).
-- ``_tap_grad_kernel``: dc_τ^{(j)} = Σ_{s,b,t} dE_j(x_s)[t] ⊙ x_s[t-τ] · [same doc], partial per chunk.
-Partial sums are reduced with ``torch.sum``: the result is deterministic (no atomics).
+- d fits one channel tile (``SINGLE``): one pass over the sources; the streams R (m, BT, d) stay
+  in registers and the mixer runs in the epilogue: ‖R‖², R·φ, z = α·ρ_R·(R·φ) + b, g = σ(z) (or
+  softmax over m), h = Σ_j g_j r^{(j)}. Only h (B, T, d) and lse (m, B, T) are written.
+- d larger than a tile: pass 1 over (source, channel tile) for the logits (their d-reductions:
+  q·E and ‖E‖²; written to a (m, S, B, T) fp32 buffer, 4·m·S bytes a token) and the lse;
+  pass 2 per channel tile recomputes the views and weighted sums for ‖R‖² and R·φ; pass 3
+  recomputes them once more and writes h. Recomputing costs S·d reads (mostly L2 hits) and the
+  conv arithmetic; storing R would cost 2·m·d·4 bytes a token of HBM traffic instead.
 
-All math is fp32 whatever x's dtype (bf16 on the GPU). Inputs are made contiguous by the caller.
+``WRITE_R`` makes the same kernel write the streams R (m, B, T, d) fp32 instead of h: the public
+``msar_attn`` (streams only) and the backward's recomputation.
+
+Backward (``MsarFunction.backward``), three kernels, each over all sources (never an
+(m, S, B, T, d) buffer):
+- ``_mix_bwd_kernel``: recomputes R as the forward does, then the mixer's backward per token:
+  dR (m, B, T, d) fp32, dR·R per view, and per-token scalars for dφ, dα, db (dφ = Σ_t vec R ⊗
+  α ρ dz is one matrix product over R, written in x's dtype for it).
+- ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
+  w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
+  key RMS reciprocal); reductions over all channels.
+- ``_src_kernel``: dE rebuilt in registers on a token block and the next BT tokens and stored to a
+  per-program scratch tile; the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
+  [same doc] from shifted loads of it, and the query and tap gradients, partial per program.
+Partial sums are reduced with ``torch.sum``: deterministic, no atomics.
+
+All math is fp32 whatever x's dtype (bf16 on the GPU).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
-def _view_tile(
-    x_ptr,  # sources (S, B, T, d), contiguous
-    taps_ptr,  # packed taps (m, K_MAX, d) fp32
-    doc_row_ptr,  # doc ids of row b: (T,) int64
-    doc_t,  # doc ids of this block's tokens (BLOCK_T,)
-    offs_t, offs_d, mask_t, mask_d,
-    j, k, s, b, B, T, D, K_MAX,
-    K_LOOP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """E_j(x_s)[t] = Σ_{τ<k} c_τ ⊙ x_s[t-τ] · [doc(t-τ) = doc(t)], zero left padding; fp32.
-
-    The tap loop is unrolled to K_LOOP >= k with a runtime guard: Triton 3.6's interpreter cannot
-    take a tensor as a ``range`` bound under NumPy 2.4, and unrolling lets the loads overlap."""
-    row0 = (s * B + b).to(tl.int64) * T  # first token of (s, b) in the flattened (S·B·T) axis
-    e = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for tau in tl.static_range(K_LOOP):
-        if tau < k:
-            src_t = offs_t - tau
-            ok = mask_t & (src_t >= 0)
-            doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-1)
-            ok = ok & (doc_src == doc_t)  # never read another document
-            c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)
-            ptrs = x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :]
-            xv = tl.load(ptrs, mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-            e += c[None, :] * xv
+def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+           M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """All m views of one source tile: E (M_PAD, BT, BD) fp32,
+    E[j, t] = Σ_{τ<k_j} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)], rows past m zero.
+    Per view j a (BT, BD) tile over its own k_j = KS[j] taps (constexpr: Σ_j k_j multiply-adds
+    an element, not m·K_MAX), unrolled so that every shifted load of the view is in flight at once;
+    the shifted tiles re-read the same rows (L1 hits). Then placed in row j of the view tile."""
+    jv = tl.arange(0, M_PAD)
+    e = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
+    # zero, but not provably: the tap loads stay in the caller's loop over sources instead of being
+    # hoisted out of it (Σ_j k_j tap vectors held across that loop spill registers)
+    taps_ptr = taps_ptr + (row0 >> 62)
+    for j in tl.static_range(len(KS)):
+        ej = tl.zeros((BT, BD), dtype=tl.float32)
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
+            xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                         mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
+            c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+            ej += c[None, :] * xv
+        e = tl.where(jv[:, None, None] == j, ej[None, :, :], e)
     return e
 
 
 @triton.jit
-def _msar_fwd_kernel(
-    x_ptr,  # sources (S, B, T, d), contiguous, any float dtype
-    taps_ptr,  # packed taps (m, K_MAX, d) fp32; view 0 is the Dirac [1, 0, ...]
-    ks_ptr,  # kernel size of every view (m,) int32; view 0 has k = 1
-    qg_ptr,  # gain-folded queries q_j ⊙ g_j (m, d) fp32
-    doc_ptr,  # document ids (B, T) int64
-    out_ptr,  # streams (m, B, T, d), x's dtype
-    lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
-    logits_ptr,  # raw logits (m, S, B, T) fp32; written only when STORE_LOGITS
-    out32_ptr,  # fp32 copy of the streams (m, B, T, d); written only when STORE_OUT32
-    S, B, T, D, K_MAX, eps,
-    KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, STORE_OUT32: tl.constexpr,
-    K_LOOP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    j = tl.program_id(0)  # view: the fastest grid axis, so the m programs of a tile share x in L2
-    tb = tl.program_id(1)
-    b = tl.program_id(2)
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_t = offs_t < T
-    mask_d = offs_d < D
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
-    k = tl.load(ks_ptr + j)
-    qg = tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0)
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
 
-    # online softmax over sources, fp32 (AttnRes §3: the softmax is specified in fp32)
-    m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    s = b * 0  # a while loop: see _view_tile about tensor range bounds under the interpreter
+
+@triton.jit
+def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, mask_d,
+              b, S, B, T, D, K_MAX,
+              M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Streams of one channel tile from stored logits: R[j, t] = Σ_s exp(logit - lse) E_j(x_s)[t]."""
+    jv = tl.arange(0, M_PAD)
+    acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
+    s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
     while s < S:
-        e = _view_tile(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, offs_d, mask_t, mask_d,
-                       j, k, s, b, B, T, D, K_MAX, K_LOOP, BLOCK_T, BLOCK_D)
-        logit = tl.sum(e * qg[None, :], axis=1)  # q·(g ⊙ n) = (q ⊙ g)·n
-        if KEY_NORM:
-            logit = logit * tl.rsqrt(tl.sum(e * e, axis=1) / D + eps)
+        row0 = (s * B + b).to(tl.int64) * T
+        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                   M_PAD, KS, BT, BD)
+        lg = tl.load(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
+                     mask=mask_t[None, :], other=0.0)
+        acc += tl.exp(lg - lse)[:, :, None] * e
+        s += 1
+    return acc
+
+
+@triton.jit
+def _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID: tl.constexpr):
+    """g (M_PAD, BT) from z = R·φ (M_PAD, BT) and ‖R‖² (BT,): σ or softmax of α·ρ_R·z + b."""
+    rho = tl.rsqrt(rr / (M * D) + eps)
+    zz = alpha * z * rho[None, :] + bias[:, None]
+    if SIGMOID:
+        g = 1.0 / (1.0 + tl.exp(-zz))
+    else:
+        zz = tl.where(mask_j[:, None], zz, float("-inf"))
+        p = tl.exp(zz - tl.max(zz, axis=0)[None, :])
+        g = p / tl.sum(p, axis=0)[None, :]
+    return tl.where(mask_j[:, None], g, 0.0)
+
+
+@triton.jit
+def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, BT: tl.constexpr):
+    """Partial ‖R‖² (BT,) and R·φ (M_PAD, BT) of one channel tile of the streams r (M_PAD, BT, BD)."""
+    jv = tl.arange(0, M_PAD)
+    rr = tl.sum(tl.sum(r * r, axis=2), axis=0)
+    z = tl.zeros((M_PAD, BT), dtype=tl.float32)
+    for i in tl.static_range(M_PAD):
+        ph = tl.load(phi_ptr + (jv[:, None] * D + offs_d[None, :]) * M + i,
+                     mask=mask_j[:, None] & mask_d[None, :] & (i < M), other=0.0)  # φ[j·d + c, i]
+        val = tl.sum(tl.sum(r * ph[:, None, :], axis=2), axis=0)  # (BT,)
+        z = tl.where(jv[:, None] == i, val[None, :], z)
+    return rr, z
+
+
+@triton.jit
+def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
+              b, S, B, T, D, K_MAX, eps,
+              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
+              BT: tl.constexpr, BD: tl.constexpr):
+    """d in one tile: logits, online softmax over sources (fp32) and weighted sums together.
+    Returns the streams r (M_PAD, BT, BD) and the lse (M_PAD, BT)."""
+    jv = tl.arange(0, M_PAD)
+    qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full((M_PAD, BT), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
+    acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                   M_PAD, KS, BT, BD)
+        if KEY_NORM:  # (q ⊙ g)·E and ‖E‖² in one reduction over the channels (one round of barriers)
+            logit, ss = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (M_PAD, BT) each
+            logit = logit * tl.rsqrt(ss / D + eps)
+        else:
+            logit = tl.sum(e * qg[:, None, :], axis=2)
         if STORE_LOGITS:
-            tl.store(logits_ptr + ((j * S + s) * B + b).to(tl.int64) * T + offs_t, logit, mask=mask_t)
+            tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
+                     logit, mask=mask_j[:, None] & mask_t[None, :])
         m_new = tl.maximum(m_i, logit)
-        alpha = tl.exp(m_i - m_new)
+        scale = tl.exp(m_i - m_new)
         p = tl.exp(logit - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * alpha[:, None] + p[:, None] * e
+        l_i = l_i * scale + p
+        acc = acc * scale[:, :, None] + p[:, :, None] * e
         m_i = m_new
         s += 1
-    out = acc / l_i[:, None]
-    rows = (j * B + b).to(tl.int64) * T + offs_t  # (m, B, T) flat index
-    tile = rows[:, None] * D + offs_d[None, :]
-    mask = mask_t[:, None] & mask_d[None, :]
-    tl.store(out_ptr + tile, out.to(out_ptr.dtype.element_ty), mask=mask)
-    if STORE_OUT32:
-        tl.store(out32_ptr + tile, out, mask=mask)
-    tl.store(lse_ptr + rows, m_i + tl.log(l_i), mask=mask_t)
+    return acc / l_i[:, :, None], m_i + tl.log(l_i)
 
 
 @triton.jit
-def _msar_bwd_kernel(
-    x_ptr,  # sources (S, B, T, d), contiguous
-    taps_ptr,  # packed taps (m, K_MAX, d) fp32
-    ks_ptr,  # kernel size of every view (m,) int32
-    qg_ptr,  # gain-folded queries (m, d) fp32
-    doc_ptr,  # document ids (B, T) int64
-    out_ptr,  # forward streams in fp32 (m, B, T, d)
-    dout_ptr,  # upstream gradient of the streams (m, B, T, d), contiguous
-    lse_ptr,  # forward log-sum-exp (m, B, T) fp32
-    de_ptr,  # result: dL/dE_j(x_s) (m, S, B, T, d), x's dtype (fp32 for fp32 x), transient
-    dqg_ptr,  # result: per-program partial dL/d(q_j ⊙ g_j) (m, B, n_chunks, d) fp32
-    S, B, T, D, K_MAX, eps, n_chunks, SUB,
-    KEY_NORM: tl.constexpr, K_LOOP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    j = tl.program_id(0)  # view
-    chunk = tl.program_id(1)  # SUB consecutive blocks of BLOCK_T tokens
-    b = tl.program_id(2)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    k = tl.load(ks_ptr + j)
-    qg = tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0)
-
-    dqg = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    i = b * 0  # while loops: see _view_tile about tensor range bounds under the interpreter
-    while i < SUB:
-        offs_t = (chunk * SUB + i) * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < T
-        mask = mask_t[:, None] & mask_d[None, :]
-        doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
-        rows = (j * B + b).to(tl.int64) * T + offs_t
-        tile = rows[:, None] * D + offs_d[None, :]
-        do = tl.load(dout_ptr + tile, mask=mask, other=0.0).to(tl.float32)
-        o = tl.load(out_ptr + tile, mask=mask, other=0.0)
-        # dOut_j · out_j = Σ_s w_s (dOut_j · E_j(x_s)); from the fp32 output: with peaked weights the
-        # softmax backward subtracts two nearly equal numbers, and a bf16 output would dominate it
-        delta = tl.sum(do * o, axis=1)
-        lse = tl.load(lse_ptr + rows, mask=mask_t, other=0.0)
-        s = b * 0
-        while s < S:
-            e = _view_tile(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, offs_d, mask_t, mask_d,
-                           j, k, s, b, B, T, D, K_MAX, K_LOOP, BLOCK_T, BLOCK_D)
-            dot = tl.sum(e * qg[None, :], axis=1)
-            if KEY_NORM:
-                r = tl.rsqrt(tl.sum(e * e, axis=1) / D + eps)
-                logit = dot * r
-            else:
-                logit = dot
-            w = tl.exp(logit - lse)  # the forward weights, from the saved lse
-            dlogit = w * (tl.sum(do * e, axis=1) - delta)  # softmax backward
-            if KEY_NORM:
-                # logit = qg·(e r), r = (mean e² + eps)^-½  =>  ∂logit/∂e = r (qg - logit · e r / d)
-                n = e * r[:, None]
-                dkey = (dlogit * r)[:, None] * (qg[None, :] - n * (logit / D)[:, None])
-                dqg += tl.sum(dlogit[:, None] * n, axis=0)
-            else:
-                dkey = dlogit[:, None] * qg[None, :]
-                dqg += tl.sum(dlogit[:, None] * e, axis=0)
-            src_rows = ((j * S + s) * B + b).to(tl.int64) * T + offs_t
-            tl.store(de_ptr + src_rows[:, None] * D + offs_d[None, :],
-                     (w[:, None] * do + dkey).to(de_ptr.dtype.element_ty), mask=mask)
-            s += 1
-        i += 1
-    part = (j * B + b).to(tl.int64) * n_chunks + chunk
-    tl.store(dqg_ptr + part * D + offs_d, dqg, mask=mask_d)
+def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
+                b, S, B, T, D, K_MAX, eps, n_dt,
+                KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
+                BD: tl.constexpr):
+    """d over several tiles, pass 1: the logits (reductions over all channel tiles) of every source,
+    written to logits (M_PAD, S, B, T) for the next passes; returns their lse (M_PAD, BT)."""
+    jv = tl.arange(0, M_PAD)
+    m_i = tl.full((M_PAD, BT), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        dot = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
+                         other=0.0)
+            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, KS, BT, BD)
+            dot_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)
+            dot += dot_part
+            ss += ss_part
+            dt += 1
+        logit = dot
+        if KEY_NORM:
+            logit = dot * tl.rsqrt(ss / D + eps)
+        tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
+                 logit, mask=mask_t[None, :])  # padded views too: the next passes read them back
+        m_new = tl.maximum(m_i, logit)
+        l_i = l_i * tl.exp(m_i - m_new) + tl.exp(logit - m_new)
+        m_i = m_new
+        s += 1
+    tl.debug_barrier()  # the logits written here are read back by other threads of the program
+    return m_i + tl.log(l_i)
 
 
 @triton.jit
-def _tap_grad_kernel(
-    de_ptr,  # dL/dE_j(x_s) (m, S, B, T, d)
-    x_ptr,  # sources (S, B, T, d), contiguous
-    ks_ptr,  # kernel size of every view (m,) int32
-    doc_ptr,  # document ids (B, T) int64
-    dtaps_ptr,  # result: per-program partial dL/dc_τ^{(j)} (m-1, K_MAX, S·B, n_chunks, d) fp32
-    S, B, T, D, K_MAX, n_chunks, SUB,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+def _fwd_kernel(
+    x_ptr,  # sources (S, B, T, d), contiguous, any float dtype
+    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32, zero past k_j and for padded views; view 0 Dirac
+    qg_ptr,  # gain-folded queries q_j ⊙ g_j (m, d) fp32
+    phi_ptr,  # mixer projection φ (m·d, m) fp32
+    alpha_ptr,  # mixer scale α (1,) fp32
+    bias_ptr,  # mixer bias b (m,) fp32
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
+    out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
+    lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
+    logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
+    S, B, T, D, M, K_MAX, eps, n_dt,
+    KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
+    SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
-    """dc_τ^{(j)} = Σ_{s,b,t} dE_j(x_s)[t] ⊙ x_s[t-τ] · [doc(t-τ) = doc(t)], one (view, tap) per
-    program. The (view, tap) pair is the fastest grid axis, so the programs that read the same
-    chunk of dE and x run together and share it in L2."""
-    jt = tl.program_id(0)  # (j - 1) · K_MAX + τ
-    chunk = tl.program_id(1)
-    sb = tl.program_id(2)  # s · B + b
-    j = 1 + jt // K_MAX
-    tau = jt % K_MAX
-    k = tl.load(ks_ptr + j)
-    if tau < k:
-        b = sb % B
-        s = sb // B
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-        x_row0 = sb.to(tl.int64) * T
-        de_row0 = (j * S * B + sb).to(tl.int64) * T
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        i = b * 0
-        while i < SUB:
-            offs_t = (chunk * SUB + i) * BLOCK_T + tl.arange(0, BLOCK_T)
-            src_t = offs_t - tau
-            ok = (offs_t < T) & (src_t >= 0)
-            doc_t = tl.load(doc_row_ptr + offs_t, mask=ok, other=-1)
-            doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-2)
-            ok = ok & (doc_src == doc_t)
-            m2 = ok[:, None] & mask_d[None, :]
-            dv = tl.load(de_ptr + (de_row0 + offs_t)[:, None] * D + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-            xv = tl.load(x_ptr + (x_row0 + src_t)[:, None] * D + offs_d[None, :], mask=m2, other=0.0)
-            acc += dv * xv.to(tl.float32)
-            i += 1
-        part = (jt * S * B + sb).to(tl.int64) * n_chunks + chunk
-        tl.store(dtaps_ptr + part * D + offs_d, tl.sum(acc, axis=0), mask=mask_d)
-
-
-@triton.jit
-def _conv_adjoint_kernel(
-    de_ptr,  # dL/dE_j(x_s) (m, S, B, T, d)
-    taps_ptr,  # packed taps (m, K_MAX, d) fp32; view 0 is the Dirac
-    ks_ptr,  # kernel size of every view (m,) int32
-    doc_ptr,  # document ids (B, T) int64
-    dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
-    m, S, B, T, D, K_MAX,
-    K_LOOP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] · [doc(t+τ) = doc(t)]: the adjoint of the
-    causal conv reads the later tokens of the same document."""
     tb = tl.program_id(0)
     b = tl.program_id(1)
-    s = tl.program_id(2)
-    offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tb * BT + tl.arange(0, BT)
     mask_t = offs_t < T
+    jv = tl.arange(0, M_PAD)
+    mask_j = jv < M
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
+    stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]  # (M_PAD, BT) index into (m, B, T)
+    stat_mask = mask_j[:, None] & mask_t[None, :]
+    rows = (b * T + offs_t).to(tl.int64)  # (BT,) index into (B, T)
+    alpha = tl.load(alpha_ptr)  # (with WRITE_R these point at a dummy buffer, unused)
+    bias = tl.load(bias_ptr + jv, mask=mask_j, other=0.0)
+
+    if SINGLE:  # one pass; R stays in registers
+        offs_d = tl.arange(0, BD)
+        mask_d = offs_d < D
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT, BD)
+        tl.store(lse_ptr + stat, lse, mask=stat_mask)
+        if WRITE_R:
+            tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
+                     mask=stat_mask[:, :, None] & mask_d[None, None, :])
+        else:
+            rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
+            g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
+            h = tl.sum(g[:, :, None] * r, axis=0)  # (BT, BD)
+            tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
+                     mask=mask_t[:, None] & mask_d[None, :])
+    else:
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
+        tl.store(lse_ptr + stat, lse, mask=stat_mask)
+        if WRITE_R:
+            dt = b * 0
+            while dt < n_dt:
+                offs_d = dt * BD + tl.arange(0, BD)
+                mask_d = offs_d < D
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+                tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
+                         mask=stat_mask[:, :, None] & mask_d[None, None, :])
+                dt += 1
+        else:
+            # pass 2: the mixer's reductions over all of vec R
+            rr = tl.zeros((BT,), dtype=tl.float32)
+            z = tl.zeros((M_PAD, BT), dtype=tl.float32)
+            dt = b * 0
+            while dt < n_dt:
+                offs_d = dt * BD + tl.arange(0, BD)
+                mask_d = offs_d < D
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+                rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
+                rr += rr_part
+                z += z_part
+                dt += 1
+            g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
+            # pass 3: recompute the streams tile by tile and write h
+            dt = b * 0
+            while dt < n_dt:
+                offs_d = dt * BD + tl.arange(0, BD)
+                mask_d = offs_d < D
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+                h = tl.sum(g[:, :, None] * r, axis=0)
+                tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
+                         mask=mask_t[:, None] & mask_d[None, :])
+                dt += 1
+
+
+@triton.jit
+def _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID: tl.constexpr):
+    """From z = R·φ, ‖R‖² and dg_j = dh·r_j: g, dz (M_PAD, BT), ρ_R (BT,) and Σ_i dz_i y_i (BT,),
+    y = ρ_R z the normalised projection (so dα = Σ_t Σ_i dz_i y_i)."""
+    g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
+    if SIGMOID:
+        dz = g * (1.0 - g) * dg
+    else:
+        dz = g * (dg - tl.sum(g * dg, axis=0)[None, :])
+    dz = tl.where(mask_j[:, None], dz, 0.0)
+    rho = tl.rsqrt(rr / (M * D) + eps)
+    return g, dz, rho, tl.sum(dz * z, axis=0) * rho
+
+
+@triton.jit
+def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D,
+             M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """dL/dR of one channel tile (M_PAD, BT, BD):
+    dR_j = g_j dh + ρ α Σ_i dz_i φ_i[j] - ρ² α (Σ_i dz_i y_i) R_j / (m d)  (RMSNorm backward)."""
+    jv = tl.arange(0, M_PAD)
+    proj = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
+    for i in tl.static_range(M_PAD):
+        ph = tl.load(phi_ptr + (jv[:, None] * D + offs_d[None, :]) * M + i,
+                     mask=mask_j[:, None] & mask_d[None, :] & (i < M), other=0.0)  # φ[j·d + c, i]
+        dz_i = tl.sum(tl.where(jv[:, None] == i, dz, 0.0), axis=0)  # (BT,)
+        proj += dz_i[None, :, None] * ph[:, None, :]
+    return (g[:, :, None] * dh[None, :, :] + (rho * alpha)[None, :, None] * proj
+            - (rho * rho * alpha * dzy / (M * D))[None, :, None] * r)
+
+
+@triton.jit
+def _mix_bwd_kernel(
+    x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, near_ptr,  # as in _fwd_kernel
+    dh_ptr,  # upstream gradient (B, T, d), contiguous
+    r_ptr,  # result: the streams R (m, B, T, d) in x's dtype (for dφ only)
+    dr_ptr,  # result: dL/dR (m, B, T, d) fp32
+    lse_ptr,  # result: log-sum-exp of the logits (m, B, T) fp32
+    logits_ptr,  # scratch logits (M_PAD, S, B, T) fp32 when not SINGLE
+    delta_ptr,  # result: dR_j · R_j (m, B, T) fp32
+    dz_ptr,  # result: dL/dz (B, T, m) fp32 (db = Σ_t dz)
+    coef_ptr,  # result: α ρ_R dz (B, T, m) fp32 (dφ = Σ_t vec R ⊗ coef)
+    dzy_ptr,  # result: Σ_i dz_i y_i (B, T) fp32 (dα = Σ_t)
+    S, B, T, D, M, K_MAX, eps, n_dt,
+    KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr,
+    KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """Backward of the mixer, with the streams recomputed as in the forward (never stored by it)."""
+    tb = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_t = tb * BT + tl.arange(0, BT)
+    mask_t = offs_t < T
+    jv = tl.arange(0, M_PAD)
+    mask_j = jv < M
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
+    stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
+    stat_mask = mask_j[:, None] & mask_t[None, :]
+    rows = (b * T + offs_t).to(tl.int64)
+    alpha = tl.load(alpha_ptr)
+    bias = tl.load(bias_ptr + jv, mask=mask_j, other=0.0)
+
+    if SINGLE:
+        offs_d = tl.arange(0, BD)
+        mask_d = offs_d < D
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, KS, BT, BD)
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                     other=0.0).to(tl.float32)
+        rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
+        dg = tl.sum(r * dh[None, :, :], axis=2)  # (M_PAD, BT)
+        g, dz, rho, dzy = _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID)
+        dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
+        tile = stat[:, :, None] * D + offs_d[None, None, :]
+        m3 = stat_mask[:, :, None] & mask_d[None, None, :]
+        tl.store(r_ptr + tile, r.to(r_ptr.dtype.element_ty), mask=m3)
+        tl.store(dr_ptr + tile, dr, mask=m3)
+        delta = tl.sum(dr * r, axis=2)
+    else:
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
+        # pass 2: ‖R‖², R·φ and dh·r_j over all channel tiles
+        rr = tl.zeros((BT,), dtype=tl.float32)
+        z = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dg = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+            rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
+            rr += rr_part
+            z += z_part
+            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)
+            dg += tl.sum(r * dh[None, :, :], axis=2)
+            dt += 1
+        g, dz, rho, dzy = _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID)
+        # pass 3: dR tile by tile
+        delta = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)
+            dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
+            tile = stat[:, :, None] * D + offs_d[None, None, :]
+            m3 = stat_mask[:, :, None] & mask_d[None, None, :]
+            tl.store(r_ptr + tile, r.to(r_ptr.dtype.element_ty), mask=m3)
+            tl.store(dr_ptr + tile, dr, mask=m3)
+            delta += tl.sum(dr * r, axis=2)
+            dt += 1
+    tl.store(lse_ptr + stat, lse, mask=stat_mask)
+    tl.store(delta_ptr + stat, delta, mask=stat_mask)
+    tok = rows[None, :] * M + jv[:, None]  # (M_PAD, BT) index into (B, T, m)
+    tl.store(dz_ptr + tok, dz, mask=stat_mask)
+    tl.store(coef_ptr + tok, (alpha * rho)[None, :] * dz, mask=stat_mask)
+    tl.store(dzy_ptr + rows, dzy, mask=mask_t)
+
+
+@triton.jit
+def _stats_kernel(
+    x_ptr,  # sources (S, B, T, d)
+    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
+    qg_ptr,  # gain-folded queries (m, d) fp32
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
+    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    delta_ptr,  # dR_j · R_j (m, B, T) fp32
+    lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
+    coef_ptr,  # result: w, κ, μ (3, M_PAD, S, B, T) fp32
+    S, B, T, D, M, K_MAX, eps, n_dt, plane,
+    KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """Per (view, source, token), the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
+    w = exp(logit - lse), dlogit = w (dR_j·E - dR_j·R_j), κ = dlogit ρ, μ = dlogit logit ρ² / d
+    (ρ = (‖E‖²/d + eps)^-½; without key norm κ = dlogit, μ = 0). Reductions over all channels."""
+    tb = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_t = tb * BT + tl.arange(0, BT)
+    mask_t = offs_t < T
+    jv = tl.arange(0, M_PAD)
+    mask_j = jv < M
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
+    stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
+    stat_mask = mask_j[:, None] & mask_t[None, :]
+    lse = tl.load(lse_ptr + stat, mask=stat_mask, other=0.0)
+    delta = tl.load(delta_ptr + stat, mask=stat_mask, other=0.0)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        dot_q = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dot_r = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        dt = b * 0
+        while dt < n_dt:
+            offs_d = dt * BD + tl.arange(0, BD)
+            mask_d = offs_d < D
+            qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
+                         other=0.0)
+            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, KS, BT, BD)
+            dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
+                         mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
+            dq_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (three at once spill)
+            dot_q += dq_part
+            ss += ss_part
+            dot_r += tl.sum(e * dr, axis=2)
+            dt += 1
+        if KEY_NORM:
+            rho = tl.rsqrt(ss / D + eps)
+            logit = dot_q * rho
+        else:
+            logit = dot_q
+        w = tl.where(stat_mask, tl.exp(logit - lse), 0.0)
+        dlogit = w * (dot_r - delta)  # softmax backward
+        if KEY_NORM:
+            # logit = qg·E ρ  =>  ∂logit/∂E = ρ qg - logit ρ² E / d
+            kappa = dlogit * rho
+            mu = kappa * rho * logit / D
+        else:
+            kappa = dlogit
+            mu = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :]
+        tl.store(coef_ptr + cidx, w, mask=stat_mask)
+        tl.store(coef_ptr + plane + cidx, kappa, mask=stat_mask)
+        tl.store(coef_ptr + 2 * plane + cidx, mu, mask=stat_mask)
+        s += 1
+
+
+@triton.jit
+def _src_kernel(
+    x_ptr,  # sources (S, B, T, d)
+    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
+    qg_ptr,  # gain-folded queries (m, d) fp32
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
+    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
+    dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
+    dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
+    dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
+    scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 tile per program (dE of one source)
+    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, 2·BT, BD)
+    # query-gradient partials, fp32
+    S, B, T, D, M, K_MAX, plane, SUB,
+    M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr,
+):
+    """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
+    channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
+    next BT tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
+        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch tile,
+    then dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] from shifted loads of
+    the scratch tile, dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc] over the
+    block's own tokens; the tap loops per view, unrolled."""
+    chunk = tl.program_id(0)
+    b = tl.program_id(1)
+    dt = tl.program_id(2)
+    offs_d = dt * BD + tl.arange(0, BD)
     mask_d = offs_d < D
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
-    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    j = b * 0
-    while j < m:
-        k = tl.load(ks_ptr + j)
-        row0 = ((j * S + s) * B + b).to(tl.int64) * T
-        for tau in tl.static_range(K_LOOP):
-            if tau < k:
-                dst_t = offs_t + tau
-                ok = mask_t & (dst_t < T)
-                doc_dst = tl.load(doc_row_ptr + dst_t, mask=ok, other=-1)
-                ok = ok & (doc_dst == doc_t)
-                c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)
-                dv = tl.load(de_ptr + (row0 + dst_t)[:, None] * D + offs_d[None, :],
-                             mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                acc += c[None, :] * dv
-        j += 1
-    rows = (s * B + b).to(tl.int64) * T + offs_t
-    tl.store(dx_ptr + rows[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_d[None, :])
+    jv = tl.arange(0, M_PAD)
+    mask_j = jv < M
+    kv = tl.arange(0, K_PAD)
+    loc_e = tl.arange(0, 2 * BT)
+    loc = tl.arange(0, BT)
+    near_row_ptr = near_ptr + b.to(tl.int64) * T
+    qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
+    dtaps = tl.zeros((K_PAD, M_PAD, BD), dtype=tl.float32)
+    ld = tl.arange(0, BD)
+    pid = (chunk * B + b) * tl.num_programs(2) + dt
+    scr = scratch_ptr + pid.to(tl.int64) * (M_PAD * 2 * BT * BD)  # this program's (M_PAD, 2·BT, BD) tile
+    tacc = tap_scratch_ptr + pid.to(tl.int64) * (NPAIR * BT * BD)  # (NPAIR, BT, BD) tap-gradient partials
+    tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
+    for p in tl.static_range(NPAIR):
+        tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
+    qacc = tacc + NPAIR * BT * BD  # (M_PAD, 2·BT, BD) query-gradient partials
+    tile_e = (jv[:, None, None] * (2 * BT) + loc_e[None, :, None]) * BD + ld[None, None, :]
+    tl.store(qacc + tile_e, tl.zeros((M_PAD, 2 * BT, BD), dtype=tl.float32))
+    i = b * 0
+    while i < SUB:
+        t0 = (chunk * SUB + i) * BT
+        offs_e = t0 + loc_e  # the block and the next BT tokens
+        mask_e = offs_e < T
+        offs_t = t0 + loc  # the block
+        mask_t = offs_t < T
+        near_e = tl.load(near_row_ptr + offs_e, mask=mask_e, other=0)
+        near_t = tl.load(near_row_ptr + offs_t, mask=mask_t, other=0)
+        m_e = mask_j[:, None] & mask_e[None, :]
+        own = (loc_e < BT)[None, :, None]
+        dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_e[None, :]  # (M_PAD, 2·BT)
+        s = b * 0
+        while s < S:
+            row0 = (s * B + b).to(tl.int64) * T
+            e = _views(x_ptr, taps_ptr, near_e, offs_e, mask_e, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, KS, 2 * BT, BD)
+            cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_e[None, :]
+            w = tl.load(coef_ptr + cidx, mask=m_e, other=0.0)
+            kappa = tl.load(coef_ptr + plane + cidx, mask=m_e, other=0.0)
+            mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_e, other=0.0)
+            dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
+                         mask=m_e[:, :, None] & mask_d[None, None, :], other=0.0)
+            de = w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e
+            q_part = tl.load(qacc + tile_e)  # κ E on the block, summed over tokens at the end
+            tl.store(qacc + tile_e, q_part + tl.where(own, kappa[:, :, None] * e, 0.0))
+            # dE through a per-program scratch tile (L1-resident), read back shifted: no register
+            # gather, and every shifted load of a view in flight at once
+            tl.debug_barrier()  # every thread is done reading the previous source's dE
+            tl.store(scr + (jv[:, None, None] * (2 * BT) + loc_e[None, :, None]) * BD + ld[None, None, :], de)
+            tl.debug_barrier()  # dE visible to every thread of the program
+            acc = tl.zeros((BT, BD), dtype=tl.float32)
+            tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
+            for j in tl.static_range(len(KS)):
+                de_j = tl.load(scr + (j * 2 * BT + loc[:, None]) * BD + ld[None, :])  # (BT, BD): dE_j on the block
+                for tau in tl.static_range(tl.constexpr(KS[j])):
+                    c = tl.load(tap_row + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+                    # conv adjoint: c_τ ⊙ dE_j[t+τ] where t + τ is in the row and in t's document
+                    sh = tl.load(scr + (j * 2 * BT + loc[:, None] + tau) * BD + ld[None, :])
+                    ok = ((near_t >> (16 + tau)) & 1) != 0
+                    acc += tl.where(ok[:, None], c[None, :] * sh, 0.0)
+                    # tap gradient of (j, τ): dE_j on the block times the source τ tokens back
+                    ok = ((near_t >> tau) & 1) != 0
+                    xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                                 mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                    # summed over tokens once per program, at the end: here only a per-thread
+                    # update of this (view, tap)'s (BT, BD) partial in the scratch
+                    pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
+                    tl.store(pair, tl.load(pair) + de_j * xv)
+            tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
+                     mask=mask_t[:, None] & mask_d[None, :])
+            s += 1
+        i += 1
+    tl.debug_barrier()  # the partials of every thread written
+    dqg = tl.sum(tl.load(qacc + tile_e), axis=1)  # (M_PAD, BD)
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
+            sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
+            dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
+    part = (chunk * B + b).to(tl.int64)
+    tl.store(dqg_ptr + (part * M_PAD + jv[:, None]) * D + offs_d[None, :], dqg,
+             mask=mask_j[:, None] & mask_d[None, :])
+    tl.store(dtap_ptr + ((part * K_PAD + kv[:, None, None]) * M_PAD + jv[None, :, None]) * D + offs_d[None, None, :],
+             dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
 
 
-# --- launchers -----------------------------------------------------------------------------------
-def _blocks(T: int, d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_D, num_warps, SUB): token block, channel block, warps, and token blocks per
-    backward program (more blocks per program, fewer partial sums of the query and tap gradients).
+@triton.jit
+def _doc_window_kernel(doc_ptr, near_ptr, T, BT: tl.constexpr):
+    """Window bits of one block of tokens: bit τ of near[t] is [t-τ >= 0 and doc(t-τ) = doc(t)],
+    bit 16 + τ is [t+τ < T and doc(t+τ) = doc(t)], for τ < 16."""
+    tb = tl.program_id(0)
+    b = tl.program_id(1)
+    offs = tb * BT + tl.arange(0, BT)
+    mask = offs < T
+    row = doc_ptr + b.to(tl.int64) * T
+    doc = tl.load(row + offs, mask=mask, other=0)
+    one = tl.full((BT,), 1, dtype=tl.int32)
+    bits = tl.zeros((BT,), dtype=tl.int32)
+    for tau in tl.static_range(16):
+        ok = mask & (offs - tau >= 0)
+        ok = ok & (tl.load(row + offs - tau, mask=ok, other=0) == doc)
+        bits = bits | tl.where(ok, one << tau, 0)
+        ok = mask & (offs + tau < T)
+        ok = ok & (tl.load(row + offs + tau, mask=ok, other=0) == doc)
+        bits = bits | tl.where(ok, one << (16 + tau), 0)
+    tl.store(near_ptr + b.to(tl.int64) * T + offs, bits, mask=mask)
 
-    GPU: 4 tokens per block (more for d < 512) and ~32 fp32 elements of a tile per thread; on an
-    H200 this beat 2, 8, 16 and 32 tokens with 2, 4 or 8 warps at d = 512 and d = 1024 (forward
-    and backward). Under the interpreter each program costs milliseconds: big blocks."""
-    block_d = triton.next_power_of_2(d)
+
+def doc_window_block(T: int) -> int:
+    """Tokens a program of ``_doc_window_kernel`` (over 4 warps; 1024 spills registers)."""
+    return min(triton.next_power_of_2(max(T, 1)), 256)
+
+
+def doc_window(doc_ids: Tensor) -> Tensor:
+    """The document mask of every tap as bits, (B, T) int32: bit τ of near[b, t] says t-τ is in the
+    row and in t's document, bit 16 + τ the same of t+τ (τ < 16, the longest kernel the op takes).
+    One small kernel per call; the tap loops then test a bit instead of loading two document ids
+    (no load whose address waits for another load)."""
+    B, T = doc_ids.shape
+    doc_ids = doc_ids.to(torch.int64).contiguous()
+    near = torch.empty(B, T, device=doc_ids.device, dtype=torch.int32)
+    bt = doc_window_block(T)
+    _doc_window_kernel[(triton.cdiv(T, bt), B)](doc_ids, near, T, BT=bt, num_warps=4)
+    return near
+
+
+# --- launchers# --- launchers -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Blocks:
+    bd: int  # channels per tile of the forward, mixer-backward and stats kernels
+    single: bool  # d fits one tile: one pass over the sources
+    bt: int  # tokens per program of the forward
+    warps: int
+    bwd_bd: int  # channels per tile of the mixer-backward and stats kernels
+    bwd_single: bool  # d fits one tile of the mixer backward
+    bwd_bt: int  # tokens per program of the mixer-backward and stats kernels
+    bwd_warps: int
+    src_bt: int  # tokens per block of the source-gradient kernel (>= K_MAX - 1)
+    src_bd: int  # channels per program of the source-gradient kernel
+    src_warps: int
+    sub: int  # token blocks per source-gradient program (fewer partial sums of the query and tap gradients)
+
+
+def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
+    """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of
+    8192 elements over 16 warps up to 512 channels, 4096 above (the unrolled per-view tap loops
+    keep many loads in flight: (4, 2, 1024) and (4, 1, 2048) spill); channels in one tile up to
+    4096 / m_pad above 512 (d <= 1024 at m = 4 runs the one-pass forward), else tiles of 512
+    channels and three passes. The backward kernels hold more tiles of the same shape: half the
+    tokens, and one channel tile only up to 4096 / m_pad channels. The source-gradient kernel: 16
+    tokens (>= K_MAX - 1) and 8 channels a program over 4 warps, 16 token blocks a program (its
+    scratch, 4 + 0.5·(Σ_j k_j + 2·m_pad) KiB a program, and the partial sums scale with the number of programs).
+    ptxas (sm_90a) spill bytes at m = 4, K_MAX = 12: see docs/kernel_msar.md. Under the
+    interpreter each program costs milliseconds: big blocks."""
+    halo = triton.next_power_of_2(max(k_max - 1, 1))
     if interpreting():
-        return min(triton.next_power_of_2(T), 64), block_d, 4, 1
-    block_t = min(triton.next_power_of_2(T), max(4, min(16, 2048 // block_d)))
-    warps = max(1, min(8, block_t * block_d // 1024))
-    return block_t, block_d, warps, 8
+        bd = triton.next_power_of_2(d) if d <= 1024 else 512
+        bt = min(triton.next_power_of_2(T), 16)
+        return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(bt, halo), bd, 4, 4)
+    elems = 8192
+    bd_full = triton.next_power_of_2(d)
+    # forward: the unrolled per-view tap loops keep Σ_j k_j shifted loads in flight; above 512
+    # channels half the tile (ptxas: (4, 2, 1024) spills 368 B, (4, 1, 2048) spills kilobytes)
+    fwd_elems = elems if bd_full <= 512 else elems // 2
+    bd = bd_full if m_pad * bd_full <= fwd_elems else 512
+    t_pow = triton.next_power_of_2(T)
+    bt = max(1, min(t_pow, fwd_elems // (m_pad * bd), 16))
+    bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
+    bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
+    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16)
 
 
-def _pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, Tensor, int]:
-    """All views' taps as one (m, K_MAX, d) fp32 tensor (view 0: the Dirac) and their sizes (m,)."""
+def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
+    """All views' taps as one (M_PAD, K_MAX, d) fp32 tensor (view 0 the Dirac, zero rows past k_j
+    and for padded views), the kernel sizes (1, k_1, …) (the kernels' constexpr KS) and M_PAD."""
     ks = [1, *(c.shape[0] for c in taps)]
-    k_max = max(ks)
-    packed = torch.zeros(len(ks), k_max, d, device=device, dtype=torch.float32)
+    k_max, m_pad = max(ks), triton.next_power_of_2(len(ks))
+    packed = torch.zeros(m_pad, k_max, d, device=device, dtype=torch.float32)
     packed[0, 0] = 1.0
     for j, c in enumerate(taps, start=1):
         packed[j, : c.shape[0]] = c.detach().float()
-    return packed, torch.tensor(ks, device=device, dtype=torch.int32), k_max
+    return packed, tuple(ks), m_pad
 
 
-def _folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
+def folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
     q = queries.detach().float()
     return (q if key_gains is None else q * key_gains.detach().float()).contiguous()  # (m, d)
 
 
-def msar_attn_fwd(x, packed, ks, k_max, qg, doc_ids, *, key_norm, eps, store_logits, need_out32=True):
+def _mixer_params(phi, alpha, bias):
+    return (phi.detach().float().contiguous(), alpha.detach().float().reshape(1).contiguous(),
+            bias.detach().float().contiguous())
+
+
+def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
+            store_logits=False):
+    """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, and
+    the logits (m, S, B, T) fp32 when ``store_logits`` (else None). ``mixer``: (φ, α, b) fp32."""
     S, B, T, d = x.shape
-    m = packed.shape[0]
-    out = torch.empty(m, B, T, d, device=x.device, dtype=x.dtype)
+    m_pad, k_max = packed.shape[0], max(ks)
+    blk = _blocks(T, d, m_pad, k_max)
+    out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
+           else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
     lse = torch.empty(m, B, T, device=x.device, dtype=torch.float32)
-    logits = torch.empty(m, S, B, T, device=x.device, dtype=torch.float32) if store_logits else lse
-    # the backward needs the streams in fp32 (see _msar_bwd_kernel): a separate copy for 16-bit x
-    if x.dtype == torch.float32 or not need_out32:
-        out32 = out
-    else:
-        out32 = torch.empty(out.shape, device=x.device, dtype=torch.float32)
-    block_t, block_d, warps, _ = _blocks(T, d)
-    grid = (m, triton.cdiv(T, block_t), B)
-    _msar_fwd_kernel[grid](x, packed, ks, qg, doc_ids, out, lse, logits, out32, S, B, T, d, k_max, eps,
-                           KEY_NORM=key_norm, STORE_LOGITS=store_logits, STORE_OUT32=out32 is not out,
-                           K_LOOP=k_max,
-                           BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
-    return out, out32, lse, (logits if store_logits else None)
+    if blk.single:
+        logits = torch.empty(m, S, B, T, device=x.device, dtype=torch.float32) if store_logits else lse
+    else:  # the passes over channel tiles keep the logits of every (padded) view
+        logits = torch.empty(m_pad, S, B, T, device=x.device, dtype=torch.float32)
+    phi, alpha, bias = (lse, lse, lse) if write_r else mixer  # unused by the kernel with WRITE_R
+    _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
+        x, packed, qg, phi, alpha, bias, near, out, lse, logits, S, B, T, d, m, k_max, eps,
+        triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
+        SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+    return out, lse, (logits[:m] if store_logits else None)
 
 
-def msar_attn_bwd(dout, x, taps, packed, ks, k_max, qg, doc_ids, out32, lse, *, key_norm, eps):
-    """Gradients of (x, taps_j, q ⊙ g): dx (S, B, T, d) in x's dtype, [dtaps_j (k_j, d) fp32],
-    dqg (m, d) fp32. ``out32``: the forward streams in fp32."""
+def mixer_backward(dh, x, packed, ks, m, qg, near, mixer, *, key_norm, eps, sigmoid):
+    """Streams recomputed and the mixer's backward: dR (m, B, T, d) fp32, dR·R (m, B, T), lse, and
+    the gradients of φ, α, b (fp32)."""
     S, B, T, d = x.shape
-    m = packed.shape[0]
-    block_t, block_d, warps, sub = _blocks(T, d)
-    n_chunks = triton.cdiv(triton.cdiv(T, block_t), sub)
-    # transient, backward-only; in x's dtype like the gradient of unfused bf16 views (autograd's),
-    # which halves the op's one large buffer; the sums that read it accumulate in fp32
-    de = torch.empty(m, S, B, T, d, device=x.device, dtype=x.dtype)
-    dqg_partial = torch.empty(m, B, n_chunks, d, device=x.device, dtype=torch.float32)
-    _msar_bwd_kernel[(m, n_chunks, B)](
-        x, packed, ks, qg, doc_ids, out32, dout, lse, de, dqg_partial,
-        S, B, T, d, k_max, eps, n_chunks, sub,
-        KEY_NORM=key_norm, K_LOOP=k_max, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    m_pad, k_max = packed.shape[0], max(ks)
+    blk = _blocks(T, d, m_pad, k_max)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    # R only feeds dφ: x's dtype (half the bytes in bf16); dR feeds every other gradient: fp32
+    r, dr = torch.empty(m, B, T, d, device=x.device, dtype=x.dtype), torch.empty(m, B, T, d, **f32)
+    lse, delta = torch.empty(m, B, T, **f32), torch.empty(m, B, T, **f32)
+    dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
+    logits = lse if blk.bwd_single else torch.empty(m_pad, S, B, T, **f32)
+    _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
+        x, packed, qg, *mixer, near, dh, r, dr, lse, logits, delta, dz, coef, dzy,
+        S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd),
+        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt,
+        BD=blk.bwd_bd, num_warps=blk.bwd_warps)
+    # dφ = Σ_t vec R ⊗ α ρ dz: per view (d, B·T) @ (B·T, m), a transposed view of R (no copy)
+    dphi = torch.matmul(r.reshape(m, B * T, d).transpose(1, 2), coef.reshape(B * T, m).to(r.dtype))
+    dphi = dphi.float().reshape(m * d, m)
+    return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
+
+
+def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
+    """Gradients through the streams, given dR (m, B, T, d) fp32 and dR·R (m, B, T): dx (S, B, T, d)
+    in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over all sources."""
+    S, B, T, d = x.shape
+    m, m_pad, k_max = dr.shape[0], packed.shape[0], max(ks)
+    blk = _blocks(T, d, m_pad, k_max)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    plane = m_pad * S * B * T
+    coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
+    _stats_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
+        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
+        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
+    n_blocks = triton.cdiv(T, blk.src_bt)
+    sub = min(blk.sub, n_blocks)
+    n_chunks = triton.cdiv(n_blocks, sub)
+    k_pad = triton.next_power_of_2(k_max)
+    dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
+    dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     dx = torch.empty_like(x)
-    _conv_adjoint_kernel[(triton.cdiv(T, block_t), B, S)](
-        de, packed, ks, doc_ids, dx, m, S, B, T, d, k_max,
-        K_LOOP=k_max, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
-    # 8x the backward chunk per tap-gradient program (256 tokens on the GPU): few partial sums,
-    # still thousands of programs
-    tap_sub = min(8 * sub, triton.cdiv(T, block_t))
-    tap_chunks = triton.cdiv(triton.cdiv(T, block_t), tap_sub)
-    dtaps_partial = torch.zeros(m - 1, k_max, S * B, tap_chunks, d, device=x.device, dtype=torch.float32)
-    _tap_grad_kernel[((m - 1) * k_max, tap_chunks, S * B)](
-        de, x, ks, doc_ids, dtaps_partial, S, B, T, d, k_max, tap_chunks, tap_sub,
-        BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
-    dqg = dqg_partial.sum((1, 2))
-    dtaps_all = dtaps_partial.sum((2, 3))  # (m-1, K_MAX, d); rows τ >= k_j stay zero
-    dtaps = [dtaps_all[j - 1, : c.shape[0]] for j, c in enumerate(taps, start=1)]
+    grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
+    n_prog = grid[0] * grid[1] * grid[2]
+    koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
+    scratch = torch.empty(n_prog, m_pad, 2 * blk.src_bt, blk.src_bd, **f32)
+    tap_scratch = torch.empty(n_prog, (sum(ks) + 2 * m_pad) * blk.src_bt * blk.src_bd, **f32)
+    _src_kernel[grid](
+        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
+        sub, M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
+        num_warps=blk.src_warps)
+    dqg = dqg_part.sum(0)[:m]
+    dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
+    dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
     return dx, dtaps, dqg
 
 
-class MsarAttnFunction(torch.autograd.Function):
-    """Autograd for the fused op. Inputs: x, queries, key_gains (or None), doc_ids, flags, *taps.
-    Outputs: streams (differentiable), lse and logits (not differentiable: diagnostics only).
-    ``need_grad``: keep an fp32 copy of 16-bit streams for the backward."""
+def _query_grads(dqg, queries, key_gains):
+    if key_gains is None:
+        return dqg.to(queries.dtype), None
+    return (dqg * key_gains.float()).to(queries.dtype), (dqg * queries.float()).to(key_gains.dtype)
+
+
+class MsarFunction(torch.autograd.Function):
+    """The whole MSAR read. Inputs: x, queries, key_gains (or None), near, φ, α, b, flags, *taps.
+    Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves only the
+    inputs: the backward recomputes the streams."""
 
     @staticmethod
-    def forward(ctx, x, queries, key_gains, doc_ids, key_norm, eps, store_logits, need_grad, *taps):
-        d = x.shape[-1]
-        packed, ks, k_max = _pack_taps(taps, d, x.device)
-        qg = _folded_queries(queries, key_gains)
-        out, out32, lse, logits = msar_attn_fwd(x, packed, ks, k_max, qg, doc_ids,
-                                                key_norm=key_norm, eps=eps, store_logits=store_logits,
-                                                need_out32=need_grad)
-        ctx.save_for_backward(x, queries, key_gains, doc_ids, out32, lse, *taps)
+    def forward(ctx, x, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
+                *taps):
+        d, m = x.shape[-1], queries.shape[0]
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        h, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
+                                 key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
+                                 sigmoid=fusion == "sigmoid", store_logits=store_logits)
+        ctx.save_for_backward(x, queries, key_gains, near, phi, alpha, bias, *taps)
+        ctx.key_norm, ctx.eps, ctx.fusion = key_norm, eps, fusion
+        if logits is None:
+            logits = lse.new_empty(0)
+        ctx.mark_non_differentiable(lse, logits)
+        return h, lse, logits
+
+    @staticmethod
+    def backward(ctx, dh, _dlse, _dlogits):
+        x, queries, key_gains, near, phi, alpha, bias, *taps = ctx.saved_tensors
+        d, m = x.shape[-1], queries.shape[0]
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        qg = folded_queries(queries, key_gains)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            dr, delta, lse, dphi, dalpha, dbias = mixer_backward(
+                dh.contiguous(), x, packed, ks, m, qg, near, _mixer_params(phi, alpha, bias),
+                key_norm=ctx.key_norm, eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
+                                              key_norm=ctx.key_norm, eps=ctx.eps)
+            dq, dg = _query_grads(dqg, queries, key_gains)
+        return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
+                dbias.to(bias.dtype), None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
+
+
+class StreamsFunction(torch.autograd.Function):
+    """The streams R (m, B, T, d) without the mixer (``msar_attn``). Inputs: x, queries, key_gains,
+    near, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves R in fp32 (it is the output)."""
+
+    @staticmethod
+    def forward(ctx, x, queries, key_gains, near, key_norm, eps, store_logits, *taps):
+        d, m = x.shape[-1], queries.shape[0]
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        r, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
+                                 key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
+        ctx.save_for_backward(x, queries, key_gains, near, r, lse, *taps)
         ctx.key_norm, ctx.eps = key_norm, eps
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(lse, logits)
-        return out, lse, logits
+        return r.to(x.dtype), lse, logits
 
     @staticmethod
-    def backward(ctx, dout, _dlse, _dlogits):
-        x, queries, key_gains, doc_ids, out32, lse, *taps = ctx.saved_tensors
+    def backward(ctx, dr, _dlse, _dlogits):
+        x, queries, key_gains, near, r, lse, *taps = ctx.saved_tensors
         d = x.shape[-1]
-        packed, ks, k_max = _pack_taps(taps, d, x.device)
-        qg = _folded_queries(queries, key_gains)
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            dx, dtaps, dqg = msar_attn_bwd(dout.contiguous(), x, taps, packed, ks, k_max, qg, doc_ids,
-                                           out32, lse, key_norm=ctx.key_norm, eps=ctx.eps)
-            if key_gains is None:
-                dq, dg = dqg, None
-            else:
-                dq = dqg * key_gains.float()  # qg = q ⊙ g
-                dg = dqg * queries.float()
-        grads_taps = [dc.to(c.dtype) for dc, c in zip(dtaps, taps)]
-        return (dx, dq.to(queries.dtype), None if dg is None else dg.to(key_gains.dtype),
-                None, None, None, None, None, *grads_taps)
+            dr = dr.float().contiguous()
+            delta = (dr * r).sum(-1).contiguous()  # (m, B, T): dR_j · R_j
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
+                                              key_norm=ctx.key_norm, eps=ctx.eps)
+            dq, dg = _query_grads(dqg, queries, key_gains)
+        return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
+
+
+def _prepare(x, taps, queries, key_gains, doc_ids):
+    return (x.contiguous(), [c.contiguous() for c in taps], queries.contiguous(),
+            None if key_gains is None else key_gains.contiguous(), doc_window(doc_ids))
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
-def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None,
-              doc_ids: Tensor, *, key_norm: bool = True, eps: float = 1e-6,
-              return_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """The fused op; inputs already validated by ``kernels.msar_attn.msar_attn``. Weights are
-    returned detached (they are diagnostics; no gradient flows through them)."""
-    x = x.contiguous()
-    taps = [c.contiguous() for c in taps]
-    queries = queries.contiguous()
-    key_gains = None if key_gains is None else key_gains.contiguous()
-    doc_ids = doc_ids.to(torch.int64).contiguous()
-    # (Function.forward runs with grad mode off: decide here whether a backward can follow)
-    need_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, queries, key_gains, *taps))
-    out, lse, logits = MsarAttnFunction.apply(x, queries, key_gains, doc_ids, bool(key_norm), float(eps),
-                                              bool(return_weights), need_grad, *taps)
+def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=True, fusion="sigmoid",
+         eps=1e-6, return_weights=False):
+    """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. Weights are
+    returned detached (diagnostics)."""
+    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
+    h, lse, logits = MsarFunction.apply(x, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
+                                        float(eps), fusion, bool(return_weights), *taps)
     if not return_weights:
-        return out
-    return out, torch.exp(logits - lse[:, None])  # (m, S, B, T) fp32
+        return h
+    return h, torch.exp(logits - lse[:, None])  # (m, S, B, T) fp32
+
+
+@torch.compiler.disable
+def msar_attn(x, taps, queries, key_gains, doc_ids, *, key_norm=True, eps=1e-6, return_weights=False):
+    """The fused streams (no mixer); inputs already validated by ``kernels.msar_attn.msar_attn``."""
+    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
+    r, lse, logits = StreamsFunction.apply(x, queries, key_gains, near, bool(key_norm), float(eps),
+                                           bool(return_weights), *taps)
+    if not return_weights:
+        return r
+    return r, torch.exp(logits - lse[:, None])

@@ -148,9 +148,12 @@ def test_causal_across_packed_documents(name, fields):
     assert_causal(randomize(make(name, **fields)))
 
 
-@pytest.mark.parametrize("placement, views", [("streams", M), ("post", 1)])
-def test_recorded_weights_per_view(placement, views):
-    res = make("msar", placement=placement)
+@pytest.mark.parametrize("placement, views, backend", [("streams", M, "torch"), ("post", 1, "torch"),
+                                                       ("streams", 3, "triton")])
+def test_recorded_weights_per_view(placement, views, backend):
+    # the fused op (under the interpreter on CPU) with two small kernels: it costs ~1 ms per tap and op
+    kernels = KERNELS if backend == "torch" else [2, 3]
+    res = make("msar", placement=placement, backend=backend, kernels=kernels)
     FakeStack()(res, embedding(), Context(DOC_IDS, record=True))
     assert sorted(res.recorded) == [f"view{j}" for j in range(views)]
     for table in res.recorded.values():
@@ -209,17 +212,27 @@ def test_bad_config_values(name, fields, match):
         get(name)(cfg, D, L)
 
 
-@pytest.mark.parametrize("name", ["msar", "msar_block"])
-def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name):
-    # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
-    # PyTorch reference: outputs and every gradient, random upstream gradient, packed documents.
+FUSED_BACKBONE = [
+    ("msar", ()),
+    ("msar_block", ()),
+    ("msar", ("residual.view=identity", "residual.fusion=softmax")),
+    ("msar_block", ("residual.taps=per_block", "residual.key_norm=false")),
+]
+
+
+@pytest.mark.parametrize("name, extra", FUSED_BACKBONE,
+                         ids=[f"{n}-{'-'.join(e) or 'default'}" for n, e in FUSED_BACKBONE])
+def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, extra):
+    # The whole backbone with residual.backend=triton (the fused op, mixer included, under Triton's
+    # interpreter on CPU) against the PyTorch reference: outputs and every gradient, random upstream
+    # gradient, packed documents.
     from tests.helpers import build_backbone, packed_batch
 
     torch.manual_seed(0)
-    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]",))
+    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]", *extra))
     torch.manual_seed(0)
     fused = build_backbone(name, vocab=37, n_blocks=2,
-                           residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton"))
+                           residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton", *extra))
     with torch.no_grad():
         for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
             p_ref.add_(0.2 * torch.randn_like(p_ref))
@@ -239,7 +252,7 @@ def test_fused_kernel_refuses_what_it_does_not_compute():
     from tests.helpers import make_cfg
     from platform.config import validate
 
-    for extra in ("residual.view=identity", "residual.placement=post", "residual.expand_values=false",
-                  "residual.query=input"):
-        with pytest.raises(ValueError, match=r"residual.backend='triton'.*use residual.backend=torch"):
+    for extra in ("residual.view=scalar", "residual.placement=post", "residual.expand_values=false",
+                  "residual.query=input", "residual.kernels=[4,17]"):
+        with pytest.raises(ValueError, match=r"residual.backend='triton'.*use residual.backend=torch or auto"):
             validate(make_cfg("residual=msar_block", "residual.backend=triton", extra))

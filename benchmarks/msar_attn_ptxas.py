@@ -1,0 +1,103 @@
+"""Compile every fused MSAR kernel for an H100/H200 (sm_90a) without a GPU; print registers and spills.
+
+    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12]
+
+Uses Triton's own NVIDIA backend and the ``ptxas`` shipped in the triton wheel, so it runs on a
+CPU-only machine: a kernel that does not compile for the GPU, or a tile choice in
+``kernels/msar_attn/fused._blocks`` that spills registers, shows up here before a GPU run. Prints
+one line per kernel: compile seconds, shared memory, registers per thread and spill bytes. Exits
+non-zero if a kernel fails to compile. (Not a timing: the GPU benchmark is ``benchmarks.msar_attn``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d3000": (1024, 3000)}
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+F32, I32 = "*fp32", "*i32"
+
+
+def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
+    """Compile ``fn`` for sm_90a; returns ptxas's register/spill summary."""
+    sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
+                            options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        res = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
+                             check=True)
+    finally:
+        os.unlink(f.name)
+    info = [line.split(":", 1)[-1].strip() for line in res.stderr.splitlines() if "registers" in line or "spill" in line]
+    return f"shared {kernel.metadata.shared} B | " + "; ".join(info)
+
+
+def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16"):
+    """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches."""
+    from kernels.msar_attn import fused
+
+    m = 1 + len(kernel_sizes)
+    k_max, m_pad = max(1, *kernel_sizes), triton.next_power_of_2(m)
+    blk = fused._blocks(T, d, m_pad, k_max)
+    common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
+    mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
+    views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
+    yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
+           dict(BT=fused.doc_window_block(T)), 4)
+    yield ("forward (h)", fused._fwd_kernel,
+           dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32),
+           dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SINGLE=blk.single, BT=blk.bt,
+                BD=blk.bd, **common), blk.warps)
+    yield ("mixer backward", fused._mix_bwd_kernel,
+           dict(**views, **mixer, dh_ptr=x_type, r_ptr=x_type, dr_ptr=F32, lse_ptr=F32, logits_ptr=F32, delta_ptr=F32,
+                dz_ptr=F32, coef_ptr=F32, dzy_ptr=F32),
+           dict(KEY_NORM=True, SIGMOID=True, SINGLE=blk.bwd_single, BT=blk.bwd_bt, BD=blk.bwd_bd, **common),
+           blk.bwd_warps)
+    yield ("stats", fused._stats_kernel,
+           dict(**views, dr_ptr=F32, delta_ptr=F32, lse_ptr=F32, coef_ptr=F32),
+           dict(KEY_NORM=True, BT=blk.bwd_bt, BD=blk.bwd_bd, **common), blk.bwd_warps)
+    yield ("source gradients", fused._src_kernel,
+           dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
+                tap_scratch_ptr=F32),
+           dict(K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
+                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common), blk.src_warps)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--kernels", nargs="+", type=int, default=[4, 8, 12])
+    args = p.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile choices, not the interpreter's
+    failed = 0
+    for shape in args.shapes:
+        T, d = SHAPES[shape]
+        print(f"== {shape}: T={T} d={d} kernels={args.kernels}", flush=True)
+        for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels)):
+            start = time.time()
+            try:
+                info = compile_kernel(fn, types, consts, warps)
+            except Exception:
+                failed += 1
+                print(f"{name}: COMPILE FAILED\n{traceback.format_exc()}", flush=True)
+                continue
+            tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE")}
+            print(f"{name} {tiles} warps={warps}: {time.time() - start:.0f} s | {info}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
