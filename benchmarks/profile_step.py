@@ -1,0 +1,94 @@
+"""Where a training step's time goes, per residual: the top operators of one step by GPU time.
+
+    python -m benchmarks.profile_step --model small --residuals vanilla attnres_block msar_block mhc
+
+The same step as `benchmarks.throughput` (bf16 autocast, compiled sublayers by default, fused AdamW,
+routing-bias update), profiled with `torch.profiler` after warm-up: per residual, the step's GPU
+time and host time, the number of kernel launches, and the operators with the most self GPU time
+(CUDA kernels and the Python-side ops that launch them). The difference to vanilla's table is the
+residual's cost; a step whose GPU time is much smaller than its wall time is bound by the host
+(launches, Python, synchronisations), not by its kernels. Writes
+benchmarks/results/profile_step_<model>.md via `roofline.Table`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.roofline import Table
+from benchmarks.throughput import build, packed_batch
+
+
+def profile(model_name: str, residual: str, batch: int, vocab: int, compile_on: bool, top: int) -> tuple[dict, list]:
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from platform.moe import update_biases
+
+    torch.manual_seed(0)
+    model, cfg = build(model_name, residual, vocab, [], "cuda")
+    if compile_on:
+        model.compile_sublayers()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    moes = [m for _, m in model.moe_layers()]
+    tokens, docs = packed_batch(batch, cfg.model.seq_len, vocab, "cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1], docs[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        update_biases(moes)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    launches = sum(e.count for e in events if e.device_type.name == "CUDA")
+    rows = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    summary = {"wall_ms": start.elapsed_time(end), "gpu_ms": device_us / 1e3, "launches": launches}
+    return summary, [(e.key[:90], e.count, e.self_device_time_total / 1e3) for e in rows]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--residuals", nargs="+", default=["vanilla", "attnres_block", "msar_block", "mhc"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--compile", choices=["on", "off"], default="on")
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("error: benchmarks.profile_step needs a CUDA GPU")
+    table = Table(f"Where a training step's time goes ({args.model}, batch {args.batch}, compile {args.compile})",
+                  ["residual", "step wall ms", "step GPU ms (sum of kernels)", "kernel launches", "op", "calls",
+                   "self GPU ms"],
+                  notes=["one profiled step after 3 warm-up steps; the op rows are the top operators by self GPU "
+                         "time (kernels and the ops that launch them)"])
+    for residual in args.residuals:
+        summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile == "on", args.top)
+        print(f"{residual}: {summary}", flush=True)
+        for i, (name, calls, ms) in enumerate(rows):
+            head = ([residual, f"{summary['wall_ms']:.1f}", f"{summary['gpu_ms']:.1f}", str(summary["launches"])]
+                    if i == 0 else ["", "", "", ""])
+            table.add(*head, f"`{name}`", str(calls), f"{ms:.2f}")
+        torch.cuda.empty_cache()
+    table.write(f"profile_step_{args.model}")
+
+
+if __name__ == "__main__":
+    main()
