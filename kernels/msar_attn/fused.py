@@ -656,6 +656,14 @@ class Blocks:
     src_bd: int  # channels per program of the source-gradient kernel
     src_warps: int
     sub: int  # token blocks per source-gradient program (fewer partial sums of the query and tap gradients)
+    stats_bd: int = 0  # channels per tile of the stats kernel (0: bwd_bd)
+    stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
+
+    def stats_tiles(self) -> tuple[int, int]:
+        """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
+        recomputation), so it takes at most 512 channels and more tokens when the mixer backward
+        holds all of d."""
+        return self.stats_bd or self.bwd_bd, self.stats_bt or self.bwd_bt
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
@@ -684,7 +692,10 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     bt = max(1, min(t_pow, fwd_elems // (m_pad * bd), 16))
     bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
     bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
-    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16)
+    stats_bd = min(bd_full, 512)
+    stats_bt = max(1, min(t_pow, elems // (2 * m_pad * stats_bd), 16))
+    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16,
+                  stats_bd, stats_bt)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -763,9 +774,10 @@ def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm,
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
     coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
-    _stats_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
-        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
+    stats_bd, stats_bt = blk.stats_tiles()
+    _stats_kernel[(triton.cdiv(T, stats_bt), B)](
+        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
+        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
