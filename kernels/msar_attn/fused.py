@@ -32,8 +32,9 @@ Backward (``MsarFunction.backward``), three kernels, each over all sources (neve
 - ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
   w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
   key RMS reciprocal); reductions over all channels.
-- ``_src_kernel``: dE rebuilt in registers on a token block and the next BT tokens and stored to a
-  per-program scratch tile; the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
+- ``_src_kernel``: dE built on a token block and the next BT tokens, kept in a per-program scratch
+  ring of two half-tiles (the next tokens' dE is the next block's own: views built once per
+  token); the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
   [same doc] from shifted loads of it, and the query and tap gradients, partial per program.
 Partial sums are reduced with ``torch.sum``: deterministic, no atomics.
 
@@ -519,17 +520,17 @@ def _src_kernel(
     dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
-    scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 tile per program (dE of one source)
-    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, 2·BT, BD)
+    scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 ring per program (dE of one source, two halves)
+    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, BT, BD)
     # query-gradient partials, fp32
     S, B, T, D, M, K_MAX, plane, SUB,
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
-    channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
-    next BT tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
-        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch tile,
+    channel tile), all sources. A block of BT tokens needs dE_j(x_s) on the block and the next BT
+    tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
+        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch ring,
     then dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] from shifted loads of
     the scratch tile, dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc] over the
     block's own tokens; the tap loops per view, unrolled."""
@@ -694,7 +695,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     channels and three passes. The backward kernels hold more tiles of the same shape: half the
     tokens, and one channel tile only up to 4096 / m_pad channels. The source-gradient kernel: 16
     tokens (>= K_MAX - 1) and 8 channels a program over 4 warps, 16 token blocks a program (its
-    scratch, 4 + 0.5·(Σ_j k_j + 2·m_pad) KiB a program, and the partial sums scale with the number of programs).
+    scratch, 4 + 0.5·(Σ_j k_j + m_pad) KiB a program, and the partial sums scale with the number of programs).
     ptxas (sm_90a) spill bytes at m = 4, K_MAX = 12: see docs/kernel_msar.md. Under the
     interpreter each program costs milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
