@@ -32,8 +32,9 @@ Backward (``MsarFunction.backward``), three kernels, each over all sources (neve
 - ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
   w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
   key RMS reciprocal); reductions over all channels.
-- ``_src_kernel``: dE rebuilt in registers on a token block and the next BT tokens and stored to a
-  per-program scratch tile; the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
+- ``_src_kernel``: dE built on a token block and the next BT tokens, kept in a per-program scratch
+  ring of two half-tiles (the next tokens' dE is the next block's own: views built once per
+  token); the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
   [same doc] from shifted loads of it, and the query and tap gradients, partial per program.
 Partial sums are reduced with ``torch.sum``: deterministic, no atomics.
 
@@ -487,6 +488,28 @@ def _stats_kernel(
 
 
 @triton.jit
+def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j, offs_d, mask_d,
+             s, b, S, B, T, D, K_MAX, plane,
+             M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """On the BT tokens offs_h of source s: dE = w dR + κ qg - μ E and κ E, (M_PAD, BT, BD) each."""
+    jv = tl.arange(0, M_PAD)
+    mask_h = offs_h < T
+    near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
+    row0 = (s * B + b).to(tl.int64) * T
+    e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD)
+    m_h = mask_j[:, None] & mask_h[None, :]
+    cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_h[None, :]
+    w = tl.load(coef_ptr + cidx, mask=m_h, other=0.0)
+    kappa = tl.load(coef_ptr + plane + cidx, mask=m_h, other=0.0)
+    mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_h, other=0.0)
+    dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_h[None, :]  # (M_PAD, BT)
+    dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
+                 mask=m_h[:, :, None] & mask_d[None, None, :], other=0.0)
+    ke = kappa[:, :, None] * e
+    return w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e, ke
+
+
+@triton.jit
 def _src_kernel(
     x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
@@ -497,17 +520,17 @@ def _src_kernel(
     dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
-    scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 tile per program (dE of one source)
-    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, 2·BT, BD)
+    scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 ring per program (dE of one source, two halves)
+    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, BT, BD)
     # query-gradient partials, fp32
     S, B, T, D, M, K_MAX, plane, SUB,
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
-    channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
-    next BT tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
-        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch tile,
+    channel tile), all sources. A block of BT tokens needs dE_j(x_s) on the block and the next BT
+    tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
+        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch ring,
     then dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] from shifted loads of
     the scratch tile, dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc] over the
     block's own tokens; the tap loops per view, unrolled."""
@@ -519,7 +542,6 @@ def _src_kernel(
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
     kv = tl.arange(0, K_PAD)
-    loc_e = tl.arange(0, 2 * BT)
     loc = tl.arange(0, BT)
     near_row_ptr = near_ptr + b.to(tl.int64) * T
     qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
@@ -531,48 +553,47 @@ def _src_kernel(
     tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
     for p in tl.static_range(NPAIR):
         tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
-    qacc = tacc + NPAIR * BT * BD  # (M_PAD, 2·BT, BD) query-gradient partials
-    tile_e = (jv[:, None, None] * (2 * BT) + loc_e[None, :, None]) * BD + ld[None, None, :]
-    tl.store(qacc + tile_e, tl.zeros((M_PAD, 2 * BT, BD), dtype=tl.float32))
-    i = b * 0
-    while i < SUB:
-        t0 = (chunk * SUB + i) * BT
-        offs_e = t0 + loc_e  # the block and the next BT tokens
-        mask_e = offs_e < T
-        offs_t = t0 + loc  # the block
-        mask_t = offs_t < T
-        near_e = tl.load(near_row_ptr + offs_e, mask=mask_e, other=0)
-        near_t = tl.load(near_row_ptr + offs_t, mask=mask_t, other=0)
-        m_e = mask_j[:, None] & mask_e[None, :]
-        own = (loc_e < BT)[None, :, None]
-        dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_e[None, :]  # (M_PAD, 2·BT)
-        s = b * 0
-        while s < S:
-            row0 = (s * B + b).to(tl.int64) * T
-            e = _views(x_ptr, taps_ptr, near_e, offs_e, mask_e, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, KS, 2 * BT, BD)
-            cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_e[None, :]
-            w = tl.load(coef_ptr + cidx, mask=m_e, other=0.0)
-            kappa = tl.load(coef_ptr + plane + cidx, mask=m_e, other=0.0)
-            mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_e, other=0.0)
-            dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
-                         mask=m_e[:, :, None] & mask_d[None, None, :], other=0.0)
-            de = w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e
-            q_part = tl.load(qacc + tile_e)  # κ E on the block, summed over tokens at the end
-            tl.store(qacc + tile_e, q_part + tl.where(own, kappa[:, :, None] * e, 0.0))
-            # dE through a per-program scratch tile (L1-resident), read back shifted: no register
-            # gather, and every shifted load of a view in flight at once
-            tl.debug_barrier()  # every thread is done reading the previous source's dE
-            tl.store(scr + (jv[:, None, None] * (2 * BT) + loc_e[None, :, None]) * BD + ld[None, None, :], de)
+    qacc = tacc + NPAIR * BT * BD  # (M_PAD, BT, BD) query-gradient partials
+    tile_h = (jv[:, None, None] * BT + loc[None, :, None]) * BD + ld[None, None, :]
+    tl.store(qacc + tile_h, tl.zeros((M_PAD, BT, BD), dtype=tl.float32))
+    # sources outer, blocks inner: the scratch is a ring of two halves of BT tokens; block i's own
+    # tokens are half i % 2, its next BT tokens half (i + 1) % 2, so dE of the next tokens, computed
+    # for block i's conv adjoint, is block i + 1's own dE: the views are built once per token (the
+    # first block of a chunk also builds its own half)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
+        i = b * 0
+        while i < SUB:
+            t0 = (chunk * SUB + i) * BT
+            offs_t = t0 + loc  # the block
+            mask_t = offs_t < T
+            near_t = tl.load(near_row_ptr + offs_t, mask=mask_t, other=0)
+            own0 = (i % 2) * BT  # first row of the block's own half in the ring
+            nxt0 = BT - own0
+            tl.debug_barrier()  # every thread is done reading the half overwritten below
+            if i == 0:
+                de_o, ke_o = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t, mask_j, offs_d,
+                                      mask_d, s, b, S, B, T, D, K_MAX, plane, M_PAD, KS, BT, BD)
+                tl.store(scr + (jv[:, None, None] * (2 * BT) + own0 + loc[None, :, None]) * BD + ld[None, None, :],
+                         de_o)
+                tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_o)  # κ E, summed over tokens at the end
+            de_n, ke_n = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t + BT, mask_j, offs_d,
+                                  mask_d, s, b, S, B, T, D, K_MAX, plane, M_PAD, KS, BT, BD)
+            tl.store(scr + (jv[:, None, None] * (2 * BT) + nxt0 + loc[None, :, None]) * BD + ld[None, None, :], de_n)
+            if i + 1 < SUB:  # the next block is this program's: count its κ E here, once
+                tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_n)
             tl.debug_barrier()  # dE visible to every thread of the program
             acc = tl.zeros((BT, BD), dtype=tl.float32)
-            tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
             for j in tl.static_range(len(KS)):
-                de_j = tl.load(scr + (j * 2 * BT + loc[:, None]) * BD + ld[None, :])  # (BT, BD): dE_j on the block
+                # (BT, BD): dE_j on the block
+                de_j = tl.load(scr + (j * 2 * BT + own0 + loc[:, None]) * BD + ld[None, :])
                 for tau in tl.static_range(tl.constexpr(KS[j])):
                     c = tl.load(tap_row + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
                     # conv adjoint: c_τ ⊙ dE_j[t+τ] where t + τ is in the row and in t's document
-                    sh = tl.load(scr + (j * 2 * BT + loc[:, None] + tau) * BD + ld[None, :])
+                    ring = (own0 + loc + tau) % (2 * BT)
+                    sh = tl.load(scr + (j * 2 * BT + ring[:, None]) * BD + ld[None, :])
                     ok = ((near_t >> (16 + tau)) & 1) != 0
                     acc += tl.where(ok[:, None], c[None, :] * sh, 0.0)
                     # tap gradient of (j, τ): dE_j on the block times the source τ tokens back
@@ -585,10 +606,10 @@ def _src_kernel(
                     tl.store(pair, tl.load(pair) + de_j * xv)
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
-            s += 1
-        i += 1
+            i += 1
+        s += 1
     tl.debug_barrier()  # the partials of every thread written
-    dqg = tl.sum(tl.load(qacc + tile_e), axis=1)  # (M_PAD, BD)
+    dqg = tl.sum(tl.load(qacc + tile_h), axis=1)  # (M_PAD, BD)
     for j in tl.static_range(len(KS)):
         for tau in tl.static_range(tl.constexpr(KS[j])):
             contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
@@ -656,6 +677,14 @@ class Blocks:
     src_bd: int  # channels per program of the source-gradient kernel
     src_warps: int
     sub: int  # token blocks per source-gradient program (fewer partial sums of the query and tap gradients)
+    stats_bd: int = 0  # channels per tile of the stats kernel (0: bwd_bd)
+    stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
+
+    def stats_tiles(self) -> tuple[int, int]:
+        """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
+        recomputation), so it takes at most 512 channels and more tokens when the mixer backward
+        holds all of d."""
+        return self.stats_bd or self.bwd_bd, self.stats_bt or self.bwd_bt
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
@@ -666,7 +695,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     channels and three passes. The backward kernels hold more tiles of the same shape: half the
     tokens, and one channel tile only up to 4096 / m_pad channels. The source-gradient kernel: 16
     tokens (>= K_MAX - 1) and 8 channels a program over 4 warps, 16 token blocks a program (its
-    scratch, 4 + 0.5·(Σ_j k_j + 2·m_pad) KiB a program, and the partial sums scale with the number of programs).
+    scratch, 4 + 0.5·(Σ_j k_j + m_pad) KiB a program, and the partial sums scale with the number of programs).
     ptxas (sm_90a) spill bytes at m = 4, K_MAX = 12: see docs/kernel_msar.md. Under the
     interpreter each program costs milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
@@ -684,7 +713,10 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     bt = max(1, min(t_pow, fwd_elems // (m_pad * bd), 16))
     bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
     bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
-    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16)
+    stats_bd = min(bd_full, 512)
+    stats_bt = max(1, min(t_pow, elems // (2 * m_pad * stats_bd), 16))
+    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16,
+                  stats_bd, stats_bt)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -763,9 +795,10 @@ def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm,
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
     coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
-    _stats_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
-        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
+    stats_bd, stats_bt = blk.stats_tiles()
+    _stats_kernel[(triton.cdiv(T, stats_bt), B)](
+        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
+        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
@@ -777,7 +810,7 @@ def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm,
     n_prog = grid[0] * grid[1] * grid[2]
     koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
     scratch = torch.empty(n_prog, m_pad, 2 * blk.src_bt, blk.src_bd, **f32)
-    tap_scratch = torch.empty(n_prog, (sum(ks) + 2 * m_pad) * blk.src_bt * blk.src_bd, **f32)
+    tap_scratch = torch.empty(n_prog, (sum(ks) + m_pad) * blk.src_bt * blk.src_bd, **f32)
     _src_kernel[grid](
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
         sub, M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
