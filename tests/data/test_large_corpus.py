@@ -158,7 +158,7 @@ def test_epochs():
 
 
 def test_bad_vocabulary_is_one_line_error(sources, tmp_path: Path):
-    with pytest.raises(SystemExit, match=r"error: data.vocab_size=100 is too small"):
+    with pytest.raises(SystemExit, match=r"error: data.vocab_size=100: is too small"):
         build_corpus.main(["--large", "--embedded", str(sources["embedded"]), "--gcide", str(sources["gcide"]),
                            "--pydoc", str(sources["pydoc"]), "--out", str(tmp_path / "x.jsonl"),
                            "--shards-out", str(tmp_path / "s"), "--vocab-size", "100",
