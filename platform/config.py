@@ -48,7 +48,7 @@ class ModelConfig:
     norm_eps: float = 1e-6
     moe_impl: str = "grouped_mm"  # "grouped_mm" (one grouped GEMM per projection) | "sliced" (reference)
     doc_mask: bool = True  # attention never crosses a document boundary in packed windows
-    checkpoint_reads: bool = False  # recompute the residual's read in backward (saves the memory of views)
+    checkpoint_reads: bool = False  # recompute the residual's read in backward where it stores views (reference reads; never a fused op)
     attention: str = "auto"  # "flex" (FlexAttention, block mask) | "sdpa" (dense-mask reference) | "auto" (flex on CUDA)
     recompute: str = "none"  # sublayers re-run in backward: "none" | "attention" | "mlp" | "full"
 

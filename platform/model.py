@@ -227,10 +227,13 @@ class Backbone(nn.Module):
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
         ctx = Context(doc_ids=doc_ids, record=record)
         mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask)
-        state = self.residual.begin(self.embed(tokens), ctx)  # embedding v_0: (B, T, d)
+        embedding = self.embed(tokens)  # v_0: (B, T, d)
+        state = self.residual.begin(embedding, ctx)
         grad = self.training and torch.is_grad_enabled()
+        # checkpoint_reads: only where the mechanism's read stores something worth recomputing
+        checkpoint_reads = grad and self.checkpoint_reads and self.residual.checkpoint_read_pays(embedding)
         for layer, sublayer in enumerate(self.sublayers):
-            if grad and self.checkpoint_reads:  # keep only the read's inputs; redo it in backward
+            if checkpoint_reads:  # keep only the read's inputs; redo it in backward
                 h = checkpoint(self.residual.read, state, layer, use_reentrant=False)
             else:
                 h = self.residual.read(state, layer)  # h_l: (B, T, d)

@@ -136,6 +136,13 @@ class DepthAttentionResidual(Residual):
         check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
         check_choice(cls.name, "backend", cfg.backend, BACKENDS)
 
+    def _fused(self, x: Tensor) -> bool:
+        """Whether the read runs a fused op (subclasses with one override this)."""
+        return False
+
+    def checkpoint_read_pays(self, x: Tensor) -> bool:
+        return not self._fused(x)  # a fused read stores no views or stacked sources: nothing to save
+
     # --- which sources each consumer sees: here every one (full depth attention) ---------------
     def n_sources(self, consumer: int) -> int:
         return consumer + 1  # v_0 .. v_consumer

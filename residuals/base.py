@@ -67,6 +67,13 @@ class Residual(nn.Module):
     def end(self, state: Any) -> Tensor:
         raise NotImplementedError
 
+    def checkpoint_read_pays(self, x: Tensor) -> bool:
+        """Whether recomputing ``read`` in backward (``model.checkpoint_reads``) saves memory here:
+        true where a read stores large intermediates (the references' stacked sources and views),
+        false where it stores nothing worth recomputing (a fused op, an identity read). ``x``: the
+        embedding, for the device the read runs on."""
+        return True
+
     # --- accounting (analytic, per token, forward) --------------------------------------------
     def extra_flops_per_token(self) -> float:
         """FLOPs per token beyond the vanilla residual's additions, forward pass."""
@@ -103,6 +110,9 @@ class Vanilla(Residual):
 
     def end(self, state: Tensor) -> Tensor:
         return state
+
+    def checkpoint_read_pays(self, x: Tensor) -> bool:
+        return False  # the read is the state itself
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -178,6 +178,9 @@ class MHC(Residual):
         return mhc_pre(x, *self.layer_params(layer), sinkhorn_iters=self.cfg.sinkhorn_iters,
                        backend=self.cfg.backend)  # h (B, T, d) in x's dtype, coefficients fp32
 
+    def checkpoint_read_pays(self, x: Tensor) -> bool:
+        return False  # read() only hands over what begin() or the previous write computed
+
     def read(self, state: MHCState, layer: int) -> Tensor:
         x = state.streams  # (B, T, n, d)
         ahead = state.ahead

@@ -1,5 +1,6 @@
 """The backbone: shapes, causality, document isolation."""
 
+import pytest
 import torch
 
 from tests.helpers import build_backbone, packed_batch
@@ -42,3 +43,30 @@ def test_moe_layers_follow_a_dense_first_block():
     model = build_backbone("vanilla", vocab=97)
     idx = [i for i, _ in model.moe_layers()]
     assert idx == list(range(3, len(model.sublayers), 2))
+
+
+@pytest.mark.parametrize("residual, overrides, expected", [
+    ("msar_block", ("residual.backend=torch",), True),  # the reference stacks and expands sources: recompute it
+    ("msar_block", ("residual.backend=triton",), False),  # the fused read stores no views: nothing to save
+    ("attnres_block", ("residual.backend=torch",), True),
+    ("attnres_block", ("residual.backend=triton",), False),
+    ("mhc", (), False),  # reads are computed ahead, in begin/write
+    ("vanilla", (), False),
+])
+def test_reads_are_checkpointed_only_where_it_saves_memory(monkeypatch, residual, overrides, expected):
+    import platform.model as model_module
+    from tests.helpers import build_backbone, packed_batch
+
+    calls = []
+    real = model_module.checkpoint
+
+    def counting(fn, *args, **kwargs):
+        calls.append(getattr(fn, "__name__", ""))
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "checkpoint", counting)
+    model = build_backbone(residual, vocab=37, n_blocks=2, checkpoint_reads=True, residual_overrides=overrides)
+    tokens, docs = packed_batch(1, 9, 37, n_docs=2)
+    model.train()
+    model(tokens, docs).sum().backward()
+    assert ("read" in calls) == expected, calls
