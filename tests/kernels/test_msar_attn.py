@@ -212,27 +212,6 @@ def test_causal_and_document_local(backend):
     assert not changed[1].any(), "another row saw the change"
 
 
-@needs_triton
-@pytest.mark.parametrize("T", [1, 5, 37])
-def test_doc_window_bits(T):
-    """The window bits the kernels test instead of document ids: bit τ of near[b, t] is
-    [t-τ >= 0 and doc(t-τ) = doc(t)], bit 16 + τ the same of t+τ, for τ < 16; ids drawn from a
-    small range so one id also recurs after another document (equality, not runs, decides)."""
-    from kernels.msar_attn import fused
-
-    g = torch.Generator().manual_seed(T)
-    doc_ids = torch.randint(0, 3, (3, T), generator=g)
-    doc_ids[1] = doc_ids_for(1, T, g)[0]
-    near = fused.doc_window(doc_ids).long() & 0xFFFFFFFF
-    for b in range(3):
-        for t in range(T):
-            for tau in range(16):
-                back = t - tau >= 0 and bool(doc_ids[b, t - tau] == doc_ids[b, t])
-                ahead = t + tau < T and bool(doc_ids[b, t + tau] == doc_ids[b, t])
-                assert bool((near[b, t] >> tau) & 1) == back, (b, t, tau)
-                assert bool((near[b, t] >> (16 + tau)) & 1) == ahead, (b, t, tau)
-
-
 # --- the reference itself --------------------------------------------------------------------------
 def explicit_loop(x, taps, queries, key_gains, doc_ids, key_norm, eps=1e-6):
     """SPEC §4's streams written out: every view, source, token and tap by hand (fp64)."""
@@ -351,7 +330,7 @@ def test_kernels_compile_for_sm90_with_few_spills():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    assert len(lines) == 5, res.stdout
+    assert len(lines) == 4, res.stdout
     spills = [int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines]
     assert max(spills) <= 64, res.stdout  # a few spilled scalars at most; tiles that spill cost far more
 
