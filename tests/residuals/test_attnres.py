@@ -385,10 +385,15 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     g = torch.randn_like(out_ref)
     out_ref.backward(g)
     out_fused.backward(g)
+    # Gradients span 1e-3..1e2 within one tensor (the embedding's rows sum over tokens): an element-wise
+    # atol sits at the fp32 rounding of the backbone itself (the fp32 reference against fp64 already
+    # spends ~40% of atol=1e-5, rtol=1e-3 on CPU). Norm-wise relative error: ~1e-6 from rounding
+    # (CPU, both backends), O(1e-2) or more from any wrong gradient term.
     for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
         assert (a.grad is None) == (b.grad is None), n
         if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+            err = ((b.grad.double() - a.grad.double()).norm() / a.grad.double().norm().clamp_min(1e-30)).item()
+            assert err < 1e-4, f"{n}: relative error {err:.2e} (max abs {(b.grad - a.grad).abs().max().item():.2e})"
 
 
 @needs_interpreter
