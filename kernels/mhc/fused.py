@@ -40,6 +40,7 @@ All math is fp32 whatever the streams' dtype; inputs are made contiguous by the 
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
@@ -575,14 +576,19 @@ def phi_grad(x, w):
         block_r = INTERPRETER_BLOCKS["block_r"] or _pow2(nd, 16)
     else:
         block_t, block_r = 32, 64
-        split = max(1, min(triton.cdiv(N, block_t), 4 * torch.cuda.get_device_properties(x.device).multi_processor_count
-                           // triton.cdiv(nd, block_r)))
+        split = max(1, min(triton.cdiv(N, block_t), 4 * _sm_count(x.device) // triton.cdiv(nd, block_r)))
     blocks = triton.cdiv(triton.cdiv(N, block_t), split)
     part = torch.empty(split, nd, k, device=x.device, dtype=torch.float32)
     _phi_grad_kernel[(triton.cdiv(nd, block_r), split)](
         x, w, part, N, nd, blocks, K=k, KP=_pow2(k, 16), BLOCK_T=block_t, BLOCK_R=block_r,
         DOT_PRECISION=DOT_PRECISION, num_warps=4)
     return part.sum(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a GPU, queried once per device (a per-backward query is host time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def post_fwd(x, f, h_post, h_res):

@@ -212,22 +212,47 @@ def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, dire
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_fused_write_and_next_read_match_the_reference(dtype):
-    """The chain above on the GPU at a model-like width (several programs, ragged token block): bf16 or
-    fp32 streams and sublayer outputs against the fp32 reference on the same values; bf16: outputs rel
-    1e-2 (X_1 is rounded to bf16 by the fused op only), gradients rel 2e-2; fp32: 1e-5 / 1e-4."""
-    first = make_inputs(4, 512, 2, 301, False, device="cuda", seed=7)
-    second = make_inputs(4, 512, 2, 301, False, device="cuda", seed=8)
+    """The chain above on the GPU at a model-like width (several programs, ragged token block)."""
+    check_fused_chain_against_the_reference(dtype, "cuda", d=512, T=301)
+
+
+def check_fused_chain_against_the_reference(dtype, device, *, d, T):
+    """bf16 or fp32 streams and sublayer outputs, fused against the fp32 reference on the same values.
+
+    fp32: outputs rel 1e-5, gradients rel 1e-4. bf16: the fused op rounds X_1 and the sublayer outputs
+    to bf16 where the fp32 reference does not, and the bias gradients are sums over tokens with
+    cancellation, so their error is the bf16 noise of the chain itself: the torch backend on the same
+    bf16 values reaches ~2e-2 on dB_post (d=512, T=301). The fused error must stay within twice the
+    torch backend's own bf16 error (floor: 1e-2 outputs, 2e-2 gradients)."""
+    first = make_inputs(4, d, 2, T, False, device=device, seed=7)
+    second = make_inputs(4, d, 2, T, False, device=device, seed=8)
     second.pop("x")
     low = [{k: (v.to(dtype) if k in ("x", "out") else v) for k, v in p.items() if v is not None}
            for p in (first, second)]
     got_out, got_grad = chain("triton", *[leaves(p) for p in low], direct=False)
     ref_out, ref_grad = chain("torch", *[{k: v.detach().float().requires_grad_() for k, v in p.items()} for p in low],
                               direct=False)
-    tol_out, tol_grad = (1e-2, 2e-2) if dtype == torch.bfloat16 else (1e-5, 1e-4)
+    if dtype == torch.float32:
+        tol_out, tol_grad = [1e-5] * len(ref_out), dict.fromkeys(ref_grad, 1e-4)
+    else:  # the torch backend on the same bf16 values: the chain's own bf16 noise
+        base_out, base_grad = chain("torch", *[leaves(p) for p in low], direct=False)
+        tol_out = [max(1e-2, 2 * rel_err(a, b)) for a, b in zip(base_out, ref_out)]
+        tol_grad = {k: max(2e-2, 2 * rel_err(base_grad[k], b)) for k, b in ref_grad.items()}
     for i, (a, b) in enumerate(zip(got_out, ref_out)):
-        assert rel_err(a, b) < tol_out, f"output {i}: rel err {rel_err(a, b):.2e}"
+        assert a.dtype == dtype or a.dtype == torch.float32, f"output {i}: {a.dtype}"
+        assert rel_err(a, b) < tol_out[i], f"output {i}: rel err {rel_err(a, b):.2e} >= {tol_out[i]:.2e}"
     for name, b in ref_grad.items():
-        assert rel_err(got_grad[name], b) < tol_grad, f"d{name}: rel err {rel_err(got_grad[name], b):.2e}"
+        assert b.abs().max() > 0, name
+        err = rel_err(got_grad[name], b)
+        assert err < tol_grad[name], f"d{name}: rel err {err:.2e} >= {tol_grad[name]:.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_write_and_next_read_in_bf16_and_fp32_streams_match_the_reference(dtype):
+    """The GPU chain's check on CPU under the interpreter, at a small width (bf16 loads are upcast
+    before every tl.dot, so the interpreter computes them as the GPU does)."""
+    check_fused_chain_against_the_reference(dtype, "cpu", d=40, T=37)
 
 
 @needs_interpreter

@@ -341,26 +341,49 @@ def test_fused_backend_refuses_what_it_does_not_compute(name, fields):
 def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, overrides):
     # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
     # PyTorch reference, with checkpoint_reads on for the fused one: outputs and every gradient.
+    check_fused_backbone_against_the_reference(name, overrides, "cpu", "triton", B=1, T=11, checkpoint_reads=True)
+
+
+def check_fused_backbone_against_the_reference(name, overrides, device, backend, B, T, checkpoint_reads=False):
+    """fp32 backbone on ``device``: ``residual.backend=backend`` (``checkpoint_reads`` for it) against
+    ``backend=torch``; the fused one's state is the fused one; outputs and every gradient."""
+    from residuals.attnres import FusedState
     from tests.helpers import build_backbone, packed_batch
 
     torch.manual_seed(0)
-    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=overrides)
+    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=torch")).to(device)
     torch.manual_seed(0)
-    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=triton"),
-                           checkpoint_reads=True)
+    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, f"residual.backend={backend}"),
+                           checkpoint_reads=checkpoint_reads).to(device)
     with torch.no_grad():
         for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
             p_ref.add_(0.2 * torch.randn_like(p_ref))
             p_fused.copy_(p_ref)
-    tokens, docs = packed_batch(1, 11, 37, n_docs=2)
+    tokens, docs = (t.to(device) for t in packed_batch(B, T, 37, n_docs=2 if T < 13 else 3))
+    assert isinstance(fused.residual.begin(fused.embed(tokens), Context(docs)), FusedState)
     out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
     torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
     g = torch.randn_like(out_ref)
     out_ref.backward(g)
     out_fused.backward(g)
+    # Gradients span 1e-3..1e2 within one tensor (the embedding's rows sum over tokens): element-wise
+    # rtol=1e-3, atol=1e-5 sits at the backbone's own fp32 rounding (the fp32 reference against fp64
+    # spends ~40% of it; fused against reference exceeds it for 2 of 4 seeds at B=2, T=67 on CPU).
+    # Norm-wise relative error: ~1e-6 from rounding; a 1% error in one consumer's query gradient
+    # gives ~2e-3.
     for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), n
         if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)
+            err = ((b.grad.double() - a.grad.double()).norm() / a.grad.double().norm().clamp_min(1e-30)).item()
+            assert err < 1e-4, f"{n}: relative error {err:.2e} (max abs {(b.grad - a.grad).abs().max().item():.2e})"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres_block", ("residual.block_size=2",))],
+                         ids=["attnres", "attnres_block-size=2"])
+def test_fused_backend_matches_the_reference_in_a_two_row_backbone(name, overrides):
+    # The GPU test's body on CPU (backend=triton under the interpreter), two packed rows.
+    check_fused_backbone_against_the_reference(name, overrides, "cpu", "triton", B=2, T=13)
 
 
 @pytest.mark.gpu
@@ -369,27 +392,5 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, overri
                                              ("attnres_block", ("residual.block_size=2",))],
                          ids=["attnres", "attnres_block", "attnres_block-size=2"])
 def test_gpu_auto_backend_is_the_fused_op_and_matches_the_reference(name, overrides):
-    # On CUDA, backend=auto runs the fused op (its state is the fused one); fp32 backbone, outputs and
-    # every gradient against backend=torch.
-    from residuals.attnres import FusedState
-    from tests.helpers import build_backbone, packed_batch
-
-    torch.manual_seed(0)
-    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=torch")).cuda()
-    torch.manual_seed(0)
-    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=overrides).cuda()
-    with torch.no_grad():
-        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
-            p_ref.add_(0.2 * torch.randn_like(p_ref))
-            p_fused.copy_(p_ref)
-    tokens, docs = (t.cuda() for t in packed_batch(2, 67, 37, n_docs=3))
-    emb = fused.embed(tokens)
-    assert isinstance(fused.residual.begin(emb, Context(docs)), FusedState)
-    out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
-    torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
-    g = torch.randn_like(out_ref)
-    out_ref.backward(g)
-    out_fused.backward(g)
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)
+    # On CUDA, backend=auto runs the fused op (its state is the fused one).
+    check_fused_backbone_against_the_reference(name, overrides, "cuda", "auto", B=2, T=67)

@@ -33,7 +33,7 @@ class FakeStack(nn.Module):
             nn.init.normal_(lin.bias, std=0.1)
 
     def forward(self, emb: torch.Tensor, record: bool = False, keep=None):
-        ctx = Context(doc_ids=torch.zeros(emb.shape[:2], dtype=torch.long), record=record)
+        ctx = Context(doc_ids=torch.zeros(emb.shape[:2], dtype=torch.long, device=emb.device), record=record)
         state = self.res.begin(emb, ctx)
         reads = []
         for layer, f in enumerate(self.sublayers):
@@ -532,7 +532,7 @@ def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
     post_bwd = fused_ops.post_bwd
     monkeypatch.setattr(fused_ops, "post_bwd", lambda *a, **kw: calls.append(kw["store_dx"]) or post_bwd(*a, **kw))
     torch.manual_seed(0)
-    ref = make_mhc(n=4)
+    ref = make_mhc(n=4, backend="torch")  # explicit: backend=auto is the fused op itself on CUDA tensors
     randomise(ref)
     fused = make_mhc(n=4, backend="triton")
     fused.load_state_dict(ref.state_dict())
@@ -547,6 +547,7 @@ def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
         torch.testing.assert_close(fused.recorded[key], value, rtol=1e-4, atol=1e-6, msg=key)
     up = torch.randn_like(out_r)
     out_r.backward(up)
+    assert calls == []  # the reference runs no fused kernel
     out_f.backward(up)
     assert calls == [False] * L
     for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
