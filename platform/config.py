@@ -304,7 +304,11 @@ def check_tracking_uri(uri: str, key: str, storage: bool = False) -> None:
         if not probe.is_dir() or not os.access(probe, os.W_OK):
             raise ConfigError(key, uri, f"cannot create the database folder {folder}", valid)
     elif scheme in ("http", "https", "postgresql", "mysql", "mssql", "oracle") and not parsed.hostname:
-        raise ConfigError(key, uri, "no host in the URL", valid)
+        from urllib.parse import parse_qs
+
+        socket_dir = parse_qs(parsed.query).get("host", [""])[0]  # postgresql://user@/db?host=/run/socket-dir
+        if not (scheme == "postgresql" and socket_dir.startswith("/")):
+            raise ConfigError(key, uri, "no host in the URL (nor a socket folder in ?host=/...)", valid)
 
 
 def residual_config(cfg: DictConfig):

@@ -44,3 +44,7 @@ __all__ = ["_quiet_experimental", "BUDGET_KEYS", "GRID_LIMIT", "PARAM_TYPES", "P
            "find_or_create_parent", "grid_space", "grid_values", "hydra_value", "kernel_sets", "make_pruner",
            "make_sampler", "make_storage", "override_key", "parse_space", "run_sweep", "storage_label",
            "study_plots", "study_report", "suggest", "sync_trial_states", "trial_cost"]
+
+from .cli import main  # noqa: E402 - the command itself (`python -m platform.sweep` runs it)
+
+__all__ = ["main"]

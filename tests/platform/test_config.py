@@ -96,3 +96,12 @@ def test_list_keeps_bracketed_text(capsys):
     main(["residuals"])
     out = capsys.readouterr().out
     assert "MSAR over [b_0," in out  # Rich markup would drop "[b_0, ...]" silently
+
+
+def test_storage_urls_with_a_unix_socket_folder_are_valid():
+    from platform.config import check_tracking_uri
+    from platform.errors import ConfigError
+
+    check_tracking_uri("postgresql://postgres:@/optuna?host=/tmp/pg", "sweep.storage", storage=True)
+    with pytest.raises(ConfigError, match="no host"):
+        check_tracking_uri("postgresql://postgres:@/optuna?host=relative", "sweep.storage", storage=True)
