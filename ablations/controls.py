@@ -1,4 +1,4 @@
-"""Controls that the paper does not run but that separate its explanations (SPEC §4–§5)."""
+"""Controls that the paper does not run but that separate its explanations (docs/method.md §4–§5)."""
 
 from .registry import Ablation, register
 

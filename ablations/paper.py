@@ -1,4 +1,4 @@
-"""The ablations of the MSAR paper and its predecessors (SPEC §5; AttnRes numbers from SPEC §3).
+"""The ablations of the MSAR paper and its predecessors (docs/method.md §5; AttnRes numbers from docs/method.md §3).
 
 MSAR ablations run on the paper's default method, Block MSAR (`msar_block`), so each one differs
 from a default run in exactly the fields listed.

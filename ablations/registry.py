@@ -1,7 +1,7 @@
 """The ablation registry: each ablation is one `Ablation(...)` entry, selectable as `ablation=<name>`.
 
 An entry is data, not code: the question it answers, the baseline it is compared with, the residual
-it runs and the fields it changes, and the paper's number where there is one (SPEC §5). It becomes
+it runs and the fields it changes, and the paper's number where there is one (docs/method.md §5). It becomes
 a `# @package _global_` preset in Hydra's ConfigStore (see `Ablation.preset`).
 """
 

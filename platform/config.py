@@ -28,7 +28,7 @@ from .errors import ConfigError
 
 @dataclass
 class ModelConfig:
-    """Sizes of the shared MoE backbone (SPEC §6). `conf/model/*.yaml` fill these in."""
+    """Sizes of the shared MoE backbone (docs/method.md §6). `conf/model/*.yaml` fill these in."""
 
     name: str = "tiny"
     d_model: int = 64  # hidden size d

@@ -1,4 +1,4 @@
-"""The shared MoE backbone (SPEC §6): a decoder-only LM with a pluggable residual mechanism.
+"""The shared MoE backbone (docs/method.md §6): a decoder-only LM with a pluggable residual mechanism.
 
 Token embedding, n_blocks Transformer blocks of (attention sublayer, MLP sublayer), final RMSNorm,
 LM head. Attention: causal GQA with RoPE, never crossing a document boundary of a packed window.

@@ -1,6 +1,6 @@
 """DeepSeek-V3-style MoE feed-forward with sigmoid top-k routing and aux-loss-free balancing.
 
-SPEC §6: shared expert(s) plus E fine-grained routed SwiGLU experts. Affinities s = σ(u·e_i) come
+docs/method.md §6: shared expert(s) plus E fine-grained routed SwiGLU experts. Affinities s = σ(u·e_i) come
 from an fp32 router; the top-k experts are chosen on s + bias, where `bias` is a non-gradient
 buffer nudged after each optimizer step toward balanced load (`update_bias`); the gates are the
 selected s renormalised. Dispatch sorts the (token, expert) assignments by expert and runs one

@@ -1,4 +1,4 @@
-"""AttnRes: every sublayer reads a softmax mixture of all earlier sublayer outputs (SPEC §3).
+"""AttnRes: every sublayer reads a softmax mixture of all earlier sublayer outputs (docs/method.md §3).
 
 Paper: "Attention Residuals", Kimi Team, arXiv 2603.15031.
 
@@ -232,7 +232,7 @@ def merge_heads(x: Tensor) -> Tensor:
 
 @register("attnres")
 class AttnRes(DepthAttentionResidual):
-    """Full AttnRes: one depth attention per consumer over all L+1 sources (SPEC §3)."""
+    """Full AttnRes: one depth attention per consumer over all L+1 sources (docs/method.md §3)."""
 
     @dataclass
     class Config(DepthAttentionConfig):

@@ -1,4 +1,4 @@
-"""Block AttnRes: depth attention over block summaries instead of every sublayer output (SPEC §3).
+"""Block AttnRes: depth attention over block summaries instead of every sublayer output (docs/method.md §3).
 
 Paper: "Attention Residuals", Kimi Team, arXiv 2603.15031 (Block AttnRes).
 
@@ -85,7 +85,7 @@ class BlockSummaries:
         return BlockState(state.ctx, state.summaries + (partial,), None)  # block complete: b_n
 
     def io_per_sublayer(self) -> float:
-        """Two-phase computation (SPEC §3), reads+writes per sublayer in units of d. Phase 1 reads
+        """Two-phase computation (docs/method.md §3), reads+writes per sublayer in units of d. Phase 1 reads
         the cached summaries once for the S queries of a block: the paper's N/S. Phase 2, per
         sublayer: read each attention view's phase-1 result, the partial and the new output, write
         the partial (3), then ``retrieval_io``. Block AttnRes: N/S + 5, the paper's (N/S + 5)·d."""
@@ -94,7 +94,7 @@ class BlockSummaries:
 
 @register("attnres_block")
 class AttnResBlock(BlockSummaries, AttnRes):
-    """Block AttnRes: AttnRes over [b_0, completed block summaries, partial] (SPEC §3)."""
+    """Block AttnRes: AttnRes over [b_0, completed block summaries, partial] (docs/method.md §3)."""
 
     @dataclass
     class Config(BlockFields, AttnRes.Config):

@@ -1,4 +1,4 @@
-"""attnres_mhc_sum: AttnRes and mHC both on, their contributions summed (SPEC §5 ablation).
+"""attnres_mhc_sum: AttnRes and mHC both on, their contributions summed (docs/method.md §5 ablation).
 
 The paper's control for MSAR ("is MSAR just depth attention plus multiple streams?"; 1.861 at 10B,
 not the same as MSAR). Built by composing the two registered mechanisms, never by copying them:

@@ -86,14 +86,14 @@ class Residual(nn.Module):
     def io_per_sublayer(self) -> float:
         """Paper-style residual I/O per token per sublayer, reads + writes, in units of d.
 
-        PreNorm: read x_l (d) and f_l(x_l) (d), write x_{l+1} (d) = 3d (SPEC §1).
+        PreNorm: read x_l (d) and f_l(x_l) (d), write x_{l+1} (d) = 3d (docs/method.md §1).
         """
         return 3.0
 
 
 @register("vanilla")
 class Vanilla(Residual):
-    """PreNorm residual: x_{l+1} = x_l + f_l(x_l) (SPEC §1). The sublayer applies its own norm."""
+    """PreNorm residual: x_{l+1} = x_l + f_l(x_l) (docs/method.md §1). The sublayer applies its own norm."""
 
     @dataclass
     class Config(ResidualConfig):

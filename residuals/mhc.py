@@ -1,4 +1,4 @@
-"""mHC: Manifold-Constrained Hyper-Connections (DeepSeek-AI, arXiv 2512.24880), SPEC §2.
+"""mHC: Manifold-Constrained Hyper-Connections (DeepSeek-AI, arXiv 2512.24880), docs/method.md §2.
 
 The residual stream is widened to n parallel streams X_l ∈ R^{n×d} per token; the embedding is
 copied into all of them. Sublayer l reads a non-negative mix of the streams, and its output is
@@ -87,7 +87,7 @@ class MHCState:
 
 @register("mhc")
 class MHC(Residual):
-    """n residual streams mixed by input-dependent doubly stochastic matrices (SPEC §2)."""
+    """n residual streams mixed by input-dependent doubly stochastic matrices (docs/method.md §2)."""
 
     @dataclass
     class Config(ResidualConfig):
@@ -269,7 +269,7 @@ class MHC(Residual):
         Counted as the paper's Table 2 (forward, the sublayer's internal I/O excluded): computing the
         coefficients reads nd and writes n²+2n; H^pre reads nd+n, writes d; H^post reads d+n, writes
         nd; H^res reads nd+n², writes nd; the merge reads 2nd, writes nd. Total (8n+2)d + 2(n²+2n)
-        elements: 34d + 48 for n = 4 (the SPEC's "≈ 34d"). ``fused=True``: the paper's kernels (§4.3.1)
+        elements: 34d + 48 for n = 4 (docs/method.md §2: "≈ 34d"). ``fused=True``: the paper's kernels (§4.3.1)
         fuse H^post, H^res and the merge into one kernel that reads (n+1)d + n²+n and writes nd, so the
         total is (4n+2)d + 2(n²+2n): 18d + 48 for n = 4. Vanilla is 3d.
         """

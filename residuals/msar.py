@@ -1,7 +1,7 @@
 """MSAR: multi-stream depth attention, each stream over its own token-axis view of the sources.
 
 Paper: "Multi-Stream Attention Residuals" (preprint). Only reviews of it are available, so this is
-the reconstruction of SPEC §4; every choice it leaves open is a field of ``Config``.
+the reconstruction of docs/method.md §4; every choice it leaves open is a field of ``Config``.
 
 View expansion, views j = 0..m-1 (view 0 the identity, m = 1 + len(kernels)):
 

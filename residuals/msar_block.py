@@ -1,6 +1,6 @@
-"""Block MSAR: MSAR over block summaries (SPEC §4, built like Block AttnRes, SPEC §3).
+"""Block MSAR: MSAR over block summaries (docs/method.md §4, built like Block AttnRes, docs/method.md §3).
 
-Paper: "Multi-Stream Attention Residuals" (preprint; reconstructed in SPEC §4).
+Paper: "Multi-Stream Attention Residuals" (preprint; reconstructed in docs/method.md §4).
 
 Between sublayers only single-stream tensors are kept: b_0 = the embedding, the completed block
 summaries and the running partial sum of the current block, N+1 tensors (B, T, d) at most, as in

@@ -1,4 +1,4 @@
-"""Causal depthwise convolution along the token axis, reset at document boundaries (SPEC §4).
+"""Causal depthwise convolution along the token axis, reset at document boundaries (docs/method.md §4).
 
     y[t] = Σ_{τ<k} c_τ ⊙ x[t-τ]
 

@@ -1,4 +1,4 @@
-"""Depth attention: softmax retrieval over a stack of sources (SPEC §3, see ``reference.py``).
+"""Depth attention: softmax retrieval over a stack of sources (docs/method.md §3, see ``reference.py``).
 
 Two entry points, each with an explicit ``backend``:
 

@@ -1,4 +1,4 @@
-"""Depth attention fused in Triton: the two-phase schedule of Block AttnRes (SPEC §3).
+"""Depth attention fused in Triton: the two-phase schedule of Block AttnRes (docs/method.md §3).
 
 Paper: "Attention Residuals", Kimi Team, arXiv 2603.15031 (two-phase computation).
 

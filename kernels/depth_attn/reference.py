@@ -1,4 +1,4 @@
-"""Depth attention, the specification (SPEC §3-§4): softmax retrieval over a stack of sources.
+"""Depth attention, the specification (docs/method.md §3-§4): softmax retrieval over a stack of sources.
 
 For every view j, token (b, t) and source s:
 
@@ -95,7 +95,7 @@ def depth_attn(
     return (out, weights) if return_weights else out
 
 
-# --- the two-phase schedule (SPEC §3, Block AttnRes), as a composition of the spec --------------
+# --- the two-phase schedule (docs/method.md §3, Block AttnRes), as a composition of the spec --------------
 def summaries(
     sources: Tensor | Sequence[Tensor],
     queries: Tensor,

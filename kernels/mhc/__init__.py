@@ -1,4 +1,4 @@
-"""mHC read (coefficients + h) and write (stream mixing) as ops (mHC, arXiv 2512.24880; SPEC §2).
+"""mHC read (coefficients + h) and write (stream mixing) as ops (mHC, arXiv 2512.24880; docs/method.md §2).
 
 Three public functions (the first two with the same signature as their twins in ``reference.py``), plus ``backend``:
 

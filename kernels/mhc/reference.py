@@ -1,4 +1,4 @@
-"""mHC coefficients, read and write, the specification (mHC, arXiv 2512.24880, Eq. 3 and 7-9; SPEC §2).
+"""mHC coefficients, read and write, the specification (mHC, arXiv 2512.24880, Eq. 3 and 7-9; docs/method.md §2).
 
 Per token, with the n streams X ∈ R^{n×d} flattened to x = vec(X) ∈ R^{nd}:
 

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from ..env import REPO_ROOT
 
 PRESET_DIR = REPO_ROOT / "conf" / "compare"
-# SPEC §5, main results (MoE, 18B tokens); the paper's method is the block variant.
+# docs/method.md §5, main results (MoE, 18B tokens); the paper's method is the block variant.
 PAPER_MAIN = {"vanilla": "1.799", "mhc": "1.776", "attnres": "1.769", "attnres_block": "1.769",
               "msar": "1.750", "msar_block": "1.750"}
 PAPER_MAIN_NOTE = "final loss, MoE 18B tokens"

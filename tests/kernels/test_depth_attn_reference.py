@@ -33,7 +33,7 @@ def _inputs(m, S, B, T, d, per_view, per_token, separate_keys, dtype=torch.float
 
 
 def _loop(sources, queries, gains, keys, key_norm, eps=1e-6):
-    """Explicit loop over views and sources: the formula of SPEC §3, written out."""
+    """Explicit loop over views and sources: the formula of docs/method.md §3, written out."""
     m = queries.shape[0]
     S = sources.shape[-4]
     outs, weights = [], []

@@ -1,4 +1,4 @@
-"""MoE routing and dispatch (SPEC §6)."""
+"""MoE routing and dispatch (docs/method.md §6)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""AttnRes and Block AttnRes (SPEC §3) through a fake stack of sublayers.
+"""AttnRes and Block AttnRes (docs/method.md §3) through a fake stack of sublayers.
 
 The fake stack (also used by test_msar.py) has L sublayers that are small random per-token linear
 maps; the even ones ("attention") also take a causal mean over earlier tokens of the same document,
@@ -70,7 +70,7 @@ def randomize(module: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def block_sources(emb: Tensor, outs: list[Tensor], consumer: int, block_size: int) -> list[Tensor]:
-    """What consumer l attends over, written from SPEC §3: [b_0, completed summaries, partial]."""
+    """What consumer l attends over, written from docs/method.md §3: [b_0, completed summaries, partial]."""
     n, pos = divmod(consumer, block_size)
     summaries = [emb] + [sum(outs[b * block_size:(b + 1) * block_size]) for b in range(n)]
     return summaries + ([sum(outs[n * block_size:consumer])] if pos else [])

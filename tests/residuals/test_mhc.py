@@ -1,4 +1,4 @@
-"""mHC (SPEC §2) and the attnres_mhc_sum ablation: invariants, driven through a fake stack.
+"""mHC (docs/method.md §2) and the attnres_mhc_sum ablation: invariants, driven through a fake stack.
 
 The fake stack is L random per-token maps f_l(h) = tanh(W_l h + c_l) run through the residual
 protocol exactly as the backbone does; upstream gradients are random (never ones_like).
@@ -373,7 +373,7 @@ def test_accounting():
     assert flops[1][0] < flops[2][0] < flops[4][0] < flops[8][0]
     # between the n² of H^res X and the n³ of the nd×(n²+2n) projection
     assert 4 < flops[8][0] / flops[4][0] < 8
-    # SPEC §2 / paper Table 2: ≈ 34d for n = 4 (plus 2(n²+2n) coefficients)
+    # docs/method.md §2 / paper Table 2: ≈ 34d for n = 4 (plus 2(n²+2n) coefficients)
     assert acc(4, d=1024)[2] == pytest.approx(34 + 48 / 1024)
     # linear in depth: every sublayer costs the same
     f8, f16, f24 = (acc(4, n_sub=s)[0] for s in (8, 16, 24))

@@ -1,4 +1,4 @@
-"""MSAR and Block MSAR (SPEC §4): views, their ablations, block equivalence, state, causality."""
+"""MSAR and Block MSAR (docs/method.md §4): views, their ablations, block equivalence, state, causality."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ M = 1 + len(KERNELS)
 
 
 def box_views(x, kernels=KERNELS):
-    """E_j(x) at the default init (causal box 1/k_j), written from SPEC §4: list of m tensors."""
+    """E_j(x) at the default init (causal box 1/k_j), written from docs/method.md §4: list of m tensors."""
     return [x] + [causal_conv(x, torch.full((k, x.shape[-1]), 1.0 / k), DOC_IDS) for k in kernels]
 
 
