@@ -18,33 +18,17 @@ import argparse
 import torch
 
 from benchmarks.roofline import Table
-from benchmarks.throughput import build, packed_batch
+from benchmarks.throughput import build, training_step
 
 
 def profile(model_name: str, residual: str, batch: int, vocab: int, compile_on: bool, top: int) -> tuple[dict, list]:
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile as torch_profile
-
-    from platform.moe import update_biases
 
     torch.manual_seed(0)
     model, cfg = build(model_name, residual, vocab, [], "cuda")
     if compile_on:
         model.compile_sublayers()
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    moes = [m for _, m in model.moe_layers()]
-    tokens, docs = packed_batch(batch, cfg.model.seq_len, vocab, "cuda")
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(tokens[:, :-1], docs[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        update_biases(moes)
+    step = training_step(model, batch, cfg.model.seq_len, vocab, "cuda")
 
     for _ in range(3):
         step()

@@ -51,22 +51,17 @@ def packed_batch(batch: int, seq: int, vocab: int, device: str, seed: int = 0):
     return tokens, torch.cumsum(starts.long(), 1)
 
 
-def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
-                  compile_mode: str, ddp: bool = False) -> tuple[float, float]:
-    """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
+def training_step(model, batch: int, seq: int, vocab: int, device: str, forward=None, seed: int = 0):
+    """One training step as `platform.run` trains (bf16 autocast on CUDA, clipping, AdamW fused on
+    CUDA, the routing-bias update), on one fixed packed batch: returns ``step()``."""
     from platform.moe import update_biases
 
-    if compile_mode == "on":  # what trainer.compile=true does
-        model.compile_sublayers()
-    forward = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
-    if compile_mode == "model":  # the whole backbone, residual included, as one graph
-        forward = torch.compile(forward)
+    forward = model if forward is None else forward
     model.train()
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     moes = [m for _, m in model.moe_layers()]
-    rank = torch.distributed.get_rank() if ddp else 0
-    tokens, docs = packed_batch(batch, seq, vocab, device, seed=rank)
+    tokens, docs = packed_batch(batch, seq, vocab, device, seed=seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
 
     def step():
@@ -78,6 +73,21 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
         opt.step()
         opt.zero_grad(set_to_none=True)
         update_biases(moes)
+
+    return step
+
+
+def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
+                  compile_mode: str, ddp: bool = False) -> tuple[float, float]:
+    """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
+    if compile_mode == "on":  # what trainer.compile=true does
+        model.compile_sublayers()
+    forward = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
+    if compile_mode == "model":  # the whole backbone, residual included, as one graph
+        forward = torch.compile(forward)
+    cuda = device.startswith("cuda")
+    rank = torch.distributed.get_rank() if ddp else 0
+    step = training_step(model, batch, seq, vocab, device, forward=forward, seed=rank)
 
     for _ in range(warmup):
         step()
@@ -192,7 +202,7 @@ def main(argv=None) -> str:
                     overrides = [f"model.attention={a.attention}", *a.set] + ([f"model.recompute={rec}"] if rec else [])
                     torch.manual_seed(0)
                     model, cfg = build(model_name, name, a.vocab, overrides, device)
-                    seq, n_params = cfg.model.seq_len, sum(p.numel() for p in model.parameters())
+                    seq = cfg.model.seq_len
                     flops_per_token = 3 * accounting.forward_flops_per_token(model, cfg.model, a.vocab)
                     try:
                         sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp)
