@@ -524,6 +524,7 @@ def _src_kernel(
     tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, BT, BD)
     # query-gradient partials, fp32
     S, B, T, D, M, K_MAX, plane, SUB,
+    scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
 ):
@@ -548,8 +549,10 @@ def _src_kernel(
     dtaps = tl.zeros((K_PAD, M_PAD, BD), dtype=tl.float32)
     ld = tl.arange(0, BD)
     pid = (chunk * B + b) * tl.num_programs(2) + dt
-    scr = scratch_ptr + pid.to(tl.int64) * (M_PAD * 2 * BT * BD)  # this program's (M_PAD, 2·BT, BD) tile
-    tacc = tap_scratch_ptr + pid.to(tl.int64) * (NPAIR * BT * BD)  # (NPAIR, BT, BD) tap-gradient partials
+    # this program's own rows of the scratch buffers (programs run concurrently on a GPU: the regions
+    # must not overlap, so the strides are the buffers' own, not recomputed here)
+    scr = scratch_ptr + pid.to(tl.int64) * scr_stride  # (M_PAD, 2·BT, BD) ring
+    tacc = tap_scratch_ptr + pid.to(tl.int64) * tap_stride  # (NPAIR, BT, BD) tap-gradient partials
     tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
     for p in tl.static_range(NPAIR):
         tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
@@ -786,6 +789,15 @@ def mixer_backward(dh, x, packed, ks, m, qg, near, mixer, *, key_norm, eps, sigm
     return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
 
 
+def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -> tuple[Tensor, Tensor]:
+    """The source-gradient kernel's scratch, one row per program: the dE ring (n_prog, M_PAD, 2·BT, BD)
+    and the partials (n_prog, NPAIR + M_PAD, BT, BD) (tap-gradient products of every (view, tap) pair,
+    then κE of every view), fp32. The kernel steps from one program's row to the next by the
+    buffers' stride(0)."""
+    f32 = dict(device=device, dtype=torch.float32)
+    return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, npair + m_pad, bt, bd, **f32)
+
+
 def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     """Gradients through the streams, given dR (m, B, T, d) fp32 and dR·R (m, B, T): dx (S, B, T, d)
     in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over all sources."""
@@ -809,11 +821,11 @@ def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm,
     grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
     n_prog = grid[0] * grid[1] * grid[2]
     koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
-    scratch = torch.empty(n_prog, m_pad, 2 * blk.src_bt, blk.src_bd, **f32)
-    tap_scratch = torch.empty(n_prog, (sum(ks) + m_pad) * blk.src_bt * blk.src_bd, **f32)
+    scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
-        sub, M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
+        sub, scratch.stride(0), tap_scratch.stride(0),
+        M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
         num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)

@@ -163,6 +163,44 @@ def test_fused_streams_match_reference(case, monkeypatch):
 
 
 @needs_triton
+def test_source_gradient_programs_keep_to_their_own_scratch(monkeypatch):
+    """Each program of the source-gradient kernel accumulates its tap-gradient products and its κE in
+    its own row of the scratch (``fused.src_scratch``), summed over its tokens at the end. On a GPU the
+    programs run at once, so rows that overlap race (the query and first tap gradients came out wrong
+    on an H200 host when one program's κE partials were the next program's first tap partials); the
+    interpreter runs them one after another, so the sign of an overlap is what the scratch holds
+    afterwards: summed over programs and tokens, its rows must give the query and tap gradients."""
+    from kernels.msar_attn import fused
+
+    monkeypatch.setattr(fused, "_blocks", _blocks(4, 8))  # 2 chunks of 2 token blocks, 2 channel tiles
+    seen = []
+
+    def spy(*args):
+        seen.append(fused_src_scratch(*args))
+        return seen[-1]
+
+    fused_src_scratch = fused.src_scratch
+    monkeypatch.setattr(fused, "src_scratch", spy)
+    S, B, T, d, kernels = 2, 2, 13, 12, (2, 3)
+    x, taps, queries, _, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, False)
+    named = _leaves(x, taps, queries, None, phi, alpha, bias)
+    h = msar(x, taps, queries, None, doc_ids, phi, alpha, bias, backend="triton")
+    up = torch.randn(h.shape, generator=torch.Generator().manual_seed(4))
+    grads = dict(zip([n for n, _ in named], torch.autograd.grad((h * up).sum(), [t for _, t in named])))
+    (_, partials), = seen  # (n_prog, NPAIR + M_PAD, BT, BD)
+    ks, m = (1, *kernels), 1 + len(kernels)
+    npair, m_pad, bt, bd = sum(ks), partials.shape[1] - sum(ks), partials.shape[2], partials.shape[3]
+    n_dt = -(-d // bd)
+    # program id = (chunk · B + b) · n_dt + channel tile
+    per_tile = partials.reshape(-1, B, n_dt, npair + m_pad, bt, bd).sum((0, 1, 4))  # (n_dt, NPAIR + M_PAD, BD)
+    per_tile = per_tile.permute(1, 0, 2).reshape(npair + m_pad, n_dt * bd)[:, :d]  # (NPAIR + M_PAD, d)
+    torch.testing.assert_close(per_tile[npair:npair + m], grads["queries"], rtol=1e-5, atol=1e-6)  # no key gains
+    for j in range(1, m):
+        first = sum(ks[:j])
+        torch.testing.assert_close(per_tile[first:first + ks[j]], grads[f"taps[{j - 1}]"], rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
 def test_fused_zero_queries_at_init():
     """The pseudo-queries start at zero and φ at zero (SPEC §4): uniform weights, g = σ(b), and
     still a query and a φ gradient."""
