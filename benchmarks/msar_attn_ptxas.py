@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d3000": (1024, 3000)}
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-F32, I64 = "*fp32", "*i64"
+F32, I32 = "*fp32", "*i32"
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
@@ -52,9 +52,11 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     m = 1 + len(kernel_sizes)
     k_max, m_pad = max(1, *kernel_sizes), triton.next_power_of_2(m)
     blk = fused._blocks(T, d, m_pad, k_max)
-    common = dict(M_PAD=m_pad, K_LOOP=k_max)
+    common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
-    views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, doc_ptr=I64, eps="fp32")
+    views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
+    yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
+           dict(BT=fused.doc_window_block(T)), 4)
     yield ("forward (h)", fused._fwd_kernel,
            dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SINGLE=blk.single, BT=blk.bt,
@@ -66,10 +68,12 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            blk.bwd_warps)
     yield ("stats", fused._stats_kernel,
            dict(**views, dr_ptr=F32, delta_ptr=F32, lse_ptr=F32, coef_ptr=F32),
-           dict(KEY_NORM=True, BT=blk.bwd_bt, BD=blk.bwd_bd, **common), blk.bwd_warps)
+           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common), blk.bwd_warps)
     yield ("source gradients", fused._src_kernel,
-           dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32),
-           dict(K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd, **common), blk.src_warps)
+           dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
+                tap_scratch_ptr=F32),
+           dict(K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
+                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common), blk.src_warps)
 
 
 def main(argv=None) -> int:

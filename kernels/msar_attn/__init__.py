@@ -93,7 +93,7 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
          phi: Tensor, alpha: Tensor, bias: Tensor, *, key_norm: bool = True, fusion: str = "sigmoid",
          eps: float = 1e-6, return_weights: bool = False,
          backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
-    """The whole MSAR read of one consumer: h = Σ_j g_j r^{(j)} (SPEC §4).
+    """The whole MSAR read of one consumer: h = Σ_j g_j r^{(j)} (docs/method.md §4).
 
     Args:
         x: sources ``(S, B, T, d)``; taps: ``m-1`` tensors ``(k_j, d)``; queries ``(m, d)``;

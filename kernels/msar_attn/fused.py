@@ -1,14 +1,16 @@
 """MSAR fused in Triton: conv views, key RMSNorm, online softmax over sources and the H^pre mixer.
 
-Same semantics as ``reference.py`` (SPEC §4). PyTorch only packs the taps, folds the key gains
+Same semantics as ``reference.py`` (docs/method.md §4). PyTorch only packs the taps, folds the key gains
 into the queries, and sums per-program partial gradients (deterministic: no atomics).
 
 Data flow of the forward, ``_fwd_kernel``: one program per (block of BT tokens, row b), all m views
-at once. Per source s and channel tile, the program loads the K_MAX shifted, document-masked tiles
-x_s[t-τ] (BT tokens plus a halo of K_MAX-1 earlier ones; the halo comes from L1/L2, so HBM sees
-each source tile once) and accumulates all m views in one (m, BT, BD) register tile; the view
-taps are packed (m, K_MAX, d) with zero rows past k_j (view 0 is the Dirac). Then, per view: key
-RMSNorm (gain folded into the query), logit, online softmax over sources (fp32), weighted sum.
+at once. Per source s and channel tile, each view j is built as its own (BT, BD) tile over its own
+k_j taps (the kernel sizes are the constexpr tuple ``KS``: unrolled tap loops, Σ_j k_j
+multiply-adds an element) from the shifted tiles x_s[t-τ] (BT tokens plus a halo; the halo comes
+from L1/L2, so HBM sees each source tile once), then placed in one (m, BT, BD) tile; the taps are
+packed (m, K_MAX, d) (view 0 is the Dirac). Document masks are bits of one int32 per token
+(``doc_window``), so no load waits on another. Then, per view: key RMSNorm (gain folded into the
+query), logit, online softmax over sources (fp32), weighted sum.
 
 - d fits one channel tile (``SINGLE``): one pass over the sources; the streams R (m, BT, d) stay
   in registers and the mixer runs in the epilogue: ‖R‖², R·φ, z = α·ρ_R·(R·φ) + b, g = σ(z) (or
@@ -30,9 +32,10 @@ Backward (``MsarFunction.backward``), three kernels, each over all sources (neve
 - ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
   w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
   key RMS reciprocal); reductions over all channels.
-- ``_src_kernel``: dE rebuilt in registers on a token block and the next BT tokens, the conv
-  adjoint dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] · [same doc] by token shifts of that tile
-  (``tl.gather``), and the query and tap gradients, partial per program.
+- ``_src_kernel``: dE built on a token block and the next BT tokens, kept in a per-program scratch
+  ring of two half-tiles (the next tokens' dE is the next block's own: views built once per
+  token); the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
+  [same doc] from shifted loads of it, and the query and tap gradients, partial per program.
 Partial sums are reduced with ``torch.sum``: deterministic, no atomics.
 
 All math is fp32 whatever x's dtype (bf16 on the GPU).
@@ -56,41 +59,47 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-           M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+           M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """All m views of one source tile: E (M_PAD, BT, BD) fp32,
-    E[j, t] = Σ_{τ<K_MAX} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)] (taps zero past k_j).
-    A runtime loop over τ: unrolled, the compiler hoists every tap tile out of the loop over
-    sources and runs out of registers (K_MAX·m·BD values)."""
+    E[j, t] = Σ_{τ<k_j} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)], rows past m zero.
+    Per view j a (BT, BD) tile over its own k_j = KS[j] taps (constexpr: Σ_j k_j multiply-adds
+    an element, not m·K_MAX), unrolled so that every shifted load of the view is in flight at once;
+    the shifted tiles re-read the same rows (L1 hits). Then placed in row j of the view tile."""
     jv = tl.arange(0, M_PAD)
     e = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
-    tau = row0 * 0
-    while tau < K_MAX:
-        src_t = offs_t - tau
-        ok = mask_t & (src_t >= 0)
-        doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-1)
-        ok = ok & (doc_src == doc_t)  # never read another document
-        xv = tl.load(x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :],
-                     mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
-        c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :],
-                    mask=mask_d[None, :], other=0.0)  # (M_PAD, BD)
-        e += c[:, None, :] * xv[None, :, :]
-        tau += 1
+    # zero, but not provably: the tap loads stay in the caller's loop over sources instead of being
+    # hoisted out of it (Σ_j k_j tap vectors held across that loop spill registers)
+    taps_ptr = taps_ptr + (row0 >> 62)
+    for j in tl.static_range(len(KS)):
+        ej = tl.zeros((BT, BD), dtype=tl.float32)
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
+            xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                         mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
+            c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+            ej += c[None, :] * xv
+        e = tl.where(jv[:, None, None] == j, ej[None, :, :], e)
     return e
 
 
 @triton.jit
-def _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, mask_d,
               b, S, B, T, D, K_MAX,
-              M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+              M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Streams of one channel tile from stored logits: R[j, t] = Σ_s exp(logit - lse) E_j(x_s)[t]."""
     jv = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
     s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
-        e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, K_LOOP, BT, BD)
+        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                   M_PAD, KS, BT, BD)
         lg = tl.load(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
                      mask=mask_t[None, :], other=0.0)
         acc += tl.exp(lg - lse)[:, :, None] * e
@@ -127,9 +136,9 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
 
 
 @triton.jit
-def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, mask_j,
+def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
               b, S, B, T, D, K_MAX, eps,
-              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr,
+              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
               BT: tl.constexpr, BD: tl.constexpr):
     """d in one tile: logits, online softmax over sources (fp32) and weighted sums together.
     Returns the streams r (M_PAD, BT, BD) and the lse (M_PAD, BT)."""
@@ -141,11 +150,13 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, m
     s = b * 0
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
-        e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, K_LOOP, BT, BD)
-        logit = tl.sum(e * qg[:, None, :], axis=2)  # (M_PAD, BT): (q ⊙ g)·E
-        if KEY_NORM:
-            logit = logit * tl.rsqrt(tl.sum(e * e, axis=2) / D + eps)
+        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                   M_PAD, KS, BT, BD)
+        if KEY_NORM:  # (q ⊙ g)·E and ‖E‖² in one reduction over the channels (one round of barriers)
+            logit, ss = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (M_PAD, BT) each
+            logit = logit * tl.rsqrt(ss / D + eps)
+        else:
+            logit = tl.sum(e * qg[:, None, :], axis=2)
         if STORE_LOGITS:
             tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
                      logit, mask=mask_j[:, None] & mask_t[None, :])
@@ -160,9 +171,9 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, m
 
 
 @triton.jit
-def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
+def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
                 b, S, B, T, D, K_MAX, eps, n_dt,
-                KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr,
+                KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
                 BD: tl.constexpr):
     """d over several tiles, pass 1: the logits (reductions over all channel tiles) of every source,
     written to logits (M_PAD, S, B, T) for the next passes; returns their lse (M_PAD, BT)."""
@@ -180,10 +191,11 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t,
             mask_d = offs_d < D
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
-            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, K_LOOP, BT, BD)
-            dot += tl.sum(e * qg[:, None, :], axis=2)
-            ss += tl.sum(e * e, axis=2)
+            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, KS, BT, BD)
+            dot_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)
+            dot += dot_part
+            ss += ss_part
             dt += 1
         logit = dot
         if KEY_NORM:
@@ -206,13 +218,13 @@ def _fwd_kernel(
     phi_ptr,  # mixer projection φ (m·d, m) fp32
     alpha_ptr,  # mixer scale α (1,) fp32
     bias_ptr,  # mixer bias b (m,) fp32
-    doc_ptr,  # document ids (B, T) int64
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
     logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
     S, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
-    SINGLE: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     tb = tl.program_id(0)
     b = tl.program_id(1)
@@ -220,8 +232,7 @@ def _fwd_kernel(
     mask_t = offs_t < T
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]  # (M_PAD, BT) index into (m, B, T)
     stat_mask = mask_j[:, None] & mask_t[None, :]
     rows = (b * T + offs_t).to(tl.int64)  # (BT,) index into (B, T)
@@ -231,8 +242,8 @@ def _fwd_kernel(
     if SINGLE:  # one pass; R stays in registers
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
-        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, K_LOOP, BT, BD)
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
@@ -244,16 +255,16 @@ def _fwd_kernel(
             tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
     else:
-        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
-                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             dt = b * 0
             while dt < n_dt:
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
-                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
                 tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
                          mask=stat_mask[:, :, None] & mask_d[None, None, :])
                 dt += 1
@@ -265,8 +276,8 @@ def _fwd_kernel(
             while dt < n_dt:
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
-                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
                 rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
                 rr += rr_part
                 z += z_part
@@ -277,8 +288,8 @@ def _fwd_kernel(
             while dt < n_dt:
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
-                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+                r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
                 h = tl.sum(g[:, :, None] * r, axis=0)
                 tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
                          mask=mask_t[:, None] & mask_d[None, :])
@@ -317,7 +328,7 @@ def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, 
 
 @triton.jit
 def _mix_bwd_kernel(
-    x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, doc_ptr,  # as in _fwd_kernel
+    x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, near_ptr,  # as in _fwd_kernel
     dh_ptr,  # upstream gradient (B, T, d), contiguous
     r_ptr,  # result: the streams R (m, B, T, d) in x's dtype (for dφ only)
     dr_ptr,  # result: dL/dR (m, B, T, d) fp32
@@ -329,7 +340,7 @@ def _mix_bwd_kernel(
     dzy_ptr,  # result: Σ_i dz_i y_i (B, T) fp32 (dα = Σ_t)
     S, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr,
-    K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Backward of the mixer, with the streams recomputed as in the forward (never stored by it)."""
     tb = tl.program_id(0)
@@ -338,8 +349,7 @@ def _mix_bwd_kernel(
     mask_t = offs_t < T
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
     stat_mask = mask_j[:, None] & mask_t[None, :]
     rows = (b * T + offs_t).to(tl.int64)
@@ -349,8 +359,8 @@ def _mix_bwd_kernel(
     if SINGLE:
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
-        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, K_LOOP, BT, BD)
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, KS, BT, BD)
         dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                      other=0.0).to(tl.float32)
         rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
@@ -363,8 +373,8 @@ def _mix_bwd_kernel(
         tl.store(dr_ptr + tile, dr, mask=m3)
         delta = tl.sum(dr * r, axis=2)
     else:
-        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, doc_row_ptr, doc_t, offs_t, mask_t, mask_j,
-                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, K_LOOP, BT, BD)
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
         # pass 2: ‖R‖², R·φ and dh·r_j over all channel tiles
         rr = tl.zeros((BT,), dtype=tl.float32)
         z = tl.zeros((M_PAD, BT), dtype=tl.float32)
@@ -373,8 +383,8 @@ def _mix_bwd_kernel(
         while dt < n_dt:
             offs_d = dt * BD + tl.arange(0, BD)
             mask_d = offs_d < D
-            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
-                          mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
             rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
             rr += rr_part
             z += z_part
@@ -389,8 +399,8 @@ def _mix_bwd_kernel(
         while dt < n_dt:
             offs_d = dt * BD + tl.arange(0, BD)
             mask_d = offs_d < D
-            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, doc_row_ptr, doc_t, offs_t, mask_t, offs_d,
-                          mask_d, b, S, B, T, D, K_MAX, M_PAD, K_LOOP, BT, BD)
+            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
+                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
             dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                          other=0.0).to(tl.float32)
             dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
@@ -413,13 +423,13 @@ def _stats_kernel(
     x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
-    doc_ptr,  # document ids (B, T) int64
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     dr_ptr,  # dL/dR (m, B, T, d) fp32
     delta_ptr,  # dR_j · R_j (m, B, T) fp32
     lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
     coef_ptr,  # result: w, κ, μ (3, M_PAD, S, B, T) fp32
     S, B, T, D, M, K_MAX, eps, n_dt, plane,
-    KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, K_LOOP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Per (view, source, token), the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
     w = exp(logit - lse), dlogit = w (dR_j·E - dR_j·R_j), κ = dlogit ρ, μ = dlogit logit ρ² / d
@@ -430,8 +440,7 @@ def _stats_kernel(
     mask_t = offs_t < T
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
-    doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
+    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
     stat_mask = mask_j[:, None] & mask_t[None, :]
     lse = tl.load(lse_ptr + stat, mask=stat_mask, other=0.0)
@@ -448,12 +457,13 @@ def _stats_kernel(
             mask_d = offs_d < D
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
-            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, K_LOOP, BT, BD)
+            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+                       M_PAD, KS, BT, BD)
             dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                          mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
-            dot_q += tl.sum(e * qg[:, None, :], axis=2)
-            ss += tl.sum(e * e, axis=2)
+            dq_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (three at once spill)
+            dot_q += dq_part
+            ss += ss_part
             dot_r += tl.sum(e * dr, axis=2)
             dt += 1
         if KEY_NORM:
@@ -478,26 +488,53 @@ def _stats_kernel(
 
 
 @triton.jit
+def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j, offs_d, mask_d,
+             s, b, S, B, T, D, K_MAX, plane,
+             M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """On the BT tokens offs_h of source s: dE = w dR + κ qg - μ E and κ E, (M_PAD, BT, BD) each."""
+    jv = tl.arange(0, M_PAD)
+    mask_h = offs_h < T
+    near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
+    row0 = (s * B + b).to(tl.int64) * T
+    e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD)
+    m_h = mask_j[:, None] & mask_h[None, :]
+    cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_h[None, :]
+    w = tl.load(coef_ptr + cidx, mask=m_h, other=0.0)
+    kappa = tl.load(coef_ptr + plane + cidx, mask=m_h, other=0.0)
+    mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_h, other=0.0)
+    dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_h[None, :]  # (M_PAD, BT)
+    dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
+                 mask=m_h[:, :, None] & mask_d[None, None, :], other=0.0)
+    ke = kappa[:, :, None] * e
+    return w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e, ke
+
+
+@triton.jit
 def _src_kernel(
     x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
-    doc_ptr,  # document ids (B, T) int64
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     dr_ptr,  # dL/dR (m, B, T, d) fp32
     coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
     dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
+    scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 ring per program (dE of one source, two halves)
+    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, BT, BD)
+    # query-gradient partials, fp32
     S, B, T, D, M, K_MAX, plane, SUB,
-    M_PAD: tl.constexpr, K_LOOP: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
+    M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
-    channel tile), all sources. For a block of BT tokens it rebuilds dE_j(x_s) on the block and the
-    next BT tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
-        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), never written to memory,
-    then dx_s[t] = Σ_j Σ_τ c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] by token shifts of that
-    register tile (``tl.gather``), dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc]
-    over the block's own tokens."""
+    channel tile), all sources. A block of BT tokens needs dE_j(x_s) on the block and the next BT
+    tokens (BT >= K_MAX - 1: the conv adjoint reads up to K_MAX - 1 tokens ahead),
+        dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch ring,
+    then dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] from shifted loads of
+    the scratch tile, dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc] over the
+    block's own tokens; the tap loops per view, unrolled."""
     chunk = tl.program_id(0)
     b = tl.program_id(1)
     dt = tl.program_id(2)
@@ -506,64 +543,81 @@ def _src_kernel(
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
     kv = tl.arange(0, K_PAD)
-    loc_e = tl.arange(0, 2 * BT)
     loc = tl.arange(0, BT)
-    doc_row_ptr = doc_ptr + b.to(tl.int64) * T
+    near_row_ptr = near_ptr + b.to(tl.int64) * T
     qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
-    dqg = tl.zeros((M_PAD, BD), dtype=tl.float32)
     dtaps = tl.zeros((K_PAD, M_PAD, BD), dtype=tl.float32)
-    zero_idx = tl.zeros((M_PAD, BT, BD), dtype=tl.int32)
-    i = b * 0
-    while i < SUB:
-        t0 = (chunk * SUB + i) * BT
-        offs_e = t0 + loc_e  # the block and the next BT tokens
-        mask_e = offs_e < T
-        offs_t = t0 + loc  # the block
-        mask_t = offs_t < T
-        doc_e = tl.load(doc_row_ptr + offs_e, mask=mask_e, other=-1)
-        doc_t = tl.load(doc_row_ptr + offs_t, mask=mask_t, other=-1)
-        m_e = mask_j[:, None] & mask_e[None, :]
-        own = (loc_e < BT)[None, :, None]
-        dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_e[None, :]  # (M_PAD, 2·BT)
-        s = b * 0
-        while s < S:
-            row0 = (s * B + b).to(tl.int64) * T
-            e = _views(x_ptr, taps_ptr, doc_row_ptr, doc_e, offs_e, mask_e, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, K_LOOP, 2 * BT, BD)
-            cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_e[None, :]
-            w = tl.load(coef_ptr + cidx, mask=m_e, other=0.0)
-            kappa = tl.load(coef_ptr + plane + cidx, mask=m_e, other=0.0)
-            mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_e, other=0.0)
-            dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
-                         mask=m_e[:, :, None] & mask_d[None, None, :], other=0.0)
-            de = w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e
-            dqg += tl.sum(tl.where(own, kappa[:, :, None] * e, 0.0), axis=1)
-            de_own = tl.gather(de, zero_idx + loc[None, :, None], axis=1)  # (M_PAD, BT, BD): dE on the block
+    ld = tl.arange(0, BD)
+    pid = (chunk * B + b) * tl.num_programs(2) + dt
+    # this program's own rows of the scratch buffers (programs run concurrently on a GPU: the regions
+    # must not overlap, so the strides are the buffers' own, not recomputed here)
+    scr = scratch_ptr + pid.to(tl.int64) * scr_stride  # (M_PAD, 2·BT, BD) ring
+    tacc = tap_scratch_ptr + pid.to(tl.int64) * tap_stride  # (NPAIR, BT, BD) tap-gradient partials
+    tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
+    for p in tl.static_range(NPAIR):
+        tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
+    qacc = tacc + NPAIR * BT * BD  # (M_PAD, BT, BD) query-gradient partials
+    tile_h = (jv[:, None, None] * BT + loc[None, :, None]) * BD + ld[None, None, :]
+    tl.store(qacc + tile_h, tl.zeros((M_PAD, BT, BD), dtype=tl.float32))
+    # sources outer, blocks inner: the scratch is a ring of two halves of BT tokens; block i's own
+    # tokens are half i % 2, its next BT tokens half (i + 1) % 2, so dE of the next tokens, computed
+    # for block i's conv adjoint, is block i + 1's own dE: the views are built once per token (the
+    # first block of a chunk also builds its own half)
+    s = b * 0
+    while s < S:
+        row0 = (s * B + b).to(tl.int64) * T
+        tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
+        i = b * 0
+        while i < SUB:
+            t0 = (chunk * SUB + i) * BT
+            offs_t = t0 + loc  # the block
+            mask_t = offs_t < T
+            near_t = tl.load(near_row_ptr + offs_t, mask=mask_t, other=0)
+            own0 = (i % 2) * BT  # first row of the block's own half in the ring
+            nxt0 = BT - own0
+            tl.debug_barrier()  # every thread is done reading the half overwritten below
+            if i == 0:
+                de_o, ke_o = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t, mask_j, offs_d,
+                                      mask_d, s, b, S, B, T, D, K_MAX, plane, M_PAD, KS, BT, BD)
+                tl.store(scr + (jv[:, None, None] * (2 * BT) + own0 + loc[None, :, None]) * BD + ld[None, None, :],
+                         de_o)
+                tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_o)  # κ E, summed over tokens at the end
+            de_n, ke_n = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t + BT, mask_j, offs_d,
+                                  mask_d, s, b, S, B, T, D, K_MAX, plane, M_PAD, KS, BT, BD)
+            tl.store(scr + (jv[:, None, None] * (2 * BT) + nxt0 + loc[None, :, None]) * BD + ld[None, None, :], de_n)
+            if i + 1 < SUB:  # the next block is this program's: count its κ E here, once
+                tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_n)
+            tl.debug_barrier()  # dE visible to every thread of the program
             acc = tl.zeros((BT, BD), dtype=tl.float32)
-            tau = b * 0  # a runtime loop: unrolled, the tap tiles are hoisted and exhaust the registers
-            while tau < K_MAX:
-                shifted = tl.gather(de, zero_idx + (loc + tau)[None, :, None], axis=1)  # dE[t+τ]
-                dst_t = offs_t + tau
-                ok = mask_t & (dst_t < T)
-                doc_dst = tl.load(doc_row_ptr + dst_t, mask=ok, other=-1)
-                ok = ok & (doc_dst == doc_t)
-                c = tl.load(taps_ptr + (jv[:, None] * K_MAX + tau) * D + offs_d[None, :], mask=mask_d[None, :],
-                            other=0.0)
-                acc += tl.where(ok[:, None], tl.sum(c[:, None, :] * shifted, axis=0), 0.0)
-                # tap gradient of τ: dE on the block times the source τ tokens back
-                src_t = offs_t - tau
-                ok = mask_t & (src_t >= 0)
-                doc_src = tl.load(doc_row_ptr + src_t, mask=ok, other=-1)
-                ok = ok & (doc_src == doc_t)
-                xv = tl.load(x_ptr + (row0 + src_t)[:, None] * D + offs_d[None, :],
-                             mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                contrib = tl.sum(de_own * xv[None, :, :], axis=1)  # (M_PAD, BD)
-                dtaps += tl.where((kv == tau)[:, None, None], contrib[None, :, :], 0.0)
-                tau += 1
+            for j in tl.static_range(len(KS)):
+                # (BT, BD): dE_j on the block
+                de_j = tl.load(scr + (j * 2 * BT + own0 + loc[:, None]) * BD + ld[None, :])
+                for tau in tl.static_range(tl.constexpr(KS[j])):
+                    c = tl.load(tap_row + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+                    # conv adjoint: c_τ ⊙ dE_j[t+τ] where t + τ is in the row and in t's document
+                    ring = (own0 + loc + tau) % (2 * BT)
+                    sh = tl.load(scr + (j * 2 * BT + ring[:, None]) * BD + ld[None, :])
+                    ok = ((near_t >> (16 + tau)) & 1) != 0
+                    acc += tl.where(ok[:, None], c[None, :] * sh, 0.0)
+                    # tap gradient of (j, τ): dE_j on the block times the source τ tokens back
+                    ok = ((near_t >> tau) & 1) != 0
+                    xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                                 mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                    # summed over tokens once per program, at the end: here only a per-thread
+                    # update of this (view, tap)'s (BT, BD) partial in the scratch
+                    pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
+                    tl.store(pair, tl.load(pair) + de_j * xv)
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
-            s += 1
-        i += 1
+            i += 1
+        s += 1
+    tl.debug_barrier()  # the partials of every thread written
+    dqg = tl.sum(tl.load(qacc + tile_h), axis=1)  # (M_PAD, BD)
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
+            sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
+            dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
     part = (chunk * B + b).to(tl.int64)
     tl.store(dqg_ptr + (part * M_PAD + jv[:, None]) * D + offs_d[None, :], dqg,
              mask=mask_j[:, None] & mask_d[None, :])
@@ -571,7 +625,47 @@ def _src_kernel(
              dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
 
 
-# --- launchers -----------------------------------------------------------------------------------
+@triton.jit
+def _doc_window_kernel(doc_ptr, near_ptr, T, BT: tl.constexpr):
+    """Window bits of one block of tokens: bit τ of near[t] is [t-τ >= 0 and doc(t-τ) = doc(t)],
+    bit 16 + τ is [t+τ < T and doc(t+τ) = doc(t)], for τ < 16."""
+    tb = tl.program_id(0)
+    b = tl.program_id(1)
+    offs = tb * BT + tl.arange(0, BT)
+    mask = offs < T
+    row = doc_ptr + b.to(tl.int64) * T
+    doc = tl.load(row + offs, mask=mask, other=0)
+    one = tl.full((BT,), 1, dtype=tl.int32)
+    bits = tl.zeros((BT,), dtype=tl.int32)
+    for tau in tl.static_range(16):
+        ok = mask & (offs - tau >= 0)
+        ok = ok & (tl.load(row + offs - tau, mask=ok, other=0) == doc)
+        bits = bits | tl.where(ok, one << tau, 0)
+        ok = mask & (offs + tau < T)
+        ok = ok & (tl.load(row + offs + tau, mask=ok, other=0) == doc)
+        bits = bits | tl.where(ok, one << (16 + tau), 0)
+    tl.store(near_ptr + b.to(tl.int64) * T + offs, bits, mask=mask)
+
+
+def doc_window_block(T: int) -> int:
+    """Tokens a program of ``_doc_window_kernel`` (over 4 warps; 1024 spills registers)."""
+    return min(triton.next_power_of_2(max(T, 1)), 256)
+
+
+def doc_window(doc_ids: Tensor) -> Tensor:
+    """The document mask of every tap as bits, (B, T) int32: bit τ of near[b, t] says t-τ is in the
+    row and in t's document, bit 16 + τ the same of t+τ (τ < 16, the longest kernel the op takes).
+    One small kernel per call; the tap loops then test a bit instead of loading two document ids
+    (no load whose address waits for another load)."""
+    B, T = doc_ids.shape
+    doc_ids = doc_ids.to(torch.int64).contiguous()
+    near = torch.empty(B, T, device=doc_ids.device, dtype=torch.int32)
+    bt = doc_window_block(T)
+    _doc_window_kernel[(triton.cdiv(T, bt), B)](doc_ids, near, T, BT=bt, num_warps=4)
+    return near
+
+
+# --- launchers# --- launchers -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Blocks:
     bd: int  # channels per tile of the forward, mixer-backward and stats kernels
@@ -586,17 +680,27 @@ class Blocks:
     src_bd: int  # channels per program of the source-gradient kernel
     src_warps: int
     sub: int  # token blocks per source-gradient program (fewer partial sums of the query and tap gradients)
+    stats_bd: int = 0  # channels per tile of the stats kernel (0: bwd_bd)
+    stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
+
+    def stats_tiles(self) -> tuple[int, int]:
+        """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
+        recomputation), so it takes at most 512 channels and more tokens when the mixer backward
+        holds all of d."""
+        return self.stats_bd or self.bwd_bd, self.stats_bt or self.bwd_bt
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of
-    8192 elements over 16 warps; channels in one tile up to 8192 / m_pad (d <= 2048 at m = 4 runs
-    the one-pass forward), else tiles of 512 channels. The backward kernels hold more tiles of the
-    same shape: half the tokens, and one channel tile only up to 4096 / m_pad channels (at d = 2048
-    the one-tile mixer backward spills registers even at one token). The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 8
-    channels a program over 4 warps. Chosen so that ptxas (sm_90a) reports no register spills at
-    d = 512, 1024, 2048 and 3000 with m = 4 and K_MAX = 12. Under the interpreter each program
-    costs milliseconds: big blocks."""
+    8192 elements over 16 warps up to 512 channels, 4096 above (the unrolled per-view tap loops
+    keep many loads in flight: (4, 2, 1024) and (4, 1, 2048) spill); channels in one tile up to
+    4096 / m_pad above 512 (d <= 1024 at m = 4 runs the one-pass forward), else tiles of 512
+    channels and three passes. The backward kernels hold more tiles of the same shape: half the
+    tokens, and one channel tile only up to 4096 / m_pad channels. The source-gradient kernel: 16
+    tokens (>= K_MAX - 1) and 8 channels a program over 4 warps, 16 token blocks a program (its
+    scratch, 4 + 0.5·(Σ_j k_j + m_pad) KiB a program, and the partial sums scale with the number of programs).
+    ptxas (sm_90a) spill bytes at m = 4, K_MAX = 12: see docs/kernel_msar.md. Under the
+    interpreter each program costs milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
     if interpreting():
         bd = triton.next_power_of_2(d) if d <= 1024 else 512
@@ -604,24 +708,30 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
         return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(bt, halo), bd, 4, 4)
     elems = 8192
     bd_full = triton.next_power_of_2(d)
-    bd = bd_full if m_pad * bd_full <= elems else 512
+    # forward: the unrolled per-view tap loops keep Σ_j k_j shifted loads in flight; above 512
+    # channels half the tile (ptxas: (4, 2, 1024) spills 368 B, (4, 1, 2048) spills kilobytes)
+    fwd_elems = elems if bd_full <= 512 else elems // 2
+    bd = bd_full if m_pad * bd_full <= fwd_elems else 512
     t_pow = triton.next_power_of_2(T)
-    bt = max(1, min(t_pow, elems // (m_pad * bd), 16))
+    bt = max(1, min(t_pow, fwd_elems // (m_pad * bd), 16))
     bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
     bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
-    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 8)
+    stats_bd = min(bd_full, 512)
+    stats_bt = max(1, min(t_pow, elems // (2 * m_pad * stats_bd), 16))
+    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16,
+                  stats_bd, stats_bt)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
     """All views' taps as one (M_PAD, K_MAX, d) fp32 tensor (view 0 the Dirac, zero rows past k_j
-    and for padded views), K_MAX and M_PAD."""
+    and for padded views), the kernel sizes (1, k_1, …) (the kernels' constexpr KS) and M_PAD."""
     ks = [1, *(c.shape[0] for c in taps)]
     k_max, m_pad = max(ks), triton.next_power_of_2(len(ks))
     packed = torch.zeros(m_pad, k_max, d, device=device, dtype=torch.float32)
     packed[0, 0] = 1.0
     for j, c in enumerate(taps, start=1):
         packed[j, : c.shape[0]] = c.detach().float()
-    return packed, k_max, m_pad
+    return packed, tuple(ks), m_pad
 
 
 def folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
@@ -634,12 +744,12 @@ def _mixer_params(phi, alpha, bias):
             bias.detach().float().contiguous())
 
 
-def forward(x, packed, k_max, m, qg, doc_ids, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
+def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
             store_logits=False):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, and
     the logits (m, S, B, T) fp32 when ``store_logits`` (else None). ``mixer``: (φ, α, b) fp32."""
     S, B, T, d = x.shape
-    m_pad = packed.shape[0]
+    m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
            else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
@@ -650,17 +760,17 @@ def forward(x, packed, k_max, m, qg, doc_ids, *, key_norm, eps, mixer=None, sigm
         logits = torch.empty(m_pad, S, B, T, device=x.device, dtype=torch.float32)
     phi, alpha, bias = (lse, lse, lse) if write_r else mixer  # unused by the kernel with WRITE_R
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
-        x, packed, qg, phi, alpha, bias, doc_ids, out, lse, logits, S, B, T, d, m, k_max, eps,
+        x, packed, qg, phi, alpha, bias, near, out, lse, logits, S, B, T, d, m, k_max, eps,
         triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
-        SINGLE=blk.single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+        SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
     return out, lse, (logits[:m] if store_logits else None)
 
 
-def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps, sigmoid):
+def mixer_backward(dh, x, packed, ks, m, qg, near, mixer, *, key_norm, eps, sigmoid):
     """Streams recomputed and the mixer's backward: dR (m, B, T, d) fp32, dR·R (m, B, T), lse, and
     the gradients of φ, α, b (fp32)."""
     S, B, T, d = x.shape
-    m_pad = packed.shape[0]
+    m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
     # R only feeds dφ: x's dtype (half the bytes in bf16); dR feeds every other gradient: fp32
@@ -669,9 +779,9 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
     logits = lse if blk.bwd_single else torch.empty(m_pad, S, B, T, **f32)
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        x, packed, qg, *mixer, doc_ids, dh, r, dr, lse, logits, delta, dz, coef, dzy,
+        x, packed, qg, *mixer, near, dh, r, dr, lse, logits, delta, dz, coef, dzy,
         S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd),
-        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt,
+        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt,
         BD=blk.bwd_bd, num_warps=blk.bwd_warps)
     # dφ = Σ_t vec R ⊗ α ρ dz: per view (d, B·T) @ (B·T, m), a transposed view of R (no copy)
     dphi = torch.matmul(r.reshape(m, B * T, d).transpose(1, 2), coef.reshape(B * T, m).to(r.dtype))
@@ -679,18 +789,28 @@ def mixer_backward(dh, x, packed, k_max, m, qg, doc_ids, mixer, *, key_norm, eps
     return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
 
 
-def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids, *, key_norm, eps):
+def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -> tuple[Tensor, Tensor]:
+    """The source-gradient kernel's scratch, one row per program: the dE ring (n_prog, M_PAD, 2·BT, BD)
+    and the partials (n_prog, NPAIR + M_PAD, BT, BD) (tap-gradient products of every (view, tap) pair,
+    then κE of every view), fp32. The kernel steps from one program's row to the next by the
+    buffers' stride(0)."""
+    f32 = dict(device=device, dtype=torch.float32)
+    return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, npair + m_pad, bt, bd, **f32)
+
+
+def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     """Gradients through the streams, given dR (m, B, T, d) fp32 and dR·R (m, B, T): dx (S, B, T, d)
     in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over all sources."""
     S, B, T, d = x.shape
-    m, m_pad = dr.shape[0], packed.shape[0]
+    m, m_pad, k_max = dr.shape[0], packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
     coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
-    _stats_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        x, packed, qg, doc_ids, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd), plane,
-        KEY_NORM=key_norm, M_PAD=m_pad, K_LOOP=k_max, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.bwd_warps)
+    stats_bd, stats_bt = blk.stats_tiles()
+    _stats_kernel[(triton.cdiv(T, stats_bt), B)](
+        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
+        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
@@ -698,9 +818,15 @@ def streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids, *, key
     dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
     dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     dx = torch.empty_like(x)
-    _src_kernel[(n_chunks, B, triton.cdiv(d, blk.src_bd))](
-        x, packed, qg, doc_ids, dr, coef, dx, dqg_part, dtap_part, S, B, T, d, m, k_max, plane, sub,
-        M_PAD=m_pad, K_LOOP=k_max, K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd, num_warps=blk.src_warps)
+    grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
+    n_prog = grid[0] * grid[1] * grid[2]
+    koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
+    scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
+    _src_kernel[grid](
+        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
+        sub, scratch.stride(0), tap_scratch.stride(0),
+        M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
+        num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
@@ -714,19 +840,19 @@ def _query_grads(dqg, queries, key_gains):
 
 
 class MsarFunction(torch.autograd.Function):
-    """The whole MSAR read. Inputs: x, queries, key_gains (or None), doc_ids, φ, α, b, flags, *taps.
+    """The whole MSAR read. Inputs: x, queries, key_gains (or None), near, φ, α, b, flags, *taps.
     Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves only the
     inputs: the backward recomputes the streams."""
 
     @staticmethod
-    def forward(ctx, x, queries, key_gains, doc_ids, phi, alpha, bias, key_norm, eps, fusion, store_logits,
+    def forward(ctx, x, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
                 *taps):
         d, m = x.shape[-1], queries.shape[0]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
-        h, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), doc_ids,
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        h, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                  key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                  sigmoid=fusion == "sigmoid", store_logits=store_logits)
-        ctx.save_for_backward(x, queries, key_gains, doc_ids, phi, alpha, bias, *taps)
+        ctx.save_for_backward(x, queries, key_gains, near, phi, alpha, bias, *taps)
         ctx.key_norm, ctx.eps, ctx.fusion = key_norm, eps, fusion
         if logits is None:
             logits = lse.new_empty(0)
@@ -735,15 +861,15 @@ class MsarFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, _dlse, _dlogits):
-        x, queries, key_gains, doc_ids, phi, alpha, bias, *taps = ctx.saved_tensors
+        x, queries, key_gains, near, phi, alpha, bias, *taps = ctx.saved_tensors
         d, m = x.shape[-1], queries.shape[0]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
+        packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr, delta, lse, dphi, dalpha, dbias = mixer_backward(
-                dh.contiguous(), x, packed, k_max, m, qg, doc_ids, _mixer_params(phi, alpha, bias),
+                dh.contiguous(), x, packed, ks, m, qg, near, _mixer_params(phi, alpha, bias),
                 key_norm=ctx.key_norm, eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids,
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
@@ -752,15 +878,15 @@ class MsarFunction(torch.autograd.Function):
 
 class StreamsFunction(torch.autograd.Function):
     """The streams R (m, B, T, d) without the mixer (``msar_attn``). Inputs: x, queries, key_gains,
-    doc_ids, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves R in fp32 (it is the output)."""
+    near, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves R in fp32 (it is the output)."""
 
     @staticmethod
-    def forward(ctx, x, queries, key_gains, doc_ids, key_norm, eps, store_logits, *taps):
+    def forward(ctx, x, queries, key_gains, near, key_norm, eps, store_logits, *taps):
         d, m = x.shape[-1], queries.shape[0]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
-        r, lse, logits = forward(x, packed, k_max, m, folded_queries(queries, key_gains), doc_ids,
+        packed, ks, _ = pack_taps(taps, d, x.device)
+        r, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                  key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
-        ctx.save_for_backward(x, queries, key_gains, doc_ids, r, lse, *taps)
+        ctx.save_for_backward(x, queries, key_gains, near, r, lse, *taps)
         ctx.key_norm, ctx.eps = key_norm, eps
         if logits is None:
             logits = lse.new_empty(0)
@@ -769,14 +895,14 @@ class StreamsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dr, _dlse, _dlogits):
-        x, queries, key_gains, doc_ids, r, lse, *taps = ctx.saved_tensors
+        x, queries, key_gains, near, r, lse, *taps = ctx.saved_tensors
         d = x.shape[-1]
-        packed, k_max, _ = pack_taps(taps, d, x.device)
+        packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr = dr.float().contiguous()
             delta = (dr * r).sum(-1).contiguous()  # (m, B, T): dR_j · R_j
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, k_max, qg, doc_ids,
+            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
@@ -784,7 +910,7 @@ class StreamsFunction(torch.autograd.Function):
 
 def _prepare(x, taps, queries, key_gains, doc_ids):
     return (x.contiguous(), [c.contiguous() for c in taps], queries.contiguous(),
-            None if key_gains is None else key_gains.contiguous(), doc_ids.to(torch.int64).contiguous())
+            None if key_gains is None else key_gains.contiguous(), doc_window(doc_ids))
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
@@ -792,8 +918,8 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
          eps=1e-6, return_weights=False):
     """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. Weights are
     returned detached (diagnostics)."""
-    x, taps, queries, key_gains, doc_ids = _prepare(x, taps, queries, key_gains, doc_ids)
-    h, lse, logits = MsarFunction.apply(x, queries, key_gains, doc_ids, phi, alpha, bias, bool(key_norm),
+    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
+    h, lse, logits = MsarFunction.apply(x, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
                                         float(eps), fusion, bool(return_weights), *taps)
     if not return_weights:
         return h
@@ -803,8 +929,8 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
 @torch.compiler.disable
 def msar_attn(x, taps, queries, key_gains, doc_ids, *, key_norm=True, eps=1e-6, return_weights=False):
     """The fused streams (no mixer); inputs already validated by ``kernels.msar_attn.msar_attn``."""
-    x, taps, queries, key_gains, doc_ids = _prepare(x, taps, queries, key_gains, doc_ids)
-    r, lse, logits = StreamsFunction.apply(x, queries, key_gains, doc_ids, bool(key_norm), float(eps),
+    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
+    r, lse, logits = StreamsFunction.apply(x, queries, key_gains, near, bool(key_norm), float(eps),
                                            bool(return_weights), *taps)
     if not return_weights:
         return r

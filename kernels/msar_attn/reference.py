@@ -1,4 +1,4 @@
-"""MSAR, the specification (SPEC §4): conv views of the sources, per-view depth attention, H^pre mixer.
+"""MSAR, the specification (docs/method.md §4): conv views of the sources, per-view depth attention, H^pre mixer.
 
 For views j = 0..m-1 (view 0 the identity, view j >= 1 a causal depthwise conv with taps
 ``taps[j-1]`` of shape ``(k_j, d)``, reset at document boundaries):
