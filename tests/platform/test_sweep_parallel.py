@@ -17,7 +17,7 @@ def postgres(tmp_path):
     """A PostgreSQL server of its own (PyPI `pgserver`, a server in a wheel) with two databases."""
     import pgserver  # a dev dependency (pyproject's dev extras): this test needs a real server
 
-    server = pgserver.get_server(tmp_path / "pg", cleanup_mode="stop")
+    server = pgserver.get_server(tmp_path / "pg", cleanup_mode="delete")  # "stop" leaves an atexit hook that logs to a closed stream
     try:
         for db in ("optuna", "mlflow"):
             server.psql(f"CREATE DATABASE {db};")
