@@ -7,8 +7,9 @@
 # does not stop the later ones; a summary (stage, exit code, seconds) ends the output and
 # OUTDIR/summary.txt. The exit code is the number of failed stages.
 # Knobs (environment):
-#   STAGES     stages to run, in order (default: all of
-#              "setup doctor gpu_tests kernel_tests train ddp report throughput")
+#   STAGES     stages to run, in order (default: all of "setup doctor gpu_tests kernel_tests train ddp
+#              report throughput profile host_sync ops backend_training"); about 30 minutes in all on
+#              one H200, so on a host that limits a command to 10 minutes run a few stages per call
 #   STEPS      training steps of the short runs (default 100)
 #   MODELS     model sizes of the throughput table (default "small medium")
 #   RESIDUALS  residuals of the throughput table (default "vanilla attnres_block msar_block mhc msar")
@@ -19,7 +20,7 @@ OUTDIR=${1:-benchmarks/results/gpu}
 mkdir -p "$OUTDIR"
 : > "$OUTDIR/summary.txt"
 touch "$OUTDIR/.started"
-STAGES=${STAGES:-setup doctor gpu_tests kernel_tests train ddp report throughput}
+STAGES=${STAGES:-setup doctor gpu_tests kernel_tests train ddp report throughput profile host_sync ops backend_training}
 STEPS=${STEPS:-100}
 MODELS=${MODELS:-small medium}
 RESIDUALS=${RESIDUALS:-vanilla attnres_block msar_block mhc msar}
@@ -97,7 +98,18 @@ if [ "$GPUS" -ge 2 ]; then
   # shellcheck disable=SC2086
   stage ddp.scaling python3 -m benchmarks.throughput --models $MODELS --residuals vanilla --steps 10 --warmup 3 --ddp 2
 fi
-find benchmarks/results -maxdepth 1 -name 'throughput_*.md' -newer "$OUTDIR/.started" -exec cp {} "$OUTDIR/" \;
+# Where the time goes, per residual (kernels vs host), and the host synchronisations of a step.
+# shellcheck disable=SC2086
+stage profile python3 -m benchmarks.profile_step --model small --residuals $RESIDUALS
+# shellcheck disable=SC2086
+stage host_sync python3 -m benchmarks.host_sync --model small --residuals $RESIDUALS
+# The fused ops: parity of every gradient first, then time against the reference and the roofline.
+stage ops.attnres python3 -m benchmarks.ops_attnres --quick --shapes small medium
+stage ops.msar python3 -m benchmarks.msar_attn --shapes small medium --no-compile
+stage ops.mhc python3 -m benchmarks.ops_mhc --shapes small medium
+# Training with each fused op follows the reference within the seed-to-seed spread (60 steps, 2 seeds).
+stage backend_training python3 -m benchmarks.backend_training --residuals attnres_block msar_block mhc --steps 60
+find benchmarks/results -maxdepth 1 -name '*.md' -newer "$OUTDIR/.started" -exec cp {} "$OUTDIR/" \;
 echo "### summary: $FAILED failed; GPUs: $GPUS" >> "$OUTDIR/summary.txt"
 cat "$OUTDIR/summary.txt"
 # Everything in one archive when an outer harness collects a fixed number of files.

@@ -1,0 +1,27 @@
+"""benchmarks.backend_training: the verdict's arithmetic, and the script end to end on the CPU."""
+
+import pytest
+
+from benchmarks.backend_training import main, verdict
+
+
+def test_verdict_passes_inside_the_reference_spread_and_fails_outside():
+    ref = [{1: 5.0, 2: 4.0}, {1: 5.2, 2: 4.1}]  # spread at step 2: 0.1 + 1% of 4.05
+    close = [{1: 5.05, 2: 4.12}, {1: 5.1, 2: 4.08}]
+    far = [{1: 5.1, 2: 4.5}, {1: 5.1, 2: 4.6}]
+    assert verdict(ref, close)[0]
+    ok, gap, spread, step = verdict(ref, far)
+    assert not ok and step == 2 and gap == pytest.approx(0.5) and spread == pytest.approx(0.1405)
+
+
+@pytest.mark.slow
+def test_fused_and_reference_training_agree_on_the_cpu(tmp_path, monkeypatch):
+    # Triton's interpreter runs the fused op on the CPU: a few steps of the tiny debug model.
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    code = main(["--residuals", "attnres_block", "--steps", "3", "--seeds", "0", "1", "--name", "cpu",
+                 "--set", "debug=fast", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                 "model.seq_len=32", "data.batch_size=2", "trainer.threads=1"])
+    assert code == 0
+    assert "attnres_block" in (tmp_path / "backend_training_cpu.md").read_text()
