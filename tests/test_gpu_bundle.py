@@ -1,0 +1,30 @@
+"""make gpu-bundle: the version check catches the silent resolution that breaks an offline host."""
+
+from benchmarks.gpu_bundle import WANTED, check, requirement_lines
+
+
+def _wheels(tmp_path, pins):
+    paths = []
+    for name, version in pins.items():
+        path = tmp_path / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        path.write_bytes(b"x")
+        paths.append(path)
+    return paths
+
+
+def _pins():
+    return {line.partition("==")[0]: line.partition("==")[2] or "1.0" for line in requirement_lines(WANTED)}
+
+
+def test_the_pinned_bundle_passes(tmp_path):
+    assert check(_wheels(tmp_path, _pins())) == []
+
+
+def test_hydra_resolved_without_the_antlr_wheel_is_refused(tmp_path):
+    # What a plain `pip download --only-binary=:all:` resolves when antlr4 4.9.3 has no wheel.
+    pins = {**_pins(), "hydra-core": "0.11.3", "omegaconf": "1.4.1"}
+    del pins["antlr4-python3-runtime"]
+    problems = check(_wheels(tmp_path, pins))
+    assert "hydra-core: resolved 0.11.3, wanted 1.3.8" in problems
+    assert "omegaconf: resolved 1.4.1, wanted 2.3.1" in problems
+    assert "antlr4-python3-runtime: no wheel in the bundle" in problems
