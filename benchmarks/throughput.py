@@ -173,11 +173,8 @@ def main(argv=None) -> str:
     if a.ddp and torch.cuda.is_available() and torch.cuda.device_count() < a.ddp:
         raise SystemExit(f"--ddp {a.ddp}: only {torch.cuda.device_count()} CUDA device(s) here")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    measured = datasheet = None
-    if device == "cuda":
-        from benchmarks.roofline import matmul_rate
-
-        measured, datasheet = matmul_rate(torch.bfloat16), accounting.datasheet_rate(torch.device("cuda"))
+    # the same two denominators as the MFU a training run logs (platform.accounting)
+    measured, datasheet = accounting.peak_rates(torch.device(device))
 
     def mfu(flops_per_s: float, peak: float | None) -> str:
         return f"{100 * flops_per_s / peak:.1f}%" if peak else "-"
