@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from kernels.causal_conv import causal_conv
 from kernels.depth_attn import depth_attn
-from kernels.msar_attn import MAX_K
+from kernels.msar_attn import FUSIONS, MAX_K
 from kernels.msar_attn import msar as msar_fused
 from kernels.msar_attn.reference import mix
 
@@ -43,7 +43,6 @@ from .registry import register
 VIEWS = ("conv", "identity", "scalar")
 TAPS = ("per_sublayer", "per_block", "shared")
 CONV_INITS = ("box", "dirac")
-FUSIONS = ("sigmoid", "softmax")
 PLACEMENTS = ("streams", "post")
 
 
