@@ -159,10 +159,11 @@ class Msar(DepthAttentionResidual):
             phi, alpha, bias = (self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
             res = msar_fused(x, self._view_taps(consumer, x), queries, gain, ctx.doc_ids, phi, alpha, bias,
                              key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
-                             backend="triton")  # (B, T, d)
-            h, weights = res if ctx.record else (res, None)
-            if weights is not None:
-                self._record(ctx, consumer, weights)
+                             backend="triton")  # (B, T, d), with the weights (V, S, B, T) when recording
+            if not ctx.record:
+                return res
+            h, weights = res
+            self._record(ctx, consumer, weights)
             return h
         if self.cfg.placement == "post":
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True)  # (1, B, T, d)
