@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from kernels.causal_conv import causal_conv
 from kernels.depth_attn import depth_attn
-from kernels.msar_attn import MAX_K
+from kernels.msar_attn import FUSIONS, MAX_K
 from kernels.msar_attn import msar as msar_fused
 from kernels.msar_attn.reference import mix
 
@@ -43,7 +43,6 @@ from .registry import register
 VIEWS = ("conv", "identity", "scalar")
 TAPS = ("per_sublayer", "per_block", "shared")
 CONV_INITS = ("box", "dirac")
-FUSIONS = ("sigmoid", "softmax")
 PLACEMENTS = ("streams", "post")
 
 
@@ -160,10 +159,11 @@ class Msar(DepthAttentionResidual):
             phi, alpha, bias = (self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
             res = msar_fused(x, self._view_taps(consumer, x), queries, gain, ctx.doc_ids, phi, alpha, bias,
                              key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
-                             backend="triton")  # (B, T, d)
-            h, weights = res if ctx.record else (res, None)
-            if weights is not None:
-                self._record(ctx, consumer, weights)
+                             backend="triton")  # (B, T, d), with the weights (V, S, B, T) when recording
+            if not ctx.record:
+                return res
+            h, weights = res
+            self._record(ctx, consumer, weights)
             return h
         if self.cfg.placement == "post":
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True)  # (1, B, T, d)
