@@ -20,3 +20,8 @@ def start(argv: Sequence[str] | None, doc: str | None) -> list[str] | None:
     preload_plugins(argv)
     register_configs()
     return argv
+
+
+def override_key(override: str) -> str:
+    """The config key an override sets: `+a.b=1`, `~a.b` and `a.b=1` all give `a.b`."""
+    return override.split("=", 1)[0].lstrip("+~")

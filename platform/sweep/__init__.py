@@ -32,9 +32,10 @@ The package, by responsibility:
 from .objective import InvalidTrial, Objective, SweepContext, TrialCallback, trial_cost
 from .report import find_or_create_parent, finalize, study_plots, study_report
 from .space import (BUDGET_KEYS, GRID_LIMIT, PARAM_TYPES, Param, check_kernel_set, decode_kernels, encode_kernels,
-                    grid_space, grid_values, hydra_value, kernel_sets, override_key, parse_space, suggest)
+                    grid_space, grid_values, hydra_value, kernel_sets, parse_space, suggest)
 from .storage import (STATE_NAMES, default_storage, fail_dead_trials, make_storage,
                       storage_label, sync_trial_states)
+from ..cli import override_key
 from ..env import check_workers
 from .study import PRUNERS, SAMPLERS, check_sweep, make_pruner, make_sampler, run_sweep
 
