@@ -228,17 +228,13 @@ def log_comparison(client, exp_id, name, cc, base, rows: list[Row], out_dir: Pat
 
 
 def main(argv: Sequence[str] | None = None):
-    from ..config import register_configs
-    from ..run import preload_plugins
+    from ..cli import start
     from . import __doc__ as compare_doc
     from .plan import parse_args
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(compare_doc)
+    argv = start(argv, compare_doc)
+    if argv is None:
         return None
-    preload_plugins(argv)
-    register_configs()
     try:
         cc, base = parse_args(argv)
         text, rows = run_compare(cc, base, command="python -m platform.compare " + " ".join(argv))

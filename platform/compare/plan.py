@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from ..cli import override_key
 from ..env import REPO_ROOT
 
 PRESET_DIR = REPO_ROOT / "conf" / "compare"
@@ -101,11 +102,11 @@ def parse_args(argv: Sequence[str]) -> tuple[CompareConfig, list[str]]:
         raise ValueError(f"compare.workers={cc.workers} must be >= 0 (0: one per visible GPU)")
     if cc.target is not None and cc.target not in cc.references:
         raise ValueError(f"compare.target={cc.target!r} must be one of compare.references {cc.references}")
-    bad = [o for o in cc.overrides if o.split("=", 1)[0].lstrip("+~") in ("residual", "ablation", "seed")]
+    bad = [o for o in cc.overrides if override_key(o) in ("residual", "ablation", "seed")]
     if bad:
         raise ValueError(f"compare.overrides {bad}: the variants come from compare.runs and the seeds from compare.seeds")
-    given = {o.split("=", 1)[0].lstrip("+~") for o in base}  # Hydra refuses a key given twice
-    return cc, [*(o for o in cc.overrides if o.split("=", 1)[0].lstrip("+~") not in given), *base]
+    given = {override_key(o) for o in base}  # Hydra refuses a key given twice
+    return cc, [*(o for o in cc.overrides if override_key(o) not in given), *base]
 
 
 def resolve_variant(name: str, default_baseline: str) -> Variant:

@@ -6,16 +6,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ..plots import _pyplot
 from .table import Row
 
 
 def plot_curves(rows: list[Row], out: Path, title: str) -> Path | None:
     """Validation loss per variant: mean over seeds, band from the min to the max seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
     drawn = False
@@ -53,10 +52,7 @@ def plot_curves(rows: list[Row], out: Path, title: str) -> Path | None:
 def plot_bars(rows: list[Row], out: Path, title: str, level: float = 0.95, reference: str | None = None) -> Path | None:
     """Mean final val loss per variant with its Student-t interval as error bars (none for n < 2),
     the reference's mean as a dashed line; the axis starts near the lowest interval, not at 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     shown = [r for r in rows if math.isfinite(r.interval.estimate)]
     if not shown:

@@ -32,19 +32,18 @@ The package, by responsibility:
 from .objective import InvalidTrial, Objective, SweepContext, TrialCallback, trial_cost
 from .report import find_or_create_parent, finalize, study_plots, study_report
 from .space import (BUDGET_KEYS, GRID_LIMIT, PARAM_TYPES, Param, check_kernel_set, decode_kernels, encode_kernels,
-                    grid_space, grid_values, hydra_value, kernel_sets, override_key, parse_space, suggest)
-from .storage import (STATE_NAMES, _quiet_experimental, default_storage, fail_dead_trials, make_storage,
+                    grid_space, grid_values, hydra_value, kernel_sets, parse_space, suggest)
+from .storage import (STATE_NAMES, default_storage, fail_dead_trials, make_storage,
                       storage_label, sync_trial_states)
+from ..cli import override_key
 from ..env import check_workers
 from .study import PRUNERS, SAMPLERS, check_sweep, make_pruner, make_sampler, run_sweep
 
-__all__ = ["_quiet_experimental", "BUDGET_KEYS", "GRID_LIMIT", "PARAM_TYPES", "PRUNERS", "SAMPLERS", "STATE_NAMES", "InvalidTrial",
+__all__ = ["BUDGET_KEYS", "GRID_LIMIT", "PARAM_TYPES", "PRUNERS", "SAMPLERS", "STATE_NAMES", "InvalidTrial",
            "Objective", "Param", "SweepContext", "TrialCallback", "check_kernel_set", "check_sweep", "check_workers",
            "decode_kernels", "default_storage", "encode_kernels", "fail_dead_trials", "finalize",
            "find_or_create_parent", "grid_space", "grid_values", "hydra_value", "kernel_sets", "make_pruner",
            "make_sampler", "make_storage", "override_key", "parse_space", "run_sweep", "storage_label",
-           "study_plots", "study_report", "suggest", "sync_trial_states", "trial_cost"]
+           "study_plots", "study_report", "suggest", "sync_trial_states", "trial_cost", "main"]
 
 from .cli import main  # noqa: E402 - the command itself (`python -m platform.sweep` runs it)
-
-__all__ = ["main"]

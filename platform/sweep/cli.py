@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from typing import Sequence
 
 from ..env import REPO_ROOT, set_offline_defaults
@@ -14,23 +13,21 @@ set_offline_defaults()
 def main(argv: Sequence[str] | None = None):
     from rich.console import Console
 
-    from ..config import compose, register_configs
-    from ..run import check_choices, preload_plugins
+    from ..cli import start
+    from ..config import compose
+    from ..run import check_choices
     from . import __doc__ as sweep_doc
     from .study import WORKER_ENV, run_sweep
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(sweep_doc)
+    argv = start(argv, sweep_doc)
+    if argv is None:
         return None
-    preload_plugins(argv)
     check_choices(argv)
     presets = sorted(p.stem for p in (REPO_ROOT / "conf" / "sweep").glob("*.yaml"))
     for arg in argv:
         key, _, value = arg.partition("=")
         if key.lstrip("+") == "sweep" and value not in presets:
             raise SystemExit(f"error: unknown sweep preset {value!r}; presets: {', '.join(presets)}")
-    register_configs()
     cfg = compose(*argv)
     if cfg.sweep is None:
         raise SystemExit(f"error: choose a sweep preset, sweep=<name>; presets: {', '.join(presets)}")

@@ -19,10 +19,11 @@ from omegaconf import DictConfig
 from optuna.trial import TrialState
 
 from ..accounting import COST_KEYS
+from ..cli import override_key
 from ..config import compose, validate
 from ..env import worker_index
 from .report import _announce
-from .space import Param, encode_kernels, hydra_value, override_key, suggest
+from .space import Param, encode_kernels, hydra_value, suggest
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a param value
 

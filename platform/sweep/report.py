@@ -152,10 +152,9 @@ def _figure(ax):
 
 def study_plots(study: optuna.Study, out_dir: Path) -> dict[str, Path | str]:
     """Optuna's matplotlib plots as PNGs; {name: path, or the reason it was skipped}."""
-    import matplotlib
+    from ..plots import _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()  # the Agg backend before Optuna's plots import pyplot
     import optuna.visualization.matplotlib as ovm
 
     out_dir.mkdir(parents=True, exist_ok=True)

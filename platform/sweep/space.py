@@ -239,7 +239,3 @@ def hydra_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     return "'" + str(v).replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def override_key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")

@@ -17,11 +17,12 @@ from optuna.trial import TrialState
 
 from .. import tracking
 from ..accounting import token_budget
+from ..cli import override_key
 from ..config import validate
 from ..env import REPO_ROOT, check_workers, repo_path, visible_gpus, worker_index
 from .objective import Objective, SweepContext
 from .report import _after_trial, _say, _summary_table, finalize, find_or_create_parent
-from .space import Param, grid_space, override_key, parse_space
+from .space import Param, grid_space, parse_space
 from .storage import _quiet_experimental, fail_dead_trials, make_storage, storage_label
 
 SAMPLERS = ("tpe", "random", "grid")

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from platform import sweep
+from platform.sweep.storage import _quiet_experimental
 from platform.train import train
 from tests.helpers import ROOT, make_cfg
 from tests.platform.test_train import FAST
@@ -75,7 +76,7 @@ def test_bad_search_spaces_fail_before_any_trial(params, match):
 def test_sampler_never_proposes_an_invalid_kernel_set(sampler):
     cfg = make_cfg("sweep=msar_kernels_lr")
     space = sweep.parse_space(cfg.sweep, cfg)
-    with sweep._quiet_experimental():
+    with _quiet_experimental():
         smp = (optuna.samplers.RandomSampler(seed=0) if sampler == "random" else
                optuna.samplers.TPESampler(seed=0, n_startup_trials=10, multivariate=True, group=True))
     study = optuna.create_study(sampler=smp)
