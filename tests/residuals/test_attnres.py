@@ -348,17 +348,14 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     """fp32 backbone on ``device``: ``residual.backend=backend`` (``checkpoint_reads`` for it) against
     ``backend=torch``; the fused one's state is the fused one; outputs and every gradient."""
     from residuals.attnres import FusedState
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
 
     torch.manual_seed(0)
     ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=torch")).to(device)
     torch.manual_seed(0)
     fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, f"residual.backend={backend}"),
                            checkpoint_reads=checkpoint_reads).to(device)
-    with torch.no_grad():
-        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
-            p_ref.add_(0.2 * torch.randn_like(p_ref))
-            p_fused.copy_(p_ref)
+    perturb_residual_params_alike(ref, fused)
     tokens, docs = (t.to(device) for t in packed_batch(B, T, 37, n_docs=2 if T < 13 else 3))
     assert isinstance(fused.residual.begin(fused.embed(tokens), Context(docs)), FusedState)
     out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
