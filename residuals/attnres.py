@@ -28,7 +28,6 @@ build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,18 +35,11 @@ from torch import Tensor, nn
 
 from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries
 
-from .base import Context, Residual, ResidualConfig, rms_norm
+from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
 from .registry import register
 
 QUERY_KINDS = ("static", "input")
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
-
-
-def check_choice(owner: str, field: str, value: object, choices: Sequence[object]) -> None:
-    """ValueError naming the config key, the bad value and the choices (``owner``: the variant)."""
-    if value not in choices:
-        raise ValueError(f"residual.{field}={value!r} is not valid for residual={owner}; "
-                         f"choose one of: {', '.join(map(str, choices))}")
 
 
 def depth_attn_flops(n_sources: int, d: int, *, views: int = 1, heads: int = 1, key_norm: bool = True) -> int:
