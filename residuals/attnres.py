@@ -28,7 +28,7 @@ build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, ac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -324,7 +324,7 @@ class AttnRes(DepthAttentionResidual):
         partial (merged by phase 2); after the group's last sublayer the next group opens."""
         row = state.buffer.append(out)  # v_{layer+1}
         if layer + 1 - state.first < self._group_size() and layer + 1 < self.n_sublayers:
-            return FusedState(state.ctx, state.buffer, state.first, state.outs, state.lses, row, state.weights)
+            return replace(state, partial=row)
         return self._open_group(state.ctx, state.buffer, layer + 1)
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
