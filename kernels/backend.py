@@ -23,8 +23,13 @@ def resolve_backend(backend: str, x: Tensor, op: str) -> str:
     return backend
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def check_triton_device(x: Tensor, op: str) -> None:
     """RuntimeError unless the fused kernels can run on ``x``'s device (CUDA, or the interpreter)."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not x.is_cuda and not interpreting():
         raise RuntimeError(f"{op}: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton "
                            f"is imported to run on {x.device.type}; use backend='torch' or backend='auto'")
