@@ -51,3 +51,8 @@ def perturb_residual_params_alike(ref, other, scale: float = 0.2) -> None:
         for p_ref, p_other in zip(ref.residual.parameters(), other.residual.parameters(), strict=True):
             p_ref.add_(scale * torch.randn_like(p_ref))
             p_other.copy_(p_ref)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp64 (b: the reference); for fused-vs-reference comparisons in norm."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, reference
+from tests.helpers import rel_err
 
 # (id, C queries, n sources, B, T, d, key_norm, gains): odd d and B·T (the interpreter's token block is 32)
 CASES = [
@@ -44,10 +45,6 @@ def make_inputs(C, n, B, T, d, gains, *, device="cpu", seed=0):
     queries = rand(C, d, scale=0.5)
     key_gains = 1 + 0.3 * rand(C, d) if gains else None
     return sources, partials, queries, key_gains
-
-
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def two_phase(backend, sources, partials, queries, key_gains, key_norm):

@@ -348,7 +348,7 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     """fp32 backbone on ``device``: ``residual.backend=backend`` (``checkpoint_reads`` for it) against
     ``backend=torch``; the fused one's state is the fused one; outputs and every gradient."""
     from residuals.attnres import FusedState
-    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
+    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike, rel_err
 
     torch.manual_seed(0)
     ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=torch")).to(device)
@@ -371,7 +371,7 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
         assert (a.grad is None) == (b.grad is None), n
         if a.grad is not None:
-            err = ((b.grad.double() - a.grad.double()).norm() / a.grad.double().norm().clamp_min(1e-30)).item()
+            err = rel_err(b.grad, a.grad)
             assert err < 1e-4, f"{n}: relative error {err:.2e} (max abs {(b.grad - a.grad).abs().max().item():.2e})"
 
 
