@@ -121,12 +121,12 @@ def mhc_post_pre(
         (X', h, H^pre, H^post, H^res): the new streams ``(..., n, d)`` and the read of them.
     """
     backend = resolve_backend(backend, x, "mhc")
-    if backend == "torch":
-        new = mhc_post(x, out, h_post, h_res, backend="torch")
-        return (new, *mhc_pre(new, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters,
-                              eps=eps, backend="torch"))
-    _check_post(x, out, h_post, h_res)
+    _check_post(x, out, h_post, h_res)  # both parts checked before either computes (X' has x's shape)
     _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
+    if backend == "torch":
+        new = reference.mhc_post(x, out, h_post, h_res)
+        return (new, *reference.mhc_pre(new, phi, alpha, b_pre, b_post, b_res, norm_gain,
+                                        sinkhorn_iters=sinkhorn_iters, eps=eps))
     _check_triton(x, out, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_gain)
     from . import fused
 
