@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
+
+from benchmarks.ptxas import compile_sm90, ptxas_report, registers
 
 # name -> (consumers C, sources n, d): the ops of benchmarks.ops_attnres at its widths, and the limits
 SHAPES = {
@@ -28,8 +28,6 @@ SHAPES = {
 
 def compile_report(fn, types: dict, constexprs: dict, num_warps: int) -> tuple[str, int]:
     """Compile ``fn`` for sm_90a -> (ptxas's register/spill summary, registers per thread)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
@@ -40,18 +38,11 @@ def compile_report(fn, types: dict, constexprs: dict, num_warps: int) -> tuple[s
             attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(t))})
         elif t.startswith("*") or name in ("D", "N"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel.asm["ptx"])
-    try:
-        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                             text=True, check=True)
-    finally:
-        os.unlink(f.name)
-    info = [ln.split(":", 1)[-1].strip() for ln in res.stderr.splitlines() if "registers" in ln or "spill" in ln]
-    regs = int(next(w for w in " ".join(info).replace(",", " ").split("Used", 1)[1].split() if w.isdigit()))
+    kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                          {"num_warps": num_warps})
+    report = ptxas_report(kernel)
+    info = [ln.split(":", 1)[-1].strip() for ln in report.splitlines() if "registers" in ln or "spill" in ln]
+    regs = registers(report)
     return f"shared {kernel.metadata.shared} B | " + "; ".join(info), regs
 
 

@@ -28,26 +28,18 @@ build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries
 
-from .base import Context, Residual, ResidualConfig, rms_norm
+from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
 from .registry import register
 
 QUERY_KINDS = ("static", "input")
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
-
-
-def check_choice(owner: str, field: str, value: object, choices: Sequence[object]) -> None:
-    """ValueError naming the config key, the bad value and the choices (``owner``: the variant)."""
-    if value not in choices:
-        raise ValueError(f"residual.{field}={value!r} is not valid for residual={owner}; "
-                         f"choose one of: {', '.join(map(str, choices))}")
 
 
 def depth_attn_flops(n_sources: int, d: int, *, views: int = 1, heads: int = 1, key_norm: bool = True) -> int:
@@ -136,9 +128,19 @@ class DepthAttentionResidual(Residual):
         check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
         check_choice(cls.name, "backend", cfg.backend, BACKENDS)
 
-    def _fused(self, x: Tensor) -> bool:
-        """Whether the read runs a fused op (subclasses with one override this)."""
+    @staticmethod
+    def covered(cfg: DepthAttentionConfig) -> bool:
+        """Whether a fused op computes this configuration (subclasses with one override this; their
+        ``validate`` refuses ``backend=triton`` where it is false)."""
         return False
+
+    def fused_covers(self) -> bool:
+        return self.covered(self.cfg)
+
+    def _fused(self, x: Tensor) -> bool:
+        """Explicit dispatch: "triton" always (validated), "auto" on CUDA where the fused op covers
+        the configuration, "torch" never."""
+        return self.cfg.backend == "triton" or (self.cfg.backend == "auto" and x.is_cuda and self.fused_covers())
 
     def checkpoint_read_pays(self, x: Tensor) -> bool:
         return not self._fused(x)  # a fused read stores no views or stacked sources: nothing to save
@@ -245,7 +247,7 @@ class AttnRes(DepthAttentionResidual):
             divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise ValueError(f"residual.heads={cfg.heads!r} must divide d_model={d_model} (channel-split heads); "
                              f"choose one of: {', '.join(map(str, divisors))}")
-        if cfg.backend == "triton" and (cfg.heads != 1 or cfg.query != "static"):
+        if cfg.backend == "triton" and not cls.covered(cfg):
             raise ValueError(f"residual.backend={cfg.backend!r}: the fused depth attention computes one head with "
                              f"static queries; it needs heads=1, query=static (got heads={cfg.heads!r}, "
                              f"query={cfg.query!r}); use residual.backend=torch or auto")
@@ -255,14 +257,10 @@ class AttnRes(DepthAttentionResidual):
         self.queries = PseudoQueries(self.n_consumers, 1, d_model, key_norm=cfg.key_norm, query=cfg.query)
 
     # --- backend dispatch ------------------------------------------------------------------------
-    def fused_covers(self) -> bool:
+    @staticmethod
+    def covered(cfg: Config) -> bool:
         """Whether the fused op computes this configuration (one head, static queries)."""
-        return self.cfg.heads == 1 and self.cfg.query == "static"
-
-    def _fused(self, x: Tensor) -> bool:
-        """Explicit dispatch: "triton" always (validated), "auto" on CUDA where the fused op covers the
-        configuration, "torch" never."""
-        return self.cfg.backend == "triton" or (self.cfg.backend == "auto" and x.is_cuda and self.fused_covers())
+        return cfg.heads == 1 and cfg.query == "static"
 
     def begin(self, embedding: Tensor, ctx: Context):
         if not self._fused(embedding):
@@ -326,7 +324,7 @@ class AttnRes(DepthAttentionResidual):
         partial (merged by phase 2); after the group's last sublayer the next group opens."""
         row = state.buffer.append(out)  # v_{layer+1}
         if layer + 1 - state.first < self._group_size() and layer + 1 < self.n_sublayers:
-            return FusedState(state.ctx, state.buffer, state.first, state.outs, state.lses, row, state.weights)
+            return replace(state, partial=row)
         return self._open_group(state.ctx, state.buffer, layer + 1)
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:

@@ -20,7 +20,7 @@ form (``msar_block`` uses it too); :class:`BlockFields` adds ``block_size`` to i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import Tensor
 
@@ -115,7 +115,7 @@ class AttnResBlock(BlockSummaries, AttnRes):
     def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
         if (layer + 1) % self.cfg.block_size:  # block open: the partial sum grows
             partial = out if state.partial is None else state.partial + out  # (B, T, d)
-            return FusedState(state.ctx, state.buffer, state.first, state.outs, state.lses, partial, state.weights)
+            return replace(state, partial=partial)
         terms = (out,) if state.partial is None else (state.partial, out)
         state.buffer.append(*terms)  # b_n = partial + out, written once into the buffer
         return self._open_group(state.ctx, state.buffer, layer + 1)

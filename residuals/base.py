@@ -15,6 +15,7 @@ branches on a variant's name; everything a variant needs arrives through ``ctx``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -113,6 +114,13 @@ class Vanilla(Residual):
 
     def checkpoint_read_pays(self, x: Tensor) -> bool:
         return False  # the read is the state itself
+
+
+def check_choice(owner: str, field: str, value: object, choices: Sequence[object]) -> None:
+    """ValueError naming the config key, the bad value and the choices (``owner``: the variant)."""
+    if value not in choices:
+        raise ValueError(f"residual.{field}={value!r} is not valid for residual={owner}; "
+                         f"choose one of: {', '.join(map(str, choices))}")
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from kernels.mhc import BACKENDS, mhc_post, mhc_post_pre, mhc_pre
 from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
-from .base import Context, Residual, ResidualConfig
+from .base import Context, Residual, ResidualConfig, check_choice
 from .registry import register
 
 OUTPUTS = ("sum", "head")
@@ -133,14 +133,9 @@ class MHC(Residual):
             raise ValueError(f"residual.n={cfg.n!r} must be an integer >= 1 (number of streams; paper: 4)")
         if not isinstance(cfg.sinkhorn_iters, int) or cfg.sinkhorn_iters < 1:
             raise ValueError(f"residual.sinkhorn_iters={cfg.sinkhorn_iters!r} must be an integer >= 1 (paper: 20)")
-        if cfg.backend not in ("auto", *BACKENDS):
-            raise ValueError(f"residual.backend={cfg.backend!r} is not valid for residual=mhc; "
-                             f"choose one of: auto, {', '.join(BACKENDS)}")
-        if cfg.stream_dtype not in STREAM_DTYPES:
-            raise ValueError(f"residual.stream_dtype={cfg.stream_dtype!r} is not valid; "
-                             f"choose one of: {', '.join(STREAM_DTYPES)}")
-        if cfg.output not in OUTPUTS:
-            raise ValueError(f"residual.output={cfg.output!r} is not valid; choose one of: {', '.join(OUTPUTS)}")
+        check_choice(cls.name, "backend", cfg.backend, ("auto", *BACKENDS))
+        check_choice(cls.name, "stream_dtype", cfg.stream_dtype, tuple(STREAM_DTYPES))
+        check_choice(cls.name, "output", cfg.output, OUTPUTS)
         if not cfg.phi_init_std >= 0:
             raise ValueError(f"residual.phi_init_std={cfg.phi_init_std!r} must be >= 0")
         for key in ("alpha_init", "b_post", "b_res_diag", "b_pre"):

@@ -42,3 +42,17 @@ def packed_batch(B: int, T: int, vocab: int, n_docs: int = 3, seed: int = 0):
             doc_ids[b, c:] += 1
         doc_ids[b] += 10 * b
     return tokens, doc_ids
+
+
+def perturb_residual_params_alike(ref, other, scale: float = 0.2) -> None:
+    """Move ref's residual parameters off their init by random amounts and give other the same values
+    (two backbones of one mechanism on different backends, compared away from the init's symmetries)."""
+    with torch.no_grad():
+        for p_ref, p_other in zip(ref.residual.parameters(), other.residual.parameters(), strict=True):
+            p_ref.add_(scale * torch.randn_like(p_ref))
+            p_other.copy_(p_ref)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in fp64 (b: the reference); for fused-vs-reference comparisons in norm."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

@@ -15,32 +15,15 @@ does not compute are an error naming the value, never a silent fallback.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from ..backend import BACKENDS, check_triton_device, resolve_backend
 from . import reference
 from .buffer import SourceBuffer
 
-BACKENDS = ("torch", "triton")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 32768  # next_pow2(C) · next_pow2(d): a program keeps a (C, d) accumulator per token
-
-
-def _resolve(backend: str, x: Tensor, op: str) -> str:
-    if backend not in ("auto", *BACKENDS):
-        raise ValueError(f"{op}: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
-    if backend == "auto":
-        return "triton" if x.is_cuda else "torch"
-    return backend
-
-
-def _check_device(x: Tensor, op: str) -> None:
-    """After the inputs are validated: the fused kernels need CUDA, or the interpreter on CPU."""
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError(f"{op}: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-                           f"triton is imported to run on {x.device.type}; use backend='torch' or 'auto'")
 
 
 def _check_triton(op: str, C: int, d: int, **tensors: Tensor | None) -> None:
@@ -77,7 +60,7 @@ def depth_attn(sources, queries, key_gains=None, *, key_sources=None, key_norm=T
     queries ``(m, d)``, optional key gains, key RMSNorm on or off, keys = values (``key_sources``
     None). It returns the weights detached (diagnostics)."""
     x = sources if isinstance(sources, Tensor) else sources[0]
-    backend = _resolve(backend, x, "depth_attn")
+    backend = resolve_backend(backend, x, "depth_attn")
     if backend == "torch":
         return reference.depth_attn(sources, queries, key_gains, key_sources=key_sources,
                                     key_norm=key_norm, eps=eps, return_weights=return_weights)
@@ -91,7 +74,7 @@ def depth_attn(sources, queries, key_gains=None, *, key_sources=None, key_norm=T
     _check_queries("depth_attn", queries, key_gains, values.shape[-1])
     _check_triton("depth_attn", queries.shape[0], values.shape[-1], sources=values, queries=queries,
                   key_gains=key_gains)
-    _check_device(values, "depth_attn")
+    check_triton_device(values, "depth_attn")
     from . import fused  # imports triton: only when asked for
 
     out, lse, logits = fused.summaries(values.contiguous(), values.shape[0], False, bool(key_norm), float(eps),
@@ -121,7 +104,7 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
     if x.dim() != 4:
         raise ValueError(f"depth_attn_summaries: sources must be (n, B, T, d), got shape {tuple(x.shape)}")
     _check_queries("depth_attn_summaries", queries, key_gains, x.shape[-1])
-    backend = _resolve(backend, x, "depth_attn_summaries")
+    backend = resolve_backend(backend, x, "depth_attn_summaries")
     if backend == "torch":
         values = torch.stack(sources.rows) if buffered else sources
         out, lse = reference.summaries(values, queries, key_gains, key_norm=key_norm, eps=eps)
@@ -134,7 +117,7 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
         return res
     _check_triton("depth_attn_summaries", queries.shape[0], x.shape[-1], sources=x, queries=queries,
                   key_gains=key_gains)
-    _check_device(x, "depth_attn_summaries")
+    check_triton_device(x, "depth_attn_summaries")
     from . import fused
 
     C, n = queries.shape[0], len(sources) if buffered else x.shape[0]
@@ -160,11 +143,11 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor, query: Tensor, k
     if query.shape != (d,) or (key_gain is not None and key_gain.shape != (d,)):
         raise ValueError(f"depth_attn_merge: query and key_gain must be ({d},), got {tuple(query.shape)} and "
                          f"{None if key_gain is None else tuple(key_gain.shape)}")
-    backend = _resolve(backend, out, "depth_attn_merge")
+    backend = resolve_backend(backend, out, "depth_attn_merge")
     if backend == "torch":
         return reference.merge(out, lse, partial, query, key_gain, key_norm=key_norm, eps=eps)
     _check_triton("depth_attn_merge", 1, d, out=out, partial=partial, query=query, key_gain=key_gain)
-    _check_device(out, "depth_attn_merge")
+    check_triton_device(out, "depth_attn_merge")
     from . import fused
 
     qg = _folded(query, key_gain)  # (d,): one autograd node per merge (host time counts at small d)

@@ -46,7 +46,6 @@ modified afterwards (so the backward may read them after later rows are filled).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -55,9 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from ..backend import interpreting
 
 
 @triton.jit

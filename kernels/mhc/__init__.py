@@ -15,27 +15,13 @@ otherwise. An unavailable backend is an error, never a silent fallback.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
+from ..backend import BACKENDS, check_triton_device, resolve_backend
 from . import reference
 
-BACKENDS = ("torch", "triton")
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_backend(backend: str) -> None:
-    if backend not in ("auto", *BACKENDS):
-        raise ValueError(f"mhc: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
-
-
-def _resolve(backend: str, x: Tensor) -> str:
-    check_backend(backend)
-    if backend == "auto":
-        return "triton" if x.is_cuda else "torch"
-    return backend
 
 
 def _check_triton(x: Tensor, *others: Tensor | None) -> None:
@@ -46,9 +32,7 @@ def _check_triton(x: Tensor, *others: Tensor | None) -> None:
     devices = {t.device for t in (x, *others) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"mhc: all inputs must be on one device, got {sorted(map(str, devices))}")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError(f"mhc: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
-                           f"imported to run on {x.device.type}; use backend='torch' or backend='auto'")
+    check_triton_device(x, "mhc")
 
 
 def _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters) -> None:
@@ -100,7 +84,7 @@ def mhc_pre(
         h ``(..., d)`` in x's dtype; H^pre ``(..., n)``, H^post ``(..., n)``, H^res ``(..., n, n)`` in fp32
         (fp64 from the torch backend on fp64 streams).
     """
-    backend = _resolve(backend, x)
+    backend = resolve_backend(backend, x, "mhc")
     _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
     if backend == "torch":
         return reference.mhc_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters, eps=eps)
@@ -136,13 +120,13 @@ def mhc_post_pre(
     Returns:
         (X', h, H^pre, H^post, H^res): the new streams ``(..., n, d)`` and the read of them.
     """
-    backend = _resolve(backend, x)
-    if backend == "torch":
-        new = mhc_post(x, out, h_post, h_res, backend="torch")
-        return (new, *mhc_pre(new, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters=sinkhorn_iters,
-                              eps=eps, backend="torch"))
-    _check_post(x, out, h_post, h_res)
+    backend = resolve_backend(backend, x, "mhc")
+    _check_post(x, out, h_post, h_res)  # both parts checked before either computes (X' has x's shape)
     _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
+    if backend == "torch":
+        new = reference.mhc_post(x, out, h_post, h_res)
+        return (new, *reference.mhc_pre(new, phi, alpha, b_pre, b_post, b_res, norm_gain,
+                                        sinkhorn_iters=sinkhorn_iters, eps=eps))
     _check_triton(x, out, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_gain)
     from . import fused
 
@@ -161,7 +145,7 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: 
     Returns:
         X' ``(..., n, d)`` in x's dtype, mixed in fp32 (fp64 for fp64 coefficients on the torch backend).
     """
-    backend = _resolve(backend, x)
+    backend = resolve_backend(backend, x, "mhc")
     _check_post(x, out, h_post, h_res)
     if backend == "torch":
         return reference.mhc_post(x, out, h_post, h_res)
@@ -172,4 +156,4 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: 
         return fused.mhc_post(x, out, h_post, h_res)
 
 
-__all__ = ["BACKENDS", "check_backend", "mhc_post", "mhc_post_pre", "mhc_pre"]
+__all__ = ["BACKENDS", "mhc_post", "mhc_post_pre", "mhc_pre"]

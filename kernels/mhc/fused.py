@@ -41,13 +41,14 @@ All math is fp32 whatever the streams' dtype; inputs are made contiguous by the 
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from ..backend import interpreting
 
 # Precision of the projections z = x'φ, φ dz and Σ xᵀ dz (tl.dot on fp32 operands). The paper keeps φ
 # and the projection in fp32 (Eq. 10). "ieee" (default) is exact fp32 on CUDA cores; "tf32x3" splits
@@ -57,10 +58,6 @@ from torch import Tensor
 # benchmarks/ops_mhc.py times both.
 DOT_PRECISIONS = ("ieee", "tf32x3")
 DOT_PRECISION = "ieee"
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # --- per-token helpers: the (BLOCK_T, NP, NP) Sinkhorn tile ---------------------------------------

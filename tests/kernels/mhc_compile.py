@@ -12,13 +12,11 @@ way to check a change of ``GPU_BLOCKS`` or of a kernel before a GPU run.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
+
+from benchmarks.ptxas import compile_sm90, ptxas_report, registers, spill_stores
 
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -71,8 +69,6 @@ def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
 
 def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
     """Compile one captured launch for sm_90; (registers per thread, spill store bytes) from ptxas."""
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kwargs = dict(kwargs)
@@ -87,17 +83,8 @@ def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
             signature[arg], constexprs[arg] = "constexpr", v
         else:
             signature[arg] = "fp32" if isinstance(v, float) else "i32"
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "k.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "k.cubin")],
-                                capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return regs, spills
+    report = ptxas_report(compile_sm90(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), options))
+    return registers(report), spill_stores(report)
 
 
 def main(argv: list[str]) -> int:

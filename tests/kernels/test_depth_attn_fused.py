@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, reference
+from tests.helpers import rel_err
 
 # (id, C queries, n sources, B, T, d, key_norm, gains): odd d and B·T (the interpreter's token block is 32)
 CASES = [
@@ -46,10 +47,6 @@ def make_inputs(C, n, B, T, d, gains, *, device="cpu", seed=0):
     return sources, partials, queries, key_gains
 
 
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def two_phase(backend, sources, partials, queries, key_gains, key_norm):
     """Block AttnRes for one block: consumer 0 reads phase 1 alone, consumer c > 0 merges partials[c].
     Sources go through a SourceBuffer, as in the residual."""
@@ -65,6 +62,29 @@ def two_phase(backend, sources, partials, queries, key_gains, key_norm):
         hs.append(h)
         merged_w.append(w)
     return hs, weights, merged_w
+
+
+def assert_two_phase_matches_reference(sources, partials, queries, key_gains, key_norm, *, up_seed):
+    """two_phase on triton against torch: every consumer's output, the phase-1 and merge weights, and the
+    gradients of all inputs under random upstream gradients (seeded by ``up_seed``)."""
+    leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains) if t is not None]
+    fused, fused_w, fused_mw = two_phase("triton", sources, partials, queries, key_gains, key_norm)
+    ref, ref_w, ref_mw = two_phase("torch", sources, partials, queries, key_gains, key_norm)
+    for c, (a, b) in enumerate(zip(fused, ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"consumer {c}")
+    torch.testing.assert_close(fused_w, ref_w, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_mw, ref_mw):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    g = torch.Generator().manual_seed(up_seed)
+    ups = [torch.randn(h.shape, generator=g) for h in ref]
+    grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(fused, ups)), leaves, allow_unused=True)
+    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref, ups)), leaves, allow_unused=True)
+    for i, (a, b) in enumerate(zip(grads, ref_grads)):
+        if b is None:  # partials[0]: consumer 0 merges nothing
+            assert a is None
+            continue
+        # fp32 sums over tokens (query gradients): compare in norm, 1e-5 is ~100 ulps
+        assert rel_err(a, b) < 1e-5, f"input {i}: relative error {rel_err(a, b):.2e}"
 
 
 @needs_interpreter
@@ -87,25 +107,7 @@ def test_one_pass_matches_reference(case):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_two_phase_matches_reference(case):
     _, C, n, B, T, d, key_norm, gains = case
-    sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains)
-    leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains) if t is not None]
-    fused, fused_w, fused_mw = two_phase("triton", sources, partials, queries, key_gains, key_norm)
-    ref, ref_w, ref_mw = two_phase("torch", sources, partials, queries, key_gains, key_norm)
-    for c, (a, b) in enumerate(zip(fused, ref)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"consumer {c}")
-    torch.testing.assert_close(fused_w, ref_w, rtol=1e-5, atol=1e-6)
-    for a, b in zip(fused_mw, ref_mw):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    g = torch.Generator().manual_seed(2)
-    ups = [torch.randn(h.shape, generator=g) for h in ref]
-    grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(fused, ups)), leaves, allow_unused=True)
-    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref, ups)), leaves, allow_unused=True)
-    for i, (a, b) in enumerate(zip(grads, ref_grads)):
-        if b is None:  # partials[0]: consumer 0 merges nothing
-            assert a is None
-            continue
-        # fp32 sums over tokens (query gradients): compare in norm, 1e-5 is ~100 ulps
-        assert rel_err(a, b) < 1e-5, f"input {i}: relative error {rel_err(a, b):.2e}"
+    assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains), key_norm, up_seed=2)
 
 
 @needs_interpreter
@@ -122,19 +124,7 @@ def test_source_chunking_does_not_change_the_result(monkeypatch, chunks):
     n, d = 5, 37
     monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), fwd_s, n_ <= fwd_s, 4,
                                                                    bwd_s, n_ <= bwd_s, unroll))
-    sources, partials, queries, key_gains = make_inputs(3, n, 2, 19, d, True, seed=3)
-    leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
-    fused_h, fused_w, _ = two_phase("triton", sources, partials, queries, key_gains, True)
-    ref_h, ref_w, _ = two_phase("torch", sources, partials, queries, key_gains, True)
-    for a, b in zip(fused_h, ref_h):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fused_w, ref_w, rtol=1e-5, atol=1e-6)
-    g = torch.Generator().manual_seed(4)
-    ups = [torch.randn(h.shape, generator=g) for h in ref_h]
-    grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(fused_h, ups)), leaves, allow_unused=True)
-    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref_h, ups)), leaves, allow_unused=True)
-    for i, (a, b) in enumerate(zip(grads, ref_grads)):
-        assert rel_err(a, b) < 1e-5, f"input {i}: relative error {rel_err(a, b):.2e}"
+    assert_two_phase_matches_reference(*make_inputs(3, n, 2, 19, d, True, seed=3), True, up_seed=4)
 
 
 def test_two_phase_reference_is_the_spec():

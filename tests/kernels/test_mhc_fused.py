@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kernels.mhc import mhc_post, mhc_post_pre, mhc_pre, reference
+from tests.helpers import rel_err
 
 # the CPU tests run the Triton kernels on CPU tensors: only under the interpreter (not on a GPU host)
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -28,10 +29,6 @@ CASES = [
     # 37 tokens in 3 blocks of 16, d = 40 in chunks of 16 (ragged), φ's gradient over 3 token splits
     ("n4_d40_chunks_gain", 4, 40, 1, 37, True, 20, (16, 16, 32, 3)),
 ]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(n, d, B, T, gain, *, dtype=torch.float32, device="cpu", seed=0):

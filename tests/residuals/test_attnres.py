@@ -348,17 +348,14 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     """fp32 backbone on ``device``: ``residual.backend=backend`` (``checkpoint_reads`` for it) against
     ``backend=torch``; the fused one's state is the fused one; outputs and every gradient."""
     from residuals.attnres import FusedState
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike, rel_err
 
     torch.manual_seed(0)
     ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=torch")).to(device)
     torch.manual_seed(0)
     fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, f"residual.backend={backend}"),
                            checkpoint_reads=checkpoint_reads).to(device)
-    with torch.no_grad():
-        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
-            p_ref.add_(0.2 * torch.randn_like(p_ref))
-            p_fused.copy_(p_ref)
+    perturb_residual_params_alike(ref, fused)
     tokens, docs = (t.to(device) for t in packed_batch(B, T, 37, n_docs=2 if T < 13 else 3))
     assert isinstance(fused.residual.begin(fused.embed(tokens), Context(docs)), FusedState)
     out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
@@ -374,7 +371,7 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
         assert (a.grad is None) == (b.grad is None), n
         if a.grad is not None:
-            err = ((b.grad.double() - a.grad.double()).norm() / a.grad.double().norm().clamp_min(1e-30)).item()
+            err = rel_err(b.grad, a.grad)
             assert err < 1e-4, f"{n}: relative error {err:.2e} (max abs {(b.grad - a.grad).abs().max().item():.2e})"
 
 

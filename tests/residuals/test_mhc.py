@@ -458,7 +458,7 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_r
     # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
     # PyTorch reference: outputs and every gradient, random upstream gradient, parameters off init;
     # also with the reads recomputed in backward (model.checkpoint_reads, on in model=small / medium).
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
 
     overrides = ("residual.norm_gain=true", "residual.output=head")
     torch.manual_seed(0)
@@ -468,10 +468,7 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_r
                            checkpoint_reads=checkpoint_reads)
     assert fused.training and fused.cfg.checkpoint_reads is checkpoint_reads
     assert fused.residual.cfg.backend == "triton" and ref.residual.cfg.backend == "auto"  # auto: torch on CPU
-    with torch.no_grad():
-        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
-            p_ref.add_(0.2 * torch.randn_like(p_ref))
-            p_fused.copy_(p_ref)
+    perturb_residual_params_alike(ref, fused)
     tokens, docs = packed_batch(1, 11, 37, n_docs=2)
     out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
     torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)

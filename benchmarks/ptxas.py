@@ -1,0 +1,44 @@
+"""Compile a Triton kernel for an H100/H200 (sm_90a) and read ptxas's resource report, without a GPU.
+
+Uses Triton's NVIDIA backend and the ``ptxas`` shipped in the triton wheel. Shared by the kernels'
+compile checks (``benchmarks.depth_attn_ptxas``, ``tests/kernels/mhc_compile.py``): registers per
+thread and spill bytes are what decide the tiles, and they need no GPU to measure.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+
+def compile_sm90(src, options: dict):
+    """``triton.compile`` of an ``ASTSource`` for sm_90 with launch ``options`` (num_warps, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_report(compiled) -> str:
+    """``ptxas -arch=sm_90a -v`` on a compiled kernel's PTX: its stderr (registers, spills, stack)."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        return subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
+                              check=True).stderr
+
+
+def registers(report: str) -> int:
+    """Registers per thread from a ptxas report."""
+    return int(re.search(r"Used (\d+) registers", report).group(1))
+
+
+def spill_stores(report: str) -> int:
+    """Spill store bytes from a ptxas report."""
+    return int(re.search(r"(\d+) bytes spill stores", report).group(1))
