@@ -13,35 +13,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from benchmarks.ptxas import compile_sm90, ptxas_report
+
 SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d3000": (1024, 3000)}
-TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 F32, I32 = "*fp32", "*i32"
 
 
 def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
     """Compile ``fn`` for sm_90a; returns ptxas's register/spill summary."""
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=TARGET,
-                            options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(kernel.asm["ptx"])
-    try:
-        res = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True,
-                             check=True)
-    finally:
-        os.unlink(f.name)
-    info = [line.split(":", 1)[-1].strip() for line in res.stderr.splitlines() if "registers" in line or "spill" in line]
+    kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs), {"num_warps": num_warps})
+    report = ptxas_report(kernel)
+    info = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
     return f"shared {kernel.metadata.shared} B | " + "; ".join(info)
 
 

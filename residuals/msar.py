@@ -118,14 +118,6 @@ class Msar(DepthAttentionResidual):
         return (cfg.view in ("conv", "identity") and cfg.placement == "streams" and cfg.expand_values
                 and cfg.query == "static" and (cfg.view == "identity" or max(cfg.kernels) <= MAX_K))
 
-    def fused_covers(self) -> bool:
-        return self.covered(self.cfg)
-
-    def _fused(self, x: Tensor) -> bool:
-        """Explicit dispatch: "triton" always (validated), "auto" on CUDA where the fused op covers
-        the configuration, "torch" never."""
-        return self.cfg.backend == "triton" or (self.cfg.backend == "auto" and x.is_cuda and self.fused_covers())
-
     def _initial_taps(self, groups: int, k: int, d: int) -> Tensor:
         if self.cfg.conv_init == "box":
             return torch.full((groups, k, d), 1.0 / k)  # causal mean over the last k tokens

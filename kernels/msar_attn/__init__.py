@@ -14,23 +14,20 @@ an error, never a silent fallback. The identity views of the ``wo_conv`` ablatio
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from ..backend import BACKENDS, check_triton_device, resolve_backend
 from . import reference
 from .reference import FUSIONS
 
-BACKENDS = ("torch", "triton")
 MAX_K = 16  # longest conv kernel the fused kernel accepts (its tap loop is unrolled)
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_inputs(x, taps, queries, key_gains, doc_ids, backend) -> None:
-    if backend not in ("auto", *BACKENDS):
-        raise ValueError(f"msar_attn: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
+def _check_inputs(x, taps, queries, key_gains, doc_ids) -> None:
     if x.dim() != 4:
         raise ValueError(f"msar_attn: x must be (S, B, T, d), got shape {tuple(x.shape)}")
     S, B, T, d = x.shape
@@ -77,10 +74,7 @@ def check_triton_supported(x: Tensor, taps: Sequence[Tensor], queries: Tensor, k
             raise ValueError(f"msar_attn: backend 'triton' computes in fp32 and takes "
                              f"{[str(dt) for dt in TRITON_DTYPES]}; {name} is {t.dtype} "
                              f"(use backend='torch' for fp64)")
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError(f"msar_attn: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set "
-                           f"before triton is imported to run on {x.device.type}; use backend='torch' "
-                           f"or backend='auto'")
+    check_triton_device(x, "msar_attn")
 
 
 def _doc_ids(doc_ids, x):
@@ -106,11 +100,10 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
         h ``(B, T, d)`` in x's dtype, and with ``return_weights`` the softmax weights
         ``(m, S, B, T)`` fp32 (fp64 from the torch backend on fp64 inputs; detached from triton).
     """
-    _check_inputs(x, taps, queries, key_gains, doc_ids, backend)
+    backend = resolve_backend(backend, x, "msar_attn")
+    _check_inputs(x, taps, queries, key_gains, doc_ids)
     _check_mixer(queries.shape[0], x.shape[-1], phi, alpha, bias, fusion, x.device)
     doc_ids = _doc_ids(doc_ids, x)
-    if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         return reference.msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm,
                               fusion=fusion, eps=eps, return_weights=return_weights)
@@ -129,10 +122,9 @@ def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Ten
     Returns:
         streams ``(m, B, T, d)`` in x's dtype, and with ``return_weights`` the weights ``(m, S, B, T)``.
     """
-    _check_inputs(x, taps, queries, key_gains, doc_ids, backend)
+    backend = resolve_backend(backend, x, "msar_attn")
+    _check_inputs(x, taps, queries, key_gains, doc_ids)
     doc_ids = _doc_ids(doc_ids, x)
-    if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
     if backend == "torch":
         return reference.msar_attn(x, taps, queries, key_gains, doc_ids, key_norm=key_norm, eps=eps,
                                    return_weights=return_weights)

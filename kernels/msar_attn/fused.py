@@ -43,7 +43,6 @@ All math is fp32 whatever x's dtype (bf16 on the GPU).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,10 +51,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..backend import interpreting
 
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

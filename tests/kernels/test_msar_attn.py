@@ -16,6 +16,7 @@ import torch
 
 from kernels.msar_attn import msar, msar_attn
 from kernels.msar_attn import reference
+from tests.helpers import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 # the CPU tests run the Triton kernels on CPU tensors: only under the interpreter
@@ -48,10 +49,6 @@ def make_inputs(S, B, T, d, kernels, gains, *, dtype=torch.float32, device="cpu"
     alpha = rand(scale=0.3, shift=0.7)
     bias = rand(m)
     return x, taps, queries, key_gains, doc_ids_for(B, T, g, device), phi, alpha, bias
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def _blocks(bt, bd, sub=2, bwd_bd=None):

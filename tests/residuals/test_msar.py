@@ -226,17 +226,14 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, extra)
     # The whole backbone with residual.backend=triton (the fused op, mixer included, under Triton's
     # interpreter on CPU) against the PyTorch reference: outputs and every gradient, random upstream
     # gradient, packed documents.
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
 
     torch.manual_seed(0)
     ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]", *extra))
     torch.manual_seed(0)
     fused = build_backbone(name, vocab=37, n_blocks=2,
                            residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton", *extra))
-    with torch.no_grad():
-        for p_ref, p_fused in zip(ref.residual.parameters(), fused.residual.parameters()):
-            p_ref.add_(0.2 * torch.randn_like(p_ref))
-            p_fused.copy_(p_ref)
+    perturb_residual_params_alike(ref, fused)
     tokens, docs = packed_batch(1, 11, 37, n_docs=2)
     out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
     torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
