@@ -198,7 +198,7 @@ class LMModule(L.LightningModule):
     # Exact resume: carry every RNG the run might touch (the data order is a function of the step).
     def on_save_checkpoint(self, checkpoint):
         # Never write a checkpoint that cannot be resumed: a diverged update leaves non-finite weights.
-        if not all(torch.isfinite(p).all() for p in self.parameters()):
+        if not torch.stack([torch.isfinite(p).all() for p in self.parameters()]).all():  # one host sync
             ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none yet"
             raise NonFiniteLossError(f"parameters are not finite after step {self.global_step}; stopping "
                                      f"without writing a checkpoint. Last good checkpoint: {ckpt}")
