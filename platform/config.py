@@ -197,6 +197,9 @@ def validate(cfg: DictConfig) -> None:
     the key, its value, why and the valid choices."""
     import residuals
 
+    from .model import ATTENTION_BACKENDS, RECOMPUTE
+    from .moe import MOE_IMPLS
+
     m, t = cfg.model, cfg.trainer
     for key in ("d_model", "n_blocks", "n_heads", "n_kv_heads", "seq_len", "dense_hidden", "n_experts",
                 "top_k", "expert_hidden"):
@@ -215,13 +218,13 @@ def validate(cfg: DictConfig) -> None:
                           f"1..{m.n_experts}")
     if m.n_shared < 0:
         raise ConfigError("model.n_shared", m.n_shared, "must be >= 0", ">= 0")
-    _choice("model.moe_impl", m.moe_impl, ("grouped_mm", "sliced"))
+    _choice("model.moe_impl", m.moe_impl, MOE_IMPLS)
     if m.moe_impl == "grouped_mm" and (m.d_model % 8 or m.expert_hidden % 8):
         key = "model.d_model" if m.d_model % 8 else "model.expert_hidden"
         raise ConfigError(key, m[key.split(".")[1]], "model.moe_impl=grouped_mm needs multiples of 8 "
                           "(grouped GEMM alignment)", "a multiple of 8, or model.moe_impl=sliced")
-    _choice("model.attention", m.attention, ("auto", "flex", "sdpa"))
-    _choice("model.recompute", m.recompute, ("none", "attention", "mlp", "full"))
+    _choice("model.attention", m.attention, ATTENTION_BACKENDS)
+    _choice("model.recompute", m.recompute, RECOMPUTE)
     _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
     if m.attention == "flex" and t.accelerator == "cpu":
         raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "

@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torchmetrics.text import Perplexity
 
 from . import accounting
+from .env import GPU_SAFE_DEFAULTS
 from .model import Backbone
 from .moe import update_biases
 
@@ -30,8 +31,7 @@ from .moe import update_biases
 # Multi-GPU runs keep NVLink multicast (NVLS) off unless the environment says otherwise: hosts whose
 # GPUs are partitioned or virtualised lack it, and NCCL / symmetric memory then fail at start-up.
 # Set here, at import, so Lightning's DDP launcher hands them to every rank it starts.
-MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-for _key, _value in MULTI_GPU_ENV.items():
+for _key, _value in GPU_SAFE_DEFAULTS.items():
     os.environ.setdefault(_key, _value)
 
 
@@ -198,7 +198,7 @@ class LMModule(L.LightningModule):
     # Exact resume: carry every RNG the run might touch (the data order is a function of the step).
     def on_save_checkpoint(self, checkpoint):
         # Never write a checkpoint that cannot be resumed: a diverged update leaves non-finite weights.
-        if not all(torch.isfinite(p).all() for p in self.parameters()):
+        if not torch.stack([torch.isfinite(p).all() for p in self.parameters()]).all():  # one host sync
             ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none yet"
             raise NonFiniteLossError(f"parameters are not finite after step {self.global_step}; stopping "
                                      f"without writing a checkpoint. Last good checkpoint: {ckpt}")

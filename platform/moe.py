@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+MOE_IMPLS = ("grouped_mm", "sliced")  # model.moe_impl: the grouped GEMM and its reference twin
 
 
 def grouped_matmul(x: Tensor, w: Tensor, offsets: Tensor, impl: str) -> Tensor:
@@ -37,7 +38,7 @@ def grouped_matmul(x: Tensor, w: Tensor, offsets: Tensor, impl: str) -> Tensor:
         starts = [0] + ends[:-1]
         return torch.cat([x[s:e] @ w[g].to(x.dtype) for g, (s, e) in enumerate(zip(starts, ends))], dim=0)
     if impl != "grouped_mm":
-        raise ValueError(f"unknown grouped matmul impl {impl!r}; choose grouped_mm or sliced")
+        raise ValueError(f"unknown grouped matmul impl {impl!r}; choose {' or '.join(MOE_IMPLS)}")
     if _grouped_mm is None:
         raise RuntimeError("this torch has no grouped_mm; use model.moe_impl=sliced")
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype

@@ -44,6 +44,8 @@ from typing import Optional
 
 import numpy as np
 
+from .env import machine_description, repo_path
+
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -311,8 +313,7 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tupl
     from .config import compose, validate
     from .train import train
 
-    out_dir = Path(sc.out_dir) if sc.out_dir else _root() / "outputs" / "scaling" / sc.name
-    out_dir = out_dir if out_dir.is_absolute() else _root() / out_dir
+    out_dir = repo_path(sc.out_dir or Path("outputs", "scaling", sc.name))
     cfgs = []
     for size, steps in zip(sc.sizes, sc.steps):  # compose and validate everything before training anything
         for variant in sc.variants:
@@ -355,20 +356,6 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tupl
                             float(metrics.get("final/val_loss", math.nan)),
                             float(metrics.get("final/wall_s", math.nan)), run.info.run_id, trained_now))
     return points, missing
-
-
-def machine_description() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    return f"{os.cpu_count()}-core CPU, torch {torch.__version__}"
-
-
-def _root() -> Path:
-    from .config import REPO_ROOT
-
-    return REPO_ROOT
 
 
 # --- report -----------------------------------------------------------------------------------------------
@@ -472,21 +459,16 @@ def plot(points: list[Point], analysis: dict, out: Path, title: str) -> Path:
 
 
 def run_scaling(sc: ScalingConfig, base: Sequence[str], command: str) -> dict:
-    import mlflow
-
     from . import tracking
-    from .config import compose, tracking_uri
+    from .config import compose
 
     cfg0 = compose(*base, *size_overrides(sc.sizes[0]), variant_override(sc.variants[0]))
-    uri = tracking_uri(cfg0)
-    client = mlflow.MlflowClient(uri)
-    exp_id = tracking.ensure_experiment(client, cfg0.mlflow.experiment, uri)
-    tracking.reap_orphans(client, exp_id)
+    client, _, exp_id = tracking.open_experiment(cfg0)  # the store prepared under its lock, orphans reaped
     points, missing = collect(sc, base, client, exp_id)
     if not any(math.isfinite(p.loss) for p in points):
         raise ValueError(f"no finished runs to fit: {len(missing)} missing, e.g. {missing[0] if missing else '-'}"
                          + ("; run with scaling.train=true to train them" if not sc.train else ""))
-    report_dir = Path(sc.report_dir) if Path(sc.report_dir).is_absolute() else _root() / sc.report_dir
+    report_dir = repo_path(sc.report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     analysis = analyse(points, sc)
     text = markdown(points, analysis, sc, command, machine_description(), base)

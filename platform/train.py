@@ -124,6 +124,8 @@ def preflight(cfg: DictConfig, cli_overrides: list[str] | None = None) -> tuple[
 
 def _resume_config(cfg: DictConfig, ckpt: Path, cli_overrides: list[str] | None) -> DictConfig:
     """The saved config of the run being resumed, plus the few overrides a resume may change."""
+    import yaml
+
     saved_path = ckpt.parent.parent / "config.yaml"
     if not saved_path.is_file():
         raise ConfigError("resume", ckpt, f"the run's resolved config {saved_path} is missing", RESUME_VALID)
@@ -143,21 +145,13 @@ def _resume_config(cfg: DictConfig, ckpt: Path, cli_overrides: list[str] | None)
         merged = saved
         for ov in cli_overrides:
             key, _, value = ov.partition("=")
-            if key in ("resume", "+resume"):
-                continue
-            if key.startswith("hydra."):
+            if key in ("resume", "+resume") or key.startswith("hydra."):
                 continue
             if key not in RESUME_OVERRIDABLE:
                 raise ConfigError(key, value, "cannot be changed when resuming a run", RESUME_OVERRIDABLE)
-            OmegaConf.update(merged, key, yaml_value(value))
+            OmegaConf.update(merged, key, yaml.safe_load(value))
     merged.resume = str(ckpt)
     return merged
-
-
-def yaml_value(text: str):
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 def _run_dir(cfg: DictConfig) -> Path:
@@ -353,10 +347,10 @@ def _log_end_of_run(logger, cfg, module, dm, run_dir: Path, result: RunResult, *
     if cfg.mlflow.depth_heatmaps:
         recorded = record_depth_weights(module, dm, device)
         if recorded:
-            kind = "depth attention" if hasattr(_residual_of(module), "n_sources") else "residual coefficients"
-            title = f"{kind}: {run_name(cfg)}"
-            heat = plots.plot_depth_weights(recorded, run_dir / "depth_attention.png", title,
-                                            residual=_residual_of(module))
+            residual = _residual_of(module)
+            kind = "depth attention" if hasattr(residual, "n_sources") else "residual coefficients"
+            heat = plots.plot_depth_weights(recorded, run_dir / "depth_attention.png", f"{kind}: {run_name(cfg)}",
+                                            residual=residual)
             client.log_artifact(run_id, str(heat), artifact_path="plots")
             (run_dir / "depth_attention.json").write_text(
                 json.dumps({k: v.tolist() for k, v in recorded.items()}))

@@ -9,7 +9,7 @@ compiled kernel is compared with the reference on CUDA (`gpu` marker).
 import pytest
 import torch
 
-from platform.model import Attention, AttentionMask, attention_backend, build_attention_mask
+from platform.model import Attention, attention_backend, build_attention_mask
 from tests.helpers import build_backbone, packed_batch, tiny_model_cfg
 
 # Eager FlexAttention (the CPU path) warns that it is unfused: that is the point of the reference here.
