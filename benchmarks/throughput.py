@@ -30,7 +30,6 @@ import torch.nn.functional as F
 
 from benchmarks.roofline import Table
 
-MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def build(model_name: str, residual: str, vocab: int, overrides: list[str], device: str):
@@ -139,7 +138,9 @@ def time_ddp(world: int, job: dict) -> tuple[float, float]:
 
     import torch.multiprocessing as mp
 
-    for key, value in MULTI_GPU_ENV.items():
+    from platform.env import GPU_SAFE_DEFAULTS
+
+    for key, value in GPU_SAFE_DEFAULTS.items():
         os.environ.setdefault(key, value)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -35,7 +35,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -517,16 +516,13 @@ def _log(client, exp_id: str, sc: ScalingConfig, base, analysis: dict, files: di
 
 
 def main(argv: Sequence[str] | None = None):
-    from .config import register_configs
-    from .run import preload_plugins
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return None
-    preload_plugins(argv)
-    register_configs()
     from hydra.errors import OverrideParseException
+
+    from .cli import start
+
+    argv = start(argv, __doc__)
+    if argv is None:  # --help
+        return None
 
     try:
         sc, base = parse_args(argv)
