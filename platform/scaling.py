@@ -516,19 +516,15 @@ def _log(client, exp_id: str, sc: ScalingConfig, base, analysis: dict, files: di
 
 
 def main(argv: Sequence[str] | None = None):
-    from hydra.errors import OverrideParseException
-
-    from .cli import start
+    from .cli import one_line_errors, start
 
     argv = start(argv, __doc__)
     if argv is None:  # --help
         return None
 
-    try:
+    with one_line_errors(argv):
         sc, base = parse_args(argv)
         result = run_scaling(sc, base, command="python -m platform.scaling " + " ".join(argv))
-    except (ValueError, OverrideParseException) as e:
-        raise SystemExit(f"error: {e}") from None
     if result["missing"]:
         raise SystemExit(1)
     return result

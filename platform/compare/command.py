@@ -228,18 +228,16 @@ def log_comparison(client, exp_id, name, cc, base, rows: list[Row], out_dir: Pat
 
 
 def main(argv: Sequence[str] | None = None):
-    from ..cli import start
+    from ..cli import one_line_errors, start
     from . import __doc__ as compare_doc
     from .plan import parse_args
 
     argv = start(argv, compare_doc)
     if argv is None:
         return None
-    try:
+    with one_line_errors(argv):
         cc, base = parse_args(argv)
         text, rows = run_compare(cc, base, command="python -m platform.compare " + " ".join(argv))
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from e
     expected = len(cc.seeds) if cc.seeds is not None else 1
     if any(len(r.records) < expected for r in rows):
         raise SystemExit(1)

@@ -336,3 +336,12 @@ def test_missing_runs_are_shared_over_workers_one_gpu_each(monkeypatch, tmp_path
     assert {g for _, _, g, _, _ in seen[:2]} == {"4", "7"} and {n for *_, n, _ in seen} == {"0"}
     assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], ["0", "1", "2"]) == 3
     assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], []) == 1
+
+
+def test_a_misspelt_compare_key_is_one_line_naming_it():
+    from platform.compare import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["compare.nokey=1"])
+    message = str(exc.value.code)
+    assert message.startswith("error: ") and "nokey" in message and "\n" not in message, message
