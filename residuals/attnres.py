@@ -337,6 +337,7 @@ class AttnRes(DepthAttentionResidual):
             None if gain is None else split_heads(gain[0], heads),  # (H, d/H)
             key_norm=self.cfg.key_norm,
             return_weights=True,
+            backend="torch",  # the reference path: the fused path is begin/read/write's FusedState
         )  # out (H, B, T, d/H), weights (H, S, B, T)
         self._record(ctx, consumer, weights)
         return merge_heads(out)  # (B, T, d)

@@ -158,13 +158,15 @@ class Msar(DepthAttentionResidual):
             self._record(ctx, consumer, weights)
             return h
         if self.cfg.placement == "post":
-            h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True)  # (1, B, T, d)
+            h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True,
+                                    backend="torch")  # (1, B, T, d)
             streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
         else:
             views = self.expand(x, consumer, ctx.doc_ids)  # (m, S, B, T, d)
             values, keys = (views, None) if self.cfg.expand_values else (x, views)
             streams, weights = depth_attn(values, queries, gain, key_sources=keys,
-                                          key_norm=self.cfg.key_norm, return_weights=True)  # (m, B, T, d)
+                                          key_norm=self.cfg.key_norm, return_weights=True,
+                                          backend="torch")  # (m, B, T, d)
         self._record(ctx, consumer, weights)  # weights (V, S, B, T)
         return self._fuse(streams, consumer)
 

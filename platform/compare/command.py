@@ -38,6 +38,15 @@ def train_run(base: Sequence[str], variant: Variant, seed: int, run_dir: Path, e
         return subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
 
 
+def trained_on(rows: list[Row]) -> str:
+    """The devices the table's runs were trained on (their platform.device tags), with run counts."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        for x in r.records:
+            counts[x.device or "not recorded"] = counts.get(x.device or "not recorded", 0) + 1
+    return ", ".join(f"{device} ({n} runs)" for device, n in sorted(counts.items())) or "no runs"
+
+
 def n_workers(cc: CompareConfig, gpus: list[str]) -> int:
     return cc.workers if cc.workers > 0 else max(1, len(gpus))
 
@@ -98,6 +107,7 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
 
     index, seeds_of = lookup()
     jobs = [(v, s) for v in variants for s in seeds_of[v.name] if not index[v.name].get((keys[v.name], s))]
+    jobs.sort(key=lambda job: job[1])  # seed by seed: a study cut short still holds whole seeds of every variant
     codes: dict[tuple[str, int], int] = {}
     if cc.train and jobs:
         print(f"{len(jobs)} run(s) to train, {workers} at a time"
@@ -139,7 +149,8 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
             f"# Comparison `{name}`",
             "",
             f"- command: `{command or 'python -m platform.compare'}`",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; machine: {machine_description()}",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; report written on: {machine_description()}; runs trained "
+            f"on: {trained_on(rows)}",
             f"- model `{cfg0.model.name}`, {t.max_steps} steps x {cfg0.data.batch_size} x {cfg0.model.seq_len} tokens "
             f"= {budgets[variants[0].name]:,} training tokens per run (every variant); data order: a function of "
             f"the seed only, the same for every variant of a seed; MLflow experiment `{cfg0.mlflow.experiment}` "

@@ -32,6 +32,7 @@ class RunRecord:
     trained_now: bool = False
     val_wall_s: list[float] = field(default_factory=list)  # seconds from the run's start to each validation
     wall_s: float = math.nan  # the run's training wall time (final/wall_s)
+    device: str = ""  # what trained it (the platform.device tag; "" when the run predates the tag)
 
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:
@@ -116,4 +117,5 @@ def record_of(client, run, seed: int, trained_now: bool = False) -> RunRecord:
     return RunRecord(seed, run.info.run_id, float(final), tps, float(metrics.get("perf/peak_mem_mb", math.nan)),
                      [(m.step, m.value) for m in val], trained_now,
                      val_wall_s=[max(0.0, (m.timestamp - start) / 1000) for m in val],
-                     wall_s=float(metrics.get("final/wall_s", math.nan)))
+                     wall_s=float(metrics.get("final/wall_s", math.nan)),
+                     device=run.data.tags.get(tracking.DEVICE_TAG, ""))

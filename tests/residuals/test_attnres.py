@@ -351,9 +351,13 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike, rel_err
 
     torch.manual_seed(0)
-    ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, "residual.backend=torch")).to(device)
+    # SDPA attention: the comparison is of the residual, and FlexAttention's compiled kernel finds no
+    # valid configuration for this fp32 backbone on an H200 (inductor NoValidChoicesError).
+    ref = build_backbone(name, vocab=37, n_blocks=2, attention="sdpa",
+                         residual_overrides=(*overrides, "residual.backend=torch")).to(device)
     torch.manual_seed(0)
-    fused = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=(*overrides, f"residual.backend={backend}"),
+    fused = build_backbone(name, vocab=37, n_blocks=2, attention="sdpa",
+                           residual_overrides=(*overrides, f"residual.backend={backend}"),
                            checkpoint_reads=checkpoint_reads).to(device)
     perturb_residual_params_alike(ref, fused)
     tokens, docs = (t.to(device) for t in packed_batch(B, T, 37, n_docs=2 if T < 13 else 3))

@@ -128,3 +128,35 @@ def test_checkpointed_reads_give_identical_loss_and_gradients(name):
             assert pb.grad is None, n
         else:
             torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-6, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_backend_asks_every_kernel_for_its_reference(name, monkeypatch):
+    """With residual.backend=torch every kernel entry point the mechanism calls is asked for backend
+    'torch' explicitly. A call that leaves it at 'auto' would run the fused kernel on a GPU (and fail
+    where the fused op does not cover the call, as the heads-split reference path did), so the
+    reference backend would not be the reference there."""
+    import kernels.depth_attn
+    import kernels.mhc
+    import kernels.msar_attn
+
+    from platform.config import residual_config
+    from tests.helpers import make_cfg
+
+    if "backend" not in {f.name for f in dataclasses.fields(residual_config(make_cfg(f"residual={name}")))}:
+        pytest.skip(f"{name} has no backend choice")
+    asked = []
+    for module in (kernels.depth_attn, kernels.mhc, kernels.msar_attn):
+        original = module.resolve_backend
+
+        def recording(backend, x, op, _original=original):
+            asked.append((op, backend))
+            return _original(backend, x, op)
+
+        monkeypatch.setattr(module, "resolve_backend", recording)
+    torch.manual_seed(0)
+    m = build_backbone(name, vocab=VOCAB, residual_overrides=("residual.backend=torch",)).train()
+    tokens, docs = packed_batch(2, 11, VOCAB, n_docs=2)
+    m(tokens, docs).backward(torch.randn(2, 11, VOCAB))
+    assert asked, f"{name}: no kernel entry point was called"
+    assert {b for _, b in asked} == {"torch"}, f"{name}: kernels asked for {sorted(set(asked))}"

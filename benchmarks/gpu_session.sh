@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# The GPU work of one session, as lanes that run side by side, one per GPU of the host, each a list
+# of steps with its own time limit; every step logs to OUTDIR/<lane>.<step>.txt and adds a line
+# (exit code, seconds) to OUTDIR/summary.txt. A failing step does not stop its lane.
+#   bash benchmarks/gpu_session.sh PLAN [OUTDIR]
+# PLAN:
+#   check    GPU 0: the GPU tests, fused MSAR parity, training parity of the fused backends;
+#            GPU 1: the throughput table of every study residual, then a 4-run rehearsal of the
+#            study on that one GPU (how much sharing a GPU between runs buys)
+#   study    the paper_small comparison over both GPUs (STUDY_STEPS, STUDY_WORKERS runs at once), and
+#            beside it the GPU tests and the training parity of the fused backends (correctness only:
+#            they share the GPUs with the study)
+#   final    what a cut-short study left (its runs are read back from the carried MLflow store) on GPU 0,
+#            the throughput table alone on GPU 1, the scaling runs beside them, then the fit
+#   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; meanwhile the
+#            scaling fit's runs as parallel lanes (GPU 0 first, GPU 1 once the table is done), then the fit
+# Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
+# results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
+# (default OUTDIR.tar.gz), so the runs can be read back on another machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PLAN=${1:?plan: check | study | scaling}
+OUTDIR=${2:-benchmarks/results/gpu_session}
+ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
+mkdir -p "$OUTDIR"
+export MLFLOW_DISABLE_TELEMETRY=true HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/hydra ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+touch "$OUTDIR/.started"
+
+# step LANE NAME LIMIT CMD...: run CMD under a time limit, log it, record the result.
+step() {
+  local lane=$1 name=$2 limit=$3; shift 3
+  local t0=$SECONDS log="$OUTDIR/$lane.$name.txt"
+  { echo "# \`$*\` ($(date -u +%FT%TZ), CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all})"; timeout "$limit" "$@"; } > "$log" 2>&1
+  local rc=$?
+  printf '%-6s %-22s rc=%-3s %4ss  %s\n' "$lane" "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$OUTDIR/summary.txt"
+}
+
+STUDY=(python3 -m platform.compare compare=paper_small mlflow.depth_heatmaps=false)
+# scale LANE NAME SIZES STEPS VARIANTS: one piece of the scaling fit (the pieces share the MLflow store)
+scale() {
+  step "$1" "scaling_$2" "${SCALING_LIMIT:-500}" python3 -m platform.scaling trainer=gpu data=large \
+    mlflow.depth_heatmaps=false scaling.fit=false "scaling.sizes=$3" "scaling.steps=$4" "scaling.variants=$5"
+}
+case "$PLAN" in
+  check)
+    (
+      export CUDA_VISIBLE_DEVICES=0
+      step gpu0 gpu_tests 210 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu tests/kernels \
+        tests/residuals tests/platform/test_gpu.py
+      step gpu0 msar_attn 100 python3 -m benchmarks.msar_attn --shapes small --sources 5 --no-compile
+      step gpu0 backend_training 220 python3 -m benchmarks.backend_training --residuals attnres_block msar_block mhc \
+        --steps 60
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      step gpu1 throughput 250 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+        attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
+      step gpu1 rehearsal 220 "${STUDY[@]}" compare.runs=[vanilla,msar_block] compare.references=[vanilla] \
+        compare.seeds=[0,1] compare.workers=4 compare.name=rehearsal trainer.max_steps=150 trainer.val_every=50 \
+        compare.report=benchmarks/results/compare_rehearsal.md
+    ) &
+    wait
+    ;;
+  study)
+    step all study "${STUDY_LIMIT:-500}" "${STUDY[@]}" compare.workers="${STUDY_WORKERS:-8}" \
+      trainer.max_steps="${STUDY_STEPS:-400}" trainer.val_every=50 ${STUDY_ARGS:-} &
+    (
+      step tests gpu_tests 420 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu tests/kernels \
+        tests/residuals tests/platform/test_gpu.py
+      step tests backend_training 200 python3 -m benchmarks.backend_training --residuals attnres_block msar_block \
+        mhc --steps 60
+    ) &
+    wait
+    ;;
+  scaling)
+    python3 -c "import mlflow; mlflow.MlflowClient('sqlite:///mlruns/mlflow.db').search_experiments()" >/dev/null 2>&1
+    (
+      export CUDA_VISIBLE_DEVICES=0
+      scale gpu0 msar_m [scale_m] [700] [msar_block] &
+      scale gpu0 msar_small [small] [500] [msar_block] &
+      scale gpu0 vanilla [scale_xs,scale_s,small,scale_m] [250,350,500,700] [vanilla] &
+      scale gpu0 attnres_xs_s [scale_xs,scale_s] [250,350] [attnres_block] &
+      wait
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      step gpu1 throughput 200 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+        attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
+      scale gpu1 msar_xs_s [scale_xs,scale_s] [250,350] [msar_block] &
+      scale gpu1 attnres_small_m [small,scale_m] [500,700] [attnres_block] &
+      wait
+    ) &
+    wait
+    step all scaling_fit 120 python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false \
+      scaling.train=false
+    ;;
+  final)
+    python3 -c "import mlflow; mlflow.MlflowClient('sqlite:///mlruns/mlflow.db').search_experiments()" >/dev/null 2>&1
+    (
+      export CUDA_VISIBLE_DEVICES=0 SCALING_LIMIT=450
+      step gpu0 study 450 "${STUDY[@]}" compare.workers=4 trainer.max_steps="${STUDY_STEPS:-400}" trainer.val_every=50 &
+      scale gpu0 msar_small [small] [500] [msar_block] &
+      scale gpu0 vanilla [scale_xs,scale_s,small] [250,350,500] [vanilla] &
+      wait
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=1 SCALING_LIMIT=320
+      step gpu1 throughput 190 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+        attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
+      scale gpu1 msar_xs_s [scale_xs,scale_s] [250,350] [msar_block] &
+      scale gpu1 attnres_block [scale_xs,scale_s,small] [250,350,500] [attnres_block] &
+      wait
+    ) &
+    wait
+    step all scaling_fit 60 python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false \
+      scaling.train=false
+    ;;
+  last)
+    (
+      export CUDA_VISIBLE_DEVICES=0 SCALING_LIMIT=${PIECE_LIMIT:-115}
+      scale gpu0 attnres_block [scale_xs,scale_s,small] [250,350,500] [attnres_block] &
+      scale gpu0 msar_small [small] [500] [msar_block] &
+      wait
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=1 SCALING_LIMIT=${PIECE_LIMIT:-115}
+      scale gpu1 msar_xs_s [scale_xs,scale_s] [250,350] [msar_block]
+    ) &
+    wait
+    step all scaling_fit 20 python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false \
+      scaling.train=false scaling.n_boot=300
+    ;;
+  *) echo "unknown plan $PLAN: check | study | scaling" >&2; exit 2 ;;
+esac
+find benchmarks/results -maxdepth 1 -newer "$OUTDIR/.started" -type f -exec cp {} "$OUTDIR/" \;
+cat "$OUTDIR/summary.txt"
+tar czf "$ARCHIVE" "$OUTDIR" $( [ -d mlruns ] && echo mlruns ) $(ls -d outputs/compare/*/runs/*/train.log 2>/dev/null)
