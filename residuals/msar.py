@@ -159,7 +159,7 @@ class Msar(DepthAttentionResidual):
             return h
         if self.cfg.placement == "post":
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True,
-                                    backend="torch")  # (1, B, T, d)
+                                    backend=self._post_backend())  # (1, B, T, d)
             streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
         else:
             views = self.expand(x, consumer, ctx.doc_ids)  # (m, S, B, T, d)
@@ -169,6 +169,13 @@ class Msar(DepthAttentionResidual):
                                           backend="torch")  # (m, B, T, d)
         self._record(ctx, consumer, weights)  # weights (V, S, B, T)
         return self._fuse(streams, consumer)
+
+    def _post_backend(self) -> str:
+        """The backend of placement=post's single depth attention: Block AttnRes's op with static queries,
+        so `auto` hands it to kernels/depth_attn (fused on CUDA, reference on CPU) while the convs and the
+        mixer run in PyTorch; `torch` (and any per-token query, which the fused op does not take) keeps the
+        reference. (`triton` is refused for post by validate: the whole read is not one fused op.)"""
+        return "auto" if self.cfg.backend == "auto" and self.cfg.query == "static" else "torch"
 
     def _fuse(self, streams: Tensor, consumer: int) -> Tensor:
         """h = Σ_j g_j r^{(j)} with g = σ(α·RMSNorm(vec R)·φ + b) (or softmax); fp32 like mHC's φ

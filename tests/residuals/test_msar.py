@@ -253,3 +253,47 @@ def test_fused_kernel_refuses_what_it_does_not_compute():
                   "residual.query=input", "residual.kernels=[4,17]"):
         with pytest.raises(ValueError, match=r"residual.backend='triton'.*use residual.backend=torch or auto"):
             validate(make_cfg("residual=msar_block", "residual.backend=triton", extra))
+
+
+# --- placement=post: its single depth attention is Block AttnRes's op ------------------------------------
+@pytest.mark.parametrize("backend, query, asked", [("auto", "static", "auto"), ("torch", "static", "torch"),
+                                                    ("auto", "input", "torch")])
+def test_post_placement_hands_its_depth_attention_to_the_fused_op_under_auto(backend, query, asked, monkeypatch):
+    # `auto` lets kernels/depth_attn pick (fused on CUDA); `torch` and per-token queries keep the reference.
+    import kernels.depth_attn
+
+    seen = []
+    original = kernels.depth_attn.resolve_backend
+    monkeypatch.setattr(kernels.depth_attn, "resolve_backend",
+                        lambda b, x, op: seen.append(b) or original(b, x, op))
+    res = make("msar_block", placement="post", backend=backend, query=query, block_size=2)
+    FakeStack()(res, embedding(), Context(DOC_IDS))
+    assert seen and set(seen) == {asked}
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused depth attention on CPU tensors needs TRITON_INTERPRET=1")
+def test_post_placement_with_the_fused_depth_attention_matches_the_reference(monkeypatch):
+    # What `auto` runs on CUDA, here under the interpreter: the fused depth attention inside the post
+    # path, against the all-reference read; every read, the output and every gradient.
+    import kernels.depth_attn
+
+    fields = {"placement": "post", "block_size": 2, "taps": "per_block"}
+    ref = randomize(make("msar_block", **fields, backend="torch"))
+    fused = make("msar_block", **fields, backend="auto")
+    fused.load_state_dict(ref.state_dict())
+    original, fused_calls = kernels.depth_attn.resolve_backend, []
+    monkeypatch.setattr(kernels.depth_attn, "resolve_backend",
+                        lambda b, x, op: fused_calls.append(op) or "triton" if b == "auto" else original(b, x, op))
+    stack = FakeStack()
+    with torch.no_grad():
+        _, reads_ref, _, _ = stack(ref, embedding(), Context(DOC_IDS))
+        _, reads_fused, _, _ = stack(fused, embedding(), Context(DOC_IDS))
+    for consumer, (a, b) in enumerate(zip(reads_fused, reads_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"consumer {consumer}")
+    out_ref, grads_ref = grads_through_stack(ref, stack)
+    out_fused, grads_fused = grads_through_stack(fused, stack)
+    torch.testing.assert_close(out_fused, out_ref, rtol=1e-5, atol=1e-5)
+    for k in sorted(grads_ref):
+        torch.testing.assert_close(grads_fused[k], grads_ref[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert fused_calls, "the post path never asked for the fused depth attention"
