@@ -158,8 +158,15 @@ class Msar(DepthAttentionResidual):
             self._record(ctx, consumer, weights)
             return h
         if self.cfg.placement == "post":
+            backend = self._post_backend()
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True,
-                                    backend=self._post_backend())  # (1, B, T, d)
+                                    backend=backend)  # (1, B, T, d)
+            if backend == "auto":  # views of h and the mixer as the MSAR op over one source (every weight 1)
+                self._record(ctx, consumer, weights)
+                zero = self.queries.weight.new_zeros(self.n_views, x.shape[-1])  # (m, d): one source, no choice
+                return msar_fused(h, self._view_taps(consumer, x), zero, None, ctx.doc_ids, self.fusion_proj[consumer],
+                                  self.fusion_scale[consumer], self.fusion_bias[consumer], key_norm=False,
+                                  fusion=self.cfg.fusion, backend="auto")  # (B, T, d)
             streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
         else:
             views = self.expand(x, consumer, ctx.doc_ids)  # (m, S, B, T, d)
@@ -171,11 +178,14 @@ class Msar(DepthAttentionResidual):
         return self._fuse(streams, consumer)
 
     def _post_backend(self) -> str:
-        """The backend of placement=post's single depth attention: Block AttnRes's op with static queries,
-        so `auto` hands it to kernels/depth_attn (fused on CUDA, reference on CPU) while the convs and the
-        mixer run in PyTorch; `torch` (and any per-token query, which the fused op does not take) keeps the
-        reference. (`triton` is refused for post by validate: the whole read is not one fused op.)"""
-        return "auto" if self.cfg.backend == "auto" and self.cfg.query == "static" else "torch"
+        """The backend of placement=post's read, two ops: Block AttnRes's depth attention (kernels/depth_attn)
+        and then the MSAR op over that one source h (kernels/msar_attn: the m conv views of h and the
+        mixer; with one source every view's softmax weight is 1). `auto` hands both to their kernels
+        (fused on CUDA, their references on CPU) for static queries and kernel sizes the fused op takes;
+        `torch` (and per-token queries) keeps the residual's own reference. (`triton` is refused for post by
+        validate: the read is two ops, not one.)"""
+        ok = self.cfg.query == "static" and self.cfg.view == "conv" and max(self.cfg.kernels) <= MAX_K
+        return "auto" if self.cfg.backend == "auto" and ok else "torch"
 
     def _fuse(self, streams: Tensor, consumer: int) -> Tensor:
         """h = Σ_j g_j r^{(j)} with g = σ(α·RMSNorm(vec R)·φ + b) (or softmax); fp32 like mHC's φ
