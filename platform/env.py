@@ -8,8 +8,12 @@ before those read their environment. Nothing here imports a heavy library at mod
 from __future__ import annotations
 
 import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Sequence, TypeVar
+
+T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,6 +89,29 @@ def check_workers(workers: int, gpus: list[str], devices: int, key: str) -> None
     if gpus and workers > len(gpus):
         print(f"note: {key}={workers} workers on {len(gpus)} GPU(s) {','.join(gpus)}: GPUs are shared round robin",
               flush=True)
+
+
+def run_in_slots(jobs: Sequence[T], workers: int, gpus: list[str],
+                 launch: Callable[[T, dict[str, str], bool], int]) -> list[int]:
+    """Run ``launch(job, env, parallel)`` for every job, ``workers`` at a time, in order; returns the exit
+    codes in job order. A queue of worker slots: slot i's environment holds GPU i (round robin over
+    ``gpus``; none on a CPU machine). With one worker the jobs run one after the other and each sees every
+    GPU; ``parallel`` says whether others run beside it (e.g. to send its output to a log file)."""
+    slots: queue.Queue[int] = queue.Queue()
+    for i in range(workers):
+        slots.put(i)
+
+    def one(job):
+        slot = slots.get()
+        try:
+            return launch(job, worker_env(slot, gpus if workers > 1 else []), workers > 1)
+        finally:
+            slots.put(slot)
+
+    if workers == 1:
+        return [one(job) for job in jobs]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, jobs))
 
 
 def worker_index(environ: Mapping[str, str] | None = None) -> int:

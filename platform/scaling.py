@@ -6,11 +6,12 @@
 Each variant is trained at every size (`scaling.sizes`: model presets, optionally followed by
 overrides, quoted on the command line: `scaling.sizes=[tiny,'tiny model.d_model=32']`;
 `scaling.steps`: trainer.max_steps per size) and seed,
-in this process through `platform.train.train` (configs from Hydra's Compose API, as sweeps do).
+in this process through `platform.train.train` (configs from Hydra's Compose API, as sweeps do), or
+with `scaling.workers=N` as N processes at a time, worker i on GPU i (`scaling.workers=0`: one per
+visible GPU; more workers than GPUs share them), each a `scaling.fit=false` command for one point.
 A run already FINISHED in MLflow with the same config (tag `scaling.key`: a hash of the model,
 data, trainer and residual config and the seed, without knobs that do not change the numbers) is
-read instead of trained, so the command resumes, and one process per GPU can share the work
-(`scaling.variants=[...]` on each, then `scaling.train=false` to fit them all).
+read instead of trained, so the command resumes (a killed study loses only its unfinished runs).
 
 Compute of a run: training FLOPs = 3 x the analytic forward FLOPs per token (the backbone's,
 `platform.accounting`, plus the residual's own extra) x the training tokens (backward ~ 2x forward).
@@ -35,6 +36,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -49,6 +51,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+SAFE_NAME = re.compile(r"[^\w.-]+")  # what a size string may not keep in a file name
 TRAINING_FLOPS_FACTOR = 3.0  # forward + backward ~ 3 forward passes
 # Knobs that do not change a run's numbers: runs that differ only in these are the same run.
 KEY_IGNORED = {"trainer": ("progress_bar", "threads", "ckpt_every", "log_every", "compile"),
@@ -205,6 +208,7 @@ class ScalingConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
     train: bool = True  # train what MLflow lacks; false: fit only what it holds
     fit: bool = True  # false: only train the missing runs (pieces run side by side, one fit at the end)
+    workers: int = 1  # runs trained at once as their own processes, one GPU each (0: one per visible GPU)
     E: Optional[float] = None  # fix the irreducible loss instead of fitting it
     shared_alpha: bool = True  # one exponent for all variants (a constant multiplier)
     n_boot: int = 1000  # bootstrap refits for the intervals
@@ -245,6 +249,8 @@ def check(sc: ScalingConfig) -> None:
     for v in sc.variants:
         if v not in known:
             raise ValueError(f"scaling.variants: {v!r} is not a residual or ablation; valid: {', '.join(known)}")
+    if not (isinstance(sc.workers, int) and sc.workers >= 0):
+        raise ValueError(f"scaling.workers={sc.workers!r} must be >= 0 (0: one per visible GPU)")
     if sc.fit and sc.reference not in sc.variants:  # a training-only piece may leave the reference out
         raise ValueError(f"scaling.reference={sc.reference!r} must be one of scaling.variants={sc.variants}")
     if len(sc.variants) != len(set(sc.variants)):
@@ -308,14 +314,12 @@ class Point:
 
 
 # --- training / reading runs ---------------------------------------------------------------------------
-def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tuple[list[Point], list[str]]:
-    """Every (variant, size, seed) point: read from MLflow by key, trained when missing and allowed."""
+def plan(sc: ScalingConfig, base: Sequence[str]) -> list[tuple[str, str, int, int, object]]:
+    """(variant, size, seed, steps, config) of every point, composed and validated before any training."""
     from .config import compose, validate
-    from .train import train
 
-    out_dir = repo_path(sc.out_dir or Path("outputs", "scaling", sc.name))
     cfgs = []
-    for size, steps in zip(sc.sizes, sc.steps):  # compose and validate everything before training anything
+    for size, steps in zip(sc.sizes, sc.steps):
         for variant in sc.variants:
             for seed in sc.seeds:
                 cfg = compose(*base, *size_overrides(size), variant_override(variant), f"seed={seed}",
@@ -324,22 +328,69 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str) -> tupl
                     raise ValueError("mlflow.enabled=false: the scaling fit reads its runs from MLflow")
                 validate(cfg)
                 cfgs.append((variant, size, seed, steps, cfg))
+    return cfgs
+
+
+def finished_run(client, exp_id: str, cfg) -> list:
+    """The newest FINISHED run of this config (by its scaling.key), as a list of at most one."""
+    return client.search_runs([exp_id], filter_string=f"tags.`scaling.key` = '{run_key(cfg)}' and "
+                              "attributes.status = 'FINISHED'", max_results=1, order_by=["attributes.start_time DESC"])
+
+
+def piece_command(sc: ScalingConfig, base: Sequence[str], variant: str, size: str, seed: int, steps: int) -> list[str]:
+    """The `platform.scaling` command that trains one point and fits nothing (a worker's job)."""
+    import sys
+
+    return [sys.executable, "-m", "platform.scaling", *base, "scaling.fit=false", "scaling.workers=1",
+            f"scaling.variants=[{variant}]", f"scaling.sizes=['{size}']", f"scaling.steps=[{steps}]",
+            f"scaling.seeds=[{seed}]", f"scaling.name={sc.name}"] + (
+                [f"scaling.out_dir={sc.out_dir}"] if sc.out_dir else [])
+
+
+def train_pieces(sc: ScalingConfig, base: Sequence[str], jobs: list, workers: int, gpus: list[str]) -> list[int]:
+    """Train the missing points as `workers` processes at a time, one GPU each (`env.run_in_slots`);
+    each writes its output to <out_dir>/logs/<variant>_<size>_s<seed>.log. Returns the exit codes."""
+    import subprocess
+
+    from .env import REPO_ROOT, run_in_slots
+
+    logs = repo_path(sc.out_dir or Path("outputs", "scaling", sc.name)) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def launch(job, env, parallel):
+        variant, size, seed, steps, _ = job
+        log = logs / f"{variant}_{SAFE_NAME.sub('_', size)}_s{seed}.log"
+        where = f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']})" if "CUDA_VISIBLE_DEVICES" in env else ""
+        print(f"scaling: training {variant} @ {size} ({steps} steps), seed {seed}{where} > {log}", flush=True)
+        with open(log, "w") as fh:
+            return subprocess.run(piece_command(sc, base, variant, size, seed, steps), cwd=REPO_ROOT, env=env,
+                                  stdout=fh, stderr=subprocess.STDOUT).returncode
+
+    return run_in_slots(jobs, workers, gpus, launch)
+
+
+def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str,
+            train: bool | None = None) -> tuple[list[Point], list[str]]:
+    """Every (variant, size, seed) point: read from MLflow by key, trained here (in this process) when
+    missing and ``train`` (default ``sc.train``)."""
+    from .train import train as train_run
+
+    train = sc.train if train is None else train
+    out_dir = repo_path(sc.out_dir or Path("outputs", "scaling", sc.name))
     points, missing = [], []
-    for variant, size, seed, steps, cfg in cfgs:
+    for variant, size, seed, steps, cfg in plan(sc, base):
         key = run_key(cfg)
-        found = client.search_runs([exp_id], filter_string=f"tags.`scaling.key` = '{key}' and "
-                                   "attributes.status = 'FINISHED'", max_results=1,
-                                   order_by=["attributes.start_time DESC"])
+        found = finished_run(client, exp_id, cfg)
         trained_now = False
-        if not found and sc.train:
+        if not found and train:
             cfg.mlflow.run_name = f"{sc.name}-{variant}-{size.split()[0]}-s{seed}"
             label = f"{variant} @ {size} ({steps} steps), seed {seed}"
             print(f"scaling: training {label}", flush=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             try:
-                result = train(cfg, run_dir=out_dir / "runs" / f"{variant}_{size.split()[0]}_s{seed}_{stamp}",
-                               extra_tags={"platform.kind": "scaling-run", "scaling.key": key,
-                                           "scaling.size": size, "scaling.name": sc.name})
+                result = train_run(cfg, run_dir=out_dir / "runs" / f"{variant}_{size.split()[0]}_s{seed}_{stamp}",
+                                   extra_tags={"platform.kind": "scaling-run", "scaling.key": key,
+                                               "scaling.size": size, "scaling.name": sc.name})
             except Exception as e:  # one failed run (NaN, out of memory) costs its point, not the study
                 missing.append(f"{variant} @ {size}, seed {seed}: failed ({type(e).__name__}: {str(e)[:200]})")
                 continue
@@ -464,7 +515,21 @@ def run_scaling(sc: ScalingConfig, base: Sequence[str], command: str) -> dict:
 
     cfg0 = compose(*base, *size_overrides(sc.sizes[0]), variant_override(sc.variants[0]))
     client, _, exp_id = tracking.open_experiment(cfg0)  # the store prepared under its lock, orphans reaped
-    points, missing = collect(sc, base, client, exp_id)
+    from .env import check_workers, visible_gpus
+
+    gpus = visible_gpus()
+    workers = sc.workers if sc.workers > 0 else max(1, len(gpus))
+    if sc.train and workers > 1:  # the missing points as worker processes, then everything read back
+        check_workers(workers, gpus, cfg0.trainer.devices, "scaling.workers")
+        jobs = [job for job in plan(sc, base) if not finished_run(client, exp_id, job[4])]
+        print(f"scaling: {len(jobs)} run(s) to train, {workers} at a time"
+              + (f" on GPU(s) {','.join(gpus)}" if gpus else " on the CPU"), flush=True)
+        train_pieces(sc, base, jobs, workers, gpus)
+        points, missing = collect(sc, base, client, exp_id, train=False)
+        for p in points:
+            p.trained_now = any(p.variant == j[0] and p.size == j[1] and p.seed == j[2] for j in jobs)
+    else:
+        points, missing = collect(sc, base, client, exp_id)
     if not sc.fit:
         print(f"scaling: {len(points)} run(s) finished ({sum(p.trained_now for p in points)} trained now), "
               f"{len(missing)} missing; no fit (scaling.fit=false)", flush=True)

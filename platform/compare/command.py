@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 import math
-import queue
 import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
 from .. import tracking
 from ..accounting import token_budget
 from ..config import compose
-from ..env import REPO_ROOT, check_workers, machine_description, repo_path, visible_gpus, worker_env
+from ..env import REPO_ROOT, check_workers, machine_description, repo_path, run_in_slots, visible_gpus
 from .matching import RunRecord, config_key, finished_runs_by_key, flat_params, nearest_difference, record_of
 from .plan import CompareConfig, Variant, plan_variants
 from .plots import plot_bars, plot_curves
@@ -53,28 +51,16 @@ def n_workers(cc: CompareConfig, gpus: list[str]) -> int:
 
 def train_missing(base: Sequence[str], jobs: list[tuple[Variant, int]], out_dir: Path, workers: int,
                   gpus: list[str]) -> dict[tuple[str, int], int]:
-    """Train the (variant, seed) jobs, `workers` at a time: a shared queue of worker slots, slot i holds
-    GPU i (round robin over the visible GPUs; none on a CPU machine). Returns {(variant, seed): exit code}."""
-    slots: queue.Queue[int] = queue.Queue()
-    for i in range(workers):
-        slots.put(i)
+    """Train the (variant, seed) jobs, `workers` at a time, worker i on GPU i (`env.run_in_slots`); with
+    several workers each run's output goes to its train.log. Returns {(variant, seed): exit code}."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    def one(job):
+    def launch(job, env, parallel):
         variant, seed = job
-        slot = slots.get()
-        try:
-            run_dir = out_dir / "runs" / f"{variant.name}_s{seed}_{stamp}"
-            env = worker_env(slot, gpus if workers > 1 else [])  # one worker: the run sees every GPU
-            log = run_dir / "train.log" if workers > 1 else None
-            return train_run(base, variant, seed, run_dir, env=env, log=log)
-        finally:
-            slots.put(slot)
+        run_dir = out_dir / "runs" / f"{variant.name}_s{seed}_{stamp}"
+        return train_run(base, variant, seed, run_dir, env=env, log=run_dir / "train.log" if parallel else None)
 
-    if workers == 1:
-        return {(v.name, s): one((v, s)) for v, s in jobs}
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        codes = list(pool.map(one, jobs))
+    codes = run_in_slots(jobs, workers, gpus, launch)
     return {(v.name, s): rc for (v, s), rc in zip(jobs, codes)}
 
 

@@ -94,9 +94,10 @@ def test_fit_errors_name_the_problem(kwargs, match):
 @pytest.mark.parametrize("argv,match", [
     (["model=small"], "come from scaling.sizes"),
     (["scaling.variants=[vanilla,nope]"], "'nope' is not a residual or ablation"),
-    (["scaling.steps=[10,20]"], r"scaling.sizes \(4\) needs two or more entries and scaling.steps \(2\)"),
+    (["scaling.steps=[10,20]"], r"scaling.sizes \(3\) needs two or more entries and scaling.steps \(2\)"),
     (["scaling.variants=[attnres]"], "scaling.reference='vanilla' must be one of"),
     (["scaling.levl=0.9"], "levl"),
+    (["scaling.workers=-1"], r"scaling.workers=-1 must be >= 0"),
 ])
 def test_bad_arguments_fail_before_training(argv, match):
     with pytest.raises(Exception, match=match):
@@ -196,3 +197,36 @@ def test_no_multiplier_when_the_reference_does_not_improve_with_compute():
     fit = scaling.fit_power_law(compute, loss, ["vanilla"] * 4 + ["msar_block"] * 4, "vanilla", E=E_TRUE,
                                 shared_alpha=False)
     assert fit.alpha["vanilla"] < 0 and math.isnan(fit.multiplier("msar_block", C[-1]))
+
+
+def test_workers_train_the_points_as_processes_then_one_fit(tmp_path):
+    # scaling.workers=2 on the CPU: every missing point is its own `scaling.fit=false` process, two at a
+    # time, sharing one MLflow store; the parent reads them back and fits once. A second call trains nothing.
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    sc = scaling.ScalingConfig(variants=["vanilla", "attnres_block"], sizes=["tiny model.d_model=16", "tiny"],
+                               steps=[2, 2], n_boot=20, name="pieces", report_dir=str(tmp_path / "report"),
+                               out_dir=str(tmp_path / "runs"), workers=2, log_mlflow=False)
+    scaling.check(sc)
+    base = [*FAST, f"mlflow.tracking_uri={uri}"]
+    first = scaling.run_scaling(sc, base, command="test")
+    assert len(first["points"]) == 4 and not first["missing"]
+    assert all(p.trained_now and math.isfinite(p.loss) for p in first["points"])
+    logs = sorted(p.name for p in (tmp_path / "runs" / "logs").iterdir())
+    assert logs == ["attnres_block_tiny_model.d_model_16_s0.log", "attnres_block_tiny_s0.log",
+                    "vanilla_tiny_model.d_model_16_s0.log", "vanilla_tiny_s0.log"]
+    assert "compute multiplier" in (tmp_path / "report" / "pieces.md").read_text()
+    again = scaling.run_scaling(sc, base, command="test")
+    assert sorted(p.run_id for p in again["points"]) == sorted(p.run_id for p in first["points"])
+    assert not any(p.trained_now for p in again["points"])
+
+
+def test_a_piece_trains_without_the_reference_and_writes_no_report(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    sc = scaling.ScalingConfig(variants=["attnres_block"], sizes=["tiny"], steps=[2], fit=False,
+                               report_dir=str(tmp_path / "report"), out_dir=str(tmp_path / "runs"))
+    scaling.check(sc)  # one size and no reference are fine for a training-only piece
+    result = scaling.run_scaling(sc, [*FAST, f"mlflow.tracking_uri={uri}"], command="test")
+    assert [p.variant for p in result["points"]] == ["attnres_block"] and result["points"][0].trained_now
+    assert not (tmp_path / "report").exists()
+    with pytest.raises(ValueError, match="scaling.reference='vanilla' must be one of"):
+        scaling.check(scaling.ScalingConfig(variants=["attnres_block"]))
