@@ -12,6 +12,8 @@
 #            they share the GPUs with the study)
 #   final    what a cut-short study left (its runs are read back from the carried MLflow store) on GPU 0,
 #            the throughput table alone on GPU 1, the scaling runs beside them, then the fit
+#   finish   what the 2026-11-30 study left (attnres_conv seeds 1-2, the scaling points of Block AttnRes
+#            and Block MSAR) in a fresh store, to merge back with `python -m platform.store merge`
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; meanwhile the
 #            scaling fit's runs as parallel lanes (GPU 0 first, GPU 1 once the table is done), then the fit
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -134,6 +136,18 @@ case "$PLAN" in
     wait
     step all scaling_fit 20 python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false \
       scaling.train=false scaling.n_boot=300
+    ;;
+  finish)
+    # What the 2026-11-30 study left, in a fresh store (the local one is not carried): attnres_conv seeds
+    # 1 and 2 on GPU 0, the scaling points of Block AttnRes and Block MSAR on both GPUs. Back home:
+    # `python -m platform.store merge <returned mlruns/mlflow.db>`, then the report and the fit with
+    # compare.train=false / scaling.train=false (docs/study.md, section 4).
+    step gpu0 study_rest "${STUDY_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=0 "${STUDY[@]}" compare.runs=[attnres_conv] \
+      compare.seeds=[1,2] compare.add_baselines=false compare.references=[] compare.target=null compare.report=null \
+      compare.log_comparison=false compare.workers=2 trainer.max_steps=400 trainer.val_every=50 &
+    step all scaling_rest "${SCALING_LIMIT:-500}" python3 -m platform.scaling trainer=gpu data=large \
+      mlflow.depth_heatmaps=false scaling.variants=[attnres_block,msar_block] scaling.fit=false scaling.workers=4 &
+    wait
     ;;
   *) echo "unknown plan $PLAN: check | study | scaling" >&2; exit 2 ;;
 esac
