@@ -193,9 +193,13 @@ def test_compare_trains_missing_runs_on_two_workers_then_reuses_them(tmp_path):
     args = ["compare.runs=[vanilla]", "compare.seeds=[0,1]", f"compare.out_dir={tmp_path}/out", "compare.workers=2",
             *FAST, "trainer.max_steps=6", "trainer.val_every=3", f"mlflow.tracking_uri={uri}"]
     cc, base = compare.parse_args(args)
-    _, rows = compare.run_compare(cc, base)
+    text, rows = compare.run_compare(cc, base)
     first = rows[0].records
     assert [r.seed for r in first] == [0, 1] and all(r.trained_now for r in first)
+    from platform.env import machine_description  # each run is tagged with what trained it
+
+    assert {r.device for r in first} == {machine_description()}
+    assert f"runs trained on: {machine_description()} (2 runs)" in text
     assert all(math.isfinite(r.final_val_loss) for r in first) and first[0].final_val_loss != first[1].final_val_loss
     assert all([s for s, _ in r.val_curve] == [3, 6] for r in first)
     assert all(0 <= r.val_wall_s[0] <= r.val_wall_s[1] for r in first)  # seconds since each run's start
@@ -336,6 +340,18 @@ def test_missing_runs_are_shared_over_workers_one_gpu_each(monkeypatch, tmp_path
     assert {g for _, _, g, _, _ in seen[:2]} == {"4", "7"} and {n for *_, n, _ in seen} == {"0"}
     assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], ["0", "1", "2"]) == 3
     assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], []) == 1
+
+
+def test_missing_runs_are_trained_seed_by_seed(monkeypatch, tmp_path):
+    # A comparison cut short (a time limit) still holds whole seeds of every variant.
+    order = []
+    monkeypatch.setattr(compare.command, "train_missing",
+                        lambda base, jobs, *a: order.extend((v.name, s) for v, s in jobs) or {})
+    cc, base = compare.parse_args(["compare.runs=[vanilla,attnres_block]", "compare.seeds=[0,1]",
+                                   f"compare.out_dir={tmp_path}/out", *FAST,
+                                   f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    compare.run_compare(cc, base)
+    assert order == [("vanilla", 0), ("attnres_block", 0), ("vanilla", 1), ("attnres_block", 1)]
 
 
 def test_a_misspelt_compare_key_is_one_line_naming_it():

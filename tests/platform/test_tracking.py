@@ -71,3 +71,11 @@ def test_worker_env_gives_one_gpu_each_and_keeps_multicast_off():
     assert cpu["PLATFORM_WORKER_INDEX"] == "1" and base == {"PATH": "/bin", "NCCL_NVLS_ENABLE": "0"}
     assert env.visible_gpus({"CUDA_VISIBLE_DEVICES": "3,1"}) == ["3", "1"]
     assert env.visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_run_tags_say_what_trained_the_run():
+    from platform import tracking
+    from platform.env import machine_description
+
+    tags = tracking.run_tags()
+    assert tags[tracking.DEVICE_TAG] == machine_description() and tags[tracking.DEVICE_TAG]
