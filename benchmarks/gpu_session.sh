@@ -21,7 +21,10 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | scaling}
+PLAN=${1:?plan: check | study | final | last | finish | scaling}
+case "$PLAN" in check|study|final|last|finish|scaling) ;;
+  *) echo "unknown plan $PLAN: check | study | final | last | finish | scaling" >&2; exit 2 ;;
+esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
 mkdir -p "$OUTDIR"
@@ -149,8 +152,7 @@ case "$PLAN" in
       mlflow.depth_heatmaps=false scaling.variants=[attnres_block,msar_block] scaling.fit=false scaling.workers=4 &
     wait
     ;;
-  *) echo "unknown plan $PLAN: check | study | scaling" >&2; exit 2 ;;
 esac
 find benchmarks/results -maxdepth 1 -newer "$OUTDIR/.started" -type f -exec cp {} "$OUTDIR/" \;
 cat "$OUTDIR/summary.txt"
-tar czf "$ARCHIVE" "$OUTDIR" $( [ -d mlruns ] && echo mlruns ) $(ls -d outputs/compare/*/runs/*/train.log 2>/dev/null)
+tar czf "$ARCHIVE" "$OUTDIR" $( [ -d mlruns ] && echo mlruns ) $(ls -d outputs/compare/*/runs/*/train.log outputs/scaling/*/logs 2>/dev/null)

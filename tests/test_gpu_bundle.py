@@ -1,6 +1,7 @@
 """make gpu-bundle: the version check catches the silent resolution that breaks an offline host."""
 
 from benchmarks.gpu_bundle import WANTED, check, requirement_lines
+from tests.helpers import ROOT
 
 
 def _wheels(tmp_path, pins):
@@ -28,3 +29,15 @@ def test_hydra_resolved_without_the_antlr_wheel_is_refused(tmp_path):
     assert "hydra-core: resolved 0.11.3, wanted 1.3.8" in problems
     assert "omegaconf: resolved 1.4.1, wanted 2.3.1" in problems
     assert "antlr4-python3-runtime: no wheel in the bundle" in problems
+
+
+def test_gpu_session_script_parses_and_names_its_plans(tmp_path):
+    import subprocess
+
+    script = ROOT / "benchmarks" / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run(["bash", str(script), "nope", str(tmp_path / "out")], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 2 and "unknown plan nope" in out.stderr
+    for plan in ("check", "study", "final", "last", "finish", "scaling"):
+        assert f"  {plan})" in script.read_text(), plan
