@@ -65,12 +65,23 @@ def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
         return []
 
 
-def worker_env(index: int, gpus: list[str], base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of worker `index`: one GPU of `gpus` (round robin) and the GPU-safe defaults
-    when there are GPUs; on a CPU machine the same environment (plus the worker index)."""
+SHARED_ENV = "PLATFORM_SHARED_BY"  # how many runs share this run's device (runs record it: their timings)
+
+
+def shared_by(workers: int, gpus: list[str]) -> int:
+    """Runs at once on one device when `workers` run side by side: GPUs round robin, else the CPU."""
+    return max(1, -(-workers // len(gpus))) if gpus else max(1, workers)
+
+
+def worker_env(index: int, gpus: list[str], base: Mapping[str, str] | None = None,
+               workers: int = 1) -> dict[str, str]:
+    """The environment of worker `index` of `workers`: one GPU of `gpus` (round robin) and the GPU-safe
+    defaults when there are GPUs; on a CPU machine the same environment (plus the worker index). It
+    also says how many runs share the device (`PLATFORM_SHARED_BY`), which each run records."""
     env = dict(os.environ if base is None else base)
     set_offline_defaults(env)
     env["PLATFORM_WORKER_INDEX"] = str(index)
+    env[SHARED_ENV] = str(shared_by(workers, gpus))
     if gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[index % len(gpus)]
         for key, value in GPU_SAFE_DEFAULTS.items():
@@ -104,7 +115,7 @@ def run_in_slots(jobs: Sequence[T], workers: int, gpus: list[str],
     def one(job):
         slot = slots.get()
         try:
-            return launch(job, worker_env(slot, gpus if workers > 1 else []), workers > 1)
+            return launch(job, worker_env(slot, gpus if workers > 1 else [], workers=workers), workers > 1)
         finally:
             slots.put(slot)
 

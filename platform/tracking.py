@@ -15,6 +15,7 @@ set_offline_defaults()
 
 PID_TAG, HOST_TAG = "platform.pid", "platform.host"
 DEVICE_TAG = "platform.device"  # what trained the run: "1x NVIDIA H200" or "2-core CPU (x86_64), torch ..."
+SHARED_TAG = "platform.shared_by"  # runs sharing that device at once (1: alone); its timings depend on it
 NOTE_TAG, REAPED_NOTE = "platform.note", "process died without closing the run"
 
 # Residuals renamed after runs were logged under the old name: {old name: new name}. MLflow keeps the
@@ -175,9 +176,10 @@ def reap_orphans(client, experiment_id: str) -> list[str]:
 
 
 def run_tags(parent_run_id: str | None = None) -> dict[str, str]:
-    from .env import machine_description
+    from .env import SHARED_ENV, machine_description
 
-    tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), DEVICE_TAG: machine_description()}
+    tags = {PID_TAG: str(os.getpid()), HOST_TAG: socket.gethostname(), DEVICE_TAG: machine_description(),
+            SHARED_TAG: os.environ.get(SHARED_ENV, "1")}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id  # shows the run nested under its parent in the UI
     return tags

@@ -45,6 +45,20 @@ def trained_on(rows: list[Row]) -> str:
     return ", ".join(f"{device} ({n} runs)" for device, n in sorted(counts.items())) or "no runs"
 
 
+def speed_caveat(rows: list[Row]) -> str:
+    """A warning under the table when its speed columns come from runs that shared their device (the
+    platform.shared_by tag) or do not say whether they did; empty when every run ran alone."""
+    shares = [x.shared_by for r in rows for x in r.records]
+    if not shares or all(s == 1 for s in shares):
+        return ""
+    shared, unknown = max(shares), sum(s == 0 for s in shares)
+    what = (f"up to {shared} runs shared one device at once" if shared > 1 else "") + (
+        (" and " if shared > 1 else "") + f"{unknown} run(s) do not record whether they shared it" if unknown else "")
+    return (f"**Speed columns:** {what}, so tokens/s and the times to the target's loss are not the variants' "
+            "own speeds (the losses are unaffected). Measure those with `python -m benchmarks.throughput`, "
+            "every variant in one process.")
+
+
 def n_workers(cc: CompareConfig, gpus: list[str]) -> int:
     return cc.workers if cc.workers > 0 else max(1, len(gpus))
 
@@ -158,6 +172,9 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
                f"speed-up = {target}'s mean time / the variant's)." if target else ""),
             "",
         ]
+        sharing = speed_caveat(rows)
+        if sharing:
+            lines += [sharing, ""]
         if curves_name:
             lines += [f"![validation curves]({curves_name})", ""]
         if bars_name:

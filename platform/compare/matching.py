@@ -33,6 +33,7 @@ class RunRecord:
     val_wall_s: list[float] = field(default_factory=list)  # seconds from the run's start to each validation
     wall_s: float = math.nan  # the run's training wall time (final/wall_s)
     device: str = ""  # what trained it (the platform.device tag; "" when the run predates the tag)
+    shared_by: int = 0  # runs that shared its device at once (platform.shared_by; 0: not recorded)
 
 
 def flat_params(cfg: DictConfig) -> dict[str, str]:
@@ -118,4 +119,5 @@ def record_of(client, run, seed: int, trained_now: bool = False) -> RunRecord:
                      [(m.step, m.value) for m in val], trained_now,
                      val_wall_s=[max(0.0, (m.timestamp - start) / 1000) for m in val],
                      wall_s=float(metrics.get("final/wall_s", math.nan)),
-                     device=run.data.tags.get(tracking.DEVICE_TAG, ""))
+                     device=run.data.tags.get(tracking.DEVICE_TAG, ""),
+                     shared_by=int(run.data.tags.get(tracking.SHARED_TAG, "0")))

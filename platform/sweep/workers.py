@@ -43,7 +43,7 @@ def run_workers(study: optuna.Study, ctx: SweepContext, overrides: list[str], n:
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for i in range(n):
-        env = worker_env(i, gpus)
+        env = worker_env(i, gpus, workers=n)
         env[WORKER_ENV] = ctx.parent_run_id or "-"
         log = open(log_dir / f"worker_{i}.log", "w")
         procs.append((subprocess.Popen(worker_command(overrides), cwd=REPO_ROOT, env=env, stdout=log,

@@ -200,6 +200,8 @@ def test_compare_trains_missing_runs_on_two_workers_then_reuses_them(tmp_path):
 
     assert {r.device for r in first} == {machine_description()}
     assert f"runs trained on: {machine_description()} (2 runs)" in text
+    assert {r.shared_by for r in first} == {2}  # two workers on one CPU: their timings say so
+    assert "**Speed columns:** up to 2 runs shared one device at once" in text
     assert all(math.isfinite(r.final_val_loss) for r in first) and first[0].final_val_loss != first[1].final_val_loss
     assert all([s for s, _ in r.val_curve] == [3, 6] for r in first)
     assert all(0 <= r.val_wall_s[0] <= r.val_wall_s[1] for r in first)  # seconds since each run's start
@@ -340,6 +342,20 @@ def test_missing_runs_are_shared_over_workers_one_gpu_each(monkeypatch, tmp_path
     assert {g for _, _, g, _, _ in seen[:2]} == {"4", "7"} and {n for *_, n, _ in seen} == {"0"}
     assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], ["0", "1", "2"]) == 3
     assert compare.n_workers(compare.parse_args(["compare.workers=0"])[0], []) == 1
+
+
+def test_speed_caveat_only_when_runs_shared_their_device_or_do_not_say():
+    from platform.compare.command import speed_caveat
+    from platform.compare.matching import RunRecord
+    from platform.compare.table import Row
+
+    def rows(*shares):
+        recs = [RunRecord(i, f"r{i}", 3.0, 1e5, 1.0, [], shared_by=s) for i, s in enumerate(shares)]
+        return [Row(compare.resolve_variant("vanilla", "vanilla"), recs, stats.mean_ci([3.0]), None)]
+
+    assert speed_caveat(rows(1, 1)) == ""
+    assert "up to 4 runs shared one device" in speed_caveat(rows(1, 4))
+    assert "1 run(s) do not record whether" in speed_caveat(rows(1, 0))
 
 
 def test_missing_runs_are_trained_seed_by_seed(monkeypatch, tmp_path):

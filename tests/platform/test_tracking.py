@@ -1,6 +1,7 @@
 """The shared run plumbing: a fresh MLflow SQLite store opened by several processes at once, the
 rename map of residuals, and the environment of worker processes."""
 
+import os
 import subprocess
 import sys
 import time
@@ -66,6 +67,9 @@ def test_worker_env_gives_one_gpu_each_and_keeps_multicast_off():
     for w, i in ((w0, 0), (w1, 1), (w2, 2)):
         assert w["PLATFORM_WORKER_INDEX"] == str(i) and w["MLFLOW_DISABLE_TELEMETRY"] == "true"
         assert (w["NCCL_NVLS_ENABLE"], w["TORCH_SYMM_MEM_DISABLE_MULTICAST"], w["NVSHMEM_DISABLE_NVLS"]) == ("0", "1", "1")
+    assert {w["PLATFORM_SHARED_BY"] for w in (w0, w1, w2)} == {"1"}  # workers=1 unless said
+    assert env.worker_env(0, ["2", "5"], base, workers=3)["PLATFORM_SHARED_BY"] == "2"  # 3 runs on 2 GPUs
+    assert env.worker_env(0, [], base, workers=3)["PLATFORM_SHARED_BY"] == "3"  # 3 runs on one CPU
     cpu = env.worker_env(1, [], base)
     assert "CUDA_VISIBLE_DEVICES" not in cpu and "NVSHMEM_DISABLE_NVLS" not in cpu
     assert cpu["PLATFORM_WORKER_INDEX"] == "1" and base == {"PATH": "/bin", "NCCL_NVLS_ENABLE": "0"}
@@ -79,3 +83,4 @@ def test_run_tags_say_what_trained_the_run():
 
     tags = tracking.run_tags()
     assert tags[tracking.DEVICE_TAG] == machine_description() and tags[tracking.DEVICE_TAG]
+    assert tags[tracking.SHARED_TAG] == os.environ.get("PLATFORM_SHARED_BY", "1")
