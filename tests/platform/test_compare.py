@@ -296,7 +296,7 @@ def test_paper_small_preset_composes_with_one_budget_and_overridable_steps():
     assert cc.runs == ["vanilla", "mhc", "attnres", "attnres_block", "msar_block", "wo_conv", "attnres_mhc_sum",
                        "attnres_conv"]
     assert len(cc.seeds) >= 3 and cc.references == ["vanilla", "attnres_block"]
-    assert base.count("trainer.max_steps=7") == 1 and not any(o == "trainer.max_steps=2000" for o in base)
+    assert base.count("trainer.max_steps=7") == 1 and not any(o == "trainer.max_steps=400" for o in base)
     variants = compare.plan_variants(cc)
     assert {v.name: v.kind for v in variants}["wo_conv"] == "ablation"
     cfgs = [make_cfg(*base, v.override, "seed=1") for v in variants]
