@@ -54,9 +54,10 @@ def speed_caveat(rows: list[Row]) -> str:
     shared, unknown = max(shares), sum(s == 0 for s in shares)
     what = (f"up to {shared} runs shared one device at once" if shared > 1 else "") + (
         (" and " if shared > 1 else "") + f"{unknown} run(s) do not record whether they shared it" if unknown else "")
-    return (f"**Speed columns:** {what}, so tokens/s and the times to the target's loss are not the variants' "
-            "own speeds (the losses are unaffected). Measure those with `python -m benchmarks.throughput`, "
-            "every variant in one process.")
+    verb = "are not" if shared > 1 else "may not be"
+    return (f"**Speed columns:** {what}, so tokens/s and the times to the target's loss {verb} the variants' own "
+            "speeds (the losses are unaffected). Measure those with `python -m benchmarks.throughput`, every "
+            "variant in one process.")
 
 
 def n_workers(cc: CompareConfig, gpus: list[str]) -> int:
@@ -168,7 +169,8 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
             + ", median over seeds."
             + (f" Time to {target}'s loss: wall-clock seconds from the run's start until its validation loss "
                f"first reaches the final validation loss of the `{target}` run with the same seed, linearly "
-               "interpolated between the two validations around it (mean over the seeds that reach it; "
+               "interpolated between the two validations around it (mean over the seeds that reach it, with "
+               "the mean step at which they do, which does not depend on the device's speed; "
                f"speed-up = {target}'s mean time / the variant's)." if target else ""),
             "",
         ]

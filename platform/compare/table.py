@@ -100,7 +100,9 @@ def _fmt_time(row: Row, target_row: Row | None) -> str:
     if not times:
         return f"not reached (0/{n})"
     iv = stats.mean_ci(times)
+    steps = [x[1] for x in row.to_target.values() if x is not None]
     text = f"{stats.fmt(iv.estimate, 0)}" + (f" ± {stats.fmt(iv.half_width, 0)}" if k > 1 else "")
+    text += f" at step {sum(steps) / len(steps):.0f}"  # the step does not depend on how fast the device was
     if k < n:
         text += f" ({k}/{n} reached)"
     if target_row is not None and target_row is not row and reached_times(target_row) and iv.estimate > 0:
@@ -117,7 +119,7 @@ def markdown(rows: list[Row], level: float = 0.95, references: Sequence[str] = (
                *(f"Δ vs {ref} (± {pct} CI)" for ref in references),
                f"Δ vs its baseline (± {pct} CI)", "baseline", "paper", "tokens/s (median)", "peak mem MB (median)"]
     if target:
-        headers.append(f"time to {target}'s loss (s, mean ± {pct} CI; speed-up)")
+        headers.append(f"time to {target}'s loss (s, mean ± {pct} CI; mean step; speed-up)")
     table = []
     for r in rows:
         if r.delta is not None:

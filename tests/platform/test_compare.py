@@ -263,6 +263,7 @@ def test_references_and_time_to_the_target_loss(tmp_path, store):
     assert msar.to_target[0] == pytest.approx((25.0, 10.0)) and msar.to_target[1] is None  # 3.3 > 3.2
     assert "Δ vs vanilla (± 95% CI)" in text and "Δ vs attnres_block (± 95% CI)" in text
     assert "time to vanilla's loss" in text and "(1/2 reached)" in text and "not reached" in text
+    assert "25 at step 10 (1/2 reached)" in text  # msar_block: seed 0 at 25 s, step 10
     speedup = (30 + 36) / 2 / ((22 + 11 + 11 * 0.8) / 2)
     assert f"{speedup:.2f}×" in text
     logged = client.search_runs([exp_id], filter_string="tags.`platform.kind` = 'comparison'")[0].data.metrics
@@ -354,8 +355,10 @@ def test_speed_caveat_only_when_runs_shared_their_device_or_do_not_say():
         return [Row(compare.resolve_variant("vanilla", "vanilla"), recs, stats.mean_ci([3.0]), None)]
 
     assert speed_caveat(rows(1, 1)) == ""
-    assert "up to 4 runs shared one device" in speed_caveat(rows(1, 4))
-    assert "1 run(s) do not record whether" in speed_caveat(rows(1, 0))
+    assert "up to 4 runs shared one device at once, so tokens/s and the times to the target's loss are not the " \
+           "variants' own speeds" in speed_caveat(rows(1, 4))
+    assert "1 run(s) do not record whether they shared it, so tokens/s and the times to the target's loss may not " \
+           "be the variants' own speeds" in speed_caveat(rows(1, 0))
 
 
 def test_missing_runs_are_trained_seed_by_seed(monkeypatch, tmp_path):
