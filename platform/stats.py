@@ -168,6 +168,24 @@ def difference_ci(a: Mapping[int, float], b: Mapping[int, float], level: float =
     return welch_ci(list(a.values()), list(b.values()), level)
 
 
+def seeds_to_resolve(iv: Interval, limit: int = 1000) -> int | None:
+    """For an unresolved *paired* difference: the fewest pairs n with t_{q, n-1} · s / √n < |estimate|,
+    s the standard deviation of the differences behind ``iv`` (recovered from its half width). A
+    planning estimate for the next study (if the difference is real and this large, at this seed-to-seed
+    spread, about n seeds resolve it), not a power calculation. None when it does not apply (not paired,
+    fewer than two pairs, already resolved, a zero estimate); ``limit + 1`` when more than ``limit``."""
+    if iv.method != "paired" or iv.n < 2 or not math.isfinite(iv.half_width) or iv.excludes_zero():
+        return None
+    if iv.estimate == 0.0 or iv.half_width == 0.0:
+        return None
+    q = _quantile_for(iv.level)
+    s = iv.half_width * math.sqrt(iv.n) / t_quantile(q, iv.n - 1)
+    for n in range(2, limit + 1):
+        if t_quantile(q, n - 1) * s / math.sqrt(n) < abs(iv.estimate):
+            return n
+    return limit + 1
+
+
 def median(values: Sequence[float]) -> float:
     xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
     return statistics.median(xs) if xs else math.nan

@@ -20,7 +20,7 @@ from ..env import REPO_ROOT, check_workers, machine_description, repo_path, run_
 from .matching import RunRecord, config_key, finished_runs_by_key, flat_params, nearest_difference, record_of
 from .plan import CompareConfig, Variant, plan_variants
 from .plots import plot_bars, plot_curves
-from .table import Row, build_rows, markdown, reached_times, runs_markdown, summary
+from .table import Row, build_rows, markdown, reached_times, runs_markdown, summary, to_resolve_markdown
 
 
 def train_run(base: Sequence[str], variant: Variant, seed: int, run_dir: Path, env: dict | None = None,
@@ -177,6 +177,9 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
         sharing = speed_caveat(rows)
         if sharing:
             lines += [sharing, ""]
+        to_resolve = to_resolve_markdown(rows, references)
+        if to_resolve:
+            lines += [to_resolve]
         if curves_name:
             lines += [f"![validation curves]({curves_name})", ""]
         if bars_name:

@@ -139,6 +139,29 @@ def markdown(rows: list[Row], level: float = 0.95, references: Sequence[str] = (
     return stats.markdown_table(headers, table, align[:len(headers)])
 
 
+def to_resolve_markdown(rows: list[Row], references: Sequence[str] = ()) -> str:
+    """Unresolved paired differences to each reference and to each variant's own baseline, with the seeds
+    that would resolve a real difference of that size at the observed spread (`stats.seeds_to_resolve`);
+    "" when there are none."""
+    lines = []
+    for r in rows:
+        pairs = [(ref, r.refs.get(ref)) for ref in references]
+        if r.variant.baseline and r.variant.baseline not in references:
+            pairs.append((r.variant.baseline, r.delta))
+        for ref, iv in pairs:
+            n = stats.seeds_to_resolve(iv) if iv is not None else None
+            if n is None:
+                continue
+            need = f"more than {n - 1}" if n > 1000 else f"about {n}"
+            lines.append(f"- `{r.variant.name}` − `{ref}` = {stats.fmt_interval(iv, signed=True)} with {iv.n} seeds: "
+                         f"{need} seeds")
+    if not lines:
+        return ""
+    return ("Unresolved paired differences, and how many seeds would resolve a real difference of the same size "
+            "at the same seed-to-seed spread (a planning estimate for the next study, not a power "
+            "calculation):\n\n" + "\n".join(lines) + "\n")
+
+
 def runs_markdown(rows: list[Row]) -> str:
     target = rows[0].target_name if rows else None
     table = []

@@ -56,6 +56,21 @@ def test_welch_by_hand():
     assert iv.half_width == pytest.approx(stats.t_quantile(0.975, df) * math.sqrt(va + vb))
 
 
+def test_seeds_to_resolve_inverts_the_interval():
+    # Differences with mean 0.1 and sd 0.1: the interval t_{n-1}·0.1/√n drops below 0.1 first at n = 7
+    # (t_5 = 2.571 / √6 = 1.05; t_6 = 2.447 / √7 = 0.925).
+    diffs = [0.0, 0.1, 0.2]  # mean 0.1, sd 0.1, three pairs: unresolved (±0.248)
+    iv = stats.paired_ci([1 + d for d in diffs], [1.0] * 3)
+    assert not iv.excludes_zero() and stats.seeds_to_resolve(iv) == 7
+    n = stats.seeds_to_resolve(iv)
+    assert stats.t_quantile(0.975, n - 1) * 0.1 / math.sqrt(n) < 0.1 <= stats.t_quantile(0.975, n - 2) * 0.1 / math.sqrt(n - 1)
+    resolved = stats.paired_ci([1.1, 1.11, 1.09], [1.0] * 3)
+    assert resolved.excludes_zero() and stats.seeds_to_resolve(resolved) is None
+    assert stats.seeds_to_resolve(stats.welch_ci([1.0, 1.2], [1.1, 1.0, 1.3])) is None  # paired only
+    tiny = stats.paired_ci([1.0, 1.001, 0.9995], [1.0, 1.0, 1.0])
+    assert stats.seeds_to_resolve(tiny, limit=5) == 6  # more than the limit
+
+
 def test_paired_when_the_same_seeds_else_welch():
     variant, base = {0: 2.9, 1: 3.0, 2: 3.3}, {0: 3.0, 1: 3.2, 2: 3.4}
     iv = stats.difference_ci(variant, base)
@@ -264,6 +279,8 @@ def test_references_and_time_to_the_target_loss(tmp_path, store):
     assert "Δ vs vanilla (± 95% CI)" in text and "Δ vs attnres_block (± 95% CI)" in text
     assert "time to vanilla's loss" in text and "(1/2 reached)" in text and "not reached" in text
     assert "25 at step 10 (1/2 reached)" in text  # msar_block: seed 0 at 25 s, step 10
+    # msar_block − attnres_block: +0.2 ± (differences 0.1, 0.3) unresolved with two seeds
+    assert "- `msar_block` − `attnres_block` = +0.2000 ± 1.2706 with 2 seeds: about 5 seeds" in text
     speedup = (30 + 36) / 2 / ((22 + 11 + 11 * 0.8) / 2)
     assert f"{speedup:.2f}×" in text
     logged = client.search_runs([exp_id], filter_string="tags.`platform.kind` = 'comparison'")[0].data.metrics
