@@ -7,23 +7,22 @@
 #   check    GPU 0: the GPU tests, fused MSAR parity, training parity of the fused backends;
 #            GPU 1: the throughput table of every study residual, then a 4-run rehearsal of the
 #            study on that one GPU (how much sharing a GPU between runs buys)
-#   study    the paper_small comparison over both GPUs (STUDY_STEPS, STUDY_WORKERS runs at once), and
-#            beside it the GPU tests and the training parity of the fused backends (correctness only:
-#            they share the GPUs with the study)
-#   final    what a cut-short study left (its runs are read back from the carried MLflow store) on GPU 0,
-#            the throughput table alone on GPU 1, the scaling runs beside them, then the fit
+#   study    the paper_small comparison over both GPUs (STUDY_WORKERS runs at once; STUDY_STEPS to change
+#            the preset's 400 steps), and beside it the GPU tests and the training parity of the fused
+#            backends (correctness only: they share the GPUs with the study)
+# Every lane's limits add up to at most 540 s, inside a host's 10-minute command limit with the set-up.
 #   finish   what the 2026-11-30 study left (attnres_conv seeds 1-2, the scaling points of Block AttnRes
 #            and Block MSAR) in a fresh store, to merge back with `python -m platform.store merge`
-#   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; meanwhile the
-#            scaling fit's runs as parallel lanes (GPU 0 first, GPU 1 once the table is done), then the fit
+#   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
+#            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | final | last | finish | scaling}
-case "$PLAN" in check|study|final|last|finish|scaling) ;;
-  *) echo "unknown plan $PLAN: check | study | final | last | finish | scaling" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | scaling}
+case "$PLAN" in check|study|finish|scaling) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | scaling" >&2; exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -46,10 +45,11 @@ step() {
 }
 
 STUDY=(python3 -m platform.compare compare=paper_small mlflow.depth_heatmaps=false)
-# scale LANE NAME SIZES STEPS VARIANTS: one piece of the scaling fit (the pieces share the MLflow store)
-scale() {
-  step "$1" "scaling_$2" "${SCALING_LIMIT:-500}" python3 -m platform.scaling trainer=gpu data=large \
-    mlflow.depth_heatmaps=false scaling.fit=false "scaling.sizes=$3" "scaling.steps=$4" "scaling.variants=$5"
+SCALING=(python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false)
+# throughput LANE LIMIT: the training-step table of every study residual (alone on its GPU for timings)
+throughput() {
+  step "$1" throughput "$2" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+    attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
 }
 case "$PLAN" in
   check)
@@ -63,8 +63,7 @@ case "$PLAN" in
     ) &
     (
       export CUDA_VISIBLE_DEVICES=1
-      step gpu1 throughput 250 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
-        attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
+      throughput gpu1 250
       step gpu1 rehearsal 220 "${STUDY[@]}" compare.runs=[vanilla,msar_block] compare.references=[vanilla] \
         compare.seeds=[0,1] compare.workers=4 compare.name=rehearsal trainer.max_steps=150 trainer.val_every=50 \
         compare.report=benchmarks/results/compare_rehearsal.md
@@ -73,72 +72,14 @@ case "$PLAN" in
     ;;
   study)
     step all study "${STUDY_LIMIT:-500}" "${STUDY[@]}" compare.workers="${STUDY_WORKERS:-8}" \
-      trainer.max_steps="${STUDY_STEPS:-400}" trainer.val_every=50 ${STUDY_ARGS:-} &
+      ${STUDY_STEPS:+trainer.max_steps=$STUDY_STEPS} ${STUDY_ARGS:-} &
     (
-      step tests gpu_tests 420 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu tests/kernels \
+      step tests gpu_tests 340 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu tests/kernels \
         tests/residuals tests/platform/test_gpu.py
-      step tests backend_training 200 python3 -m benchmarks.backend_training --residuals attnres_block msar_block \
+      step tests backend_training 190 python3 -m benchmarks.backend_training --residuals attnres_block msar_block \
         mhc --steps 60
     ) &
     wait
-    ;;
-  scaling)
-    python3 -c "import mlflow; mlflow.MlflowClient('sqlite:///mlruns/mlflow.db').search_experiments()" >/dev/null 2>&1
-    (
-      export CUDA_VISIBLE_DEVICES=0
-      scale gpu0 msar_m [scale_m] [700] [msar_block] &
-      scale gpu0 msar_small [small] [500] [msar_block] &
-      scale gpu0 vanilla [scale_xs,scale_s,small,scale_m] [250,350,500,700] [vanilla] &
-      scale gpu0 attnres_xs_s [scale_xs,scale_s] [250,350] [attnres_block] &
-      wait
-    ) &
-    (
-      export CUDA_VISIBLE_DEVICES=1
-      step gpu1 throughput 200 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
-        attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
-      scale gpu1 msar_xs_s [scale_xs,scale_s] [250,350] [msar_block] &
-      scale gpu1 attnres_small_m [small,scale_m] [500,700] [attnres_block] &
-      wait
-    ) &
-    wait
-    step all scaling_fit 120 python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false \
-      scaling.train=false
-    ;;
-  final)
-    python3 -c "import mlflow; mlflow.MlflowClient('sqlite:///mlruns/mlflow.db').search_experiments()" >/dev/null 2>&1
-    (
-      export CUDA_VISIBLE_DEVICES=0 SCALING_LIMIT=450
-      step gpu0 study 450 "${STUDY[@]}" compare.workers=4 trainer.max_steps="${STUDY_STEPS:-400}" trainer.val_every=50 &
-      scale gpu0 msar_small [small] [500] [msar_block] &
-      scale gpu0 vanilla [scale_xs,scale_s,small] [250,350,500] [vanilla] &
-      wait
-    ) &
-    (
-      export CUDA_VISIBLE_DEVICES=1 SCALING_LIMIT=320
-      step gpu1 throughput 190 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
-        attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
-      scale gpu1 msar_xs_s [scale_xs,scale_s] [250,350] [msar_block] &
-      scale gpu1 attnres_block [scale_xs,scale_s,small] [250,350,500] [attnres_block] &
-      wait
-    ) &
-    wait
-    step all scaling_fit 60 python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false \
-      scaling.train=false
-    ;;
-  last)
-    (
-      export CUDA_VISIBLE_DEVICES=0 SCALING_LIMIT=${PIECE_LIMIT:-115}
-      scale gpu0 attnres_block [scale_xs,scale_s,small] [250,350,500] [attnres_block] &
-      scale gpu0 msar_small [small] [500] [msar_block] &
-      wait
-    ) &
-    (
-      export CUDA_VISIBLE_DEVICES=1 SCALING_LIMIT=${PIECE_LIMIT:-115}
-      scale gpu1 msar_xs_s [scale_xs,scale_s] [250,350] [msar_block]
-    ) &
-    wait
-    step all scaling_fit 20 python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false \
-      scaling.train=false scaling.n_boot=300
     ;;
   finish)
     # What the 2026-11-30 study left, in a fresh store (the local one is not carried): attnres_conv seeds
@@ -147,9 +88,14 @@ case "$PLAN" in
     # compare.train=false / scaling.train=false (docs/study.md, section 4).
     step gpu0 study_rest "${STUDY_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=0 "${STUDY[@]}" compare.runs=[attnres_conv] \
       compare.seeds=[1,2] compare.add_baselines=false compare.references=[] compare.target=null compare.report=null \
-      compare.log_comparison=false compare.workers=2 trainer.max_steps=400 trainer.val_every=50 &
-    step all scaling_rest "${SCALING_LIMIT:-500}" python3 -m platform.scaling trainer=gpu data=large \
-      mlflow.depth_heatmaps=false scaling.variants=[attnres_block,msar_block] scaling.fit=false scaling.workers=4 &
+      compare.log_comparison=false compare.workers=2 &
+    step all scaling_rest "${SCALING_LIMIT:-500}" "${SCALING[@]}" scaling.variants=[attnres_block,msar_block] \
+      scaling.fit=false scaling.workers=4 &
+    wait
+    ;;
+  scaling)
+    (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &
+    (export CUDA_VISIBLE_DEVICES=0; step gpu0 scaling "${SCALING_LIMIT:-540}" "${SCALING[@]}" scaling.workers=4) &
     wait
     ;;
 esac

@@ -20,21 +20,24 @@ import sqlite3
 from pathlib import Path
 
 from .env import REPO_ROOT
+from .tracking import sqlite_path
 
 RUN_TABLES = ("params", "tags", "metrics")  # rows keyed by run_uuid, copied where missing
 DONE = ("FINISHED", "FAILED", "KILLED")
 
 
-def sqlite_path(uri_or_path: str) -> Path:
-    if uri_or_path.startswith("sqlite:///"):
-        return Path(uri_or_path[len("sqlite:///"):])
-    if "://" in uri_or_path:
+def _db_file(uri_or_path: str) -> Path:
+    """The database file of a store given as a path or a `sqlite:///` URL (`tracking.sqlite_path`)."""
+    if "://" not in uri_or_path:
+        return Path(uri_or_path)
+    db = sqlite_path(uri_or_path)
+    if db is None:
         raise ValueError(f"{uri_or_path!r}: only SQLite stores can be merged (sqlite:///path or a path)")
-    return Path(uri_or_path)
+    return db
 
 
-def _columns(db: sqlite3.Connection, table: str, schema: str = "main") -> list[str]:
-    return [row[1] for row in db.execute(f"PRAGMA {schema}.table_info('{table}')")]
+def _columns(db: sqlite3.Connection, table: str) -> list[str]:
+    return [row[1] for row in db.execute(f"PRAGMA main.table_info('{table}')")]
 
 
 def _local_artifacts(uri: str | None, root: Path) -> Path | None:
@@ -48,7 +51,7 @@ def _local_artifacts(uri: str | None, root: Path) -> Path | None:
 
 def merge(src: str | Path, into: str | Path) -> dict[str, int]:
     """Merge store `src` into store `into` (paths or sqlite:/// URIs); returns counts of what was added."""
-    src_db, dst_db = sqlite_path(str(src)).resolve(), sqlite_path(str(into)).resolve()
+    src_db, dst_db = _db_file(str(src)).resolve(), _db_file(str(into)).resolve()
     for p in (src_db, dst_db):
         if not p.is_file():
             raise ValueError(f"{p}: no MLflow store there (run something first, or check the path)")

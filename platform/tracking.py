@@ -129,10 +129,8 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
 
     For the default store that is `mlruns/artifacts/<experiment>`; a server decides for itself.
     """
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri[len("sqlite:///"):])
-        return (db.parent / "artifacts" / experiment).resolve().as_uri()
-    return None
+    db = sqlite_path(tracking_uri)
+    return None if db is None else (db.parent / "artifacts" / experiment).resolve().as_uri()
 
 
 def ensure_experiment(client, experiment: str, tracking_uri: str) -> str:

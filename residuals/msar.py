@@ -184,7 +184,7 @@ class Msar(DepthAttentionResidual):
         (fused on CUDA, their references on CPU) for static queries and kernel sizes the fused op takes;
         `torch` (and per-token queries) keeps the residual's own reference. (`triton` is refused for post by
         validate: the read is two ops, not one.)"""
-        ok = self.cfg.query == "static" and self.cfg.view == "conv" and max(self.cfg.kernels) <= MAX_K
+        ok = self.cfg.query == "static" and max(self.cfg.kernels) <= MAX_K  # (post implies view=conv: validate)
         return "auto" if self.cfg.backend == "auto" and ok else "torch"
 
     def _fuse(self, streams: Tensor, consumer: int) -> Tensor:

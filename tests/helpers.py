@@ -53,6 +53,18 @@ def perturb_residual_params_alike(ref, other, scale: float = 0.2) -> None:
             p_other.copy_(p_ref)
 
 
+def backward_both_after_equal_outputs(ref, other, tokens, docs):
+    """Two backbones with the same parameters: their logits agree (fp32: rtol 1e-4, atol 1e-5), then one
+    random upstream gradient goes back through both. Returns the (name, ref param, other param) triples
+    whose gradients the caller compares with its own tolerance."""
+    out_ref, out_other = ref(tokens, docs), other(tokens, docs)
+    torch.testing.assert_close(out_other, out_ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn_like(out_ref)
+    out_ref.backward(g)
+    out_other.backward(g)
+    return [(n, a, b) for (n, a), (_, b) in zip(ref.named_parameters(), other.named_parameters(), strict=True)]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in fp64 (b: the reference); for fused-vs-reference comparisons in norm."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()

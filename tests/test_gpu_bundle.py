@@ -39,5 +39,5 @@ def test_gpu_session_script_parses_and_names_its_plans(tmp_path):
     out = subprocess.run(["bash", str(script), "nope", str(tmp_path / "out")], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert out.returncode == 2 and "unknown plan nope" in out.stderr
-    for plan in ("check", "study", "final", "last", "finish", "scaling"):
+    for plan in ("check", "study", "finish", "scaling"):
         assert f"  {plan})" in script.read_text(), plan

@@ -458,7 +458,7 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_r
     # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
     # PyTorch reference: outputs and every gradient, random upstream gradient, parameters off init;
     # also with the reads recomputed in backward (model.checkpoint_reads, on in model=small / medium).
-    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
+    from tests.helpers import backward_both_after_equal_outputs, build_backbone, packed_batch, perturb_residual_params_alike
 
     overrides = ("residual.norm_gain=true", "residual.output=head")
     torch.manual_seed(0)
@@ -470,13 +470,8 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(checkpoint_r
     assert fused.residual.cfg.backend == "triton" and ref.residual.cfg.backend == "auto"  # auto: torch on CPU
     perturb_residual_params_alike(ref, fused)
     tokens, docs = packed_batch(1, 11, 37, n_docs=2)
-    out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
-    torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
-    g = torch.randn_like(out_ref)
-    out_ref.backward(g)
-    out_fused.backward(g)
     n_checked = 0
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+    for n, a, b in backward_both_after_equal_outputs(ref, fused, tokens, docs):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)
             n_checked += "residual" in n

@@ -10,7 +10,7 @@ from residuals import Context, config_for, get
 from residuals.base import rms_norm
 from tests.residuals.test_attnres import (
     B, D, DOC_IDS, L, T, FakeStack, assert_block_size_one_is_full, assert_block_state_is_single_stream, assert_causal,
-    assert_same_grads, block_sources, embedding, grads_through_stack, make, randomize,
+    assert_backends_agree, assert_same_grads, block_sources, embedding, grads_through_stack, make, randomize,
 )
 
 KERNELS = [4, 8, 12]
@@ -226,7 +226,7 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, extra)
     # The whole backbone with residual.backend=triton (the fused op, mixer included, under Triton's
     # interpreter on CPU) against the PyTorch reference: outputs and every gradient, random upstream
     # gradient, packed documents.
-    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
+    from tests.helpers import backward_both_after_equal_outputs, build_backbone, packed_batch, perturb_residual_params_alike
 
     torch.manual_seed(0)
     ref = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]", *extra))
@@ -235,12 +235,7 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, extra)
                            residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton", *extra))
     perturb_residual_params_alike(ref, fused)
     tokens, docs = packed_batch(1, 11, 37, n_docs=2)
-    out_ref, out_fused = ref(tokens, docs), fused(tokens, docs)
-    torch.testing.assert_close(out_fused, out_ref, rtol=1e-4, atol=1e-5)
-    g = torch.randn_like(out_ref)
-    out_ref.backward(g)
-    out_fused.backward(g)
-    for (n, a), (_, b) in zip(ref.named_parameters(), fused.named_parameters()):
+    for n, a, b in backward_both_after_equal_outputs(ref, fused, tokens, docs):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)
 
@@ -291,18 +286,8 @@ def _post_pair(monkeypatch, force_triton: bool):
     other = make("msar_block", **fields, backend="auto")
     other.load_state_dict(ref.state_dict())
     seen = _record_backends(monkeypatch, force_triton)
-    stack = FakeStack()
-    with torch.no_grad():
-        _, reads_ref, _, _ = stack(ref, embedding(), Context(DOC_IDS, record=True))
-        _, reads_other, _, _ = stack(other, embedding(), Context(DOC_IDS, record=True))
-    for consumer, (a, b) in enumerate(zip(reads_other, reads_ref)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"consumer {consumer}")
-    torch.testing.assert_close(other.recorded["view0"], ref.recorded["view0"], rtol=1e-5, atol=1e-6)
-    out_ref, grads_ref = grads_through_stack(ref, stack)
-    out_other, grads_other = grads_through_stack(other, stack)
-    torch.testing.assert_close(out_other, out_ref, rtol=1e-5, atol=1e-5)
-    for k in sorted(grads_ref):
-        torch.testing.assert_close(grads_other[k], grads_ref[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert_backends_agree(ref, other)
+    assert "view0" in other.recorded
     assert {op for op, b in seen if b == "auto"} == {"depth_attn", "msar_attn"}
 
 
