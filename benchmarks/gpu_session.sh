@@ -4,15 +4,18 @@
 # (exit code, seconds) to OUTDIR/summary.txt. A failing step does not stop its lane.
 #   bash benchmarks/gpu_session.sh PLAN [OUTDIR]
 # PLAN:
-#   check    GPU 0: the GPU tests, fused MSAR parity, training parity of the fused backends;
-#            GPU 1: the throughput table of every study residual, then a 4-run rehearsal of the
-#            study on that one GPU (how much sharing a GPU between runs buys)
+#   check    GPU 0: the GPU tests, fused MSAR parity and timing, training parity of the fused backends;
+#            GPU 1: the throughput table of every study residual (alone on its GPU), then the tile
+#            sizes of the fused MSAR kernels (benchmarks.msar_tiles); GPU_TESTS, MSAR_SHAPES,
+#            TILE_SHAPES and TRAIN_RESIDUALS pick what those steps cover
 #   study    the paper_small comparison over both GPUs (STUDY_WORKERS runs at once; STUDY_STEPS to change
 #            the preset's 400 steps), and beside it the GPU tests and the training parity of the fused
 #            backends (correctness only: they share the GPUs with the study)
 # Every lane's limits add up to at most 540 s, inside a host's 10-minute command limit with the set-up.
 #   finish   what the 2026-11-30 study left (attnres_conv seeds 1-2, the scaling points of Block AttnRes
 #            and Block MSAR) in a fresh store, to merge back with `python -m platform.store merge`
+#   measure  GPU 0: fused MSAR parity and timing (MSAR_SHAPES); GPU 1: the throughput table
+#            (THROUGHPUT_RESIDUALS, THROUGHPUT_ABLATIONS, THROUGHPUT_LIMIT seconds)
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -20,9 +23,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | scaling}
-case "$PLAN" in check|study|finish|scaling) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | scaling" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | scaling | measure}
+case "$PLAN" in check|study|finish|scaling|measure) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure" >&2; exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -48,25 +51,25 @@ STUDY=(python3 -m platform.compare compare=paper_small mlflow.depth_heatmaps=fal
 SCALING=(python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false)
 # throughput LANE LIMIT: the training-step table of every study residual (alone on its GPU for timings)
 throughput() {
-  step "$1" throughput "$2" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
-    attnres_block mhc msar_block attnres_mhc_sum --compile on --steps 8 --tag _session
+  step "$1" throughput "$2" python3 -m benchmarks.throughput --models small \
+    --residuals ${THROUGHPUT_RESIDUALS:-vanilla attnres attnres_block mhc msar_block attnres_mhc_sum} \
+    --ablations ${THROUGHPUT_ABLATIONS:-wo_conv attnres_conv} --compile on --steps 8 --tag _session
 }
 case "$PLAN" in
   check)
+    # GPU_TESTS, MSAR_SHAPES, TILE_SHAPES, TRAIN_RESIDUALS narrow or widen a step (defaults below)
     (
       export CUDA_VISIBLE_DEVICES=0
-      step gpu0 gpu_tests 210 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu tests/kernels \
-        tests/residuals tests/platform/test_gpu.py
-      step gpu0 msar_attn 100 python3 -m benchmarks.msar_attn --shapes small --sources 5 --no-compile
-      step gpu0 backend_training 220 python3 -m benchmarks.backend_training --residuals attnres_block msar_block mhc \
-        --steps 60
+      step gpu0 gpu_tests 280 python3 -m pytest -q -rf --tb=line -p no:cacheprovider -m gpu \
+        ${GPU_TESTS:-tests/kernels tests/residuals tests/platform/test_gpu.py}
+      step gpu0 msar_attn 100 python3 -m benchmarks.msar_attn --shapes ${MSAR_SHAPES:-small} --sources 5 --no-compile
+      step gpu0 backend_training 150 python3 -m benchmarks.backend_training \
+        --residuals ${TRAIN_RESIDUALS:-msar_block mhc attnres_block} --steps 60
     ) &
     (
       export CUDA_VISIBLE_DEVICES=1
-      throughput gpu1 250
-      step gpu1 rehearsal 220 "${STUDY[@]}" compare.runs=[vanilla,msar_block] compare.references=[vanilla] \
-        compare.seeds=[0,1] compare.workers=4 compare.name=rehearsal trainer.max_steps=150 trainer.val_every=50 \
-        compare.report=benchmarks/results/compare_rehearsal.md
+      throughput gpu1 130
+      step gpu1 msar_tiles 390 python3 -m benchmarks.msar_tiles --shapes ${TILE_SHAPES:-small}
     ) &
     wait
     ;;
@@ -91,6 +94,12 @@ case "$PLAN" in
       compare.log_comparison=false compare.workers=2 &
     step all scaling_rest "${SCALING_LIMIT:-500}" "${SCALING[@]}" scaling.variants=[attnres_block,msar_block] \
       scaling.fit=false scaling.workers=4 &
+    wait
+    ;;
+  measure)
+    (export CUDA_VISIBLE_DEVICES=0; step gpu0 msar_attn 100 python3 -m benchmarks.msar_attn --shapes ${MSAR_SHAPES:-small} \
+      --sources 5 --no-compile) &
+    (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 "${THROUGHPUT_LIMIT:-200}") &
     wait
     ;;
   scaling)

@@ -144,8 +144,9 @@ def timings(fn, S, B, T, d, seed) -> dict[str, float]:
 
 
 def fused_breakdown(S, B, T, d, seed) -> dict[str, float]:
-    """Milliseconds of the fused op's pieces: the forward kernel, the mixer backward (with the
-    recomputation of the streams and dφ), the stats and source-gradient kernels (streams backward)."""
+    """Milliseconds of the fused op's pieces: the forward kernel (saving the streams for the
+    backward, as in training), the mixer backward (from the saved streams, with dφ), the stats and
+    source-gradient kernels (streams backward)."""
     from kernels.msar_attn import fused
 
     x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, B, T, d, seed)
@@ -156,13 +157,12 @@ def fused_breakdown(S, B, T, d, seed) -> dict[str, float]:
     mixer = fused._mixer_params(phi, alpha, bias)
     dh = torch.randn(B, T, d, device="cuda", dtype=x.dtype)
     kw = dict(key_norm=True, eps=1e-6)
-    dr, delta, lse, *_ = fused.mixer_backward(dh, x, packed, ks, m, qg, doc, mixer, sigmoid=True, **kw)
+    _, lse, _, saved = fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, **kw)
+    dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=kw["eps"], sigmoid=True)
     return {
-        "forward": bench_ms(lambda: fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, **kw)),
-        "mixer bwd": bench_ms(lambda: fused.mixer_backward(dh, x, packed, ks, m, qg, doc, mixer, sigmoid=True,
-                                                           **kw)),
-        "streams bwd": bench_ms(lambda: fused.streams_backward(dr, delta, lse, x, taps, packed, ks, qg, doc,
-                                                               **kw)),
+        "forward": bench_ms(lambda: fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, **kw)),
+        "mixer bwd": bench_ms(lambda: fused.mixer_backward(dh, saved, mixer, eps=kw["eps"], sigmoid=True)),
+        "streams bwd": bench_ms(lambda: fused.streams_backward(dr, lse, x, taps, packed, ks, qg, doc, **kw)),
     }
 
 
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
                 verdicts.append(f"{shape} S={S}: fwd {100 * frac_f:.0f}% ({'met' if frac_f >= TARGET_FWD else 'MISSED'}"
                                 f", bound by {bind_f}), fwd+bwd {100 * frac_fb:.0f}% "
                                 f"({'met' if frac_fb >= TARGET_FB else 'MISSED'}, bound by {bind_fb})")
-    table.notes.append("fused op's pieces (forward kernel; mixer backward with the streams recomputed and dφ; "
+    table.notes.append("fused op's pieces (forward kernel saving the streams; mixer backward from the saved streams, with dφ; "
                        "stats + source-gradient kernels): " + "; ".join(breakdown))
     table.notes.append(f"targets (fused ≥ {TARGET_FWD:.0%} of roofline fwd, ≥ {TARGET_FB:.0%} fwd+bwd): "
                        + "; ".join(verdicts))

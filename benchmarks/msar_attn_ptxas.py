@@ -47,17 +47,17 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
     yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
            dict(BT=fused.doc_window_block(T)), 4)
-    yield ("forward (h)", fused._fwd_kernel,
-           dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32),
-           dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SINGLE=blk.single, BT=blk.bt,
-                BD=blk.bd, **common), blk.warps)
+    yield ("forward (h, saving R)", fused._fwd_kernel,
+           dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type, save_z_ptr=F32,
+                save_rr_ptr=F32),
+           dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
+                BT=blk.bt, BD=blk.bd, **common), blk.warps)
     yield ("mixer backward", fused._mix_bwd_kernel,
-           dict(**views, **mixer, dh_ptr=x_type, r_ptr=x_type, dr_ptr=F32, lse_ptr=F32, logits_ptr=F32, delta_ptr=F32,
-                dz_ptr=F32, coef_ptr=F32, dzy_ptr=F32),
-           dict(KEY_NORM=True, SIGMOID=True, SINGLE=blk.bwd_single, BT=blk.bwd_bt, BD=blk.bwd_bd, **common),
-           blk.bwd_warps)
+           dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
+                dzy_ptr=F32, eps="fp32"),
+           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps)
     yield ("stats", fused._stats_kernel,
-           dict(**views, dr_ptr=F32, delta_ptr=F32, lse_ptr=F32, coef_ptr=F32),
+           dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
            dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common), blk.bwd_warps)
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,

@@ -33,10 +33,12 @@ from benchmarks.roofline import Table
 
 
 def build(model_name: str, residual: str, vocab: int, overrides: list[str], device: str):
+    """``residual``: a registered residual, or ``ablation=<name>`` (the preset picks the residual)."""
     from platform.config import compose, residual_config
     from platform.model import Backbone
 
-    cfg = compose(f"model={model_name}", f"residual={residual}", *overrides)
+    choice = residual if residual.startswith("ablation=") else f"residual={residual}"
+    cfg = compose(f"model={model_name}", choice, *overrides)
     with torch.device(device):  # initialised where it runs: no host-side init of a billion weights
         model = Backbone(cfg.model, vocab, residual_config(cfg))
     return model, cfg
@@ -157,6 +159,7 @@ def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["small", "medium"])
     p.add_argument("--residuals", nargs="+", default=["vanilla"], help=f"any of {residuals.names()}")
+    p.add_argument("--ablations", nargs="*", default=[], help="registered ablations, timed after the residuals")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (per GPU)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -169,8 +172,13 @@ def main(argv=None) -> str:
     p.add_argument("--ddp", type=int, default=0, help="also time N GPUs with DDP at the same per-GPU batch")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
+    import ablations
+
     for n in a.residuals:
         residuals.get(n)  # unknown names fail here, listing the registered ones
+    for n in a.ablations:
+        ablations.get(n)
+    runs = [*a.residuals, *(f"ablation={n}" for n in a.ablations)]
     if a.ddp and torch.cuda.is_available() and torch.cuda.device_count() < a.ddp:
         raise SystemExit(f"--ddp {a.ddp}: only {torch.cuda.device_count()} CUDA device(s) here")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -196,7 +204,7 @@ def main(argv=None) -> str:
         for comp in a.compile:
             for rec in a.recompute:
                 base = None
-                for name in a.residuals:
+                for name in runs:
                     overrides = [f"model.attention={a.attention}", *a.set] + ([f"model.recompute={rec}"] if rec else [])
                     torch.manual_seed(0)
                     model, cfg = build(model_name, name, a.vocab, overrides, device)

@@ -43,6 +43,7 @@ All math is fp32 whatever x's dtype (bf16 on the GPU).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -219,9 +220,13 @@ def _fwd_kernel(
     out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
     logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
+    save_r_ptr,  # with SAVE (for the backward): the streams R (m, B, T, d) in x's dtype
+    save_z_ptr,  # with SAVE: R·φ (m, B, T) fp32
+    save_rr_ptr,  # with SAVE: ‖vec R‖² (B, T) fp32
     S, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
-    SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SAVE: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
+    BD: tl.constexpr,
 ):
     tb = tl.program_id(0)
     b = tl.program_id(1)
@@ -247,6 +252,11 @@ def _fwd_kernel(
                      mask=stat_mask[:, :, None] & mask_d[None, None, :])
         else:
             rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
+            if SAVE:  # what the mixer's backward needs, so that it does not rebuild the views
+                tl.store(save_r_ptr + stat[:, :, None] * D + offs_d[None, None, :],
+                         r.to(save_r_ptr.dtype.element_ty), mask=stat_mask[:, :, None] & mask_d[None, None, :])
+                tl.store(save_z_ptr + stat, z, mask=stat_mask)
+                tl.store(save_rr_ptr + rows, rr, mask=mask_t)
             g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
             h = tl.sum(g[:, :, None] * r, axis=0)  # (BT, BD)
             tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
@@ -280,6 +290,9 @@ def _fwd_kernel(
                 z += z_part
                 dt += 1
             g = _gate(z, rr, alpha, bias, mask_j, M, D, eps, SIGMOID)
+            if SAVE:
+                tl.store(save_z_ptr + stat, z, mask=stat_mask)
+                tl.store(save_rr_ptr + rows, rr, mask=mask_t)
             # pass 3: recompute the streams tile by tile and write h
             dt = b * 0
             while dt < n_dt:
@@ -287,6 +300,9 @@ def _fwd_kernel(
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
                               mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+                if SAVE:
+                    tl.store(save_r_ptr + stat[:, :, None] * D + offs_d[None, None, :],
+                             r.to(save_r_ptr.dtype.element_ty), mask=stat_mask[:, :, None] & mask_d[None, None, :])
                 h = tl.sum(g[:, :, None] * r, axis=0)
                 tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
                          mask=mask_t[:, None] & mask_d[None, :])
@@ -325,90 +341,59 @@ def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, 
 
 @triton.jit
 def _mix_bwd_kernel(
-    x_ptr, taps_ptr, qg_ptr, phi_ptr, alpha_ptr, bias_ptr, near_ptr,  # as in _fwd_kernel
+    r_ptr,  # the streams R (m, B, T, d) in x's dtype, saved by the forward
+    z_ptr,  # R·φ (m, B, T) fp32, saved by the forward
+    rr_ptr,  # ‖vec R‖² (B, T) fp32, saved by the forward
+    phi_ptr, alpha_ptr, bias_ptr,  # the mixer's parameters, as in _fwd_kernel
     dh_ptr,  # upstream gradient (B, T, d), contiguous
-    r_ptr,  # result: the streams R (m, B, T, d) in x's dtype (for dφ only)
     dr_ptr,  # result: dL/dR (m, B, T, d) fp32
-    lse_ptr,  # result: log-sum-exp of the logits (m, B, T) fp32
-    logits_ptr,  # scratch logits (M_PAD, S, B, T) fp32 when not SINGLE
-    delta_ptr,  # result: dR_j · R_j (m, B, T) fp32
     dz_ptr,  # result: dL/dz (B, T, m) fp32 (db = Σ_t dz)
     coef_ptr,  # result: α ρ_R dz (B, T, m) fp32 (dφ = Σ_t vec R ⊗ coef)
     dzy_ptr,  # result: Σ_i dz_i y_i (B, T) fp32 (dα = Σ_t)
-    S, B, T, D, M, K_MAX, eps, n_dt,
-    KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr,
-    KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    B, T, D, M, eps, n_dt,
+    SIGMOID: tl.constexpr, M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
-    """Backward of the mixer, with the streams recomputed as in the forward (never stored by it)."""
+    """Backward of the mixer from the streams the forward saved: two passes over the channel tiles of
+    R and dh (dg_j = dh·r_j, then dR tile by tile; the second pass mostly hits L2)."""
     tb = tl.program_id(0)
     b = tl.program_id(1)
     offs_t = tb * BT + tl.arange(0, BT)
     mask_t = offs_t < T
     jv = tl.arange(0, M_PAD)
     mask_j = jv < M
-    near_t = tl.load(near_ptr + b.to(tl.int64) * T + offs_t, mask=mask_t, other=0)  # (BT,) window bits
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
     stat_mask = mask_j[:, None] & mask_t[None, :]
     rows = (b * T + offs_t).to(tl.int64)
     alpha = tl.load(alpha_ptr)
     bias = tl.load(bias_ptr + jv, mask=mask_j, other=0.0)
-
-    if SINGLE:
-        offs_d = tl.arange(0, BD)
+    z = tl.load(z_ptr + stat, mask=stat_mask, other=0.0)
+    rr = tl.load(rr_ptr + rows, mask=mask_t, other=0.0)
+    # pass 1: dg_j = dh·r_j over all channel tiles
+    dg = tl.zeros((M_PAD, BT), dtype=tl.float32)
+    dt = b * 0
+    while dt < n_dt:
+        offs_d = dt * BD + tl.arange(0, BD)
         mask_d = offs_d < D
-        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, False, M_PAD, KS, BT, BD)
+        r = tl.load(r_ptr + stat[:, :, None] * D + offs_d[None, None, :],
+                    mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                      other=0.0).to(tl.float32)
-        rr, z = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
-        dg = tl.sum(r * dh[None, :, :], axis=2)  # (M_PAD, BT)
-        g, dz, rho, dzy = _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID)
-        dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
+        dg += tl.sum(r * dh[None, :, :], axis=2)
+        dt += 1
+    g, dz, rho, dzy = _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID)
+    # pass 2: dR tile by tile
+    dt = b * 0
+    while dt < n_dt:
+        offs_d = dt * BD + tl.arange(0, BD)
+        mask_d = offs_d < D
         tile = stat[:, :, None] * D + offs_d[None, None, :]
         m3 = stat_mask[:, :, None] & mask_d[None, None, :]
-        tl.store(r_ptr + tile, r.to(r_ptr.dtype.element_ty), mask=m3)
+        r = tl.load(r_ptr + tile, mask=m3, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                     other=0.0).to(tl.float32)
+        dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
         tl.store(dr_ptr + tile, dr, mask=m3)
-        delta = tl.sum(dr * r, axis=2)
-    else:
-        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
-                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
-        # pass 2: ‖R‖², R·φ and dh·r_j over all channel tiles
-        rr = tl.zeros((BT,), dtype=tl.float32)
-        z = tl.zeros((M_PAD, BT), dtype=tl.float32)
-        dg = tl.zeros((M_PAD, BT), dtype=tl.float32)
-        dt = b * 0
-        while dt < n_dt:
-            offs_d = dt * BD + tl.arange(0, BD)
-            mask_d = offs_d < D
-            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
-            rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
-            rr += rr_part
-            z += z_part
-            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
-                         other=0.0).to(tl.float32)
-            dg += tl.sum(r * dh[None, :, :], axis=2)
-            dt += 1
-        g, dz, rho, dzy = _mixer_grads(z, rr, dg, alpha, bias, mask_j, M, D, eps, SIGMOID)
-        # pass 3: dR tile by tile
-        delta = tl.zeros((M_PAD, BT), dtype=tl.float32)
-        dt = b * 0
-        while dt < n_dt:
-            offs_d = dt * BD + tl.arange(0, BD)
-            mask_d = offs_d < D
-            r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                          mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
-            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
-                         other=0.0).to(tl.float32)
-            dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
-            tile = stat[:, :, None] * D + offs_d[None, None, :]
-            m3 = stat_mask[:, :, None] & mask_d[None, None, :]
-            tl.store(r_ptr + tile, r.to(r_ptr.dtype.element_ty), mask=m3)
-            tl.store(dr_ptr + tile, dr, mask=m3)
-            delta += tl.sum(dr * r, axis=2)
-            dt += 1
-    tl.store(lse_ptr + stat, lse, mask=stat_mask)
-    tl.store(delta_ptr + stat, delta, mask=stat_mask)
+        dt += 1
     tok = rows[None, :] * M + jv[:, None]  # (M_PAD, BT) index into (B, T, m)
     tl.store(dz_ptr + tok, dz, mask=stat_mask)
     tl.store(coef_ptr + tok, (alpha * rho)[None, :] * dz, mask=stat_mask)
@@ -422,15 +407,17 @@ def _stats_kernel(
     qg_ptr,  # gain-folded queries (m, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     dr_ptr,  # dL/dR (m, B, T, d) fp32
-    delta_ptr,  # dR_j · R_j (m, B, T) fp32
     lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
-    coef_ptr,  # result: w, κ, μ (3, M_PAD, S, B, T) fp32
+    coef_ptr,  # result: w, κ, μ, then a scratch plane (4, M_PAD, S, B, T) fp32
     S, B, T, D, M, K_MAX, eps, n_dt, plane,
     KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Per (view, source, token), the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
-    w = exp(logit - lse), dlogit = w (dR_j·E - dR_j·R_j), κ = dlogit ρ, μ = dlogit logit ρ² / d
-    (ρ = (‖E‖²/d + eps)^-½; without key norm κ = dlogit, μ = 0). Reductions over all channels."""
+    w = exp(logit - lse), a = dR_j·E_j(x_s), dlogit = w (a - Σ_s' w a) (the softmax backward; its
+    Σ_s' w a = dR_j·R_j comes from the same fp32 views, not from stored streams), κ = dlogit ρ,
+    μ = dlogit logit ρ² / d (ρ = (‖E‖²/d + eps)^-½; without key norm κ = dlogit, μ = 0).
+    Loop 1 over the sources rebuilds the views (reductions over all channels) and keeps w, a, ρ and
+    the logit per (view, source, token) in coef; loop 2 reads them back (scalars only) for κ, μ."""
     tb = tl.program_id(0)
     b = tl.program_id(1)
     offs_t = tb * BT + tl.arange(0, BT)
@@ -441,7 +428,7 @@ def _stats_kernel(
     stat = (jv[:, None] * B + b).to(tl.int64) * T + offs_t[None, :]
     stat_mask = mask_j[:, None] & mask_t[None, :]
     lse = tl.load(lse_ptr + stat, mask=stat_mask, other=0.0)
-    delta = tl.load(delta_ptr + stat, mask=stat_mask, other=0.0)
+    delta = tl.zeros((M_PAD, BT), dtype=tl.float32)  # Σ_s w a = dR_j·R_j
     s = b * 0
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
@@ -465,20 +452,32 @@ def _stats_kernel(
             dt += 1
         if KEY_NORM:
             rho = tl.rsqrt(ss / D + eps)
-            logit = dot_q * rho
         else:
-            logit = dot_q
+            rho = tl.full((M_PAD, BT), 1.0, dtype=tl.float32)
+        logit = dot_q * rho
         w = tl.where(stat_mask, tl.exp(logit - lse), 0.0)
-        dlogit = w * (dot_r - delta)  # softmax backward
-        if KEY_NORM:
-            # logit = qg·E ρ  =>  ∂logit/∂E = ρ qg - logit ρ² E / d
-            kappa = dlogit * rho
-            mu = kappa * rho * logit / D
-        else:
-            kappa = dlogit
-            mu = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        delta += w * dot_r
         cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :]
         tl.store(coef_ptr + cidx, w, mask=stat_mask)
+        tl.store(coef_ptr + plane + cidx, dot_r, mask=stat_mask)
+        tl.store(coef_ptr + 2 * plane + cidx, rho, mask=stat_mask)
+        tl.store(coef_ptr + 3 * plane + cidx, logit, mask=stat_mask)
+        s += 1
+    tl.debug_barrier()  # loop 2 reads back what every thread of the program wrote
+    s = b * 0
+    while s < S:
+        cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :]
+        w = tl.load(coef_ptr + cidx, mask=stat_mask, other=0.0)
+        dot_r = tl.load(coef_ptr + plane + cidx, mask=stat_mask, other=0.0)
+        rho = tl.load(coef_ptr + 2 * plane + cidx, mask=stat_mask, other=0.0)
+        logit = tl.load(coef_ptr + 3 * plane + cidx, mask=stat_mask, other=0.0)
+        kappa = w * (dot_r - delta) * rho  # dlogit ρ; without key norm ρ = 1
+        if KEY_NORM:
+            # logit = qg·E ρ  =>  ∂logit/∂E = ρ qg - logit ρ² E / d
+            mu = kappa * rho * logit / D
+        else:
+            mu = tl.zeros((M_PAD, BT), dtype=tl.float32)
+        tl.debug_barrier()  # every thread has read this source's scalars before they are overwritten
         tl.store(coef_ptr + plane + cidx, kappa, mask=stat_mask)
         tl.store(coef_ptr + 2 * plane + cidx, mu, mask=stat_mask)
         s += 1
@@ -679,6 +678,7 @@ class Blocks:
     sub: int  # token blocks per source-gradient program (fewer partial sums of the query and tap gradients)
     stats_bd: int = 0  # channels per tile of the stats kernel (0: bwd_bd)
     stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
+    mix_warps: int = 4  # warps of the mixer backward (tiles of (m, bwd_bt, bwd_bd) of the saved streams)
 
     def stats_tiles(self) -> tuple[int, int]:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
@@ -688,16 +688,15 @@ class Blocks:
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
-    """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of
-    8192 elements over 16 warps up to 512 channels, 4096 above (the unrolled per-view tap loops
-    keep many loads in flight: (4, 2, 1024) and (4, 1, 2048) spill); channels in one tile up to
-    4096 / m_pad above 512 (d <= 1024 at m = 4 runs the one-pass forward), else tiles of 512
-    channels and three passes. The backward kernels hold more tiles of the same shape: half the
-    tokens, and one channel tile only up to 4096 / m_pad channels. The source-gradient kernel: 16
-    tokens (>= K_MAX - 1) and 8 channels a program over 4 warps, 16 token blocks a program (its
-    scratch, 4 + 0.5·(Σ_j k_j + m_pad) KiB a program, and the partial sums scale with the number of programs).
-    ptxas (sm_90a) spill bytes at m = 4, K_MAX = 12: see docs/kernel_msar.md. Under the
-    interpreter each program costs milliseconds: big blocks."""
+    """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of 4096
+    elements; channels in one tile up to 4096 / m_pad (d <= 1024 at m = 4 runs the one-pass
+    forward), else tiles of 512 channels and three passes. The mixer backward and the stats kernel
+    hold tiles of 4096 elements too (the stats kernel at most 512 channels, looping over channel
+    tiles). The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 32 channels a program over 4
+    warps, 16 token blocks a program (its scratch, (4 + 0.5·(Σ_j k_j + m_pad))·BD/8 KiB a program,
+    and the partial sums scale with the number of programs). Warps: measured, see below. ptxas
+    (sm_90a) registers and spills: docs/kernel_msar.md. Under the interpreter each program costs
+    milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
     if interpreting():
         bd = triton.next_power_of_2(d) if d <= 1024 else 512
@@ -705,18 +704,22 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
         return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(bt, halo), bd, 4, 4)
     elems = 8192
     bd_full = triton.next_power_of_2(d)
-    # forward: the unrolled per-view tap loops keep Σ_j k_j shifted loads in flight; above 512
-    # channels half the tile (ptxas: (4, 2, 1024) spills 368 B, (4, 1, 2048) spills kilobytes)
-    fwd_elems = elems if bd_full <= 512 else elems // 2
-    bd = bd_full if m_pad * bd_full <= fwd_elems else 512
     t_pow = triton.next_power_of_2(T)
-    bt = max(1, min(t_pow, fwd_elems // (m_pad * bd), 16))
-    bwd_bd = bd_full if m_pad * bd_full <= elems // 2 else 512
-    bwd_bt = max(1, min(t_pow, elems // (2 * m_pad * bwd_bd), 16))
+    # forward and mixer backward: all channels in one tile up to 4096 / m_pad (d <= 1024 at m = 4:
+    # the one-pass forward), else tiles of 512 channels (the three-pass forward); 4096 elements a
+    # tile but at least 2 tokens (at d = 1024: (4, 2, 1024), measured faster than (4, 1, 1024))
+    bd = bd_full if m_pad * bd_full <= elems // 2 else 512
+    bt = max(1, min(t_pow, max(2, elems // (2 * m_pad * bd)), 16))
     stats_bd = min(bd_full, 512)
     stats_bt = max(1, min(t_pow, elems // (2 * m_pad * stats_bd), 16))
-    return Blocks(bd, bd >= d, bt, 16, bwd_bd, bwd_bd >= d, bwd_bt, 16, max(halo, min(16, t_pow)), 8, 4, 16,
-                  stats_bd, stats_bt)
+    # 4 warps a program throughout, and 32 channels a source-gradient program: timed with
+    # `python -m benchmarks.msar_tiles --shapes small medium` on an H200
+    # (benchmarks/results/msar_tiles_nvidia_h200.md). 4 warps beat 8 and 16 although a few hundred
+    # bytes spill at `small` (several programs per SM hide the latency of the tap loads): at `small`
+    # forward 0.86 vs 1.42 ms, stats + source gradients 3.5 vs 4.8 ms; at `medium` forward 4.1 vs
+    # 6.8 ms, mixer backward 0.67 vs 1.17 ms.
+    return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(halo, min(16, t_pow)), 32, 4, 16,
+                  stats_bd, stats_bt, 4)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -742,9 +745,11 @@ def _mixer_params(phi, alpha, bias):
 
 
 def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
-            store_logits=False):
-    """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, and
-    the logits (m, S, B, T) fp32 when ``store_logits`` (else None). ``mixer``: (φ, α, b) fp32."""
+            store_logits=False, save=False):
+    """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
+    logits (m, S, B, T) fp32 when ``store_logits`` (else None), and with ``save`` what the mixer's
+    backward takes, (R (m, B, T, d) in x's dtype, R·φ (m, B, T), ‖vec R‖² (B, T)) (else None).
+    ``mixer``: (φ, α, b) fp32."""
     S, B, T, d = x.shape
     m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
@@ -756,34 +761,44 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     else:  # the passes over channel tiles keep the logits of every (padded) view
         logits = torch.empty(m_pad, S, B, T, device=x.device, dtype=torch.float32)
     phi, alpha, bias = (lse, lse, lse) if write_r else mixer  # unused by the kernel with WRITE_R
+    save = save and not write_r
+    saved = ((torch.empty(m, B, T, d, device=x.device, dtype=x.dtype),
+              torch.empty(m, B, T, device=x.device, dtype=torch.float32),
+              torch.empty(B, T, device=x.device, dtype=torch.float32)) if save else (lse, lse, lse))
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
-        x, packed, qg, phi, alpha, bias, near, out, lse, logits, S, B, T, d, m, k_max, eps,
+        x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, B, T, d, m, k_max, eps,
         triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
-        SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
-    return out, lse, (logits[:m] if store_logits else None)
+        SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+    return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
 
 
-def mixer_backward(dh, x, packed, ks, m, qg, near, mixer, *, key_norm, eps, sigmoid):
-    """Streams recomputed and the mixer's backward: dR (m, B, T, d) fp32, dR·R (m, B, T), lse, and
-    the gradients of φ, α, b (fp32)."""
-    S, B, T, d = x.shape
-    m_pad, k_max = packed.shape[0], max(ks)
-    blk = _blocks(T, d, m_pad, k_max)
-    f32 = dict(device=x.device, dtype=torch.float32)
-    # R only feeds dφ: x's dtype (half the bytes in bf16); dR feeds every other gradient: fp32
-    r, dr = torch.empty(m, B, T, d, device=x.device, dtype=x.dtype), torch.empty(m, B, T, d, **f32)
-    lse, delta = torch.empty(m, B, T, **f32), torch.empty(m, B, T, **f32)
+def dphi_from(r: Tensor, coef: Tensor) -> Tensor:
+    """dφ = Σ_t vec R ⊗ coef (m·d, m) fp32 from R (m, B, T, d) and coef (B, T, m) fp32: one long
+    reduction over the tokens, split into up to 64 batched products of a few hundred tokens each
+    (a single (d, B·T) @ (B·T, m) product keeps a few dozen thread blocks busy over 16k tokens)
+    whose partials are summed in fp32."""
+    m, B, T, d = r.shape
+    n = B * T
+    p = math.gcd(n, 64)
+    rs = r.reshape(m, p, n // p, d).transpose(2, 3).reshape(m * p, d, n // p)  # a view, no copy
+    cf = coef.reshape(p, n // p, m).to(r.dtype).expand(m, p, n // p, m).reshape(m * p, n // p, m)
+    return torch.bmm(rs, cf).float().reshape(m, p, d, m).sum(1).reshape(m * d, m)
+
+
+def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
+    """The mixer's backward from what the forward saved (R, R·φ, ‖vec R‖²): dR (m, B, T, d) fp32
+    and the gradients of φ, α, b (fp32)."""
+    r, z, rr = saved
+    m, B, T, d = r.shape
+    m_pad = triton.next_power_of_2(m)
+    blk = _blocks(T, d, m_pad, 1)
+    f32 = dict(device=r.device, dtype=torch.float32)
+    dr = torch.empty(m, B, T, d, **f32)
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
-    logits = lse if blk.bwd_single else torch.empty(m_pad, S, B, T, **f32)
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        x, packed, qg, *mixer, near, dh, r, dr, lse, logits, delta, dz, coef, dzy,
-        S, B, T, d, m, k_max, eps, triton.cdiv(d, blk.bwd_bd),
-        KEY_NORM=key_norm, SIGMOID=sigmoid, SINGLE=blk.bwd_single, M_PAD=m_pad, KS=ks, BT=blk.bwd_bt,
-        BD=blk.bwd_bd, num_warps=blk.bwd_warps)
-    # dφ = Σ_t vec R ⊗ α ρ dz: per view (d, B·T) @ (B·T, m), a transposed view of R (no copy)
-    dphi = torch.matmul(r.reshape(m, B * T, d).transpose(1, 2), coef.reshape(B * T, m).to(r.dtype))
-    dphi = dphi.float().reshape(m * d, m)
-    return dr, delta, lse, dphi, dzy.sum(), dz.sum((0, 1))
+        r, z, rr, *mixer, dh, dr, dz, coef, dzy, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),
+        SIGMOID=sigmoid, M_PAD=m_pad, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.mix_warps)
+    return dr, dphi_from(r, coef), dzy.sum(), dz.sum((0, 1))
 
 
 def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -> tuple[Tensor, Tensor]:
@@ -795,18 +810,19 @@ def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -
     return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, npair + m_pad, bt, bd, **f32)
 
 
-def streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
-    """Gradients through the streams, given dR (m, B, T, d) fp32 and dR·R (m, B, T): dx (S, B, T, d)
-    in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over all sources."""
+def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
+    """Gradients through the streams, given dR (m, B, T, d) fp32 and the forward's lse (m, B, T):
+    dx (S, B, T, d) in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over
+    all sources."""
     S, B, T, d = x.shape
     m, m_pad, k_max = dr.shape[0], packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
-    coef = torch.zeros(3, m_pad, S, B, T, **f32)  # w, κ, μ; padded views stay zero
+    coef = torch.zeros(4, m_pad, S, B, T, **f32)  # w, κ, μ, scratch; padded views stay zero
     stats_bd, stats_bt = blk.stats_tiles()
     _stats_kernel[(triton.cdiv(T, stats_bt), B)](
-        x, packed, qg, near, dr, delta, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
+        x, packed, qg, near, dr, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
         KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
@@ -838,18 +854,22 @@ def _query_grads(dqg, queries, key_gains):
 
 class MsarFunction(torch.autograd.Function):
     """The whole MSAR read. Inputs: x, queries, key_gains (or None), near, φ, α, b, flags, *taps.
-    Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves only the
-    inputs: the backward recomputes the streams."""
+    Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves the inputs,
+    the lse, and (when a gradient is wanted) the streams R in x's dtype with two per-token scalars of
+    the mixer: the mixer's backward then reads R instead of rebuilding the views (2·m·d bytes a
+    token in bf16; docs/kernel_msar.md, "Backward"); the streams' backward rebuilds them."""
 
     @staticmethod
     def forward(ctx, x, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
                 *taps):
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
-        h, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
-                                 key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
-                                 sigmoid=fusion == "sigmoid", store_logits=store_logits)
-        ctx.save_for_backward(x, queries, key_gains, near, phi, alpha, bias, *taps)
+        save = any(ctx.needs_input_grad)
+        h, lse, logits, saved = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
+                                        key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
+                                        sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save)
+        ctx.save_for_backward(x, queries, key_gains, near, phi, alpha, bias, lse,
+                              *(saved if save else (None, None, None)), *taps)
         ctx.key_norm, ctx.eps, ctx.fusion = key_norm, eps, fusion
         if logits is None:
             logits = lse.new_empty(0)
@@ -858,15 +878,14 @@ class MsarFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, _dlse, _dlogits):
-        x, queries, key_gains, near, phi, alpha, bias, *taps = ctx.saved_tensors
-        d, m = x.shape[-1], queries.shape[0]
+        x, queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, *taps = ctx.saved_tensors
+        d = x.shape[-1]
         packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            dr, delta, lse, dphi, dalpha, dbias = mixer_backward(
-                dh.contiguous(), x, packed, ks, m, qg, near, _mixer_params(phi, alpha, bias),
-                key_norm=ctx.key_norm, eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
+            dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), _mixer_params(phi, alpha, bias),
+                                                     eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
+            dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
@@ -875,15 +894,15 @@ class MsarFunction(torch.autograd.Function):
 
 class StreamsFunction(torch.autograd.Function):
     """The streams R (m, B, T, d) without the mixer (``msar_attn``). Inputs: x, queries, key_gains,
-    near, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves R in fp32 (it is the output)."""
+    near, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves the inputs and the lse."""
 
     @staticmethod
     def forward(ctx, x, queries, key_gains, near, key_norm, eps, store_logits, *taps):
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
-        r, lse, logits = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
-                                 key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
-        ctx.save_for_backward(x, queries, key_gains, near, r, lse, *taps)
+        r, lse, logits, _ = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
+                                    key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
+        ctx.save_for_backward(x, queries, key_gains, near, lse, *taps)
         ctx.key_norm, ctx.eps = key_norm, eps
         if logits is None:
             logits = lse.new_empty(0)
@@ -892,14 +911,12 @@ class StreamsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dr, _dlse, _dlogits):
-        x, queries, key_gains, near, r, lse, *taps = ctx.saved_tensors
+        x, queries, key_gains, near, lse, *taps = ctx.saved_tensors
         d = x.shape[-1]
         packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            dr = dr.float().contiguous()
-            delta = (dr * r).sum(-1).contiguous()  # (m, B, T): dR_j · R_j
-            dx, dtaps, dqg = streams_backward(dr, delta, lse, x, taps, packed, ks, qg, near,
+            dx, dtaps, dqg = streams_backward(dr.float().contiguous(), lse, x, taps, packed, ks, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))

@@ -388,7 +388,9 @@ def test_kernels_compile_for_sm90_with_few_spills():
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
     assert len(lines) == 5, res.stdout
     spills = [int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines]
-    assert max(spills) <= 64, res.stdout  # a few spilled scalars at most; tiles that spill cost far more
+    # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
+    # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more
+    assert max(spills) <= 512, res.stdout
 
 
 # --- GPU, and the same checks on CPU at small shapes ------------------------------------------------
@@ -483,3 +485,19 @@ def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
 
         monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
     (check_bf16_matches_fp32_reference if dtype == "bf16" else check_fp32_matches_reference)(case, "cpu")
+
+
+@pytest.mark.parametrize("B,T", [(2, 96), (1, 13), (3, 64)], ids=["split-64", "one-product", "split-64-odd-B"])
+def test_dphi_split_over_tokens_matches_one_product(B, T):
+    """dφ = Σ_t vec R ⊗ coef, split into batched products over token chunks (fused.dphi_from) when the
+    token count allows, equals the single (m·d, B·T) @ (B·T, m) product."""
+    from kernels.msar_attn import fused
+
+    g = torch.Generator().manual_seed(3)
+    m, d = 3, 10
+    r = torch.randn(m, B, T, d, generator=g)
+    coef = torch.randn(B, T, m, generator=g)
+    want = torch.einsum("jnc,ni->jci", r.reshape(m, B * T, d), coef.reshape(B * T, m)).reshape(m * d, m)
+    got = fused.dphi_from(r, coef)
+    assert got.shape == (m * d, m) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-6

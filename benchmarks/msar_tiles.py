@@ -1,0 +1,132 @@
+"""Tile sizes of the fused MSAR kernels, timed on a CUDA GPU: which choice of ``fused._blocks`` is fastest.
+
+    python -m benchmarks.msar_tiles [--shapes small medium] [--sources 5]
+
+For one shape, every kernel of the op (forward, mixer backward, stats, source gradients) is timed
+with the tile choice of ``kernels.msar_attn.fused._blocks`` (the default, first row of its group) and
+with a few others around it (tokens per program, channels per tile, warps), one kernel's fields at
+a time, the others at their defaults, all in ONE process (CUDA-event medians), so the ratios are
+measured side by side. Every candidate's result is compared with the default's first (h, dR, or dx
+and the tap and query gradients; relative error < 1e-3): a tile choice that computes something else
+is reported as WRONG and not timed. The table goes to benchmarks/results/msar_tiles_<gpu>.md with
+the command, the GPU and the date. Changing the defaults is a separate, reviewed edit of ``_blocks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import sys
+
+import torch
+
+from benchmarks.msar_attn import SHAPES, make_inputs
+from benchmarks.roofline import Table, bench_ms
+
+
+def candidates(blk) -> dict[str, list[dict]]:
+    """Per kernel, the field overrides to try (the default first)."""
+    def around(bt):
+        return sorted({max(1, bt // 2), bt, bt * 2})
+
+    return {
+        "forward": [{}] + [dict(bt=bt, warps=w) for bt in around(blk.bt) for w in (2, 4, 8, 16)
+                           if (bt, w) != (blk.bt, blk.warps)],
+        "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
+                                  if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
+        "stats": [{}] + [dict(stats_bt=bt, stats_bd=bd, bwd_warps=w) for bt in around(blk.stats_tiles()[1])
+                         for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
+                         if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.bwd_warps)],
+        "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
+                                    if (bd, w) != (blk.src_bd, blk.src_warps)],
+    }
+
+
+def rel(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def run_shape(name: str, S: int, table: Table) -> None:
+    from kernels.msar_attn import fused
+
+    B, T, d = SHAPES[name]
+    x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, B, T, d, seed=0)
+    near = fused.doc_window(doc)
+    m = 1 + len(taps)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    qg = fused.folded_queries(q, g)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    dh = torch.randn(B, T, d, device=x.device, dtype=x.dtype)
+    kw = dict(key_norm=True, eps=1e-6)
+    default_blocks = fused._blocks
+    base = default_blocks(T, d, m_pad, max(ks))
+
+    def pieces():
+        h, lse, _, saved = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, **kw)
+        dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
+        dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, **kw)
+        return h, lse, saved, dr, (dx, *dtaps, dqg)
+
+    ref_h, ref_lse, ref_saved, ref_dr, ref_grads = pieces()
+    timed = {
+        "forward": lambda: fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, **kw),
+        "mixer backward": lambda: fused.mixer_backward(dh, ref_saved, mixer, eps=1e-6, sigmoid=True),
+        "stats": None,  # the stats and source-gradient kernels run together (streams backward)
+        "source gradients": None,
+    }
+    streams = lambda: fused.streams_backward(ref_dr, ref_lse, x, taps, packed, ks, qg, near, **kw)  # noqa: E731
+    try:
+        for kernel, overrides in candidates(base).items():
+            for over in overrides:
+                blk = dataclasses.replace(base, **over)
+                if "bd" in over or "bt" in over:
+                    blk = dataclasses.replace(blk, single=blk.bd >= d)
+                fused._blocks = lambda *_a, _b=blk: _b
+                label = ", ".join(f"{k}={v}" for k, v in over.items()) or "default: " + ", ".join(
+                    f"{k}={getattr(base, k)}" for k in _fields(kernel))
+                try:
+                    h, _, _, dr, grads = pieces()
+                    err = max(rel(h, ref_h), rel(dr, ref_dr), *(rel(a, b) for a, b in zip(grads, ref_grads)))
+                except Exception as exc:  # a tile that does not compile (shared memory, registers)
+                    table.add(name, S, kernel, label, f"FAILED: {type(exc).__name__}", "", "")
+                    print(f"[{name}] {kernel} {label}: {exc}", flush=True)
+                    continue
+                if err > 1e-3:
+                    table.add(name, S, kernel, label, f"WRONG (rel err {err:.1e})", "", "")
+                    continue
+                fn = timed[kernel] or streams
+                ms = bench_ms(fn)
+                table.add(name, S, kernel, label, "ok", f"{ms:.3f}", f"{err:.0e}")
+                print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+    finally:
+        fused._blocks = default_blocks
+
+
+def _fields(kernel: str) -> tuple[str, ...]:
+    return {"forward": ("bt", "bd", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
+            "stats": ("stats_bt", "stats_bd", "bwd_warps"),
+            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["small"], choices=list(SHAPES))
+    p.add_argument("--sources", type=int, default=5)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("error: benchmarks.msar_tiles needs a CUDA GPU")
+    table = Table("Fused MSAR: tile sizes per kernel", ["shape", "S", "kernel", "tiles", "check", "ms",
+                                                        "rel err vs default"])
+    table.notes += ["kernels (4, 8, 12), bf16 sources, key RMSNorm, sigmoid fusion; medians of CUDA-event timings",
+                    "stats and source gradients are timed together (the streams backward); within each group only "
+                    "that kernel's tiles change"]
+    for shape in args.shapes:
+        run_shape(shape, args.sources, table)
+    gpu = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
+    table.write(f"msar_tiles_{gpu}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
