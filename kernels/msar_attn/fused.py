@@ -21,17 +21,19 @@ query), logit, online softmax over sources (fp32), weighted sum.
   recomputes them once more and writes h. Recomputing costs S·d reads (mostly L2 hits) and the
   conv arithmetic; storing R would cost 2·m·d·4 bytes a token of HBM traffic instead.
 
-``WRITE_R`` makes the same kernel write the streams R (m, B, T, d) fp32 instead of h: the public
-``msar_attn`` (streams only) and the backward's recomputation.
+``WRITE_R`` makes the same kernel write the streams R (m, B, T, d) fp32 instead of h (the public
+``msar_attn``, streams only). ``SAVE`` (when a gradient is wanted) also writes R in x's dtype and
+two per-token scalars of the mixer (R·φ, ‖vec R‖²) for the backward: 2·m·d bytes a token in bf16,
+against rebuilding the views once more (the mixer backward took 3.9 ms at `small` rebuilding them,
+0.22 ms reading them).
 
-Backward (``MsarFunction.backward``), three kernels, each over all sources (never an
-(m, S, B, T, d) buffer):
-- ``_mix_bwd_kernel``: recomputes R as the forward does, then the mixer's backward per token:
-  dR (m, B, T, d) fp32, dR·R per view, and per-token scalars for dφ, dα, db (dφ = Σ_t vec R ⊗
-  α ρ dz is one matrix product over R, written in x's dtype for it).
+Backward (``MsarFunction.backward``), three kernels, never an (m, S, B, T, d) buffer:
+- ``_mix_bwd_kernel``: the mixer's backward per token from the saved R: dR (m, B, T, d) fp32 and
+  per-token scalars for dφ, dα, db (dφ = Σ_t vec R ⊗ α ρ dz, a batched product over token chunks).
 - ``_stats_kernel``: per (view, source, token) the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
-  w = exp(logit - lse), dlogit = w (dR·E - dR·R), κ = dlogit ρ, μ = dlogit · logit · ρ² / d (ρ the
-  key RMS reciprocal); reductions over all channels.
+  w = exp(logit - lse), a = dR·E, dlogit = w (a - Σ_s w a), κ = dlogit ρ, μ = dlogit · logit · ρ² / d
+  (ρ the key RMS reciprocal); Σ_s w a = dR·R from the kernel's own fp32 views (not the saved bf16 R:
+  the difference a - Σ_s w a cancels); reductions over all channels.
 - ``_src_kernel``: dE built on a token block and the next BT tokens, kept in a per-program scratch
   ring of two half-tiles (the next tokens' dE is the next block's own: views built once per
   token); the conv adjoint dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j(x_s)[t+τ] ·
