@@ -1,6 +1,7 @@
 """Where a training step's time goes, per residual: the top operators of one step by GPU time.
 
     python -m benchmarks.profile_step --model small --residuals vanilla attnres_block msar_block mhc
+    python -m benchmarks.profile_step --model small --residuals vanilla --ablations attnres_conv wo_conv
 
 The same step as `benchmarks.throughput` (bf16 autocast, compiled sublayers by default, fused AdamW,
 routing-bias update), profiled with `torch.profiler` after warm-up: per residual, the step's GPU
@@ -51,11 +52,22 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="small")
     p.add_argument("--residuals", nargs="+", default=["vanilla", "attnres_block", "msar_block", "mhc"])
+    p.add_argument("--ablations", nargs="*", default=[], help="registered ablations, profiled after the residuals")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--compile", choices=["on", "off"], default="on")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
+    import ablations
+    import residuals
+
+    try:  # unknown names fail here, before any GPU work, listing the registered ones
+        for name in args.residuals:
+            residuals.get(name)
+        for name in args.ablations:
+            ablations.get(name)
+    except KeyError as exc:
+        raise SystemExit(f"error: {exc.args[0]}") from None
     if not torch.cuda.is_available():
         raise SystemExit("error: benchmarks.profile_step needs a CUDA GPU")
     table = Table(f"Where a training step's time goes ({args.model}, batch {args.batch}, compile {args.compile})",
@@ -63,7 +75,7 @@ def main(argv=None) -> None:
                    "self GPU ms"],
                   notes=["one profiled step after 3 warm-up steps; the op rows are the top operators by self GPU "
                          "time (kernels and the ops that launch them)"])
-    for residual in args.residuals:
+    for residual in [*args.residuals, *(f"ablation={n}" for n in args.ablations)]:
         summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile == "on", args.top)
         print(f"{residual}: {summary}", flush=True)
         for i, (name, calls, ms) in enumerate(rows):

@@ -174,10 +174,13 @@ def main(argv=None) -> str:
     a = p.parse_args(argv)
     import ablations
 
-    for n in a.residuals:
-        residuals.get(n)  # unknown names fail here, listing the registered ones
-    for n in a.ablations:
-        ablations.get(n)
+    try:  # unknown names fail here, before any work, listing the registered ones
+        for n in a.residuals:
+            residuals.get(n)
+        for n in a.ablations:
+            ablations.get(n)
+    except KeyError as exc:
+        raise SystemExit(f"error: {exc.args[0]}") from None
     runs = [*a.residuals, *(f"ablation={n}" for n in a.ablations)]
     if a.ddp and torch.cuda.is_available() and torch.cuda.device_count() < a.ddp:
         raise SystemExit(f"--ddp {a.ddp}: only {torch.cuda.device_count()} CUDA device(s) here")

@@ -1,0 +1,38 @@
+"""The benchmark commands' residual and ablation choices: names are checked before any work (with the
+registered ones listed), and an ablation is timed as its preset configures it."""
+
+import pytest
+
+from benchmarks import profile_step, throughput
+
+
+@pytest.mark.parametrize("argv, bad, listed", [
+    (["--residuals", "vanila"], "'vanila'", "vanilla"),
+    (["--residuals", "vanilla", "--ablations", "wo_conv", "no_such"], "'no_such'", "wo_conv"),
+])
+@pytest.mark.parametrize("command", [throughput.main, profile_step.main], ids=["throughput", "profile_step"])
+def test_unknown_names_fail_first_and_list_the_choices(command, argv, bad, listed):
+    with pytest.raises(SystemExit) as exc:
+        command(argv)
+    message = str(exc.value)
+    assert bad in message and listed in message
+
+
+def test_an_ablation_is_built_from_its_preset():
+    model, cfg = throughput.build("tiny", "ablation=wo_conv", 256, [], "cpu")
+    assert cfg.residual.name == "msar_block" and cfg.residual.view == "identity"
+    assert cfg.ablation.name == "wo_conv"
+    _, plain = throughput.build("tiny", "msar_block", 256, [], "cpu")
+    assert plain.residual.view == "conv" and plain.ablation is None
+
+
+def test_throughput_times_ablations_beside_the_residuals(tmp_path, monkeypatch):
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    text = throughput.main(["--models", "tiny", "--residuals", "vanilla", "--ablations", "wo_conv", "--steps", "1",
+                            "--warmup", "1", "--compile", "off", "--vocab", "256", "--batch", "2",
+                            "--set", "model.seq_len=32", "--tag", "_test"])
+    rows = [line for line in text.splitlines() if line.startswith("| tiny")]
+    assert [r.split("|")[2].strip() for r in rows] == ["vanilla", "ablation=wo_conv"]
+    assert (tmp_path / "throughput_tiny_cpu_test.md").exists()
