@@ -822,10 +822,13 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
     coef = torch.zeros(4, m_pad, S, B, T, **f32)  # w, κ, μ, scratch; padded views stay zero
-    stats_bd, stats_bt = blk.stats_tiles()
-    _stats_kernel[(triton.cdiv(T, stats_bt), B)](
-        x, packed, qg, near, dr, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
-        KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.bwd_warps)
+    if S == 1:  # one source (placement=post's view op): every weight is 1 and the softmax has no gradient
+        coef[0, :m] = 1.0  # κ = μ = 0: no stats kernel
+    else:
+        stats_bd, stats_bt = blk.stats_tiles()
+        _stats_kernel[(triton.cdiv(T, stats_bt), B)](
+            x, packed, qg, near, dr, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
+            KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.bwd_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)

@@ -70,6 +70,7 @@ def _blocks(bt, bd, sub=2, bwd_bd=None):
 CASES = [
     ("S3-B2-T13-d24-k2,3", 3, 2, 13, 24, (2, 3), True, True, "sigmoid", None),
     ("S1-B1-T1-d8-k3-one-source-one-token", 1, 1, 1, 8, (3,), True, True, "sigmoid", None),
+    ("S1-B2-T13-d12-k2,5-one-source-tiled", 1, 2, 13, 12, (2, 5), False, False, "softmax", (4, 8)),
     ("S2-B1-T3-d8-k5-T-below-k-softmax-nogain", 2, 1, 3, 8, (5,), True, False, "softmax", None),
     ("S3-B1-T9-d12-k2,3-tiled-rawkeys", 3, 1, 9, 12, (2, 3), False, True, "sigmoid", (4, 8)),
     ("S3-B1-T11-d12-k5,2-tiled-softmax", 3, 1, 11, 12, (5, 2), True, True, "softmax", (4, 8)),
