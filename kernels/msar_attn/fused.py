@@ -488,23 +488,27 @@ def _stats_kernel(
 @triton.jit
 def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j, offs_d, mask_d,
              s, b, S, B, T, D, K_MAX, plane,
-             M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """On the BT tokens offs_h of source s: dE = w dR + κ qg - μ E and κ E, (M_PAD, BT, BD) each."""
+             SOFTMAX: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """On the BT tokens offs_h of source s: dE = w dR + κ qg - μ E and κ E, (M_PAD, BT, BD) each.
+    Without SOFTMAX (one source: κ = μ = 0) dE = w dR and no views are built."""
     jv = tl.arange(0, M_PAD)
     mask_h = offs_h < T
-    near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
-    row0 = (s * B + b).to(tl.int64) * T
-    e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD)
     m_h = mask_j[:, None] & mask_h[None, :]
     cidx = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_h[None, :]
     w = tl.load(coef_ptr + cidx, mask=m_h, other=0.0)
-    kappa = tl.load(coef_ptr + plane + cidx, mask=m_h, other=0.0)
-    mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_h, other=0.0)
     dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_h[None, :]  # (M_PAD, BT)
     dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
                  mask=m_h[:, :, None] & mask_d[None, None, :], other=0.0)
-    ke = kappa[:, :, None] * e
-    return w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e, ke
+    if SOFTMAX:
+        near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
+        row0 = (s * B + b).to(tl.int64) * T
+        e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD)
+        kappa = tl.load(coef_ptr + plane + cidx, mask=m_h, other=0.0)
+        mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_h, other=0.0)
+        ke = kappa[:, :, None] * e
+        return w[:, :, None] * dr + kappa[:, :, None] * qg[:, None, :] - mu[:, :, None] * e, ke
+    else:
+        return w[:, :, None] * dr, tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
 
 
 @triton.jit
@@ -523,6 +527,7 @@ def _src_kernel(
     # query-gradient partials, fp32
     S, B, T, D, M, K_MAX, plane, SUB,
     scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
+    SOFTMAX: tl.constexpr,  # more than one source (with one, κ = μ = 0: dE = w dR, no views built for it)
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
 ):
@@ -576,12 +581,12 @@ def _src_kernel(
             tl.debug_barrier()  # every thread is done reading the half overwritten below
             if i == 0:
                 de_o, ke_o = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t, mask_j, offs_d,
-                                      mask_d, s, b, S, B, T, D, K_MAX, plane, M_PAD, KS, BT, BD)
+                                      mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD)
                 tl.store(scr + (jv[:, None, None] * (2 * BT) + own0 + loc[None, :, None]) * BD + ld[None, None, :],
                          de_o)
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_o)  # κ E, summed over tokens at the end
             de_n, ke_n = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t + BT, mask_j, offs_d,
-                                  mask_d, s, b, S, B, T, D, K_MAX, plane, M_PAD, KS, BT, BD)
+                                  mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD)
             tl.store(scr + (jv[:, None, None] * (2 * BT) + nxt0 + loc[None, :, None]) * BD + ld[None, None, :], de_n)
             if i + 1 < SUB:  # the next block is this program's: count its κ E here, once
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_n)
@@ -842,7 +847,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
-        sub, scratch.stride(0), tap_scratch.stride(0),
+        sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
         num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
