@@ -668,17 +668,16 @@ def doc_window(doc_ids: Tensor) -> Tensor:
     return near
 
 
-# --- launchers# --- launchers -----------------------------------------------------------------------------------
+# --- launchers -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Blocks:
-    bd: int  # channels per tile of the forward, mixer-backward and stats kernels
+    bd: int  # channels per tile of the forward
     single: bool  # d fits one tile: one pass over the sources
     bt: int  # tokens per program of the forward
     warps: int
-    bwd_bd: int  # channels per tile of the mixer-backward and stats kernels
-    bwd_single: bool  # d fits one tile of the mixer backward
-    bwd_bt: int  # tokens per program of the mixer-backward and stats kernels
-    bwd_warps: int
+    bwd_bd: int  # channels per tile of the mixer backward (and of the stats kernel when stats_bd is 0)
+    bwd_bt: int  # tokens per program of the mixer backward (and of the stats kernel when stats_bt is 0)
+    bwd_warps: int  # warps of the stats kernel
     src_bt: int  # tokens per block of the source-gradient kernel (>= K_MAX - 1)
     src_bd: int  # channels per program of the source-gradient kernel
     src_warps: int
@@ -708,7 +707,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     if interpreting():
         bd = triton.next_power_of_2(d) if d <= 1024 else 512
         bt = min(triton.next_power_of_2(T), 16)
-        return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(bt, halo), bd, 4, 4)
+        return Blocks(bd, bd >= d, bt, 4, bd, bt, 4, max(bt, halo), bd, 4, 4)
     elems = 8192
     bd_full = triton.next_power_of_2(d)
     t_pow = triton.next_power_of_2(T)
@@ -725,7 +724,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     # bytes spill at `small` (several programs per SM hide the latency of the tap loads): at `small`
     # forward 0.86 vs 1.42 ms, stats + source gradients 3.5 vs 4.8 ms; at `medium` forward 4.1 vs
     # 6.8 ms, mixer backward 0.67 vs 1.17 ms.
-    return Blocks(bd, bd >= d, bt, 4, bd, bd >= d, bt, 4, max(halo, min(16, t_pow)), 32, 4, 16,
+    return Blocks(bd, bd >= d, bt, 4, bd, bt, 4, max(halo, min(16, t_pow)), 32, 4, 16,
                   stats_bd, stats_bt, 4)
 
 

@@ -61,7 +61,7 @@ def _blocks(bt, bd, sub=2, bwd_bd=None):
 
     def blocks(T, d, m_pad, k_max):
         src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
-        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bwd_bd >= d, bt, 4, src_bt, bwd_bd, 4, sub)
+        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub)
 
     return blocks
 
