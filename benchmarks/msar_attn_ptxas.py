@@ -58,7 +58,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps)
     yield ("stats", fused._stats_kernel,
            dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
-           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common), blk.bwd_warps)
+           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common), blk.stats_warps)
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
                 tap_scratch_ptr=F32),

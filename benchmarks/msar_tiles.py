@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from benchmarks.msar_attn import SHAPES, make_inputs
+from benchmarks.msar_attn import SHAPES, make_inputs, rel_err
 from benchmarks.roofline import Table, bench_ms
 
 
@@ -35,16 +35,12 @@ def candidates(blk) -> dict[str, list[dict]]:
                            if (bt, w) != (blk.bt, blk.warps)],
         "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
                                   if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
-        "stats": [{}] + [dict(stats_bt=bt, stats_bd=bd, bwd_warps=w) for bt in around(blk.stats_tiles()[1])
+        "stats": [{}] + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
-                         if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.bwd_warps)],
+                         if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)],
         "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
                                     if (bd, w) != (blk.src_bd, blk.src_warps)],
     }
-
-
-def rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 def run_shape(name: str, S: int, table: Table) -> None:
@@ -69,25 +65,25 @@ def run_shape(name: str, S: int, table: Table) -> None:
         return h, lse, saved, dr, (dx, *dtaps, dqg)
 
     ref_h, ref_lse, ref_saved, ref_dr, ref_grads = pieces()
+    def streams():  # the stats and source-gradient kernels run together (streams backward)
+        return fused.streams_backward(ref_dr, ref_lse, x, taps, packed, ks, qg, near, **kw)
+
     timed = {
         "forward": lambda: fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, **kw),
         "mixer backward": lambda: fused.mixer_backward(dh, ref_saved, mixer, eps=1e-6, sigmoid=True),
-        "stats": None,  # the stats and source-gradient kernels run together (streams backward)
-        "source gradients": None,
+        "stats": streams,
+        "source gradients": streams,
     }
-    streams = lambda: fused.streams_backward(ref_dr, ref_lse, x, taps, packed, ks, qg, near, **kw)  # noqa: E731
     try:
         for kernel, overrides in candidates(base).items():
             for over in overrides:
                 blk = dataclasses.replace(base, **over)
-                if "bd" in over or "bt" in over:
-                    blk = dataclasses.replace(blk, single=blk.bd >= d)
                 fused._blocks = lambda *_a, _b=blk: _b
                 label = ", ".join(f"{k}={v}" for k, v in over.items()) or "default: " + ", ".join(
                     f"{k}={getattr(base, k)}" for k in _fields(kernel))
                 try:
                     h, _, _, dr, grads = pieces()
-                    err = max(rel(h, ref_h), rel(dr, ref_dr), *(rel(a, b) for a, b in zip(grads, ref_grads)))
+                    err = max(rel_err(h, ref_h), rel_err(dr, ref_dr), *(rel_err(a, b) for a, b in zip(grads, ref_grads)))
                 except Exception as exc:  # a tile that does not compile (shared memory, registers)
                     table.add(name, S, kernel, label, f"FAILED: {type(exc).__name__}", "", "")
                     print(f"[{name}] {kernel} {label}: {exc}", flush=True)
@@ -95,8 +91,7 @@ def run_shape(name: str, S: int, table: Table) -> None:
                 if err > 1e-3:
                     table.add(name, S, kernel, label, f"WRONG (rel err {err:.1e})", "", "")
                     continue
-                fn = timed[kernel] or streams
-                ms = bench_ms(fn)
+                ms = bench_ms(timed[kernel])
                 table.add(name, S, kernel, label, "ok", f"{ms:.3f}", f"{err:.0e}")
                 print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
     finally:
@@ -105,7 +100,7 @@ def run_shape(name: str, S: int, table: Table) -> None:
 
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
-            "stats": ("stats_bt", "stats_bd", "bwd_warps"),
+            "stats": ("stats_bt", "stats_bd", "stats_warps"),
             "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
 
 

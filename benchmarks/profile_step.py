@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from benchmarks.roofline import Table
-from benchmarks.throughput import build, training_step
+from benchmarks.throughput import build, run_names, training_step
 
 
 def profile(model_name: str, residual: str, batch: int, vocab: int, compile_on: bool, top: int) -> tuple[dict, list]:
@@ -58,16 +58,7 @@ def main(argv=None) -> None:
     p.add_argument("--compile", choices=["on", "off"], default="on")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
-    import ablations
-    import residuals
-
-    try:  # unknown names fail here, before any GPU work, listing the registered ones
-        for name in args.residuals:
-            residuals.get(name)
-        for name in args.ablations:
-            ablations.get(name)
-    except KeyError as exc:
-        raise SystemExit(f"error: {exc.args[0]}") from None
+    runs = run_names(args.residuals, args.ablations)  # unknown names fail here, before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("error: benchmarks.profile_step needs a CUDA GPU")
     table = Table(f"Where a training step's time goes ({args.model}, batch {args.batch}, compile {args.compile})",
@@ -75,7 +66,7 @@ def main(argv=None) -> None:
                    "self GPU ms"],
                   notes=["one profiled step after 3 warm-up steps; the op rows are the top operators by self GPU "
                          "time (kernels and the ops that launch them)"])
-    for residual in [*args.residuals, *(f"ablation={n}" for n in args.ablations)]:
+    for residual in runs:
         summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile == "on", args.top)
         print(f"{residual}: {summary}", flush=True)
         for i, (name, calls, ms) in enumerate(rows):

@@ -44,6 +44,22 @@ def build(model_name: str, residual: str, vocab: int, overrides: list[str], devi
     return model, cfg
 
 
+def run_names(residual_names: list[str], ablation_names: list[str]) -> list[str]:
+    """What ``build`` takes, residuals first, then ``ablation=<name>`` per ablation; an unknown name is
+    a SystemExit before any work, listing the registered ones."""
+    import ablations
+    import residuals
+
+    try:
+        for n in residual_names:
+            residuals.get(n)
+        for n in ablation_names:
+            ablations.get(n)
+    except KeyError as exc:
+        raise SystemExit(f"error: {exc.args[0]}") from None
+    return [*residual_names, *(f"ablation={n}" for n in ablation_names)]
+
+
 def packed_batch(batch: int, seq: int, vocab: int, device: str, seed: int = 0):
     """Random tokens; document starts with probability 1/512 (about 2 documents per 1024 tokens)."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -172,16 +188,7 @@ def main(argv=None) -> str:
     p.add_argument("--ddp", type=int, default=0, help="also time N GPUs with DDP at the same per-GPU batch")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
-    import ablations
-
-    try:  # unknown names fail here, before any work, listing the registered ones
-        for n in a.residuals:
-            residuals.get(n)
-        for n in a.ablations:
-            ablations.get(n)
-    except KeyError as exc:
-        raise SystemExit(f"error: {exc.args[0]}") from None
-    runs = [*a.residuals, *(f"ablation={n}" for n in a.ablations)]
+    runs = run_names(a.residuals, a.ablations)
     if a.ddp and torch.cuda.is_available() and torch.cuda.device_count() < a.ddp:
         raise SystemExit(f"--ddp {a.ddp}: only {torch.cuda.device_count()} CUDA device(s) here")
     device = "cuda" if torch.cuda.is_available() else "cpu"

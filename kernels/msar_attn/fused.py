@@ -677,7 +677,7 @@ class Blocks:
     warps: int
     bwd_bd: int  # channels per tile of the mixer backward (and of the stats kernel when stats_bd is 0)
     bwd_bt: int  # tokens per program of the mixer backward (and of the stats kernel when stats_bt is 0)
-    bwd_warps: int  # warps of the stats kernel
+    stats_warps: int  # warps of the stats kernel
     src_bt: int  # tokens per block of the source-gradient kernel (>= K_MAX - 1)
     src_bd: int  # channels per program of the source-gradient kernel
     src_warps: int
@@ -832,7 +832,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
             x, packed, qg, near, dr, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
-            KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.bwd_warps)
+            KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.stats_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
