@@ -159,14 +159,18 @@ class Msar(DepthAttentionResidual):
             return h
         if self.cfg.placement == "post":
             backend = self._post_backend()
-            h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True,
-                                    backend=backend)  # (1, B, T, d)
             if backend == "auto":  # views of h and the mixer as the MSAR op over one source (every weight 1)
-                self._record(ctx, consumer, weights)
+                res = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=ctx.record,
+                                 backend=backend)  # (1, B, T, d), with the weights (1, S, B, T) when recording
+                h = res[0] if ctx.record else res
+                if ctx.record:
+                    self._record(ctx, consumer, res[1])
                 zero = self.queries.weight.new_zeros(self.n_views, x.shape[-1])  # (m, d): one source, no choice
                 return msar_fused(h, self._view_taps(consumer, x), zero, None, ctx.doc_ids, self.fusion_proj[consumer],
                                   self.fusion_scale[consumer], self.fusion_bias[consumer], key_norm=False,
                                   fusion=self.cfg.fusion, backend="auto")  # (B, T, d)
+            h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True,
+                                    backend="torch")  # (1, B, T, d)
             streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
         else:
             views = self.expand(x, consumer, ctx.doc_ids)  # (m, S, B, T, d)
