@@ -16,6 +16,8 @@
 #            and Block MSAR) in a fresh store, to merge back with `python -m platform.store merge`
 #   measure  GPU 0: fused MSAR parity and timing (MSAR_SHAPES); GPU 1: the throughput table
 #            (THROUGHPUT_RESIDUALS, THROUGHPUT_ABLATIONS, THROUGHPUT_LIMIT seconds)
+#   graphs   GPU 0: the CUDA-graph tests, then the small throughput table with graphs off and on
+#            (GRAPH_RESIDUALS); GPU 1: the medium table with graphs off and on (MEDIUM_RESIDUALS)
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -23,9 +25,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | scaling | measure}
-case "$PLAN" in check|study|finish|scaling|measure) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | scaling | measure | graphs}
+case "$PLAN" in check|study|finish|scaling|measure|graphs) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs" >&2; exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -100,6 +102,20 @@ case "$PLAN" in
     (export CUDA_VISIBLE_DEVICES=0; step gpu0 msar_attn 100 python3 -m benchmarks.msar_attn --shapes ${MSAR_SHAPES:-small} \
       --sources 5 --no-compile) &
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 "${THROUGHPUT_LIMIT:-200}") &
+    wait
+    ;;
+  graphs)
+    (
+      export CUDA_VISIBLE_DEVICES=0
+      step gpu0 graph_tests "${GRAPH_TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+        ${GRAPH_TESTS:-tests/platform/test_graphs.py}
+      step gpu0 throughput_small 300 python3 -m benchmarks.throughput --models small \
+        --residuals ${GRAPH_RESIDUALS:-vanilla attnres_block mhc msar_block msar} --compile on --graphs off on \
+        --steps 8 --tag _graphs
+    ) &
+    (export CUDA_VISIBLE_DEVICES=1; step gpu1 throughput_medium 500 python3 -m benchmarks.throughput --models medium \
+      --residuals ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile on --graphs ${MEDIUM_GRAPHS:-on off} \
+      --steps 6 --tag _graphs) &
     wait
     ;;
   scaling)

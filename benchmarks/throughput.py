@@ -68,23 +68,46 @@ def packed_batch(batch: int, seq: int, vocab: int, device: str, seed: int = 0):
     return tokens, torch.cumsum(starts.long(), 1)
 
 
-def training_step(model, batch: int, seq: int, vocab: int, device: str, forward=None, seed: int = 0):
+class _Replay(torch.nn.Module):
+    """A captured loss as a module holding the model, so DDP registers its gradient hooks on the model's
+    parameters (the replayed graph hands them their gradients through autograd, as eager code does)."""
+
+    def __init__(self, model, loss):
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, tokens, docs):
+        return self.loss(tokens, docs)
+
+
+def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: int = 0, ddp: bool = False,
+                  whole: bool = False, graphs: bool = False):
     """One training step as `platform.run` trains (bf16 autocast on CUDA, clipping, AdamW fused on
-    CUDA, the routing-bias update), on one fixed packed batch: returns ``step()``."""
+    CUDA, the routing-bias update), on one fixed packed batch: returns ``step()``.
+
+    ``ddp``: through DistributedDataParallel; ``whole``: the loss compiled as one graph;
+    ``graphs``: forward and backward replayed as CUDA graphs (`trainer.cuda_graphs`), captured here."""
+    from platform.graphs import TrainLoss, graphed_loss
     from platform.moe import update_biases
 
-    forward = model if forward is None else forward
     model.train()
     cuda = device.startswith("cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
     moes = [m for _, m in model.moe_layers()]
     tokens, docs = packed_batch(batch, seq, vocab, device, seed=seed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    loss_fn = TrainLoss(model)
+    if graphs:
+        with autocast:
+            loss_fn = _Replay(model, graphed_loss(model, tokens, docs))
+    if ddp:
+        loss_fn = torch.nn.parallel.DistributedDataParallel(loss_fn)
+    if whole:
+        loss_fn = torch.compile(loss_fn)
 
     def step():
         with autocast:
-            logits = forward(tokens[:, :-1], docs[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            loss = loss_fn(tokens, docs)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
         opt.step()
@@ -95,23 +118,22 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, forward=
 
 
 def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
-                  compile_mode: str, ddp: bool = False) -> tuple[float, float]:
+                  compile_mode: str, ddp: bool = False, graphs: bool = False) -> tuple[float, float]:
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
     if compile_mode == "on":  # what trainer.compile=true does
         model.compile_sublayers()
-    forward = torch.nn.parallel.DistributedDataParallel(model) if ddp else model
-    if compile_mode == "model":  # the whole backbone, residual included, as one graph
-        forward = torch.compile(forward)
     cuda = device.startswith("cuda")
     rank = torch.distributed.get_rank() if ddp else 0
-    step = training_step(model, batch, seq, vocab, device, forward=forward, seed=rank)
+    if cuda:  # the peak covers the warm-up (and a graph's capture), whose pools stay allocated
+        torch.cuda.reset_peak_memory_stats()
+    step = training_step(model, batch, seq, vocab, device, seed=rank, ddp=ddp, whole=compile_mode == "model",
+                         graphs=graphs)
 
     for _ in range(warmup):
         step()
     times = []
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
         for _ in range(steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -142,7 +164,7 @@ def _ddp_rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
         torch.manual_seed(0)
         model, cfg = build(job["model"], job["residual"], job["vocab"], job["overrides"], device)
         sec, peak = time_training(model, job["batch"], cfg.model.seq_len, job["vocab"], job["steps"], job["warmup"],
-                                  device, job["compile"], ddp=True)
+                                  device, job["compile"], ddp=True, graphs=job["graphs"])
         times = torch.tensor([sec], device=device)
         torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)  # the slowest rank sets the pace
         if rank == 0:
@@ -182,6 +204,8 @@ def main(argv=None) -> str:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--compile", nargs="+", default=["on"], choices=["off", "on", "model"],
                    help="on: torch.compile each attention / MLP sublayer (trainer.compile); model: the whole backbone")
+    p.add_argument("--graphs", nargs="+", default=["off"], choices=["off", "on"],
+                   help="on: replay forward + backward as CUDA graphs (trainer.cuda_graphs; platform/graphs.py)")
     p.add_argument("--recompute", nargs="+", default=[None], help="model.recompute values (default: the model's)")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.checkpoint_reads=false")
@@ -198,8 +222,12 @@ def main(argv=None) -> str:
     def mfu(flops_per_s: float, peak: float | None) -> str:
         return f"{100 * flops_per_s / peak:.1f}%" if peak else "-"
 
-    columns = ["model", "residual", "compile", "recompute", "GPUs", "tokens/step", "ms/step", "tokens/s", "vs vanilla",
-               "TFLOP/s", "MFU (measured bf16)", "MFU (datasheet)", "peak GiB"]
+    if "on" in a.graphs and device != "cuda":
+        raise SystemExit("error: --graphs on: CUDA graphs need a CUDA device; valid here: --graphs off")
+    if "model" in a.compile and "on" in a.graphs:
+        raise SystemExit("error: --compile model with --graphs on: the whole-model compile is timed without graphs")
+    columns = ["model", "residual", "compile", "graphs", "recompute", "GPUs", "tokens/step", "ms/step", "tokens/s",
+               "vs vanilla", "TFLOP/s", "MFU (measured bf16)", "MFU (datasheet)", "peak GiB"]
     if a.ddp:
         columns.append(f"scaling x{a.ddp}")
     title = f"Training-step throughput ({', '.join(a.models)}; batch {a.batch} per GPU, vocab {a.vocab})"
@@ -211,7 +239,8 @@ def main(argv=None) -> str:
                          f"median of {a.steps} steps after {a.warmup} warm-up steps; attention={a.attention}"
                          + (f"; {' '.join(a.set)}" if a.set else "")])
     for model_name in a.models:
-        for comp in a.compile:
+        for comp, graph in [(c, g) for c in a.compile for g in a.graphs]:
+            graphs = graph == "on"
             for rec in a.recompute:
                 base = None
                 for name in runs:
@@ -221,7 +250,8 @@ def main(argv=None) -> str:
                     seq = cfg.model.seq_len
                     flops_per_token = 3 * accounting.forward_flops_per_token(model, cfg.model, a.vocab)
                     try:
-                        sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp)
+                        sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp,
+                                                  graphs=graphs)
                     except torch.OutOfMemoryError:
                         sec, peak = float("nan"), float("inf")
                     del model
@@ -231,25 +261,27 @@ def main(argv=None) -> str:
                     tps = tokens / sec
                     if name == "vanilla":
                         base = tps
-                    row = [model_name, name, comp, cfg.model.recompute, "1", f"{tokens:,}"]
+                    row = [model_name, name, comp, graph, cfg.model.recompute, "1", f"{tokens:,}"]
                     if peak == float("inf"):
                         table.add(*row, "OOM", "-", "-", "-", "-", "-", "> device", *([""] if a.ddp else []))
-                        print(f"{model_name} {name} compile={comp}: OOM", flush=True)
+                        print(f"{model_name} {name} compile={comp} graphs={graph}: OOM", flush=True)
                         continue
                     flops = tps * flops_per_token
                     cells = [f"{sec * 1e3:.1f}", f"{tps:,.0f}", f"{tps / base:.3f}" if base else "-",
                              f"{flops / 1e12:.1f}", mfu(flops, measured), mfu(flops, datasheet), f"{peak:.2f}"]
                     table.add(*row, *cells, *([""] if a.ddp else []))
-                    print(f"{model_name} {name} compile={comp} recompute={cfg.model.recompute}: "
+                    print(f"{model_name} {name} compile={comp} graphs={graph} recompute={cfg.model.recompute}: "
                           f"{sec * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, MFU {mfu(flops, measured)} "
                           f"(datasheet {mfu(flops, datasheet)}), peak {peak:.2f} GiB", flush=True)
                     if a.ddp:
                         job = {"model": model_name, "residual": name, "vocab": a.vocab, "overrides": overrides,
-                               "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "compile": comp}
+                               "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "compile": comp,
+                               "graphs": graphs}
                         sec_n, peak_n = time_ddp(a.ddp, job)
                         tps_n = a.ddp * tokens / sec_n
                         flops_n = tps_n * flops_per_token / a.ddp
-                        table.add(model_name, name, comp, cfg.model.recompute, str(a.ddp), f"{a.ddp * tokens:,}",
+                        table.add(model_name, name, comp, graph, cfg.model.recompute, str(a.ddp),
+                                  f"{a.ddp * tokens:,}",
                                   f"{sec_n * 1e3:.1f}", f"{tps_n:,.0f}", "-", f"{flops_n / 1e12:.1f}",
                                   mfu(flops_n, measured), mfu(flops_n, datasheet), f"{peak_n:.2f}",
                                   f"{tps_n / (a.ddp * tps):.3f}")

@@ -77,6 +77,7 @@ class TrainerConfig:
     progress_bar: bool = True
     threads: int = 0  # CPU intra-op threads (0: leave torch's default)
     compile: bool = False  # torch.compile each attention and MLP sublayer (the residual stays eager)
+    cuda_graphs: bool = False  # replay the training forward + backward as CUDA graphs (platform/graphs.py; GPU only)
 
 
 @dataclass
@@ -230,6 +231,17 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "
                           "and trainer.accelerator=cpu", "sdpa or auto on a CPU; flex with trainer=gpu")
     _choice("trainer.precision", t.precision, ("32-true", "bf16-mixed", "16-mixed", "bf16-true"))
+    if t.cuda_graphs and t.accelerator == "cpu":
+        raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, "CUDA graphs need a GPU, and trainer.accelerator=cpu",
+                          "false on a CPU; true with trainer=gpu")
+    if t.cuda_graphs and m.moe_impl != "grouped_mm":
+        raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, f"model.moe_impl={m.moe_impl} reads the expert "
+                          "group sizes back to the host, which a CUDA graph cannot record",
+                          "false, or model.moe_impl=grouped_mm")
+    if t.cuda_graphs and not t.precision.startswith("bf16"):
+        raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, f"trainer.precision={t.precision}: the grouped GEMM "
+                          "outside bf16 copies its group offsets to the host, which a CUDA graph cannot record",
+                          "false, or trainer.precision=bf16-mixed / bf16-true")
     for key in ("devices", "max_steps", "val_every", "val_batches", "log_every", "ckpt_every",
                 "accumulate_grad_batches"):
         if t[key] < 1:
@@ -272,6 +284,8 @@ def check_environment(cfg: DictConfig) -> None:
         raise ConfigError("trainer.accelerator", "gpu", "no CUDA device on this machine", "cpu, auto")
     if t.accelerator == "gpu" and t.devices > n_gpus:
         raise ConfigError("trainer.devices", t.devices, f"this machine has {n_gpus} GPU(s)", f"1..{n_gpus}")
+    if t.cuda_graphs and n_gpus == 0:
+        raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, "no CUDA device on this machine", "false")
     if t.precision == "16-mixed" and (t.accelerator == "cpu" or n_gpus == 0):
         raise ConfigError("trainer.precision", t.precision, "fp16 mixed precision needs a GPU",
                           "32-true, bf16-mixed, bf16-true")

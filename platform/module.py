@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 from torchmetrics.text import Perplexity
 
-from . import accounting
+from . import accounting, graphs
 from .env import GPU_SAFE_DEFAULTS
 from .model import Backbone
 from .moe import update_biases
@@ -102,6 +102,7 @@ class LMModule(L.LightningModule):
         if trainer_cfg.compile:
             self.model.compile_sublayers()
         self.val_ppl = Perplexity()
+        self._graphed_loss = None  # trainer.cuda_graphs: the captured training loss (platform.graphs), built on first use
         self._last_loss: torch.Tensor | None = None
         self.last_val_step = -1  # global step of the latest validation
         # Model FLOPs per trained token (forward + backward = 3x forward), for MFU; set per batch below.
@@ -128,7 +129,10 @@ class LMModule(L.LightningModule):
         return loss, logits, target
 
     def training_step(self, batch, batch_idx):
-        loss, _, _ = self._loss(batch)
+        if self.tcfg.cuda_graphs:
+            loss = self._graphed(batch["tokens"], batch["doc_ids"])
+        else:
+            loss, _, _ = self._loss(batch)
         if not torch.isfinite(loss):
             ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none yet"
             raise NonFiniteLossError(f"loss is {loss.item()} at step {self.global_step}; stopping. "
@@ -137,6 +141,22 @@ class LMModule(L.LightningModule):
         self.log("train/loss", loss, on_step=True, prog_bar=True)
         self._last_loss = loss.detach()
         return loss
+
+    def _graphed(self, tokens, doc_ids):
+        if self._graphed_loss is None:
+            if self.trainer.accumulate_grad_batches > 1:
+                # The graph hands autograd its own gradient buffers; with accumulation, keep `.grad`
+                # allocated (zeroed in place, see optimizer_zero_grad) so each replay is added to it.
+                for p in self.parameters():
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
+            self._graphed_loss = graphs.graphed_loss(self.model, tokens, doc_ids)
+        return self._graphed_loss(tokens, doc_ids)
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        # set_to_none=False only where the graph's gradient buffers would otherwise become `.grad` and be
+        # overwritten by the next micro-batch's replay before it is accumulated (platform/graphs.py).
+        optimizer.zero_grad(set_to_none=not (self.tcfg.cuda_graphs and self.trainer.accumulate_grad_batches > 1))
 
     def optimizer_step(self, *args, **kwargs):
         super().optimizer_step(*args, **kwargs)

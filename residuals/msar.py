@@ -144,19 +144,21 @@ class Msar(DepthAttentionResidual):
         return torch.stack([x, *(causal_conv(x, taps[group], doc_ids) for taps in self.conv_taps)])
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
-        x = torch.stack(sources)  # (S, B, T, d)
         queries = self.queries(consumer, latest=sources[-1])  # (V, d) or (V, B, T, d)
         gain = self.queries.gain(consumer)  # (V, d) or None
-        if self._fused(x):  # the whole read in one op, mixer included (validated: see covered)
+        if self._fused(sources[0]):  # the whole read in one op, mixer included (validated: see covered)
             phi, alpha, bias = (self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
-            res = msar_fused(x, self._view_taps(consumer, x), queries, gain, ctx.doc_ids, phi, alpha, bias,
-                             key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
+            # the list, not a stacked copy: the op keeps the sources (alive in the state anyway) for its
+            # backward instead of an (S, B, T, d) copy per read
+            res = msar_fused(sources, self._view_taps(consumer, sources[0]), queries, gain, ctx.doc_ids, phi, alpha,
+                             bias, key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
                              backend="triton")  # (B, T, d), with the weights (V, S, B, T) when recording
             if not ctx.record:
                 return res
             h, weights = res
             self._record(ctx, consumer, weights)
             return h
+        x = torch.stack(sources)  # (S, B, T, d)
         if self.cfg.placement == "post":
             backend = self._post_backend()
             if backend == "auto":  # views of h and the mixer as the MSAR op over one source (every weight 1)

@@ -36,3 +36,9 @@ def test_throughput_times_ablations_beside_the_residuals(tmp_path, monkeypatch):
     rows = [line for line in text.splitlines() if line.startswith("| tiny")]
     assert [r.split("|")[2].strip() for r in rows] == ["vanilla", "ablation=wo_conv"]
     assert (tmp_path / "throughput_tiny_cpu_test.md").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU refusal")
+def test_throughput_refuses_cuda_graphs_without_a_gpu():
+    with pytest.raises(SystemExit, match=r"--graphs on: CUDA graphs need a CUDA device; valid here: --graphs off"):
+        throughput.main(["--models", "tiny", "--graphs", "on"])

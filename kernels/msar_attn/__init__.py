@@ -27,10 +27,24 @@ MAX_K = 16  # longest conv kernel the fused kernel accepts (its tap loop is unro
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _sources(x: Tensor | Sequence[Tensor]) -> tuple[tuple[int, ...], torch.device, set[torch.dtype]]:
+    """(shape as stacked, device, dtypes) of x: a tensor (S, B, T, d) or a non-empty sequence of (B, T, d)."""
+    if isinstance(x, Tensor):
+        return tuple(x.shape), x.device, {x.dtype}
+    if not x or any(not isinstance(t, Tensor) or t.dim() != 3 or t.shape != x[0].shape for t in x):
+        shapes = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in x]
+        raise ValueError(f"msar: a list of sources must hold S >= 1 tensors (B, T, d) of one shape, got {shapes}")
+    devices = {t.device for t in x}
+    if len(devices) != 1:
+        raise ValueError(f"msar: the sources must be on one device, got {sorted(map(str, devices))}")
+    return (len(x), *x[0].shape), x[0].device, {t.dtype for t in x}
+
+
 def _check_inputs(x, taps, queries, key_gains, doc_ids) -> None:
-    if x.dim() != 4:
-        raise ValueError(f"msar_attn: x must be (S, B, T, d), got shape {tuple(x.shape)}")
-    S, B, T, d = x.shape
+    shape, device, _ = _sources(x)
+    if len(shape) != 4:
+        raise ValueError(f"msar_attn: x must be (S, B, T, d), got shape {shape}")
+    S, B, T, d = shape
     m = 1 + len(taps)
     if queries.shape != (m, d):
         raise ValueError(f"msar_attn: queries must be (m, d) = ({m}, {d}) (m = 1 + len(taps)), "
@@ -43,7 +57,7 @@ def _check_inputs(x, taps, queries, key_gains, doc_ids) -> None:
     if doc_ids is not None and (doc_ids.shape != (B, T) or doc_ids.is_floating_point()):
         raise ValueError(f"msar_attn: doc_ids must be integer (B, T) = ({B}, {T}), "
                          f"got {doc_ids.dtype} {tuple(doc_ids.shape)}")
-    devices = {t.device for t in (x, queries, key_gains, doc_ids, *taps) if t is not None}
+    devices = {device} | {t.device for t in (queries, key_gains, doc_ids, *taps) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"msar_attn: all inputs must be on one device, got {sorted(map(str, devices))}")
 
@@ -67,19 +81,21 @@ def check_triton_supported(x: Tensor, taps: Sequence[Tensor], queries: Tensor, k
     ks = [c.shape[0] for c in taps]
     if any(k > MAX_K for k in ks):
         raise ValueError(f"msar_attn: backend 'triton' needs kernel sizes <= {MAX_K}, got {ks}")
-    named = [("x", x), ("queries", queries), ("key_gains", key_gains), *(("taps", c) for c in taps),
-             *(("phi/alpha/bias", t) for t in extra)]
-    for name, t in named:
-        if t is not None and t.dtype not in TRITON_DTYPES:
+    named = [("x", dt) for dt in sorted(_sources(x)[2], key=str)] + [
+        (name, t.dtype) for name, t in [("queries", queries), ("key_gains", key_gains), *(("taps", c) for c in taps),
+                                        *(("phi/alpha/bias", t) for t in extra)] if t is not None]
+    for name, dtype in named:
+        if dtype not in TRITON_DTYPES:
             raise ValueError(f"msar_attn: backend 'triton' computes in fp32 and takes "
-                             f"{[str(dt) for dt in TRITON_DTYPES]}; {name} is {t.dtype} "
+                             f"{[str(dt) for dt in TRITON_DTYPES]}; {name} is {dtype} "
                              f"(use backend='torch' for fp64)")
-    check_triton_device(x, "msar_attn")
+    check_triton_device(x if isinstance(x, Tensor) else x[0], "msar_attn")
 
 
 def _doc_ids(doc_ids, x):
     if doc_ids is None:
-        return torch.zeros(x.shape[1], x.shape[2], dtype=torch.int64, device=x.device)
+        shape, device, _ = _sources(x)
+        return torch.zeros(shape[1], shape[2], dtype=torch.int64, device=device)
     return doc_ids
 
 
@@ -90,7 +106,8 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
     """The whole MSAR read of one consumer: h = Σ_j g_j r^{(j)} (docs/method.md §4).
 
     Args:
-        x: sources ``(S, B, T, d)``; taps: ``m-1`` tensors ``(k_j, d)``; queries ``(m, d)``;
+        x: sources ``(S, B, T, d)``, or a sequence of S tensors ``(B, T, d)`` (the fused backend then
+            saves the tensors as they are for its backward, not a stacked copy); taps: ``m-1`` tensors ``(k_j, d)``; queries ``(m, d)``;
         key_gains ``(m, d)`` or None; doc_ids ``(B, T)`` integer (None: one document per row).
         phi: ``(m·d, m)``; alpha: scalar tensor; bias: ``(m,)``; fusion: ``"sigmoid"`` or ``"softmax"``.
         backend: ``"auto"`` (``"triton"`` for CUDA tensors, else ``"torch"``), ``"triton"`` (the
@@ -100,12 +117,13 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
         h ``(B, T, d)`` in x's dtype, and with ``return_weights`` the softmax weights
         ``(m, S, B, T)`` fp32 (fp64 from the torch backend on fp64 inputs; detached from triton).
     """
-    backend = resolve_backend(backend, x, "msar_attn")
     _check_inputs(x, taps, queries, key_gains, doc_ids)
-    _check_mixer(queries.shape[0], x.shape[-1], phi, alpha, bias, fusion, x.device)
+    shape, device, _ = _sources(x)
+    backend = resolve_backend(backend, x if isinstance(x, Tensor) else x[0], "msar_attn")
+    _check_mixer(queries.shape[0], shape[-1], phi, alpha, bias, fusion, device)
     doc_ids = _doc_ids(doc_ids, x)
     if backend == "torch":
-        return reference.msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm,
+        return reference.msar(x if isinstance(x, Tensor) else torch.stack(list(x)), taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm,
                               fusion=fusion, eps=eps, return_weights=return_weights)
     check_triton_supported(x, taps, queries, key_gains, phi, alpha, bias)
     from . import fused  # imports triton: only when asked for

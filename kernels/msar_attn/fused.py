@@ -862,24 +862,30 @@ def _query_grads(dqg, queries, key_gains):
 
 
 class MsarFunction(torch.autograd.Function):
-    """The whole MSAR read. Inputs: x, queries, key_gains (or None), near, φ, α, b, flags, *taps.
+    """The whole MSAR read. Inputs: n_src, queries, key_gains (or None), near, φ, α, b, flags, then the
+    sources and the taps: with n_src = 0 one stacked x (S, B, T, d), else n_src tensors (B, T, d)
+    that are stacked here and saved as they are (tensors the residual keeps anyway), so no stacked
+    copy lives from forward to backward; the backward stacks them again.
     Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves the inputs,
     the lse, and (when a gradient is wanted) the streams R in x's dtype with two per-token scalars of
     the mixer: the mixer's backward then reads R instead of rebuilding the views (2·m·d bytes a
     token in bf16; docs/kernel_msar.md, "Backward"); the streams' backward rebuilds them."""
 
     @staticmethod
-    def forward(ctx, x, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
-                *taps):
+    def forward(ctx, n_src, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
+                *tensors):
+        split = max(n_src, 1)
+        xs, taps = tensors[:split], tensors[split:]
+        x = torch.stack(xs) if n_src else xs[0]  # (S, B, T, d)
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
         save = any(ctx.needs_input_grad)
         h, lse, logits, saved = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                         key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                         sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save)
-        ctx.save_for_backward(x, queries, key_gains, near, phi, alpha, bias, lse,
-                              *(saved if save else (None, None, None)), *taps)
-        ctx.key_norm, ctx.eps, ctx.fusion = key_norm, eps, fusion
+        ctx.save_for_backward(queries, key_gains, near, phi, alpha, bias, lse,
+                              *(saved if save else (None, None, None)), *xs, *taps)
+        ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.split = key_norm, eps, fusion, n_src, split
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(lse, logits)
@@ -887,7 +893,9 @@ class MsarFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, _dlse, _dlogits):
-        x, queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, *taps = ctx.saved_tensors
+        queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, *tensors = ctx.saved_tensors
+        xs, taps = tensors[:ctx.split], tensors[ctx.split:]
+        x = torch.stack(xs) if ctx.n_src else xs[0]  # (S, B, T, d), again
         d = x.shape[-1]
         packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
@@ -897,8 +905,9 @@ class MsarFunction(torch.autograd.Function):
             dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near,
                                               key_norm=ctx.key_norm, eps=ctx.eps)
             dq, dg = _query_grads(dqg, queries, key_gains)
-        return (dx, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
-                dbias.to(bias.dtype), None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
+        dxs = dx.unbind(0) if ctx.n_src else (dx,)
+        return (None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
+                dbias.to(bias.dtype), None, None, None, None, *dxs, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
 
 class StreamsFunction(torch.autograd.Function):
@@ -931,19 +940,22 @@ class StreamsFunction(torch.autograd.Function):
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
 
-def _prepare(x, taps, queries, key_gains, doc_ids):
-    return (x.contiguous(), [c.contiguous() for c in taps], queries.contiguous(),
+def _prepare(taps, queries, key_gains, doc_ids):
+    return ([c.contiguous() for c in taps], queries.contiguous(),
             None if key_gains is None else key_gains.contiguous(), doc_window(doc_ids))
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
 def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=True, fusion="sigmoid",
          eps=1e-6, return_weights=False):
-    """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. Weights are
-    returned detached (diagnostics)."""
-    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
-    h, lse, logits = MsarFunction.apply(x, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
-                                        float(eps), fusion, bool(return_weights), *taps)
+    """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. ``x``: the stacked
+    sources (S, B, T, d) or a sequence of S tensors (B, T, d), which are not kept stacked for the
+    backward. Weights are returned detached (diagnostics)."""
+    xs = (x.contiguous(),) if isinstance(x, Tensor) else tuple(t.contiguous() for t in x)
+    n_src = 0 if isinstance(x, Tensor) else len(xs)
+    taps, queries, key_gains, near = _prepare(taps, queries, key_gains, doc_ids)
+    h, lse, logits = MsarFunction.apply(n_src, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
+                                        float(eps), fusion, bool(return_weights), *xs, *taps)
     if not return_weights:
         return h
     return h, torch.exp(logits - lse[:, None])  # (m, S, B, T) fp32
@@ -952,8 +964,8 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
 @torch.compiler.disable
 def msar_attn(x, taps, queries, key_gains, doc_ids, *, key_norm=True, eps=1e-6, return_weights=False):
     """The fused streams (no mixer); inputs already validated by ``kernels.msar_attn.msar_attn``."""
-    x, taps, queries, key_gains, near = _prepare(x, taps, queries, key_gains, doc_ids)
-    r, lse, logits = StreamsFunction.apply(x, queries, key_gains, near, bool(key_norm), float(eps),
+    taps, queries, key_gains, near = _prepare(taps, queries, key_gains, doc_ids)
+    r, lse, logits = StreamsFunction.apply(x.contiguous(), queries, key_gains, near, bool(key_norm), float(eps),
                                            bool(return_weights), *taps)
     if not return_weights:
         return r

@@ -218,6 +218,36 @@ def test_fused_zero_queries_at_init():
             assert a.abs().max() > 1e-6, name
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_a_list_of_sources_equals_the_stacked_sources(backend):
+    """x as S tensors (B, T, d): the same h and the same gradient per source as the stacked tensor; the
+    fused op saves the sources themselves for its backward, never an (S, B, T, d) copy."""
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(4, 2, 13, 8, (2, 5), True)  # S=4, m=3
+    stacked = x.clone().requires_grad_()
+    sources = [t.clone().requires_grad_() for t in x.unbind(0)]
+    up = torch.randn(2, 13, 8, generator=torch.Generator().manual_seed(5))
+    h_ref = msar(stacked, taps, queries, key_gains, doc_ids, phi, alpha, bias, backend=backend)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        h = msar(sources, taps, queries, key_gains, doc_ids, phi, alpha, bias, backend=backend)
+    assert rel_err(h, h_ref) < 1e-6
+    (h_ref * up).sum().backward()
+    (h * up).sum().backward()
+    for i, src in enumerate(sources):
+        assert rel_err(src.grad, stacked.grad[i]) < 1e-6, i
+    if backend == "triton":
+        assert tuple(x.shape) not in saved, saved
+
+
+def test_a_list_of_sources_is_checked():
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(2, 1, 5, 8, (2,), False)
+    with pytest.raises(ValueError, match=r"a list of sources must hold S >= 1 tensors \(B, T, d\) of one shape, "
+                                         r"got \[\(1, 5, 8\), \(1, 4, 8\)\]"):
+        msar([x[0], x[1, :, :4]], taps, queries, key_gains, doc_ids, phi, alpha, bias)
+    with pytest.raises(ValueError, match=r"a list of sources must hold S >= 1"):
+        msar([], taps, queries, key_gains, doc_ids, phi, alpha, bias)
+
+
 @needs_triton
 def test_fused_non_contiguous_inputs():
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(2, 2, 9, 8, (3,), True)
