@@ -16,8 +16,9 @@
 #            and Block MSAR) in a fresh store, to merge back with `python -m platform.store merge`
 #   measure  GPU 0: fused MSAR parity and timing (MSAR_SHAPES); GPU 1: the throughput table
 #            (THROUGHPUT_RESIDUALS, THROUGHPUT_ABLATIONS, THROUGHPUT_LIMIT seconds)
-#   graphs   GPU 0: the CUDA-graph tests, then the small throughput table with graphs off and on
-#            (GRAPH_RESIDUALS); GPU 1: the medium table with graphs off and on (MEDIUM_RESIDUALS)
+#   graphs   GPU 0: the CUDA-graph tests (GRAPH_TESTS), then the small throughput table with graphs off
+#            and on (GRAPH_RESIDUALS, GRAPH_ABLATIONS, SMALL_GRAPHS); GPU 1: the medium table
+#            (MEDIUM_RESIDUALS, MEDIUM_GRAPHS); then, with DDP_RESIDUALS, the 2-GPU scaling with graphs
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -109,14 +110,18 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=0
       step gpu0 graph_tests "${GRAPH_TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
         ${GRAPH_TESTS:-tests/platform/test_graphs.py}
-      step gpu0 throughput_small 300 python3 -m benchmarks.throughput --models small \
-        --residuals ${GRAPH_RESIDUALS:-vanilla attnres_block mhc msar_block msar} --compile on --graphs off on \
-        --steps 8 --tag _graphs
+      step gpu0 throughput_small "${SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small \
+        --residuals ${GRAPH_RESIDUALS:-vanilla attnres_block mhc msar_block msar} ${GRAPH_ABLATIONS:+--ablations $GRAPH_ABLATIONS} \
+        --compile on --graphs ${SMALL_GRAPHS:-off on} --steps 8 --tag _graphs
     ) &
-    (export CUDA_VISIBLE_DEVICES=1; step gpu1 throughput_medium 500 python3 -m benchmarks.throughput --models medium \
-      --residuals ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile on --graphs ${MEDIUM_GRAPHS:-on off} \
-      --steps 6 --tag _graphs) &
+    (export CUDA_VISIBLE_DEVICES=1; step gpu1 throughput_medium "${MEDIUM_LIMIT:-500}" python3 -m benchmarks.throughput \
+      --models medium --residuals ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile on \
+      --graphs ${MEDIUM_GRAPHS:-on off} --steps 6 --tag _graphs) &
     wait
+    if [ -n "${DDP_RESIDUALS:-}" ]; then  # both GPUs, after the lanes: the 2-GPU scaling with graphs
+      step all ddp "${DDP_LIMIT:-100}" python3 -m benchmarks.throughput --models small --residuals $DDP_RESIDUALS \
+        --compile on --graphs on --ddp 2 --steps 8 --tag _graphs
+    fi
     ;;
   scaling)
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &
