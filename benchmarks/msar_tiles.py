@@ -39,11 +39,12 @@ def candidates(blk) -> dict[str, list[dict]]:
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
                          if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)],
         "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
-                                    if (bd, w) != (blk.src_bd, blk.src_warps)],
+                                    if (bd, w) != (blk.src_bd, blk.src_warps)]
+        + [dict(tap_regs=not blk.tap_regs, src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)],
     }
 
 
-def run_shape(name: str, S: int, table: Table) -> None:
+def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None) -> None:
     from kernels.msar_attn import fused
 
     B, T, d = SHAPES[name]
@@ -76,6 +77,8 @@ def run_shape(name: str, S: int, table: Table) -> None:
     }
     try:
         for kernel, overrides in candidates(base).items():
+            if kernels and kernel not in kernels:
+                continue
             for over in overrides:
                 blk = dataclasses.replace(base, **over)
                 fused._blocks = lambda *_a, _b=blk: _b
@@ -101,13 +104,16 @@ def run_shape(name: str, S: int, table: Table) -> None:
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
-            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
+            "source gradients": ("src_bt", "src_bd", "src_warps", "sub", "tap_regs")}[kernel]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["small"], choices=list(SHAPES))
     p.add_argument("--sources", type=int, default=5)
+    p.add_argument("--kernels", nargs="+", default=None,
+                   choices=["forward", "mixer backward", "stats", "source gradients"], help="only these groups")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: benchmarks.msar_tiles needs a CUDA GPU")
@@ -117,9 +123,9 @@ def main(argv=None) -> int:
                     "stats and source gradients are timed together (the streams backward); within each group only "
                     "that kernel's tiles change"]
     for shape in args.shapes:
-        run_shape(shape, args.sources, table)
+        run_shape(shape, args.sources, table, args.kernels)
     gpu = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
-    table.write(f"msar_tiles_{gpu}")
+    table.write(f"msar_tiles_{gpu}{args.tag}")
     return 0
 
 
