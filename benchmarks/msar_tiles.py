@@ -39,8 +39,7 @@ def candidates(blk) -> dict[str, list[dict]]:
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
                          if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)],
         "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
-                                    if (bd, w) != (blk.src_bd, blk.src_warps)]
-        + [dict(tap_regs=not blk.tap_regs, src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)],
+                                    if (bd, w) != (blk.src_bd, blk.src_warps)],
     }
 
 
@@ -104,7 +103,7 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None)
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
-            "source gradients": ("src_bt", "src_bd", "src_warps", "sub", "tap_regs")}[kernel]
+            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
 
 
 def main(argv=None) -> int:

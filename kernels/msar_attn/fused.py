@@ -529,7 +529,7 @@ def _src_kernel(
     scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
     SOFTMAX: tl.constexpr,  # more than one source (with one, κ = μ = 0: dE = w dR, no views built for it)
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr, TAP_REGS: tl.constexpr, NPAIR_PAD: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr,
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
     channel tile), all sources. A block of BT tokens needs dE_j(x_s) on the block and the next BT
@@ -537,9 +537,7 @@ def _src_kernel(
         dE = w dR + κ qg - μ E   (M_PAD, 2·BT, BD), only in this program's scratch ring,
     then dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] from shifted loads of
     the scratch tile, dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t] ⊙ x_s[t-τ] · [same doc] over the
-    block's own tokens; the tap loops per view, unrolled. TAP_REGS: each tap's gradient is summed
-    over the block's tokens at once into a (NPAIR_PAD, BD) register accumulator, instead of a
-    (BT, BD) partial per tap read and written back in the scratch per block."""
+    block's own tokens; the tap loops per view, unrolled."""
     chunk = tl.program_id(0)
     b = tl.program_id(1)
     dt = tl.program_id(2)
@@ -559,11 +557,8 @@ def _src_kernel(
     scr = scratch_ptr + pid.to(tl.int64) * scr_stride  # (M_PAD, 2·BT, BD) ring
     tacc = tap_scratch_ptr + pid.to(tl.int64) * tap_stride  # (NPAIR, BT, BD) tap-gradient partials
     tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
-    if not TAP_REGS:
-        for p in tl.static_range(NPAIR):
-            tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
-    pv = tl.arange(0, NPAIR_PAD)
-    tap_acc = tl.zeros((NPAIR_PAD, BD), dtype=tl.float32)  # TAP_REGS: Σ over tokens of each (view, tap) pair
+    for p in tl.static_range(NPAIR):
+        tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
     qacc = tacc + NPAIR * BT * BD  # (M_PAD, BT, BD) query-gradient partials
     tile_h = (jv[:, None, None] * BT + loc[None, :, None]) * BD + ld[None, None, :]
     tl.store(qacc + tile_h, tl.zeros((M_PAD, BT, BD), dtype=tl.float32))
@@ -611,14 +606,10 @@ def _src_kernel(
                     ok = ((near_t >> tau) & 1) != 0
                     xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
                                  mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                    if TAP_REGS:  # summed over the block's tokens now, into this pair's row
-                        contrib = tl.sum(de_j * xv, axis=0)  # (BD,)
-                        tap_acc += tl.where((pv == KOFF[j] + tau)[:, None], contrib[None, :], 0.0)
-                    else:
-                        # summed over tokens once per program, at the end: here only a per-thread
-                        # update of this (view, tap)'s (BT, BD) partial in the scratch
-                        pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
-                        tl.store(pair, tl.load(pair) + de_j * xv)
+                    # summed over tokens once per program, at the end: here only a per-thread
+                    # update of this (view, tap)'s (BT, BD) partial in the scratch
+                    pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
+                    tl.store(pair, tl.load(pair) + de_j * xv)
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
             i += 1
@@ -627,10 +618,7 @@ def _src_kernel(
     dqg = tl.sum(tl.load(qacc + tile_h), axis=1)  # (M_PAD, BD)
     for j in tl.static_range(len(KS)):
         for tau in tl.static_range(tl.constexpr(KS[j])):
-            if TAP_REGS:
-                contrib = tl.sum(tl.where((pv == KOFF[j] + tau)[:, None], tap_acc, 0.0), axis=0)  # (BD,)
-            else:
-                contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
+            contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
             sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
             dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
     part = (chunk * B + b).to(tl.int64)
@@ -697,7 +685,6 @@ class Blocks:
     stats_bd: int = 0  # channels per tile of the stats kernel (0: bwd_bd)
     stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
     mix_warps: int = 4  # warps of the mixer backward (tiles of (m, bwd_bt, bwd_bd) of the saved streams)
-    tap_regs: bool = False  # source-gradient kernel: tap gradients summed per block in registers, not in scratch
 
     def stats_tiles(self) -> tuple[int, int]:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
@@ -861,7 +848,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
         sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
-        TAP_REGS=blk.tap_regs, NPAIR_PAD=triton.next_power_of_2(sum(ks)), num_warps=blk.src_warps)
+        num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]

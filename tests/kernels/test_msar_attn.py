@@ -51,18 +51,17 @@ def make_inputs(S, B, T, d, kernels, gains, *, dtype=torch.float32, device="cpu"
     return x, taps, queries, key_gains, doc_ids_for(B, T, g, device), phi, alpha, bias
 
 
-def _blocks(bt, bd, sub=2, bwd_bd=None, tap_regs=False):
+def _blocks(bt, bd, sub=2, bwd_bd=None):
     """A block-size override for fused._blocks: GPU-like geometry under the interpreter (several
     channel tiles, token blocks that straddle documents, several blocks per source-gradient program).
-    ``bwd_bd``: other channel tiles for the backward than for the forward; ``tap_regs``: the source-
-    gradient kernel's register accumulation of the tap gradients."""
+    ``bwd_bd``: other channel tiles for the backward than for the forward."""
     from kernels.msar_attn import fused
 
     bwd_bd = bwd_bd or bd
 
     def blocks(T, d, m_pad, k_max):
         src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
-        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub, tap_regs=tap_regs)
+        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub)
 
     return blocks
 
@@ -79,9 +78,6 @@ CASES = [
     ("S2-B1-T4-d1100-k2-wide", 2, 1, 4, 1100, (2,), True, True, "sigmoid", None),
     ("S5-B1-T6-d12-k1,1,1-identity-views", 5, 1, 6, 12, (1, 1, 1), True, True, "softmax", None),
     ("S2-B1-T10-d16-k4,8,12", 2, 1, 10, 16, (4, 8, 12), True, True, "sigmoid", None),
-    # the source-gradient kernel's tap gradients summed in registers (Blocks.tap_regs)
-    ("S3-B1-T11-d12-k5,2-tiled-softmax-tap-regs", 3, 1, 11, 12, (5, 2), True, True, "softmax", (4, 8, 2, None, True)),
-    ("S2-B2-T21-d16-k4,8,12-tap-regs", 2, 2, 21, 16, (4, 8, 12), True, True, "sigmoid", (4, 16, 2, 8, True)),
 ]
 
 
