@@ -499,12 +499,15 @@ INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 
 # serves more tokens; the post kernels are purely bandwidth-bound. pre_bwd as the model launches it
 # (with the write's dX') needs 135 registers (158 with a gain): one 8-warp program per SM; capped at
 # 128 (ptxas then spills 8-16 bytes) two programs share an SM. `python -m benchmarks.ops_mhc
-# --sweep-blocks` measures the alternatives.
+# --sweep-blocks` measures the alternatives: on an H200 at `small` (benchmarks/results/ops_mhc_blocks.md)
+# post_fwd (8, 128, 4, 3) ran the write in 0.10 ms against 0.32 for (16, 64, 8, 2), post_bwd (8, 64, 4, 2)
+# the fused write + read forward and backward in 1.99 ms against 3.12 for (8, 32, 4, 2); the pre
+# kernels' defaults were within 2% of the fastest.
 GPU_BLOCKS = {
     "pre_fwd": (32, 16, 4, 1),
     "pre_bwd": (32, 16, 8, 1, 128),
-    "post_fwd": (16, 64, 8, 2),
-    "post_bwd": (8, 32, 4, 2),
+    "post_fwd": (8, 128, 4, 3),
+    "post_bwd": (8, 64, 4, 2),
 }
 
 
