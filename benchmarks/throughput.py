@@ -26,7 +26,6 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.roofline import Table
 
@@ -81,14 +80,16 @@ class _Replay(torch.nn.Module):
 
 
 def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: int = 0, ddp: bool = False,
-                  whole: bool = False, graphs: bool = False):
+                  whole: bool = False, graphs: bool = False, ddp_comm: str = "fp32"):
     """One training step as `platform.run` trains (bf16 autocast on CUDA, clipping, AdamW fused on
     CUDA, the routing-bias update), on one fixed packed batch: returns ``step()``.
 
     ``ddp``: through DistributedDataParallel; ``whole``: the loss compiled as one graph;
-    ``graphs``: forward and backward replayed as CUDA graphs (`trainer.cuda_graphs`), captured here."""
+    ``graphs``: forward and backward replayed as CUDA graphs (`trainer.cuda_graphs`), captured here;
+    ``ddp_comm``: the gradient all-reduce's dtype under DDP (`trainer.ddp_comm`)."""
     from platform.graphs import TrainLoss, graphed_loss
     from platform.moe import update_biases
+    from platform.train import ddp_comm_hook
 
     model.train()
     cuda = device.startswith("cuda")
@@ -102,6 +103,8 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
             loss_fn = _Replay(model, graphed_loss(model, tokens, docs))
     if ddp:
         loss_fn = torch.nn.parallel.DistributedDataParallel(loss_fn)
+        if ddp_comm_hook(ddp_comm) is not None:
+            loss_fn.register_comm_hook(None, ddp_comm_hook(ddp_comm))
     if whole:
         loss_fn = torch.compile(loss_fn)
 
@@ -118,7 +121,8 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
 
 
 def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
-                  compile_mode: str, ddp: bool = False, graphs: bool = False) -> tuple[float, float]:
+                  compile_mode: str, ddp: bool = False, graphs: bool = False,
+                  ddp_comm: str = "fp32") -> tuple[float, float]:
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
     if compile_mode == "on":  # what trainer.compile=true does
         model.compile_sublayers()
@@ -127,7 +131,7 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
     if cuda:  # the peak covers the warm-up (and a graph's capture), whose pools stay allocated
         torch.cuda.reset_peak_memory_stats()
     step = training_step(model, batch, seq, vocab, device, seed=rank, ddp=ddp, whole=compile_mode == "model",
-                         graphs=graphs)
+                         graphs=graphs, ddp_comm=ddp_comm)
 
     for _ in range(warmup):
         step()
@@ -164,7 +168,7 @@ def _ddp_rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
         torch.manual_seed(0)
         model, cfg = build(job["model"], job["residual"], job["vocab"], job["overrides"], device)
         sec, peak = time_training(model, job["batch"], cfg.model.seq_len, job["vocab"], job["steps"], job["warmup"],
-                                  device, job["compile"], ddp=True, graphs=job["graphs"])
+                                  device, job["compile"], ddp=True, graphs=job["graphs"], ddp_comm=job["ddp_comm"])
         times = torch.tensor([sec], device=device)
         torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)  # the slowest rank sets the pace
         if rank == 0:
@@ -210,6 +214,8 @@ def main(argv=None) -> str:
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
     p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.checkpoint_reads=false")
     p.add_argument("--ddp", type=int, default=0, help="also time N GPUs with DDP at the same per-GPU batch")
+    p.add_argument("--ddp-comm", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
+                   help="gradient all-reduce dtype of the DDP runs (trainer.ddp_comm); one DDP row each")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
     runs = run_names(a.residuals, a.ablations)
@@ -273,19 +279,18 @@ def main(argv=None) -> str:
                     print(f"{model_name} {name} compile={comp} graphs={graph} recompute={cfg.model.recompute}: "
                           f"{sec * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, MFU {mfu(flops, measured)} "
                           f"(datasheet {mfu(flops, datasheet)}), peak {peak:.2f} GiB", flush=True)
-                    if a.ddp:
+                    for comm in a.ddp_comm if a.ddp else []:
                         job = {"model": model_name, "residual": name, "vocab": a.vocab, "overrides": overrides,
                                "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "compile": comp,
-                               "graphs": graphs}
+                               "graphs": graphs, "ddp_comm": comm}
                         sec_n, peak_n = time_ddp(a.ddp, job)
                         tps_n = a.ddp * tokens / sec_n
                         flops_n = tps_n * flops_per_token / a.ddp
-                        table.add(model_name, name, comp, graph, cfg.model.recompute, str(a.ddp),
-                                  f"{a.ddp * tokens:,}",
-                                  f"{sec_n * 1e3:.1f}", f"{tps_n:,.0f}", "-", f"{flops_n / 1e12:.1f}",
-                                  mfu(flops_n, measured), mfu(flops_n, datasheet), f"{peak_n:.2f}",
-                                  f"{tps_n / (a.ddp * tps):.3f}")
-                        print(f"  DDP x{a.ddp}: {sec_n * 1e3:.1f} ms/step, {tps_n:,.0f} tokens/s, "
+                        table.add(model_name, name, comp, graph, cfg.model.recompute, f"{a.ddp} ({comm} all-reduce)",
+                                  f"{a.ddp * tokens:,}", f"{sec_n * 1e3:.1f}", f"{tps_n:,.0f}", "-",
+                                  f"{flops_n / 1e12:.1f}", mfu(flops_n, measured), mfu(flops_n, datasheet),
+                                  f"{peak_n:.2f}", f"{tps_n / (a.ddp * tps):.3f}")
+                        print(f"  DDP x{a.ddp} ({comm} all-reduce): {sec_n * 1e3:.1f} ms/step, {tps_n:,.0f} tokens/s, "
                               f"scaling efficiency {tps_n / (a.ddp * tps):.3f}", flush=True)
     name = "throughput_" + "_".join(a.models) + (f"_ddp{a.ddp}" if a.ddp else "") + (
         "" if device == "cuda" else "_cpu") + a.tag

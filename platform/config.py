@@ -78,6 +78,7 @@ class TrainerConfig:
     threads: int = 0  # CPU intra-op threads (0: leave torch's default)
     compile: bool = False  # torch.compile each attention and MLP sublayer (the residual stays eager)
     cuda_graphs: bool = False  # replay the training forward + backward as CUDA graphs (platform/graphs.py; GPU only)
+    ddp_comm: str = "fp32"  # gradient all-reduce under DDP: "fp32" (exact) | "bf16" (half the bytes; docs/gpu.md)
 
 
 @dataclass
@@ -231,6 +232,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "
                           "and trainer.accelerator=cpu", "sdpa or auto on a CPU; flex with trainer=gpu")
     _choice("trainer.precision", t.precision, ("32-true", "bf16-mixed", "16-mixed", "bf16-true"))
+    _choice("trainer.ddp_comm", t.ddp_comm, ("fp32", "bf16"))
     if t.cuda_graphs and t.accelerator == "cpu":
         raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, "CUDA graphs need a GPU, and trainer.accelerator=cpu",
                           "false on a CPU; true with trainer=gpu")

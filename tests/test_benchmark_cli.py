@@ -42,3 +42,16 @@ def test_throughput_times_ablations_beside_the_residuals(tmp_path, monkeypatch):
 def test_throughput_refuses_cuda_graphs_without_a_gpu():
     with pytest.raises(SystemExit, match=r"--graphs on: CUDA graphs need a CUDA device; valid here: --graphs off"):
         throughput.main(["--models", "tiny", "--graphs", "on"])
+
+
+def test_throughput_ddp_rows_per_all_reduce_dtype(tmp_path, monkeypatch):
+    """--ddp 2 --ddp-comm fp32 bf16: one DDP row per all-reduce dtype (gloo on a CPU), with a scaling column."""
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    text = throughput.main(["--models", "tiny", "--residuals", "vanilla", "--steps", "1", "--warmup", "1",
+                            "--compile", "off", "--vocab", "256", "--batch", "2", "--set", "model.seq_len=32",
+                            "--ddp", "2", "--ddp-comm", "fp32", "bf16", "--tag", "_test"])
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| tiny")]
+    assert [r[6].strip() for r in rows] == ["1", "2 (fp32 all-reduce)", "2 (bf16 all-reduce)"]
+    assert all(float(r[-2]) > 0 for r in rows[1:])  # a scaling efficiency per DDP row

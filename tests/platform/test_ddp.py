@@ -71,12 +71,16 @@ def train(module, model, rows: slice):
     return record
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _rank(rank: int, world: int, init_file: str, out_dir: str, comm: str = "fp32") -> None:
+    from platform.train import ddp_comm_hook
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         module = make_module().train()
         ddp = DistributedDataParallel(module)  # buffers: broadcast from rank 0, except the ignored loads
+        if ddp_comm_hook(comm) is not None:  # trainer.ddp_comm, as Lightning's DDP strategy registers it
+            ddp.register_comm_hook(None, ddp_comm_hook(comm))
         half = B // world
         record = train(module, ddp, slice(rank * half, (rank + 1) * half))
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -102,6 +106,35 @@ def test_two_gloo_ranks_at_half_batch_equal_one_process(tmp_path):
         assert not torch.equal(ranks[0]["load"][step], ranks[1]["load"][step])
         torch.testing.assert_close(ranks[0]["load"][step] + ranks[1]["load"][step], single["load"][step])
     assert not torch.equal(single["bias"][-1], torch.zeros_like(single["bias"][-1]))
+
+
+def test_bf16_gradient_all_reduce_rounds_the_average_once(tmp_path):
+    """trainer.ddp_comm=bf16: both ranks hold the same averaged gradient, equal to one process's up to
+    bf16 rounding (and not bit-equal to it: the hook ran)."""
+    module = make_module().train()
+    single = train(module, module, slice(0, B))
+    mp.spawn(_rank, args=(2, str(tmp_path / "init"), str(tmp_path), "bf16"), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    rounded = 0
+    for name, g in single["grads"][0].items():  # the first step: same weights on both sides
+        a, b = ranks[0]["grads"][0][name], ranks[1]["grads"][0][name]
+        assert torch.equal(a, b), name
+        torch.testing.assert_close(a, g, rtol=1e-2, atol=1e-2 * g.abs().max().item() + 1e-8, msg=name)
+        rounded += int(not torch.equal(a, g))
+    assert rounded > 0
+    torch.testing.assert_close(ranks[0]["loss"][0], single["loss"][0], rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_strategy_registers_the_bf16_hook_only_for_several_processes():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from platform.train import ddp_comm_hook, trainer_strategy
+
+    t = make_cfg("trainer.ddp_comm=bf16", "trainer.devices=2").trainer
+    strategy = trainer_strategy(t)
+    assert isinstance(strategy, DDPStrategy) and strategy._ddp_comm_hook is ddp_comm_hook("bf16")
+    assert trainer_strategy(make_cfg("trainer.ddp_comm=bf16").trainer) == "auto"
+    assert trainer_strategy(make_cfg("trainer.devices=2").trainer) == "auto"
 
 
 @pytest.mark.parametrize("world", [2, 4])
