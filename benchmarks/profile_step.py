@@ -2,14 +2,16 @@
 
     python -m benchmarks.profile_step --model small --residuals vanilla attnres_block msar_block mhc
     python -m benchmarks.profile_step --model small --residuals vanilla --ablations attnres_conv wo_conv
+    python -m benchmarks.profile_step --model small --residuals vanilla msar_block mhc --graphs on
 
 The same step as `benchmarks.throughput` (bf16 autocast, compiled sublayers by default, fused AdamW,
 routing-bias update), profiled with `torch.profiler` after warm-up: per residual, the step's GPU
 time and host time, the number of kernel launches, and the operators with the most self GPU time
 (CUDA kernels and the Python-side ops that launch them). The difference to vanilla's table is the
 residual's cost; a step whose GPU time is much smaller than its wall time is bound by the host
-(launches, Python, synchronisations), not by its kernels. Writes
-benchmarks/results/profile_step_<model>.md via `roofline.Table`.
+(launches, Python, synchronisations), not by its kernels. ``--graphs on`` profiles the step as
+`trainer.cuda_graphs` runs it (forward and backward replayed; the kernels inside the graphs are
+listed as usual). Writes benchmarks/results/profile_step_<model>[_graphs].md via `roofline.Table`.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from benchmarks.roofline import Table
 from benchmarks.throughput import build, run_names, training_step
 
 
-def profile(model_name: str, residual: str, batch: int, vocab: int, compile_on: bool, top: int) -> tuple[dict, list]:
+def profile(model_name: str, residual: str, batch: int, vocab: int, compile_on: bool, top: int,
+            graphs: bool = False) -> tuple[dict, list]:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.manual_seed(0)
     model, cfg = build(model_name, residual, vocab, [], "cuda")
     if compile_on:
         model.compile_sublayers()
-    step = training_step(model, batch, cfg.model.seq_len, vocab, "cuda")
+    step = training_step(model, batch, cfg.model.seq_len, vocab, "cuda", graphs=graphs)
 
     for _ in range(3):
         step()
@@ -56,25 +59,28 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--compile", choices=["on", "off"], default="on")
+    p.add_argument("--graphs", choices=["on", "off"], default="off", help="on: as trainer.cuda_graphs runs the step")
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
     runs = run_names(args.residuals, args.ablations)  # unknown names fail here, before any GPU work
     if not torch.cuda.is_available():
         raise SystemExit("error: benchmarks.profile_step needs a CUDA GPU")
-    table = Table(f"Where a training step's time goes ({args.model}, batch {args.batch}, compile {args.compile})",
+    table = Table(f"Where a training step's time goes ({args.model}, batch {args.batch}, compile {args.compile}, "
+                  f"CUDA graphs {args.graphs})",
                   ["residual", "step wall ms", "step GPU ms (sum of kernels)", "kernel launches", "op", "calls",
                    "self GPU ms"],
                   notes=["one profiled step after 3 warm-up steps; the op rows are the top operators by self GPU "
                          "time (kernels and the ops that launch them)"])
     for residual in runs:
-        summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile == "on", args.top)
+        summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile == "on", args.top,
+                                graphs=args.graphs == "on")
         print(f"{residual}: {summary}", flush=True)
         for i, (name, calls, ms) in enumerate(rows):
             head = ([residual, f"{summary['wall_ms']:.1f}", f"{summary['gpu_ms']:.1f}", str(summary["launches"])]
                     if i == 0 else ["", "", "", ""])
             table.add(*head, f"`{name}`", str(calls), f"{ms:.2f}")
         torch.cuda.empty_cache()
-    table.write(f"profile_step_{args.model}")
+    table.write(f"profile_step_{args.model}" + ("_graphs" if args.graphs == "on" else ""))
 
 
 if __name__ == "__main__":

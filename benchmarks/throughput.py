@@ -21,6 +21,7 @@ Writes benchmarks/results/throughput_<models>[_ddpN][tag].md via `roofline.Table
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -155,15 +156,16 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
     return statistics.median(times), peak
 
 
-def _ddp_rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _ddp_rank(rank: int, world: int, init_file: str, job: dict, out: dict) -> None:
     cuda = torch.cuda.is_available()
     device = f"cuda:{rank}" if cuda else "cpu"  # gloo on CPU: only to check this code path without GPUs
     if cuda:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    # a file rendezvous: no TCP port to pick (a port found free can be taken before the ranks bind it)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank,
+                                         world_size=world)
     try:
         torch.manual_seed(0)
         model, cfg = build(job["model"], job["residual"], job["vocab"], job["overrides"], device)
@@ -173,12 +175,15 @@ def _ddp_rank(rank: int, world: int, port: int, job: dict, out: dict) -> None:
         torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)  # the slowest rank sets the pace
         if rank == 0:
             out["sec"], out["peak"] = float(times), peak
+        del model
+        gc.collect()  # the DDP wrapper (and its communication hook) gone before its process group
+        torch.distributed.barrier()  # no rank tears the group down while another still talks to it
     finally:
         torch.distributed.destroy_process_group()
 
 
 def time_ddp(world: int, job: dict) -> tuple[float, float]:
-    import socket
+    import tempfile
 
     import torch.multiprocessing as mp
 
@@ -186,11 +191,9 @@ def time_ddp(world: int, job: dict) -> tuple[float, float]:
 
     for key, value in GPU_SAFE_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_ddp_rank, args=(world, port, job, out), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_ddp_rank, args=(world, os.path.join(tmp, "rendezvous"), job, out), nprocs=world, join=True)
     return out["sec"], out["peak"]
 
 

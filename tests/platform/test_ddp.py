@@ -84,6 +84,8 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, comm: str = "fp32
         half = B // world
         record = train(module, ddp, slice(rank * half, (rank + 1) * half))
         torch.save(record, os.path.join(out_dir, f"rank{rank}.pt"))
+        del ddp
+        dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
