@@ -4,7 +4,9 @@ docs/method.md §6: shared expert(s) plus E fine-grained routed SwiGLU experts. 
 from an fp32 router; the top-k experts are chosen on s + bias, where `bias` is a non-gradient
 buffer nudged after each optimizer step toward balanced load (`update_bias`); the gates are the
 selected s renormalised. Dispatch sorts the (token, expert) assignments by expert and runs one
-grouped GEMM per projection over the contiguous groups (no loop over experts on the hot path).
+grouped GEMM per projection over the contiguous groups (no loop over experts on the hot path); the
+combine copies the outputs back to (token, slot) order and sums each token's k slots (no atomic
+scatter-add: deterministic).
 
 The dispatch never waits for the device: group ends come from a `searchsorted` over the sorted
 expert ids (not `bincount`, which reads the maximum back to the host on CUDA), the grouped GEMM
@@ -98,8 +100,12 @@ class MoE(nn.Module):
         # The gate scales the expert's hidden activation, not its output: the same product (w2 is
         # linear), but the gate's gradient needs h (N*k, hidden) instead of the output (N*k, d).
         h = h * gates.flatten()[order].unsqueeze(-1).to(h.dtype)  # (N*k, hidden)
-        y = grouped_matmul(h, self.w2, offsets, self.impl)  # (N*k, d)
-        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device).index_add_(0, token, y)
+        y = grouped_matmul(h, self.w2, offsets, self.impl)  # (N*k, d), sorted by expert
+        # Combine: each assignment's output back to its place (token, slot), then the k slots of a token
+        # summed. A permutation copy and a reduction: no atomics (an index_add of the k rows of a token
+        # into one row needs atomic adds, slow in bf16 and non-deterministic), one rounding per sum.
+        unsorted = torch.empty_like(y).index_copy(0, order, y)  # (N*k, d): row t*k + j = token t, slot j
+        out = unsorted.view(-1, self.top_k, y.shape[-1]).sum(1)  # (N, d)
         if self.shared is not None:
             out = out + self.shared(x)
         with torch.no_grad():  # idempotent: a recomputed forward writes the same counts
