@@ -17,8 +17,9 @@
 #   measure  GPU 0: fused MSAR parity and timing (MSAR_SHAPES); GPU 1: the throughput table
 #            (THROUGHPUT_RESIDUALS, THROUGHPUT_ABLATIONS, THROUGHPUT_LIMIT seconds)
 #   graphs   GPU 0: the CUDA-graph tests (GRAPH_TESTS), then the small throughput table with graphs off
-#            and on (GRAPH_RESIDUALS, GRAPH_ABLATIONS, SMALL_GRAPHS); GPU 1: the medium table
-#            (MEDIUM_RESIDUALS, MEDIUM_GRAPHS); then, with DDP_RESIDUALS, the 2-GPU scaling with graphs
+#            and on (GRAPH_RESIDUALS, GRAPH_ABLATIONS, SMALL_GRAPHS), first, with PROFILE_RESIDUALS, the
+#            profile of a graphed step; GPU 1: the medium table (MEDIUM_RESIDUALS, MEDIUM_GRAPHS); then,
+#            with DDP_RESIDUALS, the 2-GPU scaling with graphs
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -108,6 +109,10 @@ case "$PLAN" in
   graphs)
     (
       export CUDA_VISIBLE_DEVICES=0
+      if [ -n "${PROFILE_RESIDUALS:-}" ]; then  # the kernels of a graphed step, per residual
+        step gpu0 profile "${PROFILE_LIMIT:-150}" python3 -m benchmarks.profile_step --model small \
+          --residuals $PROFILE_RESIDUALS --graphs on
+      fi
       step gpu0 graph_tests "${GRAPH_TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
         ${GRAPH_TESTS:-tests/platform/test_graphs.py}
       step gpu0 throughput_small "${SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small \
