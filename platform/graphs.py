@@ -43,16 +43,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def next_token_loss(model: nn.Module, tokens: Tensor, doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The training objective: windows tokens, doc_ids (B, T+1) -> (mean next-token cross-entropy,
+    logits (B, T, V), targets (B, T)). `LMModule` and `TrainLoss` both compute it here."""
+    logits = model(tokens[:, :-1], doc_ids[:, :-1])  # (B, T, V)
+    target = tokens[:, 1:]
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()), logits, target
+
+
 class TrainLoss(nn.Module):
-    """The training objective as a module: tokens, doc_ids (B, T+1) -> mean next-token cross-entropy."""
+    """The training objective as a module (what a graph captures): tokens, doc_ids (B, T+1) -> the loss."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
     def forward(self, tokens: Tensor, doc_ids: Tensor) -> Tensor:
-        logits = self.model(tokens[:, :-1], doc_ids[:, :-1])  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        return next_token_loss(self.model, tokens, doc_ids)[0]
 
 
 def graphed_loss(model: nn.Module, tokens: Tensor, doc_ids: Tensor,

@@ -17,7 +17,6 @@ import resource
 import lightning as L
 import numpy as np
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import LearningRateMonitor, ThroughputMonitor
 from lightning.pytorch.trainer.states import RunningStage
 from torchmetrics.text import Perplexity
@@ -122,11 +121,7 @@ class LMModule(L.LightningModule):
         return self.model(tokens, doc_ids, record=record)
 
     def _loss(self, batch):
-        tokens, doc_ids = batch["tokens"], batch["doc_ids"]
-        logits = self(tokens[:, :-1], doc_ids[:, :-1])  # (B, T, V)
-        target = tokens[:, 1:]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-        return loss, logits, target
+        return graphs.next_token_loss(self, batch["tokens"], batch["doc_ids"])  # loss, logits, target
 
     def training_step(self, batch, batch_idx):
         if self.tcfg.cuda_graphs:

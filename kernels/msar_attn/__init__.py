@@ -40,7 +40,8 @@ def _sources(x: Tensor | Sequence[Tensor]) -> tuple[tuple[int, ...], torch.devic
     return (len(x), *x[0].shape), x[0].device, {t.dtype for t in x}
 
 
-def _check_inputs(x, taps, queries, key_gains, doc_ids) -> None:
+def _check_inputs(x, taps, queries, key_gains, doc_ids) -> tuple[tuple[int, ...], torch.device]:
+    """Validate the shapes and devices; returns x's shape as stacked (S, B, T, d) and its device."""
     shape, device, _ = _sources(x)
     if len(shape) != 4:
         raise ValueError(f"msar_attn: x must be (S, B, T, d), got shape {shape}")
@@ -60,6 +61,7 @@ def _check_inputs(x, taps, queries, key_gains, doc_ids) -> None:
     devices = {device} | {t.device for t in (queries, key_gains, doc_ids, *taps) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"msar_attn: all inputs must be on one device, got {sorted(map(str, devices))}")
+    return shape, device
 
 
 def _check_mixer(m, d, phi, alpha, bias, fusion, device) -> None:
@@ -89,12 +91,16 @@ def check_triton_supported(x: Tensor, taps: Sequence[Tensor], queries: Tensor, k
             raise ValueError(f"msar_attn: backend 'triton' computes in fp32 and takes "
                              f"{[str(dt) for dt in TRITON_DTYPES]}; {name} is {dtype} "
                              f"(use backend='torch' for fp64)")
-    check_triton_device(x if isinstance(x, Tensor) else x[0], "msar_attn")
+    check_triton_device(_first(x), "msar_attn")
 
 
-def _doc_ids(doc_ids, x):
-    if doc_ids is None:
-        shape, device, _ = _sources(x)
+def _first(x: Tensor | Sequence[Tensor]) -> Tensor:
+    """A tensor that stands for x's device and backend: x itself, or its first source."""
+    return x if isinstance(x, Tensor) else x[0]
+
+
+def _doc_ids(doc_ids, shape, device):
+    if doc_ids is None:  # one document per row
         return torch.zeros(shape[1], shape[2], dtype=torch.int64, device=device)
     return doc_ids
 
@@ -107,7 +113,8 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
 
     Args:
         x: sources ``(S, B, T, d)``, or a sequence of S tensors ``(B, T, d)`` (the fused backend then
-            saves the tensors as they are for its backward, not a stacked copy); taps: ``m-1`` tensors ``(k_j, d)``; queries ``(m, d)``;
+            saves the tensors as they are for its backward, not a stacked copy).
+        taps: ``m-1`` tensors ``(k_j, d)``; queries ``(m, d)``;
         key_gains ``(m, d)`` or None; doc_ids ``(B, T)`` integer (None: one document per row).
         phi: ``(m·d, m)``; alpha: scalar tensor; bias: ``(m,)``; fusion: ``"sigmoid"`` or ``"softmax"``.
         backend: ``"auto"`` (``"triton"`` for CUDA tensors, else ``"torch"``), ``"triton"`` (the
@@ -117,13 +124,13 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
         h ``(B, T, d)`` in x's dtype, and with ``return_weights`` the softmax weights
         ``(m, S, B, T)`` fp32 (fp64 from the torch backend on fp64 inputs; detached from triton).
     """
-    _check_inputs(x, taps, queries, key_gains, doc_ids)
-    shape, device, _ = _sources(x)
-    backend = resolve_backend(backend, x if isinstance(x, Tensor) else x[0], "msar_attn")
+    shape, device = _check_inputs(x, taps, queries, key_gains, doc_ids)
+    backend = resolve_backend(backend, _first(x), "msar_attn")
     _check_mixer(queries.shape[0], shape[-1], phi, alpha, bias, fusion, device)
-    doc_ids = _doc_ids(doc_ids, x)
+    doc_ids = _doc_ids(doc_ids, shape, device)
     if backend == "torch":
-        return reference.msar(x if isinstance(x, Tensor) else torch.stack(list(x)), taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm,
+        stacked = x if isinstance(x, Tensor) else torch.stack(list(x))  # (S, B, T, d)
+        return reference.msar(stacked, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm,
                               fusion=fusion, eps=eps, return_weights=return_weights)
     check_triton_supported(x, taps, queries, key_gains, phi, alpha, bias)
     from . import fused  # imports triton: only when asked for
@@ -135,14 +142,16 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
 def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None,
               doc_ids: Tensor | None, *, key_norm: bool = True, eps: float = 1e-6,
               return_weights: bool = False, backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
-    """The m streams without the mixer; same arguments as :func:`msar` minus the mixer's.
+    """The m streams without the mixer; same arguments as :func:`msar` minus the mixer's (a sequence of
+    sources is stacked: this op saves no sources of its own).
 
     Returns:
         streams ``(m, B, T, d)`` in x's dtype, and with ``return_weights`` the weights ``(m, S, B, T)``.
     """
+    shape, device = _check_inputs(x, taps, queries, key_gains, doc_ids)
+    x = x if isinstance(x, Tensor) else torch.stack(list(x))  # (S, B, T, d)
     backend = resolve_backend(backend, x, "msar_attn")
-    _check_inputs(x, taps, queries, key_gains, doc_ids)
-    doc_ids = _doc_ids(doc_ids, x)
+    doc_ids = _doc_ids(doc_ids, shape, device)
     if backend == "torch":
         return reference.msar_attn(x, taps, queries, key_gains, doc_ids, key_norm=key_norm, eps=eps,
                                    return_weights=return_weights)

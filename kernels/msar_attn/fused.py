@@ -885,7 +885,7 @@ class MsarFunction(torch.autograd.Function):
                                         sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save)
         ctx.save_for_backward(queries, key_gains, near, phi, alpha, bias, lse,
                               *(saved if save else (None, None, None)), *xs, *taps)
-        ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.split = key_norm, eps, fusion, n_src, split
+        ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src = key_norm, eps, fusion, n_src
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(lse, logits)
@@ -894,7 +894,8 @@ class MsarFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, _dlse, _dlogits):
         queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, *tensors = ctx.saved_tensors
-        xs, taps = tensors[:ctx.split], tensors[ctx.split:]
+        split = max(ctx.n_src, 1)
+        xs, taps = tensors[:split], tensors[split:]
         x = torch.stack(xs) if ctx.n_src else xs[0]  # (S, B, T, d), again
         d = x.shape[-1]
         packed, ks, _ = pack_taps(taps, d, x.device)
