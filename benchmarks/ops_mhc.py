@@ -209,12 +209,13 @@ def backends():
 # kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
 BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
     "pre_fwd": [(16, 16, 4, 1), (16, 16, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2), (32, 16, 8, 1), (64, 16, 8, 1)],
-    "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 16, 8, 2), (16, 16, 4, 1), (32, 16, 8, 2, 128), (32, 32, 8, 1),
-                (64, 16, 16, 1)],
+    "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
+    "pre_dx": [(16, 64, 4, 1), (16, 64, 4, 2), (32, 32, 4, 1), (16, 32, 4, 1), (8, 128, 4, 1), (16, 128, 8, 1)],
     "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
     "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
 }
-SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "post_bwd": "post+pre fwd+bwd"}
+SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
+            "post_bwd": "post+pre fwd+bwd"}
 
 
 def sweep_blocks(shapes, n, seed, dtype, dtype_name) -> None:

@@ -21,11 +21,14 @@ Backward (recomputation instead of storage: only z and r are kept per token):
   dH^res_ij = ⟨dX'_i, X_j⟩, dH^post_i = ⟨dX'_i, f⟩; one pass. Its stream gradient H^resᵀ dX' is left to
   the read's backward (``GradientLink``) when the write used the read's own streams and coefficients,
   so the two halves of dX are written once, not twice and then summed.
-- ``_pre_bwd_kernel``: dH^pre_i = ⟨dh, X_i⟩ (sweep 1), then per token the gradients of the logits:
+- ``_pre_bwd_kernel``: dH^pre_i = ⟨dh, X_i⟩ (one sweep), then per token the gradients of the logits:
   σ' for H^pre and H^post, and the Sinkhorn iterations recomputed from the logits and
   backpropagated last first (O(T) steps on an (n, n) register tile; only the 2n normalisers per
-  iteration go to a transient L2-resident scratch row); then (sweep 2)
-  dX = H^pre dh + r g ⊙ (φ dz) − (⟨dz, z⟩ r² / nd) x [+ H^resᵀ dX' from the write].
+  iteration go to a transient L2-resident scratch row); it writes per token w = r dz (K) and the
+  coefficients of dX (H^pre, c = ⟨dz, z⟩ r² / nd).
+- ``_pre_dx_kernel``, over a (tokens, channels) grid:
+  dX = H^pre dh + g ⊙ (φ w) − c x [+ H^resᵀ dX' from the write], φ w as K fp32 outer-product
+  multiply-adds (no tl.dot, no Sinkhorn registers: every SM streams).
 - ``_phi_grad_kernel``: P = Σ_tokens xᵀ (r dz) (nd × (n²+2n), fp32 ``tl.dot``, deterministic partial
   sums per token split); dφ = g ⊙ P and dg = Σ_k φ ⊙ P. dα and db are sums over tokens of the
   per-token logit gradients, done with ``torch.sum``.
@@ -357,25 +360,23 @@ def _pre_bwd_kernel(
     dhpre_ptr,  # upstream gradient of H^pre (N, n) fp32; read only when HAS_DPRE
     dhpost_ptr,  # upstream gradient of H^post (N, n) fp32
     dhres_ptr,  # upstream gradient of H^res (N, n, n) fp32
-    dout_ptr,  # the write's upstream gradient dX' (N, n, d); read only when HAS_DOUT (adds H^resᵀ dX')
-    hres_ptr,  # H^res (N, n, n) fp32 as the write used it; read only when HAS_DOUT
     z_ptr,  # forward z (N, K) fp32
     r_ptr,  # forward r (N,) fp32
-    phi_ptr,  # φ (n·d, K) fp32
-    gain_ptr,  # RMSNorm gain (n·d,) fp32; read only when HAS_GAIN
     alpha_ptr,  # (3,) fp32
     bpre_ptr,  # (n,) fp32
     bpost_ptr,  # (n,) fp32
     bres_ptr,  # (n, n) fp32
-    dx_ptr,  # result: dX (N, n, d), x's dtype
     dlogit_ptr,  # result: dL/d(α·z + b) (N, K) fp32, in z's column layout
-    w_ptr,  # result: r · dz = r α ⊙ dlogit (N, K) fp32, the weights of φ's gradient Σ_t vec(X_t)ᵀ w_t
+    w_ptr,  # result: r · dz = r α ⊙ dlogit (N, K) fp32: φ's gradient Σ_t vec(X_t)ᵀ w_t, and dX's φ w
+    coef_ptr,  # result: per token H^pre (n) and the RMS factor's share c (1), (N, n + 1) fp32
     scratch_ptr,  # Sinkhorn normalisers (N, ITERS, 2, NP) fp32, transient (see _sinkhorn_fwd_bwd)
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
-    HAS_GAIN: tl.constexpr, HAS_DPRE: tl.constexpr, HAS_DOUT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DPRE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """The read's backward up to the per-token coefficients of dX (``_pre_dx_kernel`` then makes dX):
+    one sweep over X and dh for dH^pre_i = ⟨dh, X_i⟩, then per token the logit gradients (σ', the
+    Sinkhorn iterations recomputed and backpropagated), w = r dz and c = ⟨dz, z⟩ r² / nd."""
     K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
     NN: tl.constexpr = N_STREAMS * N_STREAMS
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -386,7 +387,7 @@ def _pre_bwd_kernel(
     mask_n = offs_n < N_STREAMS
     m2 = mask_t[:, None] & mask_n[None, :]
 
-    # sweep 1: dH^pre_i = ⟨dh, X_i⟩
+    # sweep: dH^pre_i = ⟨dh, X_i⟩
     d_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
@@ -415,7 +416,7 @@ def _pre_bwd_kernel(
     tl.store(dl_row[:, None, None] + 2 * N_STREAMS + res_offs[None, :, :], dl_res, mask=mask_t[:, None, None] & valid)
     tl.debug_barrier()  # read back below in z's flat column layout, by other threads of the block
 
-    # dz = α ⊙ dlogit, flat (BLOCK_T, KP); the RMS factor's share: ⟨dz, z⟩ r² / nd
+    # dz = α ⊙ dlogit, flat (BLOCK_T, KP); the RMS factor's share: c = ⟨dz, z⟩ r² / nd
     offs_k = tl.arange(0, KP)
     mask_k = offs_k < K
     mtk = mask_t[:, None] & mask_k[None, :]
@@ -426,29 +427,59 @@ def _pre_bwd_kernel(
     r = tl.load(r_ptr + rows, mask=mask_t, other=0.0)
     c = tl.sum(dz * z, axis=1) * r * r / ND
     tl.store(w_ptr + rows[:, None] * K + offs_k[None, :], dz * r[:, None], mask=mtk)
+    tl.store(coef_ptr + rows[:, None] * (N_STREAMS + 1) + offs_n[None, :], h_pre, mask=m2)
+    tl.store(coef_ptr + rows * (N_STREAMS + 1) + N_STREAMS, c, mask=mask_t)
 
-    # sweep 2: dX_i = H^pre_i dh + r g ⊙ (φ_i dz) − c X_i  (+ Σ_k H^res_ki dX'_k: the write's share)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        mtd = mask_t[:, None] & mask_d[None, :]
-        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
-        for i in tl.static_range(N_STREAMS):
-            hp_i = tl.sum(tl.where(offs_n[None, :] == i, h_pre, 0.0), axis=1)
-            xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
-            ph_t = tl.load(phi_ptr + (i * D + offs_d)[None, :] * K + offs_k[:, None],
-                           mask=mask_k[:, None] & mask_d[None, :], other=0.0)  # φ_iᵀ chunk (KP, BLOCK_D)
-            proj = tl.dot(dz, ph_t, input_precision=DOT_PRECISION)
-            if HAS_GAIN:
-                proj = proj * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
-            dx = hp_i[:, None] * dh + r[:, None] * proj - c[:, None] * xv
-            if HAS_DOUT:
-                # 2-D tiles and per-token scalars from L1 rather than an (n, n, BLOCK_D) broadcast in registers
-                for k in tl.static_range(N_STREAMS):
-                    h_ki = tl.load(hres_ptr + rows * NN + k * N_STREAMS + i, mask=mask_t, other=0.0)
-                    g_k = tl.load(dout_ptr + rows[:, None] * ND + k * D + offs_d[None, :], mask=mtd, other=0.0)
-                    dx += h_ki[:, None] * g_k.to(tl.float32)
-            tl.store(dx_ptr + rows[:, None] * ND + i * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mtd)
+
+@triton.jit
+def _pre_dx_kernel(
+    x_ptr,  # streams (N, n, d), contiguous
+    dh_ptr,  # upstream gradient of h (N, d), contiguous
+    w_ptr,  # r · dz (N, K) fp32, from _pre_bwd_kernel
+    coef_ptr,  # H^pre and c (N, n + 1) fp32, from _pre_bwd_kernel
+    phit_ptr,  # φᵀ (K, n·d) fp32, contiguous: row k is column k of φ
+    gain_ptr,  # RMSNorm gain (n·d,) fp32; read only when HAS_GAIN
+    dout_ptr,  # the write's upstream gradient dX' (N, n, d); read only when HAS_DOUT (adds H^resᵀ dX')
+    hres_ptr,  # H^res (N, n, n) fp32 as the write used it; read only when HAS_DOUT
+    dx_ptr,  # result: dX (N, n, d), x's dtype
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, K: tl.constexpr, HAS_GAIN: tl.constexpr, HAS_DOUT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dX_i = H^pre_i dh + g ⊙ (φ_i w) − c X_i (+ Σ_k H^res_ki dX'_k: the write's share) on one (tokens,
+    channels) tile of every stream. φ_i w is K outer-product multiply-adds an element in fp32 (w's
+    column k: one scalar a token, φᵀ's row k: contiguous channels), no tl.dot: an elementwise kernel
+    over a 2-D grid, so every SM streams (the fused version held the Sinkhorn tile's registers and
+    ran one program per SM)."""
+    ND: tl.constexpr = N_STREAMS * D
+    NN: tl.constexpr = N_STREAMS * N_STREAMS
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    mtd = mask_t[:, None] & mask_d[None, :]
+    dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+    c = tl.load(coef_ptr + rows * (N_STREAMS + 1) + N_STREAMS, mask=mask_t, other=0.0)
+    # loops kept as loops: unrolled (or with the per-stream addresses hoisted), every stream's tiles and
+    # pointers are live at once and the registers spill (ptxas, sm_90)
+    for i in tl.range(N_STREAMS, loop_unroll_factor=1, disable_licm=True):
+        hp_i = tl.load(coef_ptr + rows * (N_STREAMS + 1) + i, mask=mask_t, other=0.0)
+        proj = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for k in tl.range(K, loop_unroll_factor=1):
+            w_k = tl.load(w_ptr + rows * K + k, mask=mask_t, other=0.0)  # (BLOCK_T,)
+            ph = tl.load(phit_ptr + k * ND + i * D + offs_d, mask=mask_d, other=0.0)  # (BLOCK_D,)
+            proj += w_k[:, None] * ph[None, :]
+        if HAS_GAIN:
+            proj = proj * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
+        xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+        dx = hp_i[:, None] * dh + proj - c[:, None] * xv
+        if HAS_DOUT:
+            for k in tl.static_range(N_STREAMS):
+                h_ki = tl.load(hres_ptr + rows * NN + k * N_STREAMS + i, mask=mask_t, other=0.0)
+                g_k = tl.load(dout_ptr + rows[:, None] * ND + k * D + offs_d[None, :], mask=mtd, other=0.0)
+                dx += h_ki[:, None] * g_k.to(tl.float32)
+        tl.store(dx_ptr + rows[:, None] * ND + i * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mtd)
 
 
 @triton.jit
@@ -496,16 +527,18 @@ INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 
 # (BLOCK_T, largest BLOCK_D, num_warps, num_stages[, maxnreg]) per kernel on the GPU, chosen by compiling
 # for sm_90 and reading ptxas's register counts (<= 128 registers per thread); not autotuned.
 # The pre kernels take 32 tokens per program, so each program's read of φ from L2 (n·d·K fp32)
-# serves more tokens; the post kernels are purely bandwidth-bound. pre_bwd as the model launches it
-# (with the write's dX') needs 135 registers (158 with a gain): one 8-warp program per SM; capped at
-# 128 (ptxas then spills 8-16 bytes) two programs share an SM. `python -m benchmarks.ops_mhc
+# serves more tokens; the post kernels are purely bandwidth-bound. `python -m benchmarks.ops_mhc
 # --sweep-blocks` measures the alternatives: on an H200 at `small` (benchmarks/results/ops_mhc_blocks.md)
 # post_fwd (8, 128, 4, 3) ran the write in 0.10 ms against 0.32 for (16, 64, 8, 2), post_bwd (8, 64, 4, 2)
 # the fused write + read forward and backward in 1.99 ms against 3.12 for (8, 32, 4, 2); the pre
-# kernels' defaults were within 2% of the fastest.
+# kernels' defaults were within 2% of the fastest. pre_bwd then also made dX (a second sweep with a
+# tl.dot per stream and channel chunk, 0.9 ms of a `small` step's 1.3 ms per sublayer, one program per
+# SM); dX is now ``_pre_dx_kernel`` over a (tokens, channels) grid ("pre_dx"), and pre_bwd keeps the
+# first sweep and the Sinkhorn backward.
 GPU_BLOCKS = {
     "pre_fwd": (32, 16, 4, 1),
-    "pre_bwd": (32, 16, 8, 1, 128),
+    "pre_bwd": (32, 32, 8, 1),
+    "pre_dx": (16, 64, 4, 1),
     "post_fwd": (8, 128, 4, 3),
     "post_bwd": (8, 64, 4, 2),
 }
@@ -548,22 +581,23 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
 
 def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps):
     """dX (and the per-token logit gradients); with ``dout`` (the write's dX') and its ``h_res``, dX also
-    gets H^resᵀ dX'."""
+    gets H^resᵀ dX'. Two kernels: the per-token coefficients, then dX over a (tokens, channels) grid."""
     N, n, d = x.shape
     k, np_, kp = _consts(n)
     block_t, block_d, launch = _blocks(d, "pre_bwd")
-    dx = torch.empty_like(x)
-    dlogit = torch.empty(N, k, device=x.device, dtype=torch.float32)
-    w = torch.empty(N, k, device=x.device, dtype=torch.float32)
-    scratch = torch.empty(N, iters, 2, np_, device=x.device, dtype=torch.float32)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dlogit, w, coef = torch.empty(N, k, **f32), torch.empty(N, k, **f32), torch.empty(N, n + 1, **f32)
+    scratch = torch.empty(N, iters, 2, np_, **f32)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
-        x, dh, z if d_pre is None else d_pre, d_post, d_res, x if dout is None else dout,
-        z if h_res is None else h_res, z, r, phi,
-        phi if gain is None else gain,
-        alpha, b_pre, b_post, b_res, dx, dlogit, w, scratch, N, eps,
-        D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None, HAS_DPRE=d_pre is not None,
-        HAS_DOUT=dout is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, **launch)
+        x, dh, z if d_pre is None else d_pre, d_post, d_res, z, r, alpha, b_pre, b_post, b_res, dlogit, w, coef,
+        scratch, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_DPRE=d_pre is not None,
+        BLOCK_T=block_t, BLOCK_D=block_d, **launch)
+    dx = torch.empty_like(x)
+    block_t, block_d, launch = _blocks(d, "pre_dx")
+    _pre_dx_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
+        x, dh, w, coef, phi.t().contiguous(), phi if gain is None else gain, x if dout is None else dout,
+        z if h_res is None else h_res, dx, N, D=d, N_STREAMS=n, K=k, HAS_GAIN=gain is not None,
+        HAS_DOUT=dout is not None, BLOCK_T=block_t, BLOCK_D=block_d, **launch)
     return dx, dlogit, w
 
 
@@ -735,7 +769,7 @@ class MhcPostPreFunction(torch.autograd.Function):
     """The write of sublayer l and the read of sublayer l+1 in one forward pass over the streams:
     (X_l, f_l, H^post_l, H^res_l; parameters of l+1) -> (X_{l+1}, h_{l+1}, H^pre, H^post, H^res of l+1).
 
-    Backward: the read's backward (``_pre_bwd_kernel``, which also adds H^res_{l+1}ᵀ dX_{l+2} handed over
+    Backward: the read's backward (``_pre_bwd_kernel`` and ``_pre_dx_kernel``, which also adds H^res_{l+1}ᵀ dX_{l+2} handed over
     by the next write) gives dX_{l+1}; the write's backward (``_post_bwd_kernel``) then gives df_l, dH^post_l,
     dH^res_l, and leaves dX_{l+1} on ``link_in`` for the read of sublayer l (or returns its own dX_l).
     """
