@@ -19,7 +19,8 @@
 #   graphs   GPU 0: the CUDA-graph tests (GRAPH_TESTS), then the small throughput table with graphs off
 #            and on (GRAPH_RESIDUALS, GRAPH_ABLATIONS, SMALL_GRAPHS), first, with PROFILE_RESIDUALS, the
 #            profile of a graphed step; GPU 1: the medium table (MEDIUM_RESIDUALS, MEDIUM_GRAPHS); then,
-#            with DDP_RESIDUALS, the 2-GPU scaling with graphs
+#            with DDP_RESIDUALS, the 2-GPU scaling with graphs; GPU0_FIRST / GPU1_FIRST put a command
+#            line first in a lane (GPU0_FIRST_LIMIT / GPU1_FIRST_LIMIT seconds)
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -107,19 +108,24 @@ case "$PLAN" in
     wait
     ;;
   graphs)
+    # GPU0_FIRST / GPU1_FIRST: a command line run first in that lane (GPU0_FIRST_LIMIT / GPU1_FIRST_LIMIT
+    # seconds, default 120), e.g. an op's GPU tests; GRAPH_TESTS=none skips the graph tests
     (
       export CUDA_VISIBLE_DEVICES=0
+      [ -n "${GPU0_FIRST:-}" ] && step gpu0 first "${GPU0_FIRST_LIMIT:-120}" bash -c "$GPU0_FIRST"
       if [ -n "${PROFILE_RESIDUALS:-}" ]; then  # the kernels of a graphed step, per residual
         step gpu0 profile "${PROFILE_LIMIT:-150}" python3 -m benchmarks.profile_step --model small \
           --residuals $PROFILE_RESIDUALS --graphs on
       fi
-      step gpu0 graph_tests "${GRAPH_TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-        ${GRAPH_TESTS:-tests/platform/test_graphs.py}
+      [ "${GRAPH_TESTS:-}" != none ] && step gpu0 graph_tests "${GRAPH_TEST_LIMIT:-200}" python3 -m pytest -q -rf \
+        --tb=short -p no:cacheprovider -m gpu ${GRAPH_TESTS:-tests/platform/test_graphs.py}
       step gpu0 throughput_small "${SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small \
         --residuals ${GRAPH_RESIDUALS:-vanilla attnres_block mhc msar_block msar} ${GRAPH_ABLATIONS:+--ablations $GRAPH_ABLATIONS} \
         --compile on --graphs ${SMALL_GRAPHS:-off on} --steps 8 --tag _graphs
     ) &
-    (export CUDA_VISIBLE_DEVICES=1; step gpu1 throughput_medium "${MEDIUM_LIMIT:-500}" python3 -m benchmarks.throughput \
+    (export CUDA_VISIBLE_DEVICES=1
+     [ -n "${GPU1_FIRST:-}" ] && step gpu1 first "${GPU1_FIRST_LIMIT:-120}" bash -c "$GPU1_FIRST"
+     step gpu1 throughput_medium "${MEDIUM_LIMIT:-500}" python3 -m benchmarks.throughput \
       --models medium --residuals ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile on \
       --graphs ${MEDIUM_GRAPHS:-on off} --steps 6 --tag _graphs) &
     wait

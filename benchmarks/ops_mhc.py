@@ -1,7 +1,7 @@
 """Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
 
     python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32]
-    python -m benchmarks.ops_mhc --sweep-blocks [--shapes small medium] [--dtype bf16|fp32]   # block sizes
+    python -m benchmarks.ops_mhc --sweep-blocks [--shapes small medium] [--kernels pre_bwd pre_dx] [--dtype bf16|fp32]
 
 In ONE process (timings on a shared host swing between invocations):
 
@@ -218,7 +218,7 @@ SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+
             "post_bwd": "post+pre fwd+bwd"}
 
 
-def sweep_blocks(shapes, n, seed, dtype, dtype_name) -> None:
+def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDATES)) -> None:
     """Time each candidate block configuration of each fused kernel on the op that runs it; check that
     its outputs and gradients match the default configuration's; print the fastest as a GPU_BLOCKS dict."""
     from kernels.mhc import fused, mhc_post
@@ -257,8 +257,8 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name) -> None:
             post_out = fns["post"](p, *coeffs)
         expected = results() + [post_out]
         best = {}
-        for kernel, candidates in BLOCK_CANDIDATES.items():
-            op = SWEEP_OP[kernel]
+        for kernel in kernels:
+            candidates, op = BLOCK_CANDIDATES[kernel], SWEEP_OP[kernel]
             base = time_op(op)
             for cand in dict.fromkeys([defaults[kernel], *candidates]):
                 fused.GPU_BLOCKS[kernel] = cand
@@ -292,6 +292,8 @@ def main(argv=None) -> None:
                     help="streams and sublayer output (fp32: what bf16-autocast training keeps, as vanilla's stream)")
     ap.add_argument("--sweep-blocks", action="store_true",
                     help="instead: time the candidate block sizes of each fused kernel (BLOCK_CANDIDATES)")
+    ap.add_argument("--kernels", nargs="+", default=list(BLOCK_CANDIDATES), choices=list(BLOCK_CANDIDATES),
+                    help="with --sweep-blocks: only these kernels")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
@@ -299,7 +301,7 @@ def main(argv=None) -> None:
 
     dtype = DTYPES[args.dtype]
     if args.sweep_blocks:
-        return sweep_blocks(args.shapes, args.n, args.seed, dtype, args.dtype)
+        return sweep_blocks(args.shapes, args.n, args.seed, dtype, args.dtype, args.kernels)
     ceil = Ceilings.measure()
     print(ceil.describe(), flush=True)
     table = Table(
