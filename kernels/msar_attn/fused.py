@@ -128,8 +128,8 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
     rr = tl.sum(tl.sum(r * r, axis=2), axis=0)
     z = tl.zeros((M_PAD, BT), dtype=tl.float32)
     for i in tl.static_range(M_PAD):
-        ph = tl.load(phi_ptr + (jv[:, None] * D + offs_d[None, :]) * M + i,
-                     mask=mask_j[:, None] & mask_d[None, :] & (i < M), other=0.0)  # φ[j·d + c, i]
+        ph = tl.load(phi_ptr + i * (M * D) + jv[:, None] * D + offs_d[None, :],
+                     mask=mask_j[:, None] & mask_d[None, :] & (i < M), other=0.0)  # φ[j·d + c, i], from φᵀ
         val = tl.sum(tl.sum(r * ph[:, None, :], axis=2), axis=0)  # (BT,)
         z = tl.where(jv[:, None] == i, val[None, :], z)
     return rr, z
@@ -215,7 +215,7 @@ def _fwd_kernel(
     x_ptr,  # sources (S, B, T, d), contiguous, any float dtype
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32, zero past k_j and for padded views; view 0 Dirac
     qg_ptr,  # gain-folded queries q_j ⊙ g_j (m, d) fp32
-    phi_ptr,  # mixer projection φ (m·d, m) fp32
+    phi_ptr,  # mixer projection as φᵀ (m, m·d) fp32: row i is φ's column i (contiguous channel loads)
     alpha_ptr,  # mixer scale α (1,) fp32
     bias_ptr,  # mixer bias b (m,) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
@@ -333,8 +333,8 @@ def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, 
     jv = tl.arange(0, M_PAD)
     proj = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
     for i in tl.static_range(M_PAD):
-        ph = tl.load(phi_ptr + (jv[:, None] * D + offs_d[None, :]) * M + i,
-                     mask=mask_j[:, None] & mask_d[None, :] & (i < M), other=0.0)  # φ[j·d + c, i]
+        ph = tl.load(phi_ptr + i * (M * D) + jv[:, None] * D + offs_d[None, :],
+                     mask=mask_j[:, None] & mask_d[None, :] & (i < M), other=0.0)  # φ[j·d + c, i], from φᵀ
         dz_i = tl.sum(tl.where(jv[:, None] == i, dz, 0.0), axis=0)  # (BT,)
         proj += dz_i[None, :, None] * ph[:, None, :]
     return (g[:, :, None] * dh[None, :, :] + (rho * alpha)[None, :, None] * proj
@@ -746,7 +746,9 @@ def folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
 
 
 def _mixer_params(phi, alpha, bias):
-    return (phi.detach().float().contiguous(), alpha.detach().float().reshape(1).contiguous(),
+    """(φᵀ (m, m·d), α (1,), b (m,)) fp32 as the kernels take them: φ transposed, so that a program's
+    loads of column i run along the channels (φ itself is (m·d, m): a column is strided by m)."""
+    return (phi.detach().float().t().contiguous(), alpha.detach().float().reshape(1).contiguous(),
             bias.detach().float().contiguous())
 
 
@@ -755,7 +757,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
     logits (m, S, B, T) fp32 when ``store_logits`` (else None), and with ``save`` what the mixer's
     backward takes, (R (m, B, T, d) in x's dtype, R·φ (m, B, T), ‖vec R‖² (B, T)) (else None).
-    ``mixer``: (φ, α, b) fp32."""
+    ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``."""
     S, B, T, d = x.shape
     m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
