@@ -21,6 +21,8 @@
 #            profile of a graphed step; GPU 1: the medium table (MEDIUM_RESIDUALS, MEDIUM_GRAPHS); then,
 #            with DDP_RESIDUALS, the 2-GPU scaling with graphs; GPU0_FIRST / GPU1_FIRST put a command
 #            line first in a lane (GPU0_FIRST_LIMIT / GPU1_FIRST_LIMIT seconds)
+#   kernels  one GPU: the fused kernels' GPU tests (KERNEL_TESTS), the fused mHC variants side by side, the
+#            mHC block sweep of SWEEP_KERNELS, the graphed small table (KERNEL_RESIDUALS)
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -28,9 +30,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | scaling | measure | graphs}
-case "$PLAN" in check|study|finish|scaling|measure|graphs) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels}
+case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels" >&2; exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -133,6 +135,17 @@ case "$PLAN" in
       step all ddp "${DDP_LIMIT:-100}" python3 -m benchmarks.throughput --models small --residuals $DDP_RESIDUALS \
         --compile on --graphs on --ddp 2 --steps 8 --tag _graphs
     fi
+    ;;
+  kernels)
+    # one GPU, in order: the fused kernels' GPU tests, the fused mHC variants side by side, the block
+    # sweep of the kernels in SWEEP_KERNELS, the graphed small table (KERNEL_RESIDUALS)
+    step gpu0 kernel_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      ${KERNEL_TESTS:-tests/kernels/test_mhc_fused.py tests/kernels/test_msar_attn.py}
+    step gpu0 ops_mhc "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_mhc --shapes small medium --fused-only
+    [ -n "${SWEEP_KERNELS:-}" ] && step gpu0 mhc_blocks "${SWEEP_LIMIT:-100}" python3 -m benchmarks.ops_mhc --sweep-blocks \
+      --shapes small --kernels $SWEEP_KERNELS
+    step gpu0 throughput_small "${SMALL_LIMIT:-80}" python3 -m benchmarks.throughput --models small \
+      --residuals ${KERNEL_RESIDUALS:-vanilla mhc msar_block} --compile on --graphs on --steps 8 --tag _kernels
     ;;
   scaling)
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &

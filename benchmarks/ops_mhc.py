@@ -1,6 +1,6 @@
 """Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
 
-    python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32]
+    python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32] [--fused-only]
     python -m benchmarks.ops_mhc --sweep-blocks [--shapes small medium] [--kernels pre_bwd pre_dx] [--dtype bf16|fp32]
 
 In ONE process (timings on a shared host swing between invocations):
@@ -176,7 +176,15 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
     return out
 
 
-def backends():
+# the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first)
+FUSED_VARIANTS = {
+    "triton": {},
+    "triton (fp32 projection)": {"SPLIT_PROJECTION": False},
+    "triton (one-pass write+read, fp32 projection)": {"SPLIT_PROJECTION": False, "POST_PRE_ONE_PASS": True},
+}
+
+
+def backends(fused_only=False):
     from kernels.mhc import mhc_post, mhc_pre, reference
 
     def pre_of(backend):
@@ -187,16 +195,17 @@ def backends():
         return reference.mhc_pre(p["x"], p["phi"], p["alpha"], p["b_pre"], p["b_post"], p["b_res"],
                                  sinkhorn_iters=ITERS)
 
+    fused_fns = {
+        "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
+        "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
+    for label, settings in FUSED_VARIANTS.items():
+        yield label, settings, fused_fns
+    if fused_only:
+        return
     compiled_pre = torch.compile(ref_pre)
     compiled_post = torch.compile(reference.mhc_post)
     compiled_full = torch.compile(reference_sublayer)
     compiled_post_pre = torch.compile(reference_post_pre)
-    yield "triton (tf32x3)", "tf32x3", {
-        "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
-        "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
-    yield "triton (ieee)", "ieee", {
-        "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
-        "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
     yield "torch reference", None, {
         "pre": ref_pre, "post": lambda p, hp, hr: reference.mhc_post(p["x"], p["out"], hp, hr),
         "sublayer": reference_sublayer, "post_pre": reference_post_pre}
@@ -208,7 +217,7 @@ def backends():
 # --sweep-blocks: candidate (BLOCK_T, BLOCK_D, num_warps, num_stages[, maxnreg]) per kernel of fused.GPU_BLOCKS (pre
 # kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
 BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
-    "pre_fwd": [(16, 16, 4, 1), (16, 16, 4, 2), (16, 32, 4, 2), (32, 16, 4, 2), (32, 16, 8, 1), (64, 16, 8, 1)],
+    "pre_fwd": [(32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2), (64, 16, 8, 1)],
     "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
     "pre_dx": [(16, 32, 4, 1), (16, 64, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1), (16, 32, 2, 1)],
     "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
@@ -292,6 +301,7 @@ def main(argv=None) -> None:
                     help="streams and sublayer output (fp32: what bf16-autocast training keeps, as vanilla's stream)")
     ap.add_argument("--sweep-blocks", action="store_true",
                     help="instead: time the candidate block sizes of each fused kernel (BLOCK_CANDIDATES)")
+    ap.add_argument("--fused-only", action="store_true", help="time only the fused variants (no reference)")
     ap.add_argument("--kernels", nargs="+", default=list(BLOCK_CANDIDATES), choices=list(BLOCK_CANDIDATES),
                     help="with --sweep-blocks: only these kernels")
     args = ap.parse_args(argv)
@@ -315,7 +325,6 @@ def main(argv=None) -> None:
                "(see `counts` in benchmarks/ops_mhc.py); roofline = max(bytes / copy, FLOPs / fp32 rate)",
                f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL[args.dtype]}"])
     failed = []
-    default_precision = fused.DOT_PRECISION
     for name in args.shapes:
         B, T, d = SHAPES[name]
         n, N = args.n, B * T
@@ -325,11 +334,13 @@ def main(argv=None) -> None:
               (((B, T, d), dtype), ((B, T, n), torch.float32), ((B, T, n), torch.float32),
                ((B, T, n, n), torch.float32), ((B, T, n, d), dtype))]
         cnt = counts(N, n, d, elt=dtype.itemsize)
-        for label, precision, fns in backends():
+        for label, settings, fns in backends(args.fused_only):
             check = "reference"
+            saved = {k: getattr(fused, k) for k in (settings or {})}
             try:
-                if precision is not None:  # a fused variant: its parity first, then its times
-                    fused.DOT_PRECISION = precision
+                if settings is not None:  # a fused variant: its parity first, then its times
+                    for k, v in settings.items():
+                        setattr(fused, k, v)
                     err = parity(B, T, n, d, args.seed, dtype)
                     check = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
                     print(f"{name} {label}: parity {check}", flush=True)
@@ -338,13 +349,14 @@ def main(argv=None) -> None:
                 res = timings(fns, p, up)
             except Exception as e:  # a backend that fails is reported in the table, not skipped silently
                 print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
-                if precision is not None:  # the fused ops must run; a torch.compile failure is only reported
+                if settings is not None:  # the fused ops must run; a torch.compile failure is only reported
                     failed.append(f"{name} {label}: {type(e).__name__}")
                 table.add(name, f"{B}×{T}", d, n, check, label, "all", f"error: {type(e).__name__}",
                           "", "", "", "", "")
                 continue
             finally:
-                fused.DOT_PRECISION = default_precision
+                for k, v in saved.items():
+                    setattr(fused, k, v)
             for op, ms in res.items():
                 n_bytes, flops = cnt[op]
                 floor = ceil.floor_ms(n_bytes, flops)

@@ -48,10 +48,13 @@ def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
             return torch.empty(*shape, dtype=torch.float32)
 
         phi, gain, alpha, b_pre, b_post, b_res = f32(n * d, k), f32(n * d), f32(3), f32(n), f32(n), f32(n, n)
+        one_pass = fused.POST_PRE_ONE_PASS
         for g in (None, gain):
             fused.pre_fwd(x, phi, g, alpha, b_pre, b_post, b_res, iters=20, eps=1e-6)
-            fused.pre_fwd(torch.empty_like(x), phi, g, alpha, b_pre, b_post, b_res, iters=20, eps=1e-6,
-                          post=(x, f, f32(N, n), f32(N, n, n)))  # a write fused with the next read
+            for fused.POST_PRE_ONE_PASS in (False, True):  # the write then the read; both in one pass
+                fused.pre_fwd(torch.empty_like(x), phi, g, alpha, b_pre, b_post, b_res, iters=20, eps=1e-6,
+                              post=(x, f, f32(N, n), f32(N, n, n)))
+        fused.POST_PRE_ONE_PASS = one_pass
         fused.pre_bwd(x, f, f32(N, n), f32(N, n), f32(N, n, n), x, f32(N, n, n), f32(N, k), f32(N), phi, gain,
                       alpha, b_pre, b_post, b_res, iters=20, eps=1e-6)
         fused.pre_bwd(x, f, None, f32(N, n), f32(N, n, n), None, None, f32(N, k), f32(N), phi, None,

@@ -180,15 +180,18 @@ def chain(backend, a, b, direct, seed=9):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("one_pass", [False, True], ids=["write_then_read", "one_pass"])
 @pytest.mark.parametrize("direct", [False, True], ids=["linked_only", "direct_grad_on_streams"])
-def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, direct):
-    """read(0) -> mhc_post_pre (write 0 + read 1, one pass) -> mhc_post (write 1) against the reference:
+def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, direct, one_pass):
+    """read(0) -> mhc_post_pre (write 0 + read 1: two kernels, or one pass with ``one_pass``) -> mhc_post
+    (write 1) against the reference:
     every output and every gradient of both sublayers' parameters, the streams and the sublayer outputs.
     Both writes hand their stream gradient to the read before them; ``direct`` also puts an upstream
     gradient on the intermediate streams X_1 (added to the read's dX in the fused backward)."""
     from kernels.mhc import fused
 
     blocks((16, 16, 32, 2))
+    monkeypatch.setattr(fused, "POST_PRE_ONE_PASS", one_pass)
     calls = []
     post_bwd = fused.post_bwd
     monkeypatch.setattr(fused, "post_bwd", lambda *a, **kw: calls.append(kw["store_dx"]) or post_bwd(*a, **kw))
@@ -250,6 +253,39 @@ def test_fused_write_and_next_read_in_bf16_and_fp32_streams_match_the_reference(
     """The GPU chain's check on CPU under the interpreter, at a small width (bf16 loads are upcast
     before every tl.dot, so the interpreter computes them as the GPU does)."""
     check_fused_chain_against_the_reference(dtype, "cpu", d=40, T=37)
+
+
+def test_tf32_split_of_phi():
+    """φ (gain folded in) as (hi, lo): hi has tf32's 10 explicit mantissa bits, hi + lo = g ⊙ φ exactly,
+    and lo rounded to tf32 (what a tensor core keeps of it) leaves an error below 2^-20 of |g ⊙ φ|."""
+    from kernels.mhc.fused import split_tf32
+
+    g = torch.Generator().manual_seed(0)
+    phi, gain = torch.randn(256, 24, generator=g), 1.0 + 0.2 * torch.randn(256, generator=g)
+    hi, lo = split_tf32(phi, gain)
+    w = phi * gain[:, None]
+    assert (hi.view(torch.int32) & 0x1FFF == 0).all()  # representable in tf32
+    assert torch.equal(hi + lo, w)
+    lo_tf32 = (lo.view(torch.int32) & ~0x1FFF).view(torch.float32)  # truncated, the worse of the two roundings
+    assert ((hi + lo_tf32 - w).abs() <= 2.0**-20 * w.abs()).all()
+    assert (lo.abs() > 0).float().mean() > 0.9  # the low part carries real bits
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split", [True, False], ids=["tf32_split", "fp32_projection"])
+def test_bf16_streams_projection_matches_the_fp32_reference(split, monkeypatch):
+    """bf16 streams: the coefficients from the split tensor-core projection (gain folded in) or the fp32
+    one are within 1e-5 of the fp32 reference on the same bf16 values."""
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, "SPLIT_PROJECTION", split)
+    inp = make_inputs(4, 40, 2, 9, True, seed=11)
+    inp["alpha"] = torch.tensor([1.0, 1.0, 1.0])  # coefficients that depend on z strongly
+    low = {**inp, "x": inp["x"].bfloat16()}
+    got = run("triton", low, 20)
+    ref = run("torch", {**low, "x": low["x"].float()}, 20)
+    for name, a, b in zip(("h_pre", "h_post", "h_res"), got[1:4], ref[1:4]):
+        assert rel_err(a, b) < 1e-5, f"{name}: rel err {rel_err(a, b):.2e}"
 
 
 @needs_interpreter
@@ -388,6 +424,6 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         lines += [ln for ln in done.stdout.splitlines() if ln.startswith("_")]
-    assert len(lines) == 2 * 12, "\n".join(lines)  # 12 launches per shape: every kernel and flag combination
+    assert len(lines) == 2 * 16, "\n".join(lines)  # 16 launches per shape: every kernel and flag combination
     spills = [int(ln.split(" spills ")[1].split()[0]) for ln in lines]
     assert max(spills) <= 32, "\n".join(lines)  # a few bytes at most (ptxas sometimes parks one value)
