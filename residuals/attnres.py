@@ -63,8 +63,8 @@ class DepthAttentionConfig(ResidualConfig):
 
 @dataclass(frozen=True)
 class FusedState:
-    """Between sublayers on the fused path (AttnRes and Block AttnRes): sources in one buffer, and
-    the phase-1 result of the consumers of the current group."""
+    """Between sublayers on the two-phase path (AttnRes, Block AttnRes, MSAR's placement=post):
+    sources in one buffer, and the phase-1 result of the consumers of the current group."""
 
     ctx: Context
     buffer: SourceBuffer  # completed sources (AttnRes: v_0..v_l; Block AttnRes: b_0..b_{n-1}), (n_max, B, T, d)
@@ -73,6 +73,7 @@ class FusedState:
     lses: tuple[Tensor, ...]  # phase 1, per consumer: log-sum-exp over the buffered sources (B, T) fp32
     partial: Tensor | None  # the one source not in the buffer pass (merged by phase 2), (B, T, d)
     weights: Tensor | None = None  # phase-1 weights (C, n, B, T) when ctx.record
+    backend: str = "triton"  # of the phase-1 and merge ops ("auto": their own dispatch)
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,16 @@ class DepthAttentionResidual(Residual):
     def checkpoint_read_pays(self, x: Tensor) -> bool:
         return not self._fused(x)  # a fused read stores no views or stacked sources: nothing to save
 
+    def _two_phase(self, x: Tensor) -> str | None:
+        """The backend of the two-phase read path (one query per consumer over a source buffer:
+        ``FusedState``, begin/read/write/end below), or None for the list-of-sources path
+        (``_retrieve``). Subclasses with a depth attention of one query per consumer say when."""
+        return None
+
+    def _after_read(self, h: Tensor, consumer: int, ctx: Context) -> Tensor:
+        """On the two-phase path, what the consumer reads given the depth attention's h (B, T, d)."""
+        return h
+
     # --- which sources each consumer sees: here every one (full depth attention) ---------------
     def n_sources(self, consumer: int) -> int:
         return consumer + 1  # v_0 .. v_consumer
@@ -164,16 +175,68 @@ class DepthAttentionResidual(Residual):
     def begin(self, embedding: Tensor, ctx: Context):
         if ctx.record:
             self.recorded = {}
-        return self.initial_state(embedding, ctx)
+        backend = self._two_phase(embedding)
+        if backend is None:
+            return self.initial_state(embedding, ctx)
+        buffer = SourceBuffer(self._buffer_rows(), embedding)
+        buffer.append(embedding)  # v_0 = b_0
+        return self._open_group(ctx, buffer, 0, backend)
 
     def read(self, state, layer: int) -> Tensor:
+        if isinstance(state, FusedState):
+            return self._fused_read(state, layer)
         return self._retrieve(self.sources(state), layer, state.ctx)
 
-    def write(self, state: SourceState, layer: int, out: Tensor) -> SourceState:
+    def write(self, state, layer: int, out: Tensor):
+        if isinstance(state, FusedState):
+            return self._fused_write(state, layer, out)
         return SourceState(state.ctx, state.sources + (out,))
 
     def end(self, state) -> Tensor:
+        if isinstance(state, FusedState):
+            return self._fused_read(state, self.n_sublayers)
         return self._retrieve(self.sources(state), self.n_sublayers, state.ctx)
+
+    # --- the two-phase path over a source buffer (docs/method.md §3) ---------------------------------
+    def _group_size(self) -> int:
+        """Consumers that share a phase-1 pass: the two sublayers of a Transformer block."""
+        return 2
+
+    def _buffer_rows(self) -> int:
+        return self.n_sublayers + 1  # v_0 .. v_L
+
+    def _open_group(self, ctx: Context, buffer: SourceBuffer, first: int, backend: str) -> FusedState:
+        """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own)."""
+        last = self.n_sublayers + 1 if first == self.n_sublayers else min(first + self._group_size(), self.n_sublayers)
+        gain = self.queries.key_gain
+        res = depth_attn_summaries(buffer, self.queries.weight[first:last, 0],  # (C, d)
+                                   None if gain is None else gain[first:last, 0],
+                                   key_norm=self.cfg.key_norm, return_weights=ctx.record, backend=backend)
+        return FusedState(ctx, buffer, first, res[0], res[1], None, res[2] if ctx.record else None, backend)
+
+    def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
+        c = consumer - state.first
+        out = state.outs[c]  # (B, T, d): attention over the buffered sources
+        if state.partial is None:
+            if state.ctx.record:
+                self._record(state.ctx, consumer, state.weights[c][None])
+            return self._after_read(out, consumer, state.ctx)
+        gain = self.queries.key_gain
+        h, w = depth_attn_merge(out, state.lses[c], state.partial, self.queries.weight[consumer, 0],
+                                None if gain is None else gain[consumer, 0], key_norm=self.cfg.key_norm,
+                                backend=state.backend)
+        if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
+            w = w.detach()
+            self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])
+        return self._after_read(h, consumer, state.ctx)
+
+    def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
+        """Every output is a source. The first output of a group is the second consumer's partial
+        (merged by phase 2); after the group's last sublayer the next group opens."""
+        row = state.buffer.append(out)  # v_{layer+1}
+        if layer + 1 - state.first < self._group_size() and layer + 1 < self.n_sublayers:
+            return replace(state, partial=row)
+        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend)
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
         """h for ``consumer`` from its sources (each (B, T, d)); returns (B, T, d)."""
@@ -262,70 +325,8 @@ class AttnRes(DepthAttentionResidual):
         """Whether the fused op computes this configuration (one head, static queries)."""
         return cfg.heads == 1 and cfg.query == "static"
 
-    def begin(self, embedding: Tensor, ctx: Context):
-        if not self._fused(embedding):
-            return super().begin(embedding, ctx)
-        if ctx.record:
-            self.recorded = {}
-        buffer = SourceBuffer(self._buffer_rows(), embedding)
-        buffer.append(embedding)  # v_0 = b_0
-        return self._open_group(ctx, buffer, 0)
-
-    def read(self, state, layer: int) -> Tensor:
-        if isinstance(state, FusedState):
-            return self._fused_read(state, layer)
-        return super().read(state, layer)
-
-    def write(self, state, layer: int, out: Tensor):
-        if isinstance(state, FusedState):
-            return self._fused_write(state, layer, out)
-        return super().write(state, layer, out)
-
-    def end(self, state) -> Tensor:
-        if isinstance(state, FusedState):
-            return self._fused_read(state, self.n_sublayers)
-        return super().end(state)
-
-    # --- the fused path: two-phase schedule over a source buffer -----------------------------------
-    def _group_size(self) -> int:
-        """Consumers that share a phase-1 pass: the two sublayers of a Transformer block."""
-        return 2
-
-    def _buffer_rows(self) -> int:
-        return self.n_sublayers + 1  # v_0 .. v_L
-
-    def _open_group(self, ctx: Context, buffer: SourceBuffer, first: int) -> FusedState:
-        """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own)."""
-        last = self.n_sublayers + 1 if first == self.n_sublayers else min(first + self._group_size(), self.n_sublayers)
-        gain = self.queries.key_gain
-        res = depth_attn_summaries(buffer, self.queries.weight[first:last, 0],  # (C, d)
-                                   None if gain is None else gain[first:last, 0],
-                                   key_norm=self.cfg.key_norm, return_weights=ctx.record, backend="triton")
-        return FusedState(ctx, buffer, first, res[0], res[1], None, res[2] if ctx.record else None)
-
-    def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
-        c = consumer - state.first
-        out = state.outs[c]  # (B, T, d): attention over the buffered sources
-        if state.partial is None:
-            if state.ctx.record:
-                self._record(state.ctx, consumer, state.weights[c][None])
-            return out
-        gain = self.queries.key_gain
-        h, w = depth_attn_merge(out, state.lses[c], state.partial, self.queries.weight[consumer, 0],
-                                None if gain is None else gain[consumer, 0], key_norm=self.cfg.key_norm,
-                                backend="triton")
-        if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
-            w = w.detach()
-            self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])
-        return h
-
-    def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
-        """AttnRes: every output is a source. The first output of a group is the second consumer's
-        partial (merged by phase 2); after the group's last sublayer the next group opens."""
-        row = state.buffer.append(out)  # v_{layer+1}
-        if layer + 1 - state.first < self._group_size() and layer + 1 < self.n_sublayers:
-            return replace(state, partial=row)
-        return self._open_group(state.ctx, state.buffer, layer + 1)
+    def _two_phase(self, x: Tensor) -> str | None:
+        return "triton" if self._fused(x) else None  # the fused path: the two-phase schedule
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
         heads = self.cfg.heads

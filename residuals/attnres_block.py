@@ -78,11 +78,28 @@ class BlockSummaries:
     def sources(self, state: BlockState) -> list[Tensor]:
         return [*state.summaries, *([] if state.partial is None else [state.partial])]
 
-    def write(self, state: BlockState, layer: int, out: Tensor) -> BlockState:
+    def write(self, state, layer: int, out: Tensor):
+        if isinstance(state, FusedState):
+            return self._fused_write(state, layer, out)
         partial = out if state.partial is None else state.partial + out  # (B, T, d)
         if (layer + 1) % self.cfg.block_size:
             return BlockState(state.ctx, state.summaries, partial)
         return BlockState(state.ctx, state.summaries + (partial,), None)  # block complete: b_n
+
+    # --- the two-phase path (residuals/attnres.py): phase 1 when a block opens, merge per sublayer ----
+    def _group_size(self) -> int:
+        return self.cfg.block_size  # the S consumers of a block attend [b_0, ..., b_{n-1}] at once
+
+    def _buffer_rows(self) -> int:
+        return self.n_blocks + 1  # b_0 .. b_N
+
+    def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
+        if (layer + 1) % self.cfg.block_size:  # block open: the partial sum grows
+            partial = out if state.partial is None else state.partial + out  # (B, T, d)
+            return replace(state, partial=partial)
+        terms = (out,) if state.partial is None else (state.partial, out)
+        state.buffer.append(*terms)  # b_n = partial + out, written once into the buffer
+        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend)
 
     def io_per_sublayer(self) -> float:
         """Two-phase computation (docs/method.md §3), reads+writes per sublayer in units of d. Phase 1 reads
@@ -99,23 +116,3 @@ class AttnResBlock(BlockSummaries, AttnRes):
     @dataclass
     class Config(BlockFields, AttnRes.Config):
         """AttnRes's fields plus ``block_size``."""
-
-    # --- the fused path (see residuals/attnres.py): phase 1 when a block opens, merge per sublayer ----
-    def write(self, state, layer: int, out: Tensor):
-        if isinstance(state, FusedState):
-            return self._fused_write(state, layer, out)
-        return super().write(state, layer, out)
-
-    def _group_size(self) -> int:
-        return self.cfg.block_size  # the S consumers of a block attend [b_0, ..., b_{n-1}] at once
-
-    def _buffer_rows(self) -> int:
-        return self.n_blocks + 1  # b_0 .. b_N
-
-    def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
-        if (layer + 1) % self.cfg.block_size:  # block open: the partial sum grows
-            partial = out if state.partial is None else state.partial + out  # (B, T, d)
-            return replace(state, partial=partial)
-        terms = (out,) if state.partial is None else (state.partial, out)
-        state.buffer.append(*terms)  # b_n = partial + out, written once into the buffer
-        return self._open_group(state.ctx, state.buffer, layer + 1)

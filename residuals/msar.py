@@ -159,18 +159,7 @@ class Msar(DepthAttentionResidual):
             self._record(ctx, consumer, weights)
             return h
         x = torch.stack(sources)  # (S, B, T, d)
-        if self.cfg.placement == "post":
-            backend = self._post_backend()
-            if backend == "auto":  # views of h and the mixer as the MSAR op over one source (every weight 1)
-                res = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=ctx.record,
-                                 backend=backend)  # (1, B, T, d), with the weights (1, S, B, T) when recording
-                h = res[0] if ctx.record else res
-                if ctx.record:
-                    self._record(ctx, consumer, res[1])
-                zero = self.queries.weight.new_zeros(self.n_views, x.shape[-1])  # (m, d): one source, no choice
-                return msar_fused(h, self._view_taps(consumer, x), zero, None, ctx.doc_ids, self.fusion_proj[consumer],
-                                  self.fusion_scale[consumer], self.fusion_bias[consumer], key_norm=False,
-                                  fusion=self.cfg.fusion, backend="auto")  # (B, T, d)
+        if self.cfg.placement == "post":  # the reference (`auto` reads take the two-phase path: _two_phase)
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True,
                                     backend="torch")  # (1, B, T, d)
             streams = self.expand(h, consumer, ctx.doc_ids)[:, 0]  # (m, B, T, d): E_j(h)
@@ -182,6 +171,24 @@ class Msar(DepthAttentionResidual):
                                           backend="torch")  # (m, B, T, d)
         self._record(ctx, consumer, weights)  # weights (V, S, B, T)
         return self._fuse(streams, consumer)
+
+    def _two_phase(self, x: Tensor) -> str | None:
+        """placement=post under `auto`: the one depth attention per consumer takes Block AttnRes's
+        two-phase path over a source buffer (no stacked sources per read), its ops' own `auto`
+        dispatch (fused on CUDA, references on CPU); ``_after_read`` applies the views and the mixer."""
+        return "auto" if self.cfg.placement == "post" and self._post_backend() == "auto" else None
+
+    def _after_read(self, h: Tensor, consumer: int, ctx: Context) -> Tensor:
+        """placement=post: the m conv views of h and the mixer, as the MSAR op over the one source h
+        (every view's softmax weight is 1, so its streams are exactly E_j(h))."""
+        zero = self.queries.weight.new_zeros(self.n_views, h.shape[-1])  # (m, d): one source, no choice
+        return msar_fused([h], self._view_taps(consumer, h), zero, None, ctx.doc_ids, self.fusion_proj[consumer],
+                          self.fusion_scale[consumer], self.fusion_bias[consumer], key_norm=False,
+                          fusion=self.cfg.fusion, backend="auto")  # (B, T, d)
+
+    def checkpoint_read_pays(self, x: Tensor) -> bool:
+        # the two-phase post read on CUDA runs fused ops that store no views: nothing to recompute
+        return super().checkpoint_read_pays(x) and not (x.is_cuda and self._two_phase(x) is not None)
 
     def _post_backend(self) -> str:
         """The backend of placement=post's read, two ops: Block AttnRes's depth attention (kernels/depth_attn)

@@ -555,9 +555,9 @@ INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 
 # SM); dX is now ``_pre_dx_kernel`` over a (tokens, channels) grid ("pre_dx"), and pre_bwd keeps the
 # first sweep and the Sinkhorn backward.
 GPU_BLOCKS = {
-    "pre_fwd": (32, 16, 4, 1),
+    "pre_fwd": (32, 32, 4, 2),
     "pre_bwd": (32, 32, 8, 1),
-    "pre_dx": (16, 32, 4, 1),
+    "pre_dx": (32, 32, 4, 1),
     "post_fwd": (8, 128, 4, 3),
     "post_bwd": (8, 64, 4, 2),
 }

@@ -250,7 +250,7 @@ def test_fused_kernel_refuses_what_it_does_not_compute():
             validate(make_cfg("residual=msar_block", "residual.backend=triton", extra))
 
 
-# --- placement=post (attnres_conv): Block AttnRes's depth attention, then the MSAR op over one source ------
+# --- placement=post (attnres_conv): Block AttnRes's two-phase depth attention, then the MSAR op over one source --
 def _record_backends(monkeypatch, force_triton: bool = False) -> list[tuple[str, str]]:
     """Record (op, requested backend) of every depth_attn / msar_attn call; with force_triton, `auto`
     resolves to the fused kernels (what it does on CUDA; on CPU tensors under the interpreter)."""
@@ -268,11 +268,13 @@ def _record_backends(monkeypatch, force_triton: bool = False) -> list[tuple[str,
 
 
 @pytest.mark.parametrize("backend, query, asked", [
-    ("auto", "static", {("depth_attn", "auto"), ("msar_attn", "auto")}),
+    ("auto", "static", {("depth_attn_summaries", "auto"), ("depth_attn_merge", "auto"), ("msar_attn", "auto")}),
     ("torch", "static", {("depth_attn", "torch")}),
     ("auto", "input", {("depth_attn", "torch")})])
 def test_post_placement_dispatch(backend, query, asked, monkeypatch):
-    # `auto` lets both kernels pick (fused on CUDA); `torch` and per-token queries keep the reference.
+    # `auto` lets the kernels pick (fused on CUDA): Block AttnRes's two-phase depth attention (phase 1 per
+    # block, merge per sublayer) and the MSAR op over one source; `torch` and per-token queries keep the
+    # reference.
     seen = _record_backends(monkeypatch)
     res = make("msar_block", placement="post", backend=backend, query=query, block_size=2)
     FakeStack()(res, embedding(), Context(DOC_IDS))
@@ -288,7 +290,7 @@ def _post_pair(monkeypatch, force_triton: bool):
     seen = _record_backends(monkeypatch, force_triton)
     assert_backends_agree(ref, other)
     assert "view0" in other.recorded
-    assert {op for op, b in seen if b == "auto"} == {"depth_attn", "msar_attn"}
+    assert {op for op, b in seen if b == "auto"} == {"depth_attn_summaries", "depth_attn_merge", "msar_attn"}
 
 
 def test_post_placement_through_the_kernels_references_matches_the_residuals_reference(monkeypatch):
