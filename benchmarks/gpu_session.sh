@@ -23,6 +23,8 @@
 #            line first in a lane (GPU0_FIRST_LIMIT / GPU1_FIRST_LIMIT seconds)
 #   kernels  one GPU: the fused kernels' GPU tests (KERNEL_TESTS), the fused mHC variants side by side, the
 #            mHC block sweep of SWEEP_KERNELS, the graphed small table (KERNEL_RESIDUALS)
+#   final    the session's closing tables, graphed (GPU 0: GPU tests, mHC block sweep, profile; GPU 1: every
+#            residual and ablation at small, vanilla per recompute choice and the table at medium; then DDP)
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -30,9 +32,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels}
-case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels | final}
+case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels|final) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels | final" >&2; exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -146,6 +148,33 @@ case "$PLAN" in
       --shapes small --kernels $SWEEP_KERNELS
     step gpu0 throughput_small "${SMALL_LIMIT:-80}" python3 -m benchmarks.throughput --models small \
       --residuals ${KERNEL_RESIDUALS:-vanilla mhc msar_block} --compile on --graphs on --steps 8 --tag _kernels
+    ;;
+  final)
+    # the tables of a session's end, graphed: GPU 0 the GPU tests (FINAL_TESTS), the mHC block sweep and a
+    # profile of PROFILE_RESIDUALS; GPU 1 every residual and ablation at small, vanilla at medium under
+    # each recompute choice, the medium table (MEDIUM_RESIDUALS); then the 2-GPU scaling of vanilla
+    (
+      export CUDA_VISIBLE_DEVICES=0
+      step gpu0 gpu_tests "${TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+        ${FINAL_TESTS:-tests/kernels/test_mhc_fused.py tests/residuals}
+      step gpu0 mhc_blocks 90 python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small --kernels pre_fwd pre_fwd_fp32 pre_dx
+      step gpu0 profile 100 python3 -m benchmarks.profile_step --model small --graphs on \
+        --residuals ${PROFILE_RESIDUALS:-mhc attnres_block} --ablations attnres_conv
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      step gpu1 throughput_small 150 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+        attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile on --graphs on \
+        --steps 8 --tag _final
+      step gpu1 recompute_medium 120 python3 -m benchmarks.throughput --models medium --residuals vanilla \
+        --recompute none attention mlp --compile on --graphs on --steps 6 --tag _recompute
+      step gpu1 throughput_medium 200 python3 -m benchmarks.throughput --models medium \
+        --residuals ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --ablations attnres_conv --compile on \
+        --graphs on --steps 6 --tag _final
+    ) &
+    wait
+    step all ddp "${DDP_LIMIT:-90}" python3 -m benchmarks.throughput --models small --residuals vanilla --compile on \
+      --graphs on --ddp 2 --steps 8 --tag _final
     ;;
   scaling)
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &

@@ -245,6 +245,8 @@ def main(argv=None) -> str:
                          f"{datasheet / 1e12:.0f} TFLOP/s" if measured and datasheet else "CPU: no MFU",
                          "model FLOPs = 3 x analytic forward FLOPs (platform.accounting; attention at full causal "
                          "context, recomputation not counted); MFU per GPU",
+                         "peak GiB: the most allocated from the run's start (warm-up and a graph's capture included), "
+                         "the previous run's memory freed first",
                          f"median of {a.steps} steps after {a.warmup} warm-up steps; attention={a.attention}"
                          + (f"; {' '.join(a.set)}" if a.set else "")])
     for model_name in a.models:
@@ -264,8 +266,11 @@ def main(argv=None) -> str:
                     except torch.OutOfMemoryError:
                         sec, peak = float("nan"), float("inf")
                     del model
+                    gc.collect()  # graphed callables live in reference cycles: free their pools before the next run
                     if device == "cuda":
                         torch.cuda.empty_cache()
+                        print(f"  (allocated after the run, freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB)",
+                              flush=True)
                     tokens = a.batch * seq
                     tps = tokens / sec
                     if name == "vanilla":

@@ -64,9 +64,11 @@ DOT_PRECISION = "ieee"
 # 16-bit streams (bf16, fp16): the forward projection x φ on tensor cores, to about fp32 accuracy. x is
 # exact in tf32 (10 mantissa bits, bf16 has 7); φ (fp32, norm gain folded into its rows) is split into a
 # tf32 high part and the remainder, φ = hi + lo exactly in fp32; two tf32 products with fp32
-# accumulation, x hi + x lo, lose only the low bits of lo (about 2^-21 of |φ|). False, or fp32 streams:
-# x in fp32 times φ with DOT_PRECISION.
-SPLIT_PROJECTION = True
+# accumulation, x hi + x lo, lose only the low bits of lo (about 2^-21 of |φ|). False (the default), or
+# fp32 streams: x in fp32 times φ with DOT_PRECISION. Measured on an H200 at `small`, the write + read
+# forward at each variant's best blocks (`python -m benchmarks.ops_mhc --sweep-blocks --kernels pre_fwd
+# pre_fwd_fp32`, ops_mhc_blocks_final.md): 0.278 ms split at (64, 32, 8, 2), 0.225 ms fp32 at (16, 64, 4, 2).
+SPLIT_PROJECTION = False
 # The fused write + next read in one forward pass (``_pre_fwd_kernel`` with FUSE_POST): measured slower
 # on an H200 than the write kernel followed by the read kernel (`small`: 0.60 ms against 0.05 + 0.27
 # ms, `python -m benchmarks.ops_mhc`), so by default the forward runs the two kernels; the backward is
@@ -553,9 +555,12 @@ INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 
 # kernels' defaults were within 2% of the fastest. pre_bwd then also made dX (a second sweep with a
 # tl.dot per stream and channel chunk, 0.9 ms of a `small` step's 1.3 ms per sublayer, one program per
 # SM); dX is now ``_pre_dx_kernel`` over a (tokens, channels) grid ("pre_dx"), and pre_bwd keeps the
-# first sweep and the Sinkhorn backward.
+# first sweep and the Sinkhorn backward. The sweeps of 2026-11-30 evening (ops_mhc_blocks_pre_fwd_dx.md,
+# ops_mhc_blocks_final.md) chose pre_fwd (16, 64, 4, 2) with the fp32 projection (the write + read
+# forward 0.225 ms, from 0.350 at (32, 16, 4, 1)) and pre_dx (32, 32, 4, 1); in a sweep the candidate
+# timed first reads 10-25% slow (clocks), so close calls were taken from rows timed later.
 GPU_BLOCKS = {
-    "pre_fwd": (32, 32, 4, 2),
+    "pre_fwd": (16, 64, 4, 2),
     "pre_bwd": (32, 32, 8, 1),
     "pre_dx": (32, 32, 4, 1),
     "post_fwd": (8, 128, 4, 3),
