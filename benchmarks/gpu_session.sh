@@ -25,6 +25,8 @@
 #            mHC block sweep of SWEEP_KERNELS, the graphed small table (KERNEL_RESIDUALS)
 #   final    the session's closing tables, graphed (GPU 0: GPU tests, mHC block sweep, profile; GPU 1: every
 #            residual and ablation at small, vanilla per recompute choice and the table at medium; then DDP)
+#   closing  the closing tables with the final defaults (GPU 0: mHC GPU tests, every residual and ablation at
+#            small; GPU 1: the medium table)
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -32,9 +34,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels | final}
-case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels|final) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels | final" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels | final | closing}
+case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels|final|closing) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels | final | closing" >&2; exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -175,6 +177,23 @@ case "$PLAN" in
     wait
     step all ddp "${DDP_LIMIT:-90}" python3 -m benchmarks.throughput --models small --residuals vanilla --compile on \
       --graphs on --ddp 2 --steps 8 --tag _final
+    ;;
+  closing)
+    # the closing tables with the final defaults: GPU 0 the mHC GPU tests, then every residual and ablation
+    # at small; GPU 1 the medium table (its preset's recompute)
+    (
+      export CUDA_VISIBLE_DEVICES=0
+      step gpu0 gpu_tests 100 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_mhc_fused.py
+      step gpu0 throughput_small 250 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+        attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile on --graphs on \
+        --steps 8 --tag _closing
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      step gpu1 throughput_medium 330 python3 -m benchmarks.throughput --models medium --residuals vanilla \
+        attnres_block mhc msar_block --ablations attnres_conv --compile on --graphs on --steps 6 --tag _closing
+    ) &
+    wait
     ;;
   scaling)
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &

@@ -561,6 +561,7 @@ INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 
 # timed first reads 10-25% slow (clocks), so close calls were taken from rows timed later.
 GPU_BLOCKS = {
     "pre_fwd": (16, 64, 4, 2),
+    "pre_fwd_post": (32, 16, 4, 1),  # the one-pass write + read (POST_PRE_ONE_PASS): its earlier default
     "pre_bwd": (32, 32, 8, 1),
     "pre_dx": (32, 32, 4, 1),
     "post_fwd": (8, 128, 4, 3),
@@ -602,7 +603,7 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
         _post_fwd_into(x, *post)
         post = None
     k, np_, kp = _consts(n)
-    block_t, block_d, launch = _blocks(d, "pre_fwd")
+    block_t, block_d, launch = _blocks(d, "pre_fwd" if post is None else "pre_fwd_post")
     f32 = dict(device=x.device, dtype=torch.float32)
     h = torch.empty(N, d, device=x.device, dtype=x.dtype)
     h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
