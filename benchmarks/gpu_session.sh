@@ -159,7 +159,7 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=0
       step gpu0 gpu_tests "${TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
         ${FINAL_TESTS:-tests/kernels/test_mhc_fused.py tests/residuals}
-      step gpu0 mhc_blocks 90 python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small --kernels pre_fwd pre_fwd_fp32 pre_dx
+      step gpu0 mhc_blocks 90 python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small --kernels pre_fwd pre_fwd_split pre_dx
       step gpu0 profile 100 python3 -m benchmarks.profile_step --model small --graphs on \
         --residuals ${PROFILE_RESIDUALS:-mhc attnres_block} --ablations attnres_conv
     ) &

@@ -179,8 +179,8 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
 # the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first)
 FUSED_VARIANTS = {
     "triton": {},
-    "triton (fp32 projection)": {"SPLIT_PROJECTION": False},
-    "triton (one-pass write+read, fp32 projection)": {"SPLIT_PROJECTION": False, "POST_PRE_ONE_PASS": True},
+    "triton (tf32-split projection)": {"SPLIT_PROJECTION": True},
+    "triton (one-pass write+read)": {"POST_PRE_ONE_PASS": True},
 }
 
 
@@ -217,15 +217,15 @@ def backends(fused_only=False):
 # --sweep-blocks: candidate (BLOCK_T, BLOCK_D, num_warps, num_stages[, maxnreg]) per kernel of fused.GPU_BLOCKS (pre
 # kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
 BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
-    "pre_fwd": [(32, 16, 4, 1), (32, 16, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (16, 32, 4, 2)],
-    "pre_fwd_fp32": [(32, 16, 4, 1), (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (64, 16, 8, 1)],
+    "pre_fwd": [(32, 16, 4, 1), (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (64, 16, 8, 1)],
+    "pre_fwd_split": [(32, 16, 4, 1), (32, 16, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (16, 32, 4, 2)],
     "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
     "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1)],
     "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
     "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
 }
 # row groups that sweep a kernel's blocks under other module settings of kernels/mhc/fused.py
-SWEEP_TARGET = {"pre_fwd_fp32": ("pre_fwd", {"SPLIT_PROJECTION": False})}
+SWEEP_TARGET = {"pre_fwd_split": ("pre_fwd", {"SPLIT_PROJECTION": True})}
 SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
             "post_bwd": "post+pre fwd+bwd"}
 

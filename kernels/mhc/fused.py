@@ -67,7 +67,7 @@ DOT_PRECISION = "ieee"
 # accumulation, x hi + x lo, lose only the low bits of lo (about 2^-21 of |φ|). False (the default), or
 # fp32 streams: x in fp32 times φ with DOT_PRECISION. Measured on an H200 at `small`, the write + read
 # forward at each variant's best blocks (`python -m benchmarks.ops_mhc --sweep-blocks --kernels pre_fwd
-# pre_fwd_fp32`, ops_mhc_blocks_final.md): 0.278 ms split at (64, 32, 8, 2), 0.225 ms fp32 at (16, 64, 4, 2).
+# pre_fwd_split`, ops_mhc_blocks_final.md): 0.278 ms split at (64, 32, 8, 2), 0.225 ms fp32 at (16, 64, 4, 2).
 SPLIT_PROJECTION = False
 # The fused write + next read in one forward pass (``_pre_fwd_kernel`` with FUSE_POST): measured slower
 # on an H200 than the write kernel followed by the read kernel (`small`: 0.60 ms against 0.05 + 0.27
