@@ -731,9 +731,13 @@ def doc_window(doc_ids: Tensor) -> Tensor:
 
 
 # --- launchers -----------------------------------------------------------------------------------
-# The tap gradients on the GPU: in ``_tap_kernel`` (register accumulators, one launch per view) or in the
-# source-gradient kernel (per-(view, tap) partials read and written in a per-program scratch per block).
-TAP_KERNEL = True
+# The tap gradients on the GPU: in the source-gradient kernel (per-(view, tap) partials read and written in
+# a per-program scratch per block; the default) or in ``_tap_kernel`` (register accumulators, one launch
+# per view). The tap kernel lost on an H200 (`python -m benchmarks.msar_tiles --kernels "source
+# gradients"`, msar_tiles_nvidia_h200_taps.md): stats + source gradients 3.81-3.96 against 3.41 ms at
+# `small`, 15.1 against 13.8 ms at `medium`, S = 5; msar_block's graphed step 88.7 against 76.1 ms.
+# The scratch traffic is not what binds the source-gradient kernel. Kept (tested) as the option to try.
+TAP_KERNEL = False
 
 
 @dataclass(frozen=True)
