@@ -21,7 +21,9 @@ Block AttnRes: the block's partial sum) folds it in by an online-softmax merge (
 ``read``). Sources are written once into a preallocated buffer and never re-stacked.
 
 This file also holds what the depth-attention variants share (attnres_block, msar, msar_block
-build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, accounting),
+build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, accounting, and the
+two-phase path behind the hooks ``_two_phase`` and ``_after_read``, which MSAR's ``placement=post``
+uses too),
 :class:`PseudoQueries` (per consumer and view: w, key gain, optional input projection) and
 :class:`DepthAttentionConfig` (the fields they all have).
 """
