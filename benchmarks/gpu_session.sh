@@ -34,9 +34,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels | final | closing | taps}
-case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels|final|closing|taps) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels | final | closing | taps" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels | final | closing}
+case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels|final|closing) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels | final | closing" >&2; exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -159,7 +159,7 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=0
       step gpu0 gpu_tests "${TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
         ${FINAL_TESTS:-tests/kernels/test_mhc_fused.py tests/residuals}
-      step gpu0 mhc_blocks 90 python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small --kernels pre_fwd pre_fwd_split pre_dx
+      step gpu0 mhc_blocks 90 python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small --kernels pre_fwd pre_dx
       step gpu0 profile 100 python3 -m benchmarks.profile_step --model small --graphs on \
         --residuals ${PROFILE_RESIDUALS:-mhc attnres_block} --ablations attnres_conv
     ) &
@@ -192,22 +192,6 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=1
       step gpu1 throughput_medium 330 python3 -m benchmarks.throughput --models medium --residuals vanilla \
         attnres_block mhc msar_block --ablations attnres_conv --compile on --graphs on --steps 6 --tag _closing
-    ) &
-    wait
-    ;;
-  taps)
-    # the MSAR tap-gradient kernel: GPU 0 the MSAR GPU tests and the graphed small step; GPU 1 the
-    # source-gradient tiles (the tap kernel against the scratch path) at small and medium
-    (
-      export CUDA_VISIBLE_DEVICES=0
-      step gpu0 gpu_tests 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_msar_attn.py
-      step gpu0 throughput_small 100 python3 -m benchmarks.throughput --models small --residuals vanilla msar_block \
-        --ablations attnres_conv --compile on --graphs on --steps 8 --tag _taps
-    ) &
-    (
-      export CUDA_VISIBLE_DEVICES=1
-      step gpu1 msar_tiles 240 python3 -m benchmarks.msar_tiles --shapes small medium --kernels "source gradients" \
-        --tag _taps
     ) &
     wait
     ;;

@@ -64,16 +64,6 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                 tap_scratch_ptr=F32),
            dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
                 KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common), blk.src_warps)
-    # with Blocks.tap_kernel: the source-gradient kernel without the taps, and the tap kernel of the widest view
-    yield ("source gradients (taps apart)", fused._src_kernel,
-           dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
-                tap_scratch_ptr=F32),
-           dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd, TAPS=False,
-                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common), blk.src_warps)
-    yield (f"tap gradients (k={k_max})", fused._tap_kernel,
-           dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, dr_ptr=F32, coef_ptr=F32, dtap_ptr=F32),
-           dict(SOFTMAX=True, KJ=k_max, KP=triton.next_power_of_2(k_max), BT=blk.tap_bt, BD=blk.tap_bd),
-           blk.tap_warps)
 
 
 def main(argv=None) -> int:

@@ -38,10 +38,8 @@ def candidates(blk) -> dict[str, list[dict]]:
         "stats": [{}] + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
                          if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)],
-        "source gradients": [{}] + [dict(tap_kernel=not blk.tap_kernel)] + [
-            dict(tap_kernel=True, **o) for o in (dict(tap_bd=64), dict(tap_bt=16), dict(tap_warps=8), dict(tap_sub=32),
-                                                  dict(tap_bd=16, tap_bt=16))] + [
-            dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8) if (bd, w) != (blk.src_bd, blk.src_warps)],
+        "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
+                                    if (bd, w) != (blk.src_bd, blk.src_warps)],
     }
 
 
@@ -105,7 +103,7 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None)
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
-            "source gradients": ("src_bt", "src_bd", "src_warps", "sub", "tap_kernel")}[kernel]
+            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
 
 
 def main(argv=None) -> int:

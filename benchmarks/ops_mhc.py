@@ -179,7 +179,6 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
 # the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first)
 FUSED_VARIANTS = {
     "triton": {},
-    "triton (tf32-split projection)": {"SPLIT_PROJECTION": True},
     "triton (one-pass write+read)": {"POST_PRE_ONE_PASS": True},
 }
 
@@ -218,14 +217,11 @@ def backends(fused_only=False):
 # kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
 BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
     "pre_fwd": [(32, 16, 4, 1), (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (64, 16, 8, 1)],
-    "pre_fwd_split": [(32, 16, 4, 1), (32, 16, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (16, 32, 4, 2)],
     "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
     "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1)],
     "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
     "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
 }
-# row groups that sweep a kernel's blocks under other module settings of kernels/mhc/fused.py
-SWEEP_TARGET = {"pre_fwd_split": ("pre_fwd", {"SPLIT_PROJECTION": True})}
 SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
             "post_bwd": "post+pre fwd+bwd"}
 
@@ -269,15 +265,11 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
             post_out = fns["post"](p, *coeffs)
         expected = results() + [post_out]
         best = {}
-        for name_k in kernels:
-            kernel, settings = SWEEP_TARGET.get(name_k, (name_k, {}))
-            candidates, op = BLOCK_CANDIDATES[name_k], SWEEP_OP[kernel]
+        for kernel in kernels:
+            candidates, op = BLOCK_CANDIDATES[kernel], SWEEP_OP[kernel]
             base = time_op(op)
             for cand in dict.fromkeys([defaults[kernel], *candidates]):
                 fused.GPU_BLOCKS[kernel] = cand
-                saved = {k: getattr(fused, k) for k in settings}
-                for k, v in settings.items():
-                    setattr(fused, k, v)
                 try:
                     with torch.no_grad():
                         post_out = fns["post"](p, *coeffs)
@@ -288,14 +280,12 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
                     continue
                 finally:
                     fused.GPU_BLOCKS[kernel] = defaults[kernel]
-                    for k, v in saved.items():
-                        setattr(fused, k, v)
                 ok = err < 1e-2
-                table.add(name, name_k, str(cand), op, f"{ms:.3f}", f"{ms / base:.2f}", f"{err:.1e} {'ok' if ok else 'FAIL'}")
+                table.add(name, kernel, str(cand), op, f"{ms:.3f}", f"{ms / base:.2f}", f"{err:.1e} {'ok' if ok else 'FAIL'}")
                 print(" | ".join(table.rows[-1]), flush=True)
-                if ok and (name_k not in best or ms < best[name_k][1]):
-                    best[name_k] = (cand, ms)
-        table.notes.append(f"{name}: fastest per row group = " + repr({k: v[0] for k, v in best.items()}))
+                if ok and (kernel not in best or ms < best[kernel][1]):
+                    best[kernel] = (cand, ms)
+        table.notes.append(f"{name}: fastest GPU_BLOCKS = " + repr({k: v[0] for k, v in best.items()}))
         del p, coeffs, leaves, outs, ups, expected
         torch.cuda.empty_cache()
     table.write("ops_mhc_blocks" if dtype_name == "bf16" else f"ops_mhc_blocks_{dtype_name}")

@@ -104,8 +104,9 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
             loss_fn = _Replay(model, graphed_loss(model, tokens, docs))
     if ddp:
         loss_fn = torch.nn.parallel.DistributedDataParallel(loss_fn)
-        if ddp_comm_hook(ddp_comm) is not None:
-            loss_fn.register_comm_hook(None, ddp_comm_hook(ddp_comm))
+        hook = ddp_comm_hook(ddp_comm)
+        if hook is not None:
+            loss_fn.register_comm_hook(None, hook)
     if whole:
         loss_fn = torch.compile(loss_fn)
 

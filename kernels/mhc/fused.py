@@ -61,14 +61,6 @@ from ..backend import interpreting
 # benchmarks/ops_mhc.py times both.
 DOT_PRECISIONS = ("ieee", "tf32x3")
 DOT_PRECISION = "ieee"
-# 16-bit streams (bf16, fp16): the forward projection x φ on tensor cores, to about fp32 accuracy. x is
-# exact in tf32 (10 mantissa bits, bf16 has 7); φ (fp32, norm gain folded into its rows) is split into a
-# tf32 high part and the remainder, φ = hi + lo exactly in fp32; two tf32 products with fp32
-# accumulation, x hi + x lo, lose only the low bits of lo (about 2^-21 of |φ|). False (the default), or
-# fp32 streams: x in fp32 times φ with DOT_PRECISION. Measured on an H200 at `small`, the write + read
-# forward at each variant's best blocks (`python -m benchmarks.ops_mhc --sweep-blocks --kernels pre_fwd
-# pre_fwd_split`, ops_mhc_blocks_final.md): 0.278 ms split at (64, 32, 8, 2), 0.225 ms fp32 at (16, 64, 4, 2).
-SPLIT_PROJECTION = False
 # The fused write + next read in one forward pass (``_pre_fwd_kernel`` with FUSE_POST): measured slower
 # on an H200 than the write kernel followed by the read kernel (`small`: 0.60 ms against 0.05 + 0.27
 # ms, `python -m benchmarks.ops_mhc`), so by default the forward runs the two kernels; the backward is
@@ -172,23 +164,15 @@ def _coefficients(
 
 
 @triton.jit
-def _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, philo_ptr, gain_ptr, offs_k, mask_k,
-             D: tl.constexpr, K: tl.constexpr, HAS_GAIN: tl.constexpr, SPLIT: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
-    """Accumulate Σx² and y += (x ⊙ g) φ for a (BLOCK_T, BLOCK_D) chunk of stream i (xv fp32).
-    SPLIT: xv holds 16-bit float values (exact in tf32), φ comes as (hi, lo) with the gain folded in:
-    y += x hi + x lo as tf32 tensor-core products with fp32 accumulation (``SPLIT_PROJECTION``)."""
+def _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+             D: tl.constexpr, K: tl.constexpr, HAS_GAIN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate Σx² and y += (x ⊙ g) φ for a (BLOCK_T, BLOCK_D) chunk of stream i."""
     ss += tl.sum(xv * xv, axis=1)
-    offs = (i * D + offs_d)[:, None] * K + offs_k[None, :]
-    pmask = mask_d[:, None] & mask_k[None, :]
-    if SPLIT:
-        y = tl.dot(xv, tl.load(phi_ptr + offs, mask=pmask, other=0.0), y, input_precision="tf32")
-        y = tl.dot(xv, tl.load(philo_ptr + offs, mask=pmask, other=0.0), y, input_precision="tf32")
-    else:
-        if HAS_GAIN:
-            xv = xv * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
-        y += tl.dot(xv, tl.load(phi_ptr + offs, mask=pmask, other=0.0), input_precision=DOT_PRECISION)
-    return ss, y
+    if HAS_GAIN:
+        xv = xv * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
+    ph = tl.load(phi_ptr + (i * D + offs_d)[:, None] * K + offs_k[None, :],
+                 mask=mask_d[:, None] & mask_k[None, :], other=0.0)
+    return ss, y + tl.dot(xv, ph, input_precision=DOT_PRECISION)
 
 
 @triton.jit
@@ -198,9 +182,8 @@ def _pre_fwd_kernel(
     f_ptr,  # FUSE_POST: the previous sublayer's output f_{l-1} (N, d), any float dtype
     hpost_in_ptr,  # FUSE_POST: the previous H^post (N, n) fp32
     hres_in_ptr,  # FUSE_POST: the previous H^res (N, n, n) fp32
-    phi_ptr,  # φ (n·d, K) fp32, K = n²+2n, columns [pre | post | res row-major]; SPLIT: g ⊙ φ's tf32 high part
-    philo_ptr,  # SPLIT: the low part, g ⊙ φ − hi (else unused)
-    gain_ptr,  # RMSNorm gain (n·d,) fp32; read only when HAS_GAIN and not SPLIT
+    phi_ptr,  # φ (n·d, K) fp32, K = n²+2n, columns [pre | post | res row-major]
+    gain_ptr,  # RMSNorm gain (n·d,) fp32; read only when HAS_GAIN
     alpha_ptr,  # (3,) fp32: α_pre, α_post, α_res
     bpre_ptr,  # (n,) fp32
     bpost_ptr,  # (n,) fp32
@@ -213,8 +196,8 @@ def _pre_fwd_kernel(
     r_ptr,  # result: r = rsqrt(mean x² + eps) (N,) fp32, kept for backward
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
-    HAS_GAIN: tl.constexpr, FUSE_POST: tl.constexpr, SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_GAIN: tl.constexpr, FUSE_POST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
     NN: tl.constexpr = N_STREAMS * N_STREAMS
@@ -248,8 +231,8 @@ def _pre_fwd_kernel(
                 hp_i = tl.load(hpost_in_ptr + rows * N_STREAMS + i, mask=mask_t, other=0.0)
                 xv = (tl.sum(h_row[:, :, None] * x_in, axis=1) + hp_i[:, None] * f).to(x_ptr.dtype.element_ty)
                 tl.store(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], xv, mask=mtd)
-                ss, y = _project(xv.to(tl.float32), ss, y, i, offs_d, mask_d, phi_ptr, philo_ptr, gain_ptr, offs_k,
-                                 mask_k, D, K, HAS_GAIN, SPLIT, DOT_PRECISION)
+                ss, y = _project(xv.to(tl.float32), ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+                                 D, K, HAS_GAIN, DOT_PRECISION)
     else:
         for i in tl.static_range(N_STREAMS):
             for d0 in range(0, D, BLOCK_D):
@@ -257,8 +240,8 @@ def _pre_fwd_kernel(
                 mask_d = offs_d < D
                 xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :],
                              mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                ss, y = _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, philo_ptr, gain_ptr, offs_k, mask_k,
-                                 D, K, HAS_GAIN, SPLIT, DOT_PRECISION)
+                ss, y = _project(xv, ss, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k,
+                                 D, K, HAS_GAIN, DOT_PRECISION)
     r = tl.rsqrt(ss / ND + eps)
     z = y * r[:, None]
     tl.store(z_ptr + rows[:, None] * K + offs_k[None, :], z, mask=mask_t[:, None] & mask_k[None, :])
@@ -585,14 +568,6 @@ def _consts(n: int) -> tuple[int, int, int]:
     return k, _pow2(n), _pow2(k, 16)
 
 
-def split_tf32(phi: Tensor, gain: Tensor | None) -> tuple[Tensor, Tensor]:
-    """g ⊙ φ (rows scaled by the norm gain) as (hi, lo) fp32: hi keeps tf32's 10 explicit mantissa bits
-    (truncated), lo = g ⊙ φ − hi exactly."""
-    w = (phi if gain is None else phi * gain[:, None]).float().contiguous()
-    hi = (w.view(torch.int32) & ~0x1FFF).view(torch.float32)
-    return hi, w - hi
-
-
 def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None):
     """The read of streams ``x`` (N, n, d). With ``post = (x_in, f, h_post_in, h_res_in)`` the streams are
     first made from the previous sublayer's write, X = H^res_in X_in + H^post_inᵀ f: in the same pass
@@ -609,12 +584,10 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
     h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
     z, r = torch.empty(N, k, **f32), torch.empty(N, **f32)
     x_in, f, hp_in, hr_in = (x, x, z, z) if post is None else post
-    split = SPLIT_PROJECTION and x.dtype in (torch.bfloat16, torch.float16)
-    phi_a, phi_b = split_tf32(phi, gain) if split else (phi, phi)
     _pre_fwd_kernel[(triton.cdiv(N, block_t),)](
-        x, x_in, f, hp_in, hr_in, phi_a, phi_b, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre,
+        x, x_in, f, hp_in, hr_in, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre,
         h_post, h_res, z, r, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
-        FUSE_POST=post is not None, SPLIT=split, BLOCK_T=block_t, BLOCK_D=block_d,
+        FUSE_POST=post is not None, BLOCK_T=block_t, BLOCK_D=block_d,
         DOT_PRECISION=DOT_PRECISION, **launch)
     return h, h_pre, h_post, h_res, z, r
 

@@ -530,7 +530,6 @@ def _src_kernel(
     SOFTMAX: tl.constexpr,  # more than one source (with one, κ = μ = 0: dE = w dR, no views built for it)
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
-    TAPS: tl.constexpr = True,  # the tap gradients here (False: ``_tap_kernel`` makes them)
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
     channel tile), all sources. A block of BT tokens needs dE_j(x_s) on the block and the next BT
@@ -558,9 +557,8 @@ def _src_kernel(
     scr = scratch_ptr + pid.to(tl.int64) * scr_stride  # (M_PAD, 2·BT, BD) ring
     tacc = tap_scratch_ptr + pid.to(tl.int64) * tap_stride  # (NPAIR, BT, BD) tap-gradient partials
     tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
-    if TAPS:
-        for p in tl.static_range(NPAIR):
-            tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
+    for p in tl.static_range(NPAIR):
+        tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
     qacc = tacc + NPAIR * BT * BD  # (M_PAD, BT, BD) query-gradient partials
     tile_h = (jv[:, None, None] * BT + loc[None, :, None]) * BD + ld[None, None, :]
     tl.store(qacc + tile_h, tl.zeros((M_PAD, BT, BD), dtype=tl.float32))
@@ -604,90 +602,30 @@ def _src_kernel(
                     sh = tl.load(scr + (j * 2 * BT + ring[:, None]) * BD + ld[None, :])
                     ok = ((near_t >> (16 + tau)) & 1) != 0
                     acc += tl.where(ok[:, None], c[None, :] * sh, 0.0)
-                    if TAPS:
-                        # tap gradient of (j, τ): dE_j on the block times the source τ tokens back
-                        ok = ((near_t >> tau) & 1) != 0
-                        xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
-                                     mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-                        # summed over tokens once per program, at the end: here only a per-thread
-                        # update of this (view, tap)'s (BT, BD) partial in the scratch
-                        pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
-                        tl.store(pair, tl.load(pair) + de_j * xv)
+                    # tap gradient of (j, τ): dE_j on the block times the source τ tokens back
+                    ok = ((near_t >> tau) & 1) != 0
+                    xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                                 mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+                    # summed over tokens once per program, at the end: here only a per-thread
+                    # update of this (view, tap)'s (BT, BD) partial in the scratch
+                    pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
+                    tl.store(pair, tl.load(pair) + de_j * xv)
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
             i += 1
         s += 1
     tl.debug_barrier()  # the partials of every thread written
     dqg = tl.sum(tl.load(qacc + tile_h), axis=1)  # (M_PAD, BD)
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
+            sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
+            dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
     part = (chunk * B + b).to(tl.int64)
     tl.store(dqg_ptr + (part * M_PAD + jv[:, None]) * D + offs_d[None, :], dqg,
              mask=mask_j[:, None] & mask_d[None, :])
-    if TAPS:
-        for j in tl.static_range(len(KS)):
-            for tau in tl.static_range(tl.constexpr(KS[j])):
-                contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
-                sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
-                dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
-        tl.store(dtap_ptr + ((part * K_PAD + kv[:, None, None]) * M_PAD + jv[None, :, None]) * D
-                 + offs_d[None, None, :], dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
-
-
-@triton.jit
-def _tap_kernel(
-    x_ptr,  # sources (S, B, T, d)
-    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
-    qg_ptr,  # gain-folded queries (m, d) fp32
-    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    dr_ptr,  # dL/dR (m, B, T, d) fp32
-    coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
-    dtap_ptr,  # result: partial dL/dc of view J (n_chunks·B, KP, d) fp32
-    S, B, T, D, K_MAX, plane, SUB, J,
-    SOFTMAX: tl.constexpr, KJ: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-):
-    """The tap gradient of one view J (k_J = KJ taps), when the source-gradient kernel leaves it out
-    (``Blocks.tap_kernel``): dc_τ = Σ_{s,t} dE_J(x_s)[t] ⊙ x_s[t-τ] · [same doc], τ < KJ. One program per
-    (chunk of SUB token blocks, row, channel tile), all sources. The KP shifted source tiles of a block
-    are one (KP, BT, BD) load; they give the view E_J (a sum over the tap axis, within each thread) for
-    dE_J = w dR_J + κ qg_J − μ E_J, and the products dE_J ⊙ x[t-τ], accumulated in registers
-    (KP, BT, BD) and summed over tokens once at the end: no scratch, no per-block reduction."""
-    chunk = tl.program_id(0)
-    b = tl.program_id(1)
-    offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
-    mask_d = offs_d < D
-    kv = tl.arange(0, KP)
-    loc = tl.arange(0, BT)
-    c3 = tl.load(taps_ptr + (J * K_MAX + kv)[:, None] * D + offs_d[None, :],
-                 mask=(kv < KJ)[:, None] & mask_d[None, :], other=0.0)  # (KP, BD)
-    qg = tl.load(qg_ptr + J * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
-    near_row_ptr = near_ptr + b.to(tl.int64) * T
-    acc = tl.zeros((KP, BT, BD), dtype=tl.float32)
-    s = b * 0
-    while s < S:
-        row0 = (s * B + b).to(tl.int64) * T
-        i = b * 0
-        while i < SUB:
-            offs_t = (chunk * SUB + i) * BT + loc
-            mask_t = offs_t < T
-            near_t = tl.load(near_row_ptr + offs_t, mask=mask_t, other=0)
-            ok = (((near_t[None, :] >> kv[:, None]) & 1) != 0) & (kv < KJ)[:, None]  # (KP, BT): t-τ same doc
-            x3 = tl.load(x_ptr + (row0 + offs_t[None, :, None] - kv[:, None, None]) * D + offs_d[None, None, :],
-                         mask=ok[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (KP, BT, BD)
-            cidx = ((J * S + s) * B + b).to(tl.int64) * T + offs_t  # (BT,)
-            w = tl.load(coef_ptr + cidx, mask=mask_t, other=0.0)
-            dr = tl.load(dr_ptr + ((J * B + b).to(tl.int64) * T + offs_t)[:, None] * D + offs_d[None, :],
-                         mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-            de = w[:, None] * dr  # (BT, BD)
-            if SOFTMAX:
-                e = tl.sum(c3[:, None, :] * x3, axis=0)  # E_J on the block
-                kappa = tl.load(coef_ptr + plane + cidx, mask=mask_t, other=0.0)
-                mu = tl.load(coef_ptr + 2 * plane + cidx, mask=mask_t, other=0.0)
-                de += kappa[:, None] * qg[None, :] - mu[:, None] * e
-            acc += de[None, :, :] * x3
-            i += 1
-        s += 1
-    part = (chunk * B + b).to(tl.int64)
-    tl.store(dtap_ptr + (part * KP + kv[:, None]) * D + offs_d[None, :], tl.sum(acc, axis=1),
-             mask=(kv < KJ)[:, None] & mask_d[None, :])
+    tl.store(dtap_ptr + ((part * K_PAD + kv[:, None, None]) * M_PAD + jv[None, :, None]) * D + offs_d[None, None, :],
+             dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
 
 
 @triton.jit
@@ -731,15 +669,6 @@ def doc_window(doc_ids: Tensor) -> Tensor:
 
 
 # --- launchers -----------------------------------------------------------------------------------
-# The tap gradients on the GPU: in the source-gradient kernel (per-(view, tap) partials read and written in
-# a per-program scratch per block; the default) or in ``_tap_kernel`` (register accumulators, one launch
-# per view). The tap kernel lost on an H200 (`python -m benchmarks.msar_tiles --kernels "source
-# gradients"`, msar_tiles_nvidia_h200_taps.md): stats + source gradients 3.81-3.96 against 3.41 ms at
-# `small`, 15.1 against 13.8 ms at `medium`, S = 5; msar_block's graphed step 88.7 against 76.1 ms.
-# The scratch traffic is not what binds the source-gradient kernel. Kept (tested) as the option to try.
-TAP_KERNEL = False
-
-
 @dataclass(frozen=True)
 class Blocks:
     bd: int  # channels per tile of the forward
@@ -756,11 +685,6 @@ class Blocks:
     stats_bd: int = 0  # channels per tile of the stats kernel (0: bwd_bd)
     stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
     mix_warps: int = 4  # warps of the mixer backward (tiles of (m, bwd_bt, bwd_bd) of the saved streams)
-    tap_kernel: bool = False  # the tap gradients in ``_tap_kernel`` (one launch per view) instead of the source-gradient kernel
-    tap_bt: int = 8  # tokens per block of the tap kernel
-    tap_bd: int = 32  # channels per program of the tap kernel
-    tap_warps: int = 4
-    tap_sub: int = 16  # token blocks per tap-kernel program
 
     def stats_tiles(self) -> tuple[int, int]:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
@@ -801,7 +725,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     # forward 0.86 vs 1.42 ms, stats + source gradients 3.5 vs 4.8 ms; at `medium` forward 4.1 vs
     # 6.8 ms, mixer backward 0.67 vs 1.17 ms.
     return Blocks(bd, bd >= d, bt, 4, bd, bt, 4, max(halo, min(16, t_pow)), 32, 4, 16,
-                  stats_bd, stats_bt, 4, tap_kernel=TAP_KERNEL)
+                  stats_bd, stats_bt, 4)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -926,30 +850,11 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
         sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
-        num_warps=blk.src_warps, TAPS=not blk.tap_kernel)
+        num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
-    if blk.tap_kernel:
-        return dx, tap_grads(x, packed, ks, qg, near, dr, coef, plane, blk), dqg
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
     return dx, dtaps, dqg
-
-
-def tap_grads(x, packed, ks, qg, near, dr, coef, plane, blk) -> list[Tensor]:
-    """dtaps_j (k_j, d) fp32 for the views j >= 1, one ``_tap_kernel`` launch per view."""
-    S, B, T, d = x.shape
-    n_blocks = triton.cdiv(T, blk.tap_bt)
-    sub = min(blk.tap_sub, n_blocks)
-    n_chunks = triton.cdiv(n_blocks, sub)
-    grid = (n_chunks, B, triton.cdiv(d, blk.tap_bd))
-    out = []
-    for j in range(1, len(ks)):
-        kp = triton.next_power_of_2(ks[j])
-        part = torch.empty(n_chunks * B, kp, d, device=x.device, dtype=torch.float32)
-        _tap_kernel[grid](x, packed, qg, near, dr, coef, part, S, B, T, d, max(ks), plane, sub, j,
-                          SOFTMAX=S > 1, KJ=ks[j], KP=kp, BT=blk.tap_bt, BD=blk.tap_bd, num_warps=blk.tap_warps)
-        out.append(part.sum(0)[: ks[j]])
-    return out
 
 
 def _query_grads(dqg, queries, key_gains):

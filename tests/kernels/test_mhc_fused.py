@@ -255,30 +255,10 @@ def test_fused_write_and_next_read_in_bf16_and_fp32_streams_match_the_reference(
     check_fused_chain_against_the_reference(dtype, "cpu", d=40, T=37)
 
 
-def test_tf32_split_of_phi():
-    """φ (gain folded in) as (hi, lo): hi has tf32's 10 explicit mantissa bits, hi + lo = g ⊙ φ exactly,
-    and lo rounded to tf32 (what a tensor core keeps of it) leaves an error below 2^-20 of |g ⊙ φ|."""
-    from kernels.mhc.fused import split_tf32
-
-    g = torch.Generator().manual_seed(0)
-    phi, gain = torch.randn(256, 24, generator=g), 1.0 + 0.2 * torch.randn(256, generator=g)
-    hi, lo = split_tf32(phi, gain)
-    w = phi * gain[:, None]
-    assert (hi.view(torch.int32) & 0x1FFF == 0).all()  # representable in tf32
-    assert torch.equal(hi + lo, w)
-    lo_tf32 = (lo.view(torch.int32) & ~0x1FFF).view(torch.float32)  # truncated, the worse of the two roundings
-    assert ((hi + lo_tf32 - w).abs() <= 2.0**-20 * w.abs()).all()
-    assert (lo.abs() > 0).float().mean() > 0.9  # the low part carries real bits
-
-
 @needs_interpreter
-@pytest.mark.parametrize("split", [True, False], ids=["tf32_split", "fp32_projection"])
-def test_bf16_streams_projection_matches_the_fp32_reference(split, monkeypatch):
-    """bf16 streams: the coefficients from the split tensor-core projection (gain folded in) or the fp32
-    one are within 1e-5 of the fp32 reference on the same bf16 values."""
-    from kernels.mhc import fused
-
-    monkeypatch.setattr(fused, "SPLIT_PROJECTION", split)
+def test_bf16_streams_projection_matches_the_fp32_reference():
+    """bf16 streams (with a norm gain): the coefficients from the fused projection are within 1e-5 of
+    the fp32 reference on the same bf16 values."""
     inp = make_inputs(4, 40, 2, 9, True, seed=11)
     inp["alpha"] = torch.tensor([1.0, 1.0, 1.0])  # coefficients that depend on z strongly
     low = {**inp, "x": inp["x"].bfloat16()}

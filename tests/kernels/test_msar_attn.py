@@ -51,19 +51,17 @@ def make_inputs(S, B, T, d, kernels, gains, *, dtype=torch.float32, device="cpu"
     return x, taps, queries, key_gains, doc_ids_for(B, T, g, device), phi, alpha, bias
 
 
-def _blocks(bt, bd, sub=2, bwd_bd=None, tap_kernel=False):
+def _blocks(bt, bd, sub=2, bwd_bd=None):
     """A block-size override for fused._blocks: GPU-like geometry under the interpreter (several
     channel tiles, token blocks that straddle documents, several blocks per source-gradient program).
-    ``bwd_bd``: other channel tiles for the backward than for the forward. ``tap_kernel``: the tap
-    gradients in their own kernel, over blocks of 3 tokens and 8 channels, 2 blocks a program."""
+    ``bwd_bd``: other channel tiles for the backward than for the forward."""
     from kernels.msar_attn import fused
 
     bwd_bd = bwd_bd or bd
 
     def blocks(T, d, m_pad, k_max):
         src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
-        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub, tap_kernel=tap_kernel,
-                            tap_bt=4, tap_bd=8, tap_sub=2)
+        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub)
 
     return blocks
 
@@ -127,39 +125,6 @@ def test_fused_msar_matches_reference(case, monkeypatch):
         nonzero |= {"queries"}
     for (name, _), b in zip(named, ref_grads):
         if name in nonzero:
-            assert b.abs().max() > 1e-6, name
-
-
-TAP_KERNEL_CASES = [c for c in CASES if c[0].startswith(("S3-B2-T13", "S1-B2-T13", "S2-B1-T3-", "S2-B1-T10"))]
-
-
-@needs_triton
-@pytest.mark.parametrize("case", TAP_KERNEL_CASES, ids=[c[0] for c in TAP_KERNEL_CASES])
-def test_tap_kernel_gives_the_reference_tap_gradients(case, monkeypatch):
-    """``Blocks.tap_kernel``: the tap gradients from ``_tap_kernel`` (one launch per view, register
-    accumulators) instead of the source-gradient kernel's scratch; every gradient still matches the
-    reference, the taps' included (one source, T below the kernel size, several chunks and channel tiles)."""
-    from kernels.msar_attn import fused
-
-    _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
-    bt, bd = (blocks or (4, 8))[:2]
-    monkeypatch.setattr(fused, "_blocks", _blocks(bt, bd, tap_kernel=True))
-    calls = []
-    original = fused.tap_grads
-    monkeypatch.setattr(fused, "tap_grads", lambda *a: calls.append(1) or original(*a))
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
-    named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
-    leaves = [t for _, t in named]
-    outs = [msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm, fusion=fusion,
-                 backend=backend) for backend in ("triton", "torch")]
-    up = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(3))
-    grads, ref_grads = (torch.autograd.grad((o * up).sum(), leaves) for o in outs)
-    assert calls, "the tap kernel did not run"
-    for (name, _), a, b in zip(named, grads, ref_grads):
-        if S == 1 and name in ("queries", "key_gains"):
-            continue
-        assert rel_err(a, b) < 1e-4, f"{name}: relative error {rel_err(a, b):.2e}"
-        if name.startswith("taps"):
             assert b.abs().max() > 1e-6, name
 
 
@@ -452,7 +417,7 @@ def test_kernels_compile_for_sm90_with_few_spills():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    assert len(lines) == 7, res.stdout
+    assert len(lines) == 5, res.stdout
     spills = [int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines]
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more
