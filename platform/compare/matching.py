@@ -16,9 +16,18 @@ from omegaconf import DictConfig, OmegaConf
 from .. import stats, tracking
 
 # Knobs that do not change a run's numbers: runs that differ only in these are the same run.
+# (CUDA graphs replay the kernels the eager step launches; torch.compile's fused kernels round alike.)
 HASH_IGNORED = ("trainer/progress_bar", "trainer/threads", "trainer/ckpt_every", "trainer/log_every",
-                "trainer/compile", "data/num_workers", "data/cache_dir")
+                "trainer/compile", "trainer/cuda_graphs", "data/num_workers", "data/cache_dir")
 HASH_GROUPS = ("model/", "data/", "trainer/", "residual/")
+# Config fields added after runs were stored, each with the value that does what every run did before
+# the field existed. A stored run that lacks the param is hashed as if it had logged this value, so a
+# new field does not orphan a study's runs; a run asking for another value still differs. A field
+# that changes the numbers goes here when it is added (tests/platform/test_compare.py checks that
+# every param today's config logs is either in its snapshot of the logged params or here).
+ADDED_PARAMS: dict[str, str] = {
+    "trainer/ddp_comm": "fp32",  # gradients were averaged in fp32 before the bf16 hook existed
+}
 
 
 @dataclass
@@ -47,6 +56,7 @@ def flat_params(cfg: DictConfig) -> dict[str, str]:
 def config_key(params: Mapping[str, str]) -> str:
     """Hash of what decides a run's numbers (model, data, trainer, residual params; not the seed). The
     residual's name is taken through the rename map, so a run logged under an old name keeps its key."""
+    params = {**ADDED_PARAMS, **params}
     items = sorted((k, tracking.canonical_residual(v) if k == "residual/name" else v) for k, v in params.items()
                    if k.startswith(HASH_GROUPS) and k not in HASH_IGNORED)
     return hashlib.sha1(json.dumps(items).encode()).hexdigest()[:16]
@@ -95,7 +105,7 @@ def nearest_difference(client, experiment_id: str, residual: str, want: Mapping[
     keys = [k for k in want if k.startswith(HASH_GROUPS) and k not in HASH_IGNORED and k != "residual/name"]
 
     def diff(run):
-        return [k for k in keys if run.data.params.get(k) != want[k]]
+        return [k for k in keys if run.data.params.get(k, ADDED_PARAMS.get(k)) != want[k]]
 
     best = min(runs, key=lambda r: len(diff(r)))
     if not diff(best):

@@ -397,3 +397,38 @@ def test_a_misspelt_compare_key_is_one_line_naming_it():
         main(["compare.nokey=1"])
     message = str(exc.value.code)
     assert message.startswith("error: ") and "nokey" in message and "\n" not in message, message
+
+
+# --- stored runs keep matching as the config grows ------------------------------------------------------
+LOGGED_2026_11_30 = json.loads((__import__("pathlib").Path(__file__).parent
+                                / "logged_params_2026-11-30.json").read_text())["params"]
+
+
+@pytest.mark.parametrize("residual", sorted(LOGGED_2026_11_30))
+def test_every_param_added_since_a_stored_study_has_its_old_behaviour_registered(residual):
+    """A field added to the config after runs were stored changes every new run's key; unless it is a
+    knob that does not change numbers (HASH_IGNORED) or registered with the value that does what the
+    old runs did (ADDED_PARAMS), the stored study stops counting (`compare.train=false` finds nothing)."""
+    from platform.compare.matching import ADDED_PARAMS
+
+    today = {k for k in compare.flat_params(make_cfg(*BASE, f"residual={residual}"))
+             if k.startswith(compare.HASH_GROUPS)}
+    stored = set(LOGGED_2026_11_30[residual])
+    added = sorted(today - stored - set(compare.HASH_IGNORED) - set(ADDED_PARAMS))
+    assert not added, (f"{residual}: params {added} did not exist when the 2026-11-30 study was stored; register each "
+                       "in platform/compare/matching.py (ADDED_PARAMS with its old behaviour, or HASH_IGNORED)")
+    removed = sorted(stored - today - set(compare.HASH_IGNORED))
+    assert not removed, f"{residual}: params {removed} were removed; stored runs still log them and no longer match"
+
+
+def test_a_run_stored_before_a_field_existed_matches_its_old_behaviour_only():
+    from platform.compare.matching import ADDED_PARAMS
+
+    params = compare.flat_params(make_cfg(*BASE, "residual=vanilla"))
+    old = {k: v for k, v in params.items() if k not in ADDED_PARAMS and k != "trainer/cuda_graphs"}
+    assert ADDED_PARAMS and all(params[k] == v for k, v in ADDED_PARAMS.items())  # today's defaults: old behaviour
+    assert compare.config_key(old) == compare.config_key(params)
+    bf16 = compare.flat_params(make_cfg(*BASE, "residual=vanilla", "trainer.ddp_comm=bf16"))
+    assert compare.config_key(old) != compare.config_key(bf16)
+    graphs_off = compare.flat_params(make_cfg(*BASE, "residual=vanilla", "trainer.cuda_graphs=false"))
+    assert compare.config_key(graphs_off) == compare.config_key(params)
