@@ -27,6 +27,9 @@
 #            residual and ablation at small, vanilla per recompute choice and the table at medium; then DDP)
 #   closing  the closing tables with the final defaults (GPU 0: mHC GPU tests, every residual and ablation at
 #            small; GPU 1: the medium table)
+#   seeds    GPU 0: more seeds (SEEDS) of the study's runs SEED_RUNS, SEED_WORKERS at once on that GPU, in a
+#            fresh store (merge it back with `python -m platform.store merge`); GPU 1, alone: the GPU tests
+#            of the training path, the small table with the loss eager and compiled, vanilla at medium
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -34,9 +37,10 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | scaling | measure | graphs | kernels | final | closing}
-case "$PLAN" in check|study|finish|scaling|measure|graphs|kernels|final|closing) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | scaling | measure | graphs | kernels | final | closing" >&2; exit 2 ;;
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing" >&2
+     exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
 ARCHIVE=${ARCHIVE:-$OUTDIR.tar.gz}
@@ -192,6 +196,23 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=1
       step gpu1 throughput_medium 330 python3 -m benchmarks.throughput --models medium --residuals vanilla \
         attnres_block mhc msar_block --ablations attnres_conv --compile on --graphs on --steps 6 --tag _closing
+    ) &
+    wait
+    ;;
+  seeds)
+    step gpu0 seeds "${SEED_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=0 "${STUDY[@]}" \
+      compare.runs="[${SEED_RUNS:-attnres_conv,msar_block}]" compare.seeds="[${SEEDS:-3,4,5,6}]" \
+      compare.add_baselines=false compare.references=[] compare.target=null compare.report=null \
+      compare.log_comparison=false compare.workers="${SEED_WORKERS:-4}" &
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      step gpu1 gpu_tests 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+        tests/platform/test_graphs.py tests/platform/test_gpu.py tests/platform/test_attention.py
+      step gpu1 throughput_small 170 python3 -m benchmarks.throughput --models small \
+        --residuals vanilla attnres_block --compile sublayers on --graphs on --steps 8 --tag _loss
+      step gpu1 throughput_medium 120 python3 -m benchmarks.throughput --models medium --residuals vanilla \
+        --compile sublayers on --graphs on --steps 6 --tag _loss
+      step gpu1 profile 60 python3 -m benchmarks.profile_step --model small --residuals vanilla --graphs on --top 30
     ) &
     wait
     ;;

@@ -2,6 +2,7 @@
 
     python -m benchmarks.throughput --models small medium --residuals vanilla attnres_block msar_block mhc msar
     python -m benchmarks.throughput --models small --compile off on --recompute none mlp
+    python -m benchmarks.throughput --models small medium --compile sublayers on --graphs on   # the compiled loss
     python -m benchmarks.throughput --models small medium --ddp 2        # 2-GPU scaling efficiency
 
 One step = forward + backward + gradient clipping + AdamW (fused on CUDA) + the routing-bias update,
@@ -126,8 +127,11 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
                   compile_mode: str, ddp: bool = False, graphs: bool = False,
                   ddp_comm: str = "fp32") -> tuple[float, float]:
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
-    if compile_mode == "on":  # what trainer.compile=true does
+    if compile_mode in ("on", "sublayers"):  # on: what trainer.compile=true does
         model.compile_sublayers()
+    if compile_mode == "sublayers":  # the sublayers only, the loss eager (trainer.compile before 2026-11-30)
+        from platform.model import cross_entropy
+        model.cross_entropy = cross_entropy
     cuda = device.startswith("cuda")
     rank = torch.distributed.get_rank() if ddp else 0
     if cuda:  # the peak covers the warm-up (and a graph's capture), whose pools stay allocated
@@ -210,8 +214,9 @@ def main(argv=None) -> str:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--compile", nargs="+", default=["on"], choices=["off", "on", "model"],
-                   help="on: torch.compile each attention / MLP sublayer (trainer.compile); model: the whole backbone")
+    p.add_argument("--compile", nargs="+", default=["on"], choices=["off", "on", "sublayers", "model"],
+                   help="on: torch.compile each attention / MLP sublayer and the loss (trainer.compile); sublayers: "
+                        "the sublayers only, the loss eager; model: the whole backbone")
     p.add_argument("--graphs", nargs="+", default=["off"], choices=["off", "on"],
                    help="on: replay forward + backward as CUDA graphs (trainer.cuda_graphs; platform/graphs.py)")
     p.add_argument("--recompute", nargs="+", default=[None], help="model.recompute values (default: the model's)")

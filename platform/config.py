@@ -76,7 +76,7 @@ class TrainerConfig:
     ckpt_every: int = 100  # steps between checkpoints (last.ckpt is always kept)
     progress_bar: bool = True
     threads: int = 0  # CPU intra-op threads (0: leave torch's default)
-    compile: bool = False  # torch.compile each attention and MLP sublayer (the residual stays eager)
+    compile: bool = False  # torch.compile each attention and MLP sublayer and the loss (the residual stays eager)
     cuda_graphs: bool = False  # replay the training forward + backward as CUDA graphs (platform/graphs.py; GPU only)
     ddp_comm: str = "fp32"  # gradient all-reduce under DDP: "fp32" (exact) | "bf16" (half the bytes; docs/gpu.md)
 

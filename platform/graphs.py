@@ -39,16 +39,16 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 
 def next_token_loss(model: nn.Module, tokens: Tensor, doc_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The training objective: windows tokens, doc_ids (B, T+1) -> (mean next-token cross-entropy,
-    logits (B, T, V), targets (B, T)). `LMModule` and `TrainLoss` both compute it here."""
+    """The training objective of a `Backbone`: windows tokens, doc_ids (B, T+1) -> (mean next-token
+    cross-entropy (`model.cross_entropy`, compiled with the sublayers), logits (B, T, V), targets (B, T)).
+    `LMModule` and `TrainLoss` both compute it here."""
     logits = model(tokens[:, :-1], doc_ids[:, :-1])  # (B, T, V)
     target = tokens[:, 1:]
-    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten()), logits, target
+    return model.cross_entropy(logits, target), logits, target
 
 
 class TrainLoss(nn.Module):

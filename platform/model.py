@@ -178,6 +178,11 @@ class FeedForward(nn.Module):
         return self.mlp(self.norm(h))
 
 
+def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
+    """Mean next-token cross-entropy in fp32 whatever the logits' dtype: logits (B, T, V), target (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg, vocab_size: int, residual_cfg):
         super().__init__()
@@ -196,6 +201,7 @@ class Backbone(nn.Module):
         self.residual = residuals.get(residual_cfg.name)(residual_cfg, cfg.d_model, len(self.sublayers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, vocab_size, bias=False)
+        self.cross_entropy = cross_entropy  # the training loss; compile_sublayers compiles it
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -211,13 +217,16 @@ class Backbone(nn.Module):
         return [(i, s.mlp) for i, s in enumerate(self.sublayers) if isinstance(getattr(s, "mlp", None), MoE)]
 
     def compile_sublayers(self, **options) -> None:
-        """torch.compile every attention and MLP sublayer in place (parameter names do not change).
+        """torch.compile every attention and MLP sublayer in place (parameter names do not change), and
+        the loss: compiled, the cast of the (B, T, V) logits to fp32, the log-softmax and its backward are
+        fused kernels instead of eager passes over the logits (about 1.3 ms of a 20 ms `small` step).
 
         Static shapes by default: one specialised graph per (sublayer kind, shape, train/eval), shared
         by all layers of a kind, instead of a dynamic-shape recompile when a second shape appears.
         """
         for sub in self.sublayers:
             sub.compile(**{"dynamic": False, **options})
+        self.cross_entropy = torch.compile(cross_entropy, **{"dynamic": False, **options})
 
     def _recomputed(self, sublayer: nn.Module) -> bool:
         kind = "attention" if isinstance(sublayer, Attention) else "mlp"

@@ -121,7 +121,7 @@ class LMModule(L.LightningModule):
         return self.model(tokens, doc_ids, record=record)
 
     def _loss(self, batch):
-        return graphs.next_token_loss(self, batch["tokens"], batch["doc_ids"])  # loss, logits, target
+        return graphs.next_token_loss(self.model, batch["tokens"], batch["doc_ids"])  # loss, logits, target
 
     def training_step(self, batch, batch_idx):
         if self.tcfg.cuda_graphs:
