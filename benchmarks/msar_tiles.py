@@ -32,14 +32,20 @@ def candidates(blk) -> dict[str, list[dict]]:
 
     return {
         "forward": [{}] + [dict(bt=bt, warps=w) for bt in around(blk.bt) for w in (2, 4, 8, 16)
-                           if (bt, w) != (blk.bt, blk.warps)],
+                           if (bt, w) != (blk.bt, blk.warps)]
+                   # the passes over channel tiles (the wide-d forward) with narrow tiles and more tokens
+                   + [dict(bd=bd, single=False, bt=bt, warps=w) for bd, bt in ((64, 16), (64, 32), (128, 8),
+                                                                               (128, 16), (256, 4), (256, 8))
+                      for w in (4, 8) if bd < blk.bd or not blk.single],
         "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
                                   if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
         "stats": [{}] + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
                          if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)],
         "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
-                                    if (bd, w) != (blk.src_bd, blk.src_warps)],
+                                    if (bd, w) != (blk.src_bd, blk.src_warps)]
+                            + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
+                               if (bt, sub) != (blk.src_bt, blk.sub)],
     }
 
 
@@ -78,10 +84,11 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None)
         for kernel, overrides in candidates(base).items():
             if kernels and kernel not in kernels:
                 continue
-            for over in overrides:
+            for i, over in enumerate([*overrides, {}]):  # the default again last: a first timing reads slow
                 blk = dataclasses.replace(base, **over)
                 fused._blocks = lambda *_a, _b=blk: _b
-                label = ", ".join(f"{k}={v}" for k, v in over.items()) or "default: " + ", ".join(
+                label = ", ".join(f"{k}={v}" for k, v in over.items()) or ("default: " if i == 0 else
+                                                                           "default, timed again last: ") + ", ".join(
                     f"{k}={getattr(base, k)}" for k in _fields(kernel))
                 try:
                     h, _, _, dr, grads = pieces()
@@ -101,7 +108,7 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None)
 
 
 def _fields(kernel: str) -> tuple[str, ...]:
-    return {"forward": ("bt", "bd", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
+    return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
             "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
 
