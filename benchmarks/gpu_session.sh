@@ -25,8 +25,9 @@
 #            mHC block sweep of SWEEP_KERNELS, the graphed small table (KERNEL_RESIDUALS)
 #   final    the session's closing tables, graphed (GPU 0: GPU tests, mHC block sweep, profile; GPU 1: every
 #            residual and ablation at small, vanilla per recompute choice and the table at medium; then DDP)
-#   closing  the closing tables with the final defaults (GPU 0: mHC GPU tests, every residual and ablation at
-#            small; GPU 1: the medium table)
+#   closing  the closing tables with the final defaults (GPU 0: the GPU tests CLOSING_TESTS, every residual and
+#            ablation at small; GPU 1: the medium table; then, with CLOSING_DDP=1, the 2-GPU scaling); TAG names
+#            the result files (default _closing)
 #   seeds    GPU 0: more seeds (SEEDS) of the study's runs SEED_RUNS, SEED_WORKERS at once on that GPU, in a
 #            fresh store (merge it back with `python -m platform.store merge`); GPU 1, alone: the GPU tests
 #            of the training path, the small table with the loss eager and compiled, vanilla at medium
@@ -187,17 +188,20 @@ case "$PLAN" in
     # at small; GPU 1 the medium table (its preset's recompute)
     (
       export CUDA_VISIBLE_DEVICES=0
-      step gpu0 gpu_tests 100 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu tests/kernels/test_mhc_fused.py
+      step gpu0 gpu_tests 100 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+        ${CLOSING_TESTS:-tests/kernels/test_mhc_fused.py}
       step gpu0 throughput_small 250 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
         attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile on --graphs on \
-        --steps 8 --tag _closing
+        --steps 8 --tag ${TAG:-_closing}
     ) &
     (
       export CUDA_VISIBLE_DEVICES=1
       step gpu1 throughput_medium 330 python3 -m benchmarks.throughput --models medium --residuals vanilla \
-        attnres_block mhc msar_block --ablations attnres_conv --compile on --graphs on --steps 6 --tag _closing
+        attnres_block mhc msar_block --ablations attnres_conv --compile on --graphs on --steps 6 --tag ${TAG:-_closing}
     ) &
     wait
+    [ -n "${CLOSING_DDP:-}" ] && step all ddp 100 python3 -m benchmarks.throughput --models small --residuals vanilla \
+      --compile on --graphs on --ddp 2 --steps 8 --tag ${TAG:-_closing}
     ;;
   seeds)
     step gpu0 seeds "${SEED_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=0 "${STUDY[@]}" \

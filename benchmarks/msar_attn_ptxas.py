@@ -52,6 +52,12 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                 save_rr_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
                 BT=blk.bt, BD=blk.bd, **common), blk.warps)
+    if blk.forward_warps(1) != blk.warps:
+        yield ("forward, one source", fused._fwd_kernel,
+               dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type,
+                    save_z_ptr=F32, save_rr_ptr=F32),
+               dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
+                    BT=blk.bt, BD=blk.bd, **common), blk.forward_warps(1))
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),

@@ -685,6 +685,10 @@ class Blocks:
     stats_bd: int = 0  # channels per tile of the stats kernel (0: bwd_bd)
     stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
     mix_warps: int = 4  # warps of the mixer backward (tiles of (m, bwd_bt, bwd_bd) of the saved streams)
+    one_source_warps: int = 0  # warps of the forward over one source (attnres_conv's op); 0: ``warps``
+
+    def forward_warps(self, S: int) -> int:
+        return self.one_source_warps if S == 1 and self.one_source_warps else self.warps
 
     def stats_tiles(self) -> tuple[int, int]:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
@@ -724,8 +728,13 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     # bytes spill at `small` (several programs per SM hide the latency of the tap loads): at `small`
     # forward 0.86 vs 1.42 ms, stats + source gradients 3.5 vs 4.8 ms; at `medium` forward 4.1 vs
     # 6.8 ms, mixer backward 0.67 vs 1.17 ms.
+    # One source (attnres_conv's op: no softmax over sources, the views and the mixer only): 2 warps
+    # while the (m, BT, BD) tile holds at most 4096 elements. H200, `python -m benchmarks.msar_tiles
+    # --sources 1` (msar_tiles_nvidia_h200_passes_s1.md): `small` 0.249 against 0.345 ms with 4 warps;
+    # at `medium` ((4, 2, 1024) tiles) 2 warps took 2.56 against 1.12 ms, so it keeps 4.
+    one_source_warps = 2 if m_pad * bt * bd <= 4096 else 0
     return Blocks(bd, bd >= d, bt, 4, bd, bt, 4, max(halo, min(16, t_pow)), 32, 4, 16,
-                  stats_bd, stats_bt, 4)
+                  stats_bd, stats_bt, 4, one_source_warps=one_source_warps)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -776,7 +785,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
         x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, B, T, d, m, k_max, eps,
         triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
-        SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.warps)
+        SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.forward_warps(S))
     return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
 
 

@@ -417,11 +417,14 @@ def test_kernels_compile_for_sm90_with_few_spills():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    assert len(lines) == 5, res.stdout
-    spills = [int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines]
+    assert len(lines) == 6, res.stdout  # window bits, forward, forward over one source, mixer, stats, sources
+    spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
-    # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more
-    assert max(spills) <= 512, res.stdout
+    # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
+    # The one-source forward at 2 warps spills about 1.2 KB and was timed faster than at 4 warps
+    # (0.249 against 0.345 ms, msar_tiles_nvidia_h200_passes_s1.md): bounded, not exempt.
+    one = spills.pop("forward, one source")
+    assert max(spills.values()) <= 512 and one <= 2048, res.stdout
 
 
 # --- GPU, and the same checks on CPU at small shapes ------------------------------------------------
