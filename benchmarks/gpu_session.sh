@@ -188,7 +188,7 @@ case "$PLAN" in
     # at small; GPU 1 the medium table (its preset's recompute)
     (
       export CUDA_VISIBLE_DEVICES=0
-      step gpu0 gpu_tests 100 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      step gpu0 gpu_tests "${CLOSING_TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
         ${CLOSING_TESTS:-tests/kernels/test_mhc_fused.py}
       step gpu0 throughput_small 250 python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
         attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile on --graphs on \
