@@ -45,11 +45,13 @@ def candidates(blk) -> dict[str, list[dict]]:
         "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
                                     if (bd, w) != (blk.src_bd, blk.src_warps)]
                             + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
-                               if (bt, sub) != (blk.src_bt, blk.sub)],
+                               if (bt, sub) != (blk.src_bt, blk.sub)]
+                            + [dict(src_tap_own=not blk.src_tap_own)],
     }
 
 
-def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None) -> None:
+def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
+              only: list[dict] | None = None) -> None:
     from kernels.msar_attn import fused
 
     B, T, d = SHAPES[name]
@@ -84,6 +86,8 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None)
         for kernel, overrides in candidates(base).items():
             if kernels and kernel not in kernels:
                 continue
+            if only is not None:  # the default and the candidates asked for
+                overrides = [{}] + [o for o in overrides if o in only]
             for i, over in enumerate([*overrides, {}]):  # the default again last: a first timing reads slow
                 blk = dataclasses.replace(base, **over)
                 fused._blocks = lambda *_a, _b=blk: _b
@@ -107,10 +111,27 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None)
         fused._blocks = default_blocks
 
 
+def parse_candidate(text: str) -> dict:
+    """"src_bt=32,sub=8" -> {"src_bt": 32, "sub": 8}: fields of ``fused.Blocks``, values Python literals."""
+    import ast
+    from dataclasses import fields
+
+    from kernels.msar_attn.fused import Blocks
+
+    names = {f.name for f in fields(Blocks)}
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in names or not value:
+            raise SystemExit(f"error: --only {text!r}: {key!r} is not a field=value of Blocks; fields: {sorted(names)}")
+        out[key] = ast.literal_eval(value)
+    return out
+
+
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
-            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
+            "source gradients": ("src_bt", "src_bd", "src_warps", "sub", "src_tap_own")}[kernel]
 
 
 def main(argv=None) -> int:
@@ -120,7 +141,10 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", nargs="+", default=None,
                    choices=["forward", "mixer backward", "stats", "source gradients"], help="only these groups")
     p.add_argument("--tag", default="", help="suffix of the results file name")
+    p.add_argument("--only", nargs="+", default=None, metavar="FIELD=VALUE[,FIELD=VALUE]",
+                   help="time only the default and these candidates, e.g. src_tap_own=True or src_bt=32,sub=8")
     args = p.parse_args(argv)
+    only = None if args.only is None else [parse_candidate(c) for c in args.only]
     if not torch.cuda.is_available():
         raise SystemExit("error: benchmarks.msar_tiles needs a CUDA GPU")
     table = Table("Fused MSAR: tile sizes per kernel", ["shape", "S", "kernel", "tiles", "check", "ms",
@@ -129,7 +153,7 @@ def main(argv=None) -> int:
                     "stats and source gradients are timed together (the streams backward); within each group only "
                     "that kernel's tiles change"]
     for shape in args.shapes:
-        run_shape(shape, args.sources, table, args.kernels)
+        run_shape(shape, args.sources, table, args.kernels, only)
     gpu = re.sub(r"[^a-z0-9]+", "_", torch.cuda.get_device_name().lower()).strip("_")
     table.write(f"msar_tiles_{gpu}{args.tag}")
     return 0
