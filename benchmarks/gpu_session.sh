@@ -198,8 +198,8 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=1
       step gpu1 throughput_medium 330 python3 -m benchmarks.throughput --models medium --residuals vanilla \
         attnres_block mhc msar_block --ablations attnres_conv --compile on --graphs on --steps 6 --tag ${TAG:-_closing}
-      [ -n "${CLOSING_ONLY:-src_tap_own=True}" ] && step gpu1 tiles 100 python3 -m benchmarks.msar_tiles --shapes small \
-        medium --sources 5 --kernels "source gradients" --only ${CLOSING_ONLY:-src_tap_own=True} --tag ${TAG:-_closing}
+      [ -n "${CLOSING_ONLY:-}" ] && step gpu1 tiles 100 python3 -m benchmarks.msar_tiles --shapes small \
+        medium --sources 5 --kernels "source gradients" --only ${CLOSING_ONLY} --tag ${TAG:-_closing}
     ) &
     wait
     [ -n "${CLOSING_DDP:-}" ] && step all ddp 100 python3 -m benchmarks.throughput --models small --residuals vanilla \

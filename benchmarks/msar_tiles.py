@@ -45,8 +45,7 @@ def candidates(blk) -> dict[str, list[dict]]:
         "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
                                     if (bd, w) != (blk.src_bd, blk.src_warps)]
                             + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
-                               if (bt, sub) != (blk.src_bt, blk.sub)]
-                            + [dict(src_tap_own=not blk.src_tap_own)],
+                               if (bt, sub) != (blk.src_bt, blk.sub)],
     }
 
 
@@ -131,7 +130,7 @@ def parse_candidate(text: str) -> dict:
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
-            "source gradients": ("src_bt", "src_bd", "src_warps", "sub", "src_tap_own")}[kernel]
+            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
 
 
 def main(argv=None) -> int:
@@ -142,7 +141,7 @@ def main(argv=None) -> int:
                    choices=["forward", "mixer backward", "stats", "source gradients"], help="only these groups")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--only", nargs="+", default=None, metavar="FIELD=VALUE[,FIELD=VALUE]",
-                   help="time only the default and these candidates, e.g. src_tap_own=True or src_bt=32,sub=8")
+                   help="time only the default and these candidates, e.g. src_bt=32,sub=8 or src_bd=16")
     args = p.parse_args(argv)
     only = None if args.only is None else [parse_candidate(c) for c in args.only]
     if not torch.cuda.is_available():

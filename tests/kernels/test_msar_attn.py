@@ -128,25 +128,6 @@ def test_fused_msar_matches_reference(case, monkeypatch):
             assert b.abs().max() > 1e-6, name
 
 
-TAP_OWN_CASES = [c for c in CASES if c[0] in ("S3-B2-T13-d24-k2,3", "S1-B2-T13-d12-k2,5-one-source-tiled",
-                                                  "S3-B1-T11-d12-k5,2-tiled-softmax", "S2-B1-T10-d16-k4,8,12")]
-
-
-@needs_triton
-@pytest.mark.parametrize("case", TAP_OWN_CASES, ids=[c[0] for c in TAP_OWN_CASES])
-def test_tap_gradients_from_the_adjoint_loads_match_reference(case, monkeypatch):
-    """``Blocks.src_tap_own``: the source-gradient kernel takes each (t, t+τ) pair of the tap gradient
-    from the adjoint's shifted dE and the block's own x instead of loading x τ tokens back; the same
-    checks as the default (several chunks and channel tiles, documents, one source)."""
-    import functools
-
-    from kernels.msar_attn import fused
-
-    monkeypatch.setattr(fused, "Blocks", functools.partial(fused.Blocks, src_tap_own=True))
-    assert fused._blocks(16, 24, 4, 3).src_tap_own
-    test_fused_msar_matches_reference(case, monkeypatch)
-
-
 STREAM_CASES = [
     ("S3-B2-T13-d24-k2,3", 3, 2, 13, 24, (2, 3), True, True, None),
     ("S3-B1-T9-d12-k3-tiled-rawkeys-nogain", 3, 1, 9, 12, (3,), False, False, (4, 8)),
