@@ -9,9 +9,12 @@ overrides, quoted on the command line: `scaling.sizes=[tiny,'tiny model.d_model=
 in this process through `platform.train.train` (configs from Hydra's Compose API, as sweeps do), or
 with `scaling.workers=N` as N processes at a time, worker i on GPU i (`scaling.workers=0`: one per
 visible GPU; more workers than GPUs share them), each a `scaling.fit=false` command for one point.
-A run already FINISHED in MLflow with the same config (tag `scaling.key`: a hash of the model,
-data, trainer and residual config and the seed, without knobs that do not change the numbers) is
-read instead of trained, so the command resumes (a killed study loses only its unfinished runs).
+A run already FINISHED in MLflow with the same config and seed is read instead of trained, so the
+command resumes (a killed study loses only its unfinished runs). Runs are matched as
+`platform.compare` matches them (`platform.compare.matching`: the logged model, data, trainer and
+residual params without knobs that do not change the numbers, fields added since a run was stored
+taken at their old behaviour, renamed residuals under their new names), so a run of the same config
+made by `platform.run`, a comparison or another machine's store counts alike.
 
 Compute of a run: training FLOPs = 3 x the analytic forward FLOPs per token (the backbone's,
 `platform.accounting`, plus the residual's own extra) x the training tokens (backward ~ 2x forward).
@@ -32,7 +35,6 @@ MLflow run tagged `platform.kind=scaling`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -54,9 +56,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SAFE_NAME = re.compile(r"[^\w.-]+")  # what a size string may not keep in a file name
 TRAINING_FLOPS_FACTOR = 3.0  # forward + backward ~ 3 forward passes
 # Knobs that do not change a run's numbers: runs that differ only in these are the same run.
-KEY_IGNORED = {"trainer": ("progress_bar", "threads", "ckpt_every", "log_every", "compile"),
-               "data": ("num_workers", "cache_dir")}
-
 
 # --- the fit (pure) ---------------------------------------------------------------------------------------
 @dataclass
@@ -282,17 +281,6 @@ def variant_override(name: str) -> str:
     return f"ablation={name}" if name in ablations.names() else f"residual={name}"
 
 
-def run_key(cfg) -> str:
-    """Hash of what decides a run's numbers: model, data, trainer, residual config and the seed."""
-    from omegaconf import OmegaConf
-
-    c = OmegaConf.to_container(cfg, resolve=True)
-    payload = {g: {k: v for k, v in c[g].items() if k not in KEY_IGNORED.get(g, ())}
-               for g in ("model", "data", "trainer", "residual")}
-    payload["seed"] = c["seed"]
-    return hashlib.sha1(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def training_tokens(cfg) -> int:
     t = cfg.trainer
     return int(t.max_steps * t.accumulate_grad_batches * t.devices * cfg.data.batch_size * cfg.model.seq_len)
@@ -332,9 +320,12 @@ def plan(sc: ScalingConfig, base: Sequence[str]) -> list[tuple[str, str, int, in
 
 
 def finished_run(client, exp_id: str, cfg) -> list:
-    """The newest FINISHED run of this config (by its scaling.key), as a list of at most one."""
-    return client.search_runs([exp_id], filter_string=f"tags.`scaling.key` = '{run_key(cfg)}' and "
-                              "attributes.status = 'FINISHED'", max_results=1, order_by=["attributes.start_time DESC"])
+    """The newest FINISHED run of this config and seed (matched as `platform.compare` matches runs), as
+    a list of at most one."""
+    from .compare.matching import config_key, finished_runs_by_key, flat_params
+
+    runs = finished_runs_by_key(client, exp_id, cfg.residual.name)
+    return runs.get((config_key(flat_params(cfg)), int(cfg.seed)), [])[:1]
 
 
 def piece_command(sc: ScalingConfig, base: Sequence[str], variant: str, size: str, seed: int, steps: int) -> list[str]:
@@ -379,7 +370,6 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str,
     out_dir = repo_path(sc.out_dir or Path("outputs", "scaling", sc.name))
     points, missing = [], []
     for variant, size, seed, steps, cfg in plan(sc, base):
-        key = run_key(cfg)
         found = finished_run(client, exp_id, cfg)
         trained_now = False
         if not found and train:
@@ -389,15 +379,18 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str,
             stamp = time.strftime("%Y%m%d-%H%M%S")
             try:
                 result = train_run(cfg, run_dir=out_dir / "runs" / f"{variant}_{size.split()[0]}_s{seed}_{stamp}",
-                                   extra_tags={"platform.kind": "scaling-run", "scaling.key": key,
-                                               "scaling.size": size, "scaling.name": sc.name})
+                                   extra_tags={"platform.kind": "scaling-run", "scaling.size": size,
+                                               "scaling.name": sc.name})
             except Exception as e:  # one failed run (NaN, out of memory) costs its point, not the study
                 missing.append(f"{variant} @ {size}, seed {seed}: failed ({type(e).__name__}: {str(e)[:200]})")
                 continue
             found = [client.get_run(result.mlflow_run_id)]
             trained_now = True
         if not found:
-            missing.append(f"{variant} @ {size}, seed {seed} (no FINISHED run with scaling.key {key})")
+            from .compare.matching import flat_params, nearest_difference
+
+            why = nearest_difference(client, exp_id, cfg.residual.name, flat_params(cfg))
+            missing.append(f"{variant} @ {size}, seed {seed} ({why})")
             continue
         run = found[0]
         params, metrics = run.data.params, run.data.metrics

@@ -104,12 +104,33 @@ def test_bad_arguments_fail_before_training(argv, match):
         scaling.parse_args(argv)
 
 
-def test_run_key_ignores_display_knobs_only():
-    cfg = make_cfg("residual=vanilla")
-    key = scaling.run_key(cfg)
-    assert scaling.run_key(make_cfg("residual=vanilla", "trainer.progress_bar=false", "trainer.threads=1")) == key
-    for change in ("seed=1", "trainer.lr=0.001", "residual=msar_block", "model.d_model=32", "data.batch_size=4"):
-        assert scaling.run_key(make_cfg("residual=vanilla", change)) != key, change
+def test_finished_runs_are_matched_as_comparisons_match_them(tmp_path):
+    """A stored run counts for a point when its logged params match the point's config and seed as
+    `platform.compare` matches them: display knobs and CUDA graphs do not matter, the seed and the
+    numbers' knobs do, and a run stored before a field was added counts at the field's old value."""
+    import mlflow
+    from mlflow.entities import Param
+
+    from platform.compare import flat_params
+    from platform.compare.matching import ADDED_PARAMS
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp_id = client.create_experiment("residuals", artifact_location=(tmp_path / "artifacts").as_uri())
+
+    def log(cfg, drop=()):
+        rid = client.create_run(exp_id).info.run_id
+        params = [Param(k, v) for k, v in flat_params(cfg).items() if k not in drop]
+        for i in range(0, len(params), 100):
+            client.log_batch(rid, params=params[i:i + 100])
+        client.set_terminated(rid, "FINISHED")
+        return rid
+
+    old = log(make_cfg("residual=vanilla", "seed=3"), drop=(*ADDED_PARAMS, "trainer/cuda_graphs"))
+    assert [r.info.run_id for r in scaling.finished_run(client, exp_id, make_cfg(
+        "residual=vanilla", "seed=3", "trainer.progress_bar=false", "trainer.threads=1"))] == [old]
+    for change in ("seed=1", "trainer.lr=0.001", "model.d_model=32", "data.batch_size=4", "trainer.ddp_comm=bf16"):
+        assert scaling.finished_run(client, exp_id, make_cfg("residual=vanilla", "seed=3", change)) == [], change
+    assert scaling.finished_run(client, exp_id, make_cfg("residual=msar_block", "seed=3")) == []
 
 
 FAST = ["model.n_heads=2", "model.n_kv_heads=1", "model.seq_len=32", "model.dense_hidden=64",
@@ -153,9 +174,12 @@ def test_smoke_trains_three_sizes_then_reads_them_back(tmp_path):
 def test_a_failed_run_is_reported_and_the_rest_go_on(monkeypatch, tmp_path):
     import platform.train
 
+    class Page(list):  # one page of MLflow's paginated search, the last
+        token = None
+
     class NoRuns:  # an empty store: every point has to be trained
         def search_runs(self, *args, **kwargs):
-            return []
+            return Page()
 
     def boom(cfg, **kwargs):
         raise FloatingPointError(f"val/loss is nan ({cfg.model.d_model})")
