@@ -212,7 +212,7 @@ case "$PLAN" in
       compare.log_comparison=false compare.workers="${SEED_WORKERS:-4}" &
     (
       export CUDA_VISIBLE_DEVICES=1
-      step gpu1 gpu_tests 150 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      step gpu1 gpu_tests 260 python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
         tests/platform/test_graphs.py tests/platform/test_gpu.py tests/platform/test_attention.py
       step gpu1 throughput_small 170 python3 -m benchmarks.throughput --models small \
         --residuals vanilla attnres_block --compile sublayers on --graphs on --steps 8 --tag _loss
