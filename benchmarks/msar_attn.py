@@ -84,9 +84,8 @@ def rel_err(a, b):
     return diff / ref if ref > 0 else diff
 
 
-def parity(S, T, d, seed, fn=None) -> dict[str, float]:
-    """Relative error of h and every gradient: fused bf16 (or ``fn(inputs, doc)``) vs fp32 reference,
-    on 2 rows."""
+def parity(S, T, d, seed) -> dict[str, float]:
+    """Relative error of h and every gradient: fused bf16 vs fp32 reference, on 2 rows."""
     from kernels.msar_attn import msar
 
     x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, 2, T, d, seed)
@@ -94,7 +93,7 @@ def parity(S, T, d, seed, fn=None) -> dict[str, float]:
                 phi.requires_grad_(), alpha.requires_grad_(), bias.requires_grad_()]
     ref_in = [x.detach().float().requires_grad_(), [c.detach().clone().requires_grad_() for c in taps],
               *(t.detach().clone().requires_grad_() for t in fused_in[2:])]
-    h = call(msar, fused_in, doc, backend="triton") if fn is None else fn(fused_in, doc)
+    h = call(msar, fused_in, doc, backend="triton")
     ref = call(msar, ref_in, doc, backend="torch")
     up = torch.randn(h.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1))
     errs = {"h": rel_err(h, ref)}
@@ -167,35 +166,13 @@ def fused_breakdown(S, B, T, d, seed) -> dict[str, float]:
     }
 
 
-def views_composed():
-    """Candidate schedule: the conv views materialised in x's dtype by a compiled conv, one fused depth
-    attention per view (``kernels.depth_attn``, triton), the compiled mixer."""
-    from kernels.causal_conv.reference import causal_conv
-    from kernels.depth_attn import depth_attn
-    from kernels.msar_attn.reference import mix
-
-    views = torch.compile(lambda x, taps, doc: torch.stack([causal_conv(x, c, doc) for c in taps]))
-    mixer = torch.compile(mix)
-
-    def fn(inp, doc):
-        x, taps, q, g, phi, alpha, bias = inp
-        v = views(x, taps, doc)  # (m-1, S, B, T, d)
-        streams = [depth_attn(x, q[:1], g[:1], backend="triton")]
-        streams += [depth_attn(v[j], q[j + 1: j + 2], g[j + 1: j + 2], backend="triton") for j in range(len(taps))]
-        return mixer(torch.cat(streams), phi, alpha, bias)
-
-    return fn
-
-
-def implementations(compile_reference: bool, candidates: bool = False):
+def implementations(compile_reference: bool):
     from kernels.msar_attn import msar, reference
 
     impls = {
         "fused": lambda inp, doc: call(msar, inp, doc, backend="triton"),
         "reference": lambda inp, doc: call(msar, inp, doc, backend="torch"),
     }
-    if candidates:
-        impls["views + depth_attn (candidate)"] = views_composed()
     if compile_reference:
         compiled = torch.compile(reference.msar)
         impls["reference, torch.compile"] = lambda inp, doc: call(compiled, inp, doc)
@@ -208,7 +185,6 @@ def main(argv=None) -> int:
     p.add_argument("--sources", nargs="+", type=int, default=[2, 5, 9])
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--candidates", action="store_true", help="also time candidate schedules (views_composed)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.msar_attn needs a CUDA GPU (the CPU interpreter cannot time kernels)")
@@ -229,7 +205,7 @@ def main(argv=None) -> int:
                "roofline is the larger of bytes / copy bandwidth and FLOPs / fp32 rate (binding term in brackets)",
                f"parity: fused bf16 vs fp32 reference on the same values, 2 rows, h and every gradient; "
                f"tolerance {PARITY_TOL}"])
-    impls = implementations(not args.no_compile, args.candidates)
+    impls = implementations(not args.no_compile)
     failed, verdicts, breakdown = [], [], []
     for shape in args.shapes:
         B, T, d = SHAPES[shape]
@@ -259,10 +235,6 @@ def main(argv=None) -> int:
             parts = fused_breakdown(S, B, T, d, args.seed)
             breakdown.append(f"{shape} S={S}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items()))
             print(f"[{shape} S={S}] fused pieces: {breakdown[-1]}", flush=True)
-            if args.candidates:
-                cerr = parity(S, T, d, args.seed, impls["views + depth_attn (candidate)"])
-                print(f"[{shape} S={S}] candidate parity " + " ".join(f"{k}={v:.1e}" for k, v in cerr.items()),
-                      flush=True)
             fused = results.get("fused")
             for name, r in results.items():
                 parity_cell = f"{errs[worst]:.1e}: {worst} {'ok' if ok else 'FAIL'}"

@@ -55,7 +55,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SAFE_NAME = re.compile(r"[^\w.-]+")  # what a size string may not keep in a file name
 TRAINING_FLOPS_FACTOR = 3.0  # forward + backward ~ 3 forward passes
-# Knobs that do not change a run's numbers: runs that differ only in these are the same run.
 
 # --- the fit (pure) ---------------------------------------------------------------------------------------
 @dataclass
@@ -319,13 +318,17 @@ def plan(sc: ScalingConfig, base: Sequence[str]) -> list[tuple[str, str, int, in
     return cfgs
 
 
-def finished_run(client, exp_id: str, cfg) -> list:
+def finished_run(client, exp_id: str, cfg, index: dict | None = None) -> list:
     """The newest FINISHED run of this config and seed (matched as `platform.compare` matches runs), as
-    a list of at most one."""
+    a list of at most one. ``index``: a dict the caller keeps across points, so each residual's runs
+    are searched once (residual -> `finished_runs_by_key`)."""
     from .compare.matching import config_key, finished_runs_by_key, flat_params
 
-    runs = finished_runs_by_key(client, exp_id, cfg.residual.name)
-    return runs.get((config_key(flat_params(cfg)), int(cfg.seed)), [])[:1]
+    index = {} if index is None else index
+    name = cfg.residual.name
+    if name not in index:
+        index[name] = finished_runs_by_key(client, exp_id, name)
+    return index[name].get((config_key(flat_params(cfg)), int(cfg.seed)), [])[:1]
 
 
 def piece_command(sc: ScalingConfig, base: Sequence[str], variant: str, size: str, seed: int, steps: int) -> list[str]:
@@ -368,9 +371,9 @@ def collect(sc: ScalingConfig, base: Sequence[str], client, exp_id: str,
 
     train = sc.train if train is None else train
     out_dir = repo_path(sc.out_dir or Path("outputs", "scaling", sc.name))
-    points, missing = [], []
+    points, missing, index = [], [], {}
     for variant, size, seed, steps, cfg in plan(sc, base):
-        found = finished_run(client, exp_id, cfg)
+        found = finished_run(client, exp_id, cfg, index)
         trained_now = False
         if not found and train:
             cfg.mlflow.run_name = f"{sc.name}-{variant}-{size.split()[0]}-s{seed}"
@@ -514,7 +517,8 @@ def run_scaling(sc: ScalingConfig, base: Sequence[str], command: str) -> dict:
     workers = sc.workers if sc.workers > 0 else max(1, len(gpus))
     if sc.train and workers > 1:  # the missing points as worker processes, then everything read back
         check_workers(workers, gpus, cfg0.trainer.devices, "scaling.workers")
-        jobs = [job for job in plan(sc, base) if not finished_run(client, exp_id, job[4])]
+        index = {}
+        jobs = [job for job in plan(sc, base) if not finished_run(client, exp_id, job[4], index)]
         print(f"scaling: {len(jobs)} run(s) to train, {workers} at a time"
               + (f" on GPU(s) {','.join(gpus)}" if gpus else " on the CPU"), flush=True)
         train_pieces(sc, base, jobs, workers, gpus)

@@ -4,6 +4,7 @@ matching runs by config, and a comparison that trains what is missing and then r
 import json
 import math
 import statistics
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -84,10 +85,11 @@ def test_paired_when_the_same_seeds_else_welch():
 BASE = [*FAST, "trainer.max_steps=12", "trainer.val_every=4"]
 
 
-def _log_run(client, exp_id, cfg, final, status="FINISHED", curve_offset=0.5):
+def _log_run(client, exp_id, cfg, final, status="FINISHED", curve_offset=0.5, drop=()):
+    """A synthetic run with cfg's params (but those in ``drop``: a run stored before they existed)."""
     run = client.create_run(exp_id, tags={"synthetic": "true"})
     rid = run.info.run_id
-    params = [Param(k, v) for k, v in compare.flat_params(cfg).items()]
+    params = [Param(k, v) for k, v in compare.flat_params(cfg).items() if k not in drop]
     metrics = [Metric("final/val_loss", final, 0, 12), Metric("perf/peak_mem_mb", 700.0, 0, 12)]
     metrics += [Metric("val/loss", final + curve_offset * (12 - s) / 8, 0, s) for s in (4, 8, 12)]
     metrics += [Metric("perf/tokens_per_s", v, 0, s) for s, v in ((10, 900.0), (20, 1000.0), (30, 1100.0))]
@@ -400,8 +402,7 @@ def test_a_misspelt_compare_key_is_one_line_naming_it():
 
 
 # --- stored runs keep matching as the config grows ------------------------------------------------------
-LOGGED_2026_11_30 = json.loads((__import__("pathlib").Path(__file__).parent
-                                / "logged_params_2026-11-30.json").read_text())["params"]
+LOGGED_2026_11_30 = json.loads((Path(__file__).parent / "logged_params_2026-11-30.json").read_text())["params"]
 
 
 @pytest.mark.parametrize("residual", sorted(LOGGED_2026_11_30))

@@ -109,25 +109,18 @@ def test_finished_runs_are_matched_as_comparisons_match_them(tmp_path):
     `platform.compare` matches them: display knobs and CUDA graphs do not matter, the seed and the
     numbers' knobs do, and a run stored before a field was added counts at the field's old value."""
     import mlflow
-    from mlflow.entities import Param
 
-    from platform.compare import flat_params
     from platform.compare.matching import ADDED_PARAMS
+    from tests.platform.test_compare import _log_run
 
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp_id = client.create_experiment("residuals", artifact_location=(tmp_path / "artifacts").as_uri())
-
-    def log(cfg, drop=()):
-        rid = client.create_run(exp_id).info.run_id
-        params = [Param(k, v) for k, v in flat_params(cfg).items() if k not in drop]
-        for i in range(0, len(params), 100):
-            client.log_batch(rid, params=params[i:i + 100])
-        client.set_terminated(rid, "FINISHED")
-        return rid
-
-    old = log(make_cfg("residual=vanilla", "seed=3"), drop=(*ADDED_PARAMS, "trainer/cuda_graphs"))
+    old = _log_run(client, exp_id, make_cfg("residual=vanilla", "seed=3"), 3.0,
+                   drop=(*ADDED_PARAMS, "trainer/cuda_graphs"))
+    index = {}
     assert [r.info.run_id for r in scaling.finished_run(client, exp_id, make_cfg(
-        "residual=vanilla", "seed=3", "trainer.progress_bar=false", "trainer.threads=1"))] == [old]
+        "residual=vanilla", "seed=3", "trainer.progress_bar=false", "trainer.threads=1"), index)] == [old]
+    assert set(index) == {"vanilla"}  # the residual's runs searched once, kept for the next points
     for change in ("seed=1", "trainer.lr=0.001", "model.d_model=32", "data.batch_size=4", "trainer.ddp_comm=bf16"):
         assert scaling.finished_run(client, exp_id, make_cfg("residual=vanilla", "seed=3", change)) == [], change
     assert scaling.finished_run(client, exp_id, make_cfg("residual=msar_block", "seed=3")) == []
