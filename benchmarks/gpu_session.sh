@@ -33,14 +33,18 @@
 #            of the training path, the small table with the loss eager and compiled, vanilla at medium
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
+#   sync     GPU 0: the source-gradient tile candidates SYNC_TILES (`benchmarks.msar_tiles --only` arguments);
+#            GPU 1: the GPU tests SYNC_TESTS; then both GPUs: DDP's bucketed all-reduce against one flat
+#            all-reduce after the backward (trainer.grad_sync), fp32 and bf16, graphed vanilla at small; then
+#            the training path, `platform.run` on two GPUs with trainer.grad_sync=flat
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -221,6 +225,23 @@ case "$PLAN" in
       step gpu1 profile 60 python3 -m benchmarks.profile_step --model small --residuals vanilla --graphs on --top 30
     ) &
     wait
+    ;;
+  sync)
+    (
+      export CUDA_VISIBLE_DEVICES=0
+      [ -n "${SYNC_TILES:-}" ] && step gpu0 tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small \
+        --sources 5 --kernels "source gradients" --only ${SYNC_TILES} --tag ${TAG:-_sync}
+    ) &
+    (
+      export CUDA_VISIBLE_DEVICES=1
+      step gpu1 gpu_tests "${SYNC_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+        ${SYNC_TESTS:-tests/kernels/test_msar_attn.py}
+    ) &
+    wait
+    step all ddp "${DDP_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla --compile on \
+      --graphs on --ddp 2 --ddp-sync ddp flat --ddp-comm fp32 bf16 --steps 8 --tag ${TAG:-_sync}
+    step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu trainer.devices=2 trainer.grad_sync=flat \
+      trainer.max_steps=30 mlflow.depth_heatmaps=false
     ;;
   scaling)
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &

@@ -4,6 +4,7 @@
     python -m benchmarks.throughput --models small --compile off on --recompute none mlp
     python -m benchmarks.throughput --models small medium --compile sublayers on --graphs on   # the compiled loss
     python -m benchmarks.throughput --models small medium --ddp 2        # 2-GPU scaling efficiency
+    python -m benchmarks.throughput --models small --graphs on --ddp 2 --ddp-sync ddp flat  # DDP's buckets vs one all-reduce
 
 One step = forward + backward + gradient clipping + AdamW (fused on CUDA) + the routing-bias update,
 bf16 autocast on CUDA, as `platform.run trainer=gpu` trains. Per model size, residual, compile
@@ -15,7 +16,9 @@ timings of the same run swing 13-17% between invocations on a shared host. Batch
 like real data: about 2 documents per 1024 tokens.
 
 `--ddp N` also times the same per-GPU batch on N GPUs (DistributedDataParallel over NCCL, one
-process per GPU) and reports the scaling efficiency: tokens/s on N GPUs / (N x tokens/s on 1).
+process per GPU) and reports the scaling efficiency: tokens/s on N GPUs / (N x tokens/s on 1);
+`--ddp-sync flat` averages the gradients after the backward in one all-reduce instead
+(`trainer.grad_sync=flat`, platform/parallel.py).
 Writes benchmarks/results/throughput_<models>[_ddpN][tag].md via `roofline.Table`.
 """
 
@@ -82,15 +85,18 @@ class _Replay(torch.nn.Module):
 
 
 def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: int = 0, ddp: bool = False,
-                  whole: bool = False, graphs: bool = False, ddp_comm: str = "fp32"):
+                  whole: bool = False, graphs: bool = False, ddp_comm: str = "fp32", ddp_sync: str = "ddp"):
     """One training step as `platform.run` trains (bf16 autocast on CUDA, clipping, AdamW fused on
     CUDA, the routing-bias update), on one fixed packed batch: returns ``step()``.
 
     ``ddp``: through DistributedDataParallel; ``whole``: the loss compiled as one graph;
     ``graphs``: forward and backward replayed as CUDA graphs (`trainer.cuda_graphs`), captured here;
-    ``ddp_comm``: the gradient all-reduce's dtype under DDP (`trainer.ddp_comm`)."""
+    ``ddp_comm``: the gradient all-reduce's dtype under DDP (`trainer.ddp_comm`); ``ddp_sync``: how the
+    ranks average gradients (`trainer.grad_sync`: "ddp" wraps the loss in DistributedDataParallel,
+    "flat" averages after the backward with `platform.parallel.all_reduce_gradients`)."""
     from platform.graphs import TrainLoss, graphed_loss
     from platform.moe import update_biases
+    from platform.parallel import all_reduce_gradients
     from platform.train import ddp_comm_hook
 
     model.train()
@@ -103,7 +109,8 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
     if graphs:
         with autocast:
             loss_fn = _Replay(model, graphed_loss(model, tokens, docs))
-    if ddp:
+    flat = ddp and ddp_sync == "flat"
+    if ddp and not flat:
         loss_fn = torch.nn.parallel.DistributedDataParallel(loss_fn)
         hook = ddp_comm_hook(ddp_comm)
         if hook is not None:
@@ -115,6 +122,8 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
         with autocast:
             loss = loss_fn(tokens, docs)
         loss.backward()
+        if flat:
+            all_reduce_gradients(model.parameters(), ddp_comm)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -125,7 +134,7 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
 
 def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
                   compile_mode: str, ddp: bool = False, graphs: bool = False,
-                  ddp_comm: str = "fp32") -> tuple[float, float]:
+                  ddp_comm: str = "fp32", ddp_sync: str = "ddp") -> tuple[float, float]:
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
     if compile_mode in ("on", "sublayers"):  # on: what trainer.compile=true does
         model.compile_sublayers()
@@ -137,7 +146,7 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
     if cuda:  # the peak covers the warm-up (and a graph's capture), whose pools stay allocated
         torch.cuda.reset_peak_memory_stats()
     step = training_step(model, batch, seq, vocab, device, seed=rank, ddp=ddp, whole=compile_mode == "model",
-                         graphs=graphs, ddp_comm=ddp_comm)
+                         graphs=graphs, ddp_comm=ddp_comm, ddp_sync=ddp_sync)
 
     for _ in range(warmup):
         step()
@@ -175,7 +184,8 @@ def _ddp_rank(rank: int, world: int, init_file: str, job: dict, out: dict) -> No
         torch.manual_seed(0)
         model, cfg = build(job["model"], job["residual"], job["vocab"], job["overrides"], device)
         sec, peak = time_training(model, job["batch"], cfg.model.seq_len, job["vocab"], job["steps"], job["warmup"],
-                                  device, job["compile"], ddp=True, graphs=job["graphs"], ddp_comm=job["ddp_comm"])
+                                  device, job["compile"], ddp=True, graphs=job["graphs"], ddp_comm=job["ddp_comm"],
+                                  ddp_sync=job["ddp_sync"])
         times = torch.tensor([sec], device=device)
         torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)  # the slowest rank sets the pace
         if rank == 0:
@@ -225,6 +235,9 @@ def main(argv=None) -> str:
     p.add_argument("--ddp", type=int, default=0, help="also time N GPUs with DDP at the same per-GPU batch")
     p.add_argument("--ddp-comm", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                    help="gradient all-reduce dtype of the DDP runs (trainer.ddp_comm); one DDP row each")
+    p.add_argument("--ddp-sync", nargs="+", default=["ddp"], choices=["ddp", "flat"],
+                   help="how the DDP runs average gradients (trainer.grad_sync): ddp, DistributedDataParallel's "
+                        "buckets; flat, one all-reduce after the backward; one DDP row each")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
     runs = run_names(a.residuals, a.ablations)
@@ -293,18 +306,18 @@ def main(argv=None) -> str:
                     print(f"{model_name} {name} compile={comp} graphs={graph} recompute={cfg.model.recompute}: "
                           f"{sec * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, MFU {mfu(flops, measured)} "
                           f"(datasheet {mfu(flops, datasheet)}), peak {peak:.2f} GiB", flush=True)
-                    for comm in a.ddp_comm if a.ddp else []:
+                    for comm, sync in [(c, y) for y in a.ddp_sync for c in a.ddp_comm] if a.ddp else []:
                         job = {"model": model_name, "residual": name, "vocab": a.vocab, "overrides": overrides,
                                "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "compile": comp,
-                               "graphs": graphs, "ddp_comm": comm}
+                               "graphs": graphs, "ddp_comm": comm, "ddp_sync": sync}
                         sec_n, peak_n = time_ddp(a.ddp, job)
                         tps_n = a.ddp * tokens / sec_n
                         flops_n = tps_n * flops_per_token / a.ddp
-                        table.add(model_name, name, comp, graph, cfg.model.recompute, f"{a.ddp} ({comm} all-reduce)",
+                        table.add(model_name, name, comp, graph, cfg.model.recompute, f"{a.ddp} ({sync}, {comm} all-reduce)",
                                   f"{a.ddp * tokens:,}", f"{sec_n * 1e3:.1f}", f"{tps_n:,.0f}", "-",
                                   f"{flops_n / 1e12:.1f}", mfu(flops_n, measured), mfu(flops_n, datasheet),
                                   f"{peak_n:.2f}", f"{tps_n / (a.ddp * tps):.3f}")
-                        print(f"  DDP x{a.ddp} ({comm} all-reduce): {sec_n * 1e3:.1f} ms/step, {tps_n:,.0f} tokens/s, "
+                        print(f"  DDP x{a.ddp} ({sync}, {comm} all-reduce): {sec_n * 1e3:.1f} ms/step, {tps_n:,.0f} tokens/s, "
                               f"scaling efficiency {tps_n / (a.ddp * tps):.3f}", flush=True)
     name = "throughput_" + "_".join(a.models) + (f"_ddp{a.ddp}" if a.ddp else "") + (
         "" if device == "cuda" else "_cpu") + a.tag

@@ -221,10 +221,17 @@ def ddp_comm_hook(name: str):
 
 
 def trainer_strategy(t) -> object:
-    """Lightning's strategy: "auto" (DDP on several devices), or DDP with the communication hook of
-    ``trainer.ddp_comm`` when one is asked for and more than one process trains."""
+    """Lightning's strategy: "auto" for one process; for several, DDP, with the communication hook of
+    ``trainer.ddp_comm`` when one is asked for, or with ``trainer.grad_sync=flat`` the gradients averaged
+    after the backward in one all-reduce (`platform.parallel.FlatSyncDDP`)."""
+    if t.devices * t.num_nodes == 1:
+        return "auto"
+    if t.grad_sync == "flat":
+        from platform.parallel import FlatSyncDDP
+
+        return FlatSyncDDP(comm=t.ddp_comm)
     hook = ddp_comm_hook(t.ddp_comm)
-    if hook is None or t.devices * t.num_nodes == 1:
+    if hook is None:
         return "auto"
     from lightning.pytorch.strategies import DDPStrategy
 

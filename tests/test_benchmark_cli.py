@@ -44,14 +44,16 @@ def test_throughput_refuses_cuda_graphs_without_a_gpu():
         throughput.main(["--models", "tiny", "--graphs", "on"])
 
 
-def test_throughput_ddp_rows_per_all_reduce_dtype(tmp_path, monkeypatch):
-    """--ddp 2 --ddp-comm fp32 bf16: one DDP row per all-reduce dtype (gloo on a CPU), with a scaling column."""
+def test_throughput_ddp_rows_per_all_reduce_dtype_and_sync(tmp_path, monkeypatch):
+    """--ddp 2 --ddp-comm fp32 bf16 --ddp-sync ddp flat: one DDP row per all-reduce dtype and gradient sync
+    (gloo on a CPU), with a scaling column."""
     import benchmarks.roofline as roofline
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
     text = throughput.main(["--models", "tiny", "--residuals", "vanilla", "--steps", "1", "--warmup", "1",
                             "--compile", "off", "--vocab", "256", "--batch", "2", "--set", "model.seq_len=32",
-                            "--ddp", "2", "--ddp-comm", "fp32", "bf16", "--tag", "_test"])
+                            "--ddp", "2", "--ddp-comm", "fp32", "bf16", "--ddp-sync", "ddp", "flat", "--tag", "_test"])
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| tiny")]
-    assert [r[6].strip() for r in rows] == ["1", "2 (fp32 all-reduce)", "2 (bf16 all-reduce)"]
+    assert [r[6].strip() for r in rows] == ["1", "2 (ddp, fp32 all-reduce)", "2 (ddp, bf16 all-reduce)",
+                                            "2 (flat, fp32 all-reduce)", "2 (flat, bf16 all-reduce)"]
     assert all(float(r[-2]) > 0 for r in rows[1:])  # a scaling efficiency per DDP row
