@@ -34,7 +34,7 @@
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 #   sync     GPU 0: the source-gradient tile candidates SYNC_TILES (`benchmarks.msar_tiles --only` arguments);
-#            GPU 1: the GPU tests SYNC_TESTS; then both GPUs: DDP's bucketed all-reduce against one flat
+#            GPU 1: the GPU tests SYNC_TESTS, the profile of a graphed step (PROFILE_RESIDUALS); then both GPUs: DDP's bucketed all-reduce against one flat
 #            all-reduce after the backward (trainer.grad_sync), fp32 and bf16, graphed vanilla at small; then
 #            the training path, `platform.run` on two GPUs with trainer.grad_sync=flat
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -236,6 +236,8 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=1
       step gpu1 gpu_tests "${SYNC_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
         ${SYNC_TESTS:-tests/kernels/test_msar_attn.py}
+      step gpu1 profile "${PROFILE_LIMIT:-80}" python3 -m benchmarks.profile_step --model small \
+        --residuals ${PROFILE_RESIDUALS:-vanilla} --graphs on --top 30
     ) &
     wait
     step all ddp "${DDP_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla --compile on \

@@ -5,8 +5,9 @@ from an fp32 router; the top-k experts are chosen on s + bias, where `bias` is a
 buffer nudged after each optimizer step toward balanced load (`update_bias`); the gates are the
 selected s renormalised. Dispatch sorts the (token, expert) assignments by expert and runs one
 grouped GEMM per projection over the contiguous groups (no loop over experts on the hot path); the
-combine copies the outputs back to (token, slot) order and sums each token's k slots (no atomic
-scatter-add: deterministic).
+combine copies the outputs back to (token, slot) order and sums each token's k slots, and the
+dispatch's backward gathers and sums each token's k input-gradient rows the same way (`_Dispatch`):
+no atomic scatter-add in either direction, so the step is deterministic.
 
 The dispatch never waits for the device: group ends come from a `searchsorted` over the sorted
 expert ids (not `bincount`, which reads the maximum back to the host on CUDA), the grouped GEMM
@@ -46,6 +47,34 @@ def grouped_matmul(x: Tensor, w: Tensor, offsets: Tensor, impl: str) -> Tensor:
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     with torch.autocast(x.device.type, enabled=False):
         return _grouped_mm(x.to(dtype), w.to(dtype), offs=offsets)
+
+
+class _Dispatch(torch.autograd.Function):
+    """xs = x[token]: every token's row copied to its k assignments, in expert-sorted order.
+
+    x (N, d), token (N·k,) source token of each sorted assignment, inv (N·k,) position in the sorted
+    order of assignment t·k + j -> xs (N·k, d). The backward sums each token's k rows as a gather and
+    a reduction, dx = dxs[inv].view(N, k, d).sum(1), where autograd's backward of x[token] scatters
+    with atomic adds into a zeroed (N, d) buffer (one more pass, and an order that varies from run to
+    run): deterministic, and under torch.compile one kernel with the adds that follow."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, token: Tensor, inv: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(inv)
+        ctx.k = k
+        return x[token]
+
+    @staticmethod
+    def backward(ctx, dxs: Tensor):
+        (inv,) = ctx.saved_tensors
+        return dxs[inv].view(inv.numel() // ctx.k, ctx.k, dxs.shape[-1]).sum(1), None, None, None
+
+
+def dispatch(x: Tensor, order: Tensor, k: int) -> Tensor:
+    """x (N, d), order (N·k,) the argsort of the flattened (N, k) expert choices -> x's row of every sorted
+    assignment, (N·k, d) (`_Dispatch`)."""
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return _Dispatch.apply(x, order // k, inv, k)
 
 
 class SwiGLU(nn.Module):
@@ -91,11 +120,10 @@ class MoE(nn.Module):
         idx, gates = self.route(x)  # (N, k)
         flat = idx.flatten()  # (N*k,) expert of each assignment
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        token = order // self.top_k  # (N*k,) source token of each sorted assignment
         experts = torch.arange(self.n_experts, device=x.device, dtype=flat.dtype)
         ends = torch.searchsorted(flat[order], experts, right=True)  # (E,) cumulative group ends
         offsets = ends.to(torch.int32)
-        xs = x[token]  # (N*k, d)
+        xs = dispatch(x, order, self.top_k)  # (N*k, d): row p is token order[p] // k
         h = F.silu(grouped_matmul(xs, self.w1, offsets, self.impl)) * grouped_matmul(xs, self.w3, offsets, self.impl)
         # The gate scales the expert's hidden activation, not its output: the same product (w2 is
         # linear), but the gate's gradient needs h (N*k, hidden) instead of the output (N*k, d).
