@@ -36,7 +36,7 @@
 #   sync     GPU 0: the source-gradient tile candidates SYNC_TILES (`benchmarks.msar_tiles --only` arguments);
 #            GPU 1: the GPU tests SYNC_TESTS, the profile of a graphed step (PROFILE_RESIDUALS); then both GPUs: DDP's bucketed all-reduce against one flat
 #            all-reduce after the backward (trainer.grad_sync), fp32 and bf16, graphed vanilla at small; then
-#            the training path, `platform.run` on two GPUs with trainer.grad_sync=flat
+#            the training path, `platform.run` on two GPUs with trainer.grad_sync=flat (RUN_FLAT=0 skips it)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
@@ -242,7 +242,7 @@ case "$PLAN" in
     wait
     step all ddp "${DDP_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla --compile on \
       --graphs on --ddp 2 --ddp-sync ddp flat --ddp-comm fp32 bf16 --steps 8 --tag ${TAG:-_sync}
-    step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu trainer.devices=2 trainer.grad_sync=flat \
+    [ "${RUN_FLAT:-1}" != 0 ] && step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu trainer.devices=2 trainer.grad_sync=flat \
       trainer.max_steps=30 mlflow.depth_heatmaps=false
     ;;
   scaling)
