@@ -33,10 +33,12 @@
 #            of the training path, the small table with the loss eager and compiled, vanilla at medium
 #   scaling  GPU 1: the throughput table of every study residual, alone on its GPU; GPU 0: the scaling
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
-#   sync     GPU 0: the source-gradient tile candidates SYNC_TILES (`benchmarks.msar_tiles --only` arguments);
-#            GPU 1: the GPU tests SYNC_TESTS, the profile of a graphed step (PROFILE_RESIDUALS); then both GPUs: DDP's bucketed all-reduce against one flat
-#            all-reduce after the backward (trainer.grad_sync), fp32 and bf16, graphed vanilla at small; then
-#            the training path, `platform.run` on two GPUs with trainer.grad_sync=flat (RUN_FLAT=0 skips it)
+#   sync     GPU 0: the source-gradient tile candidates SYNC_TILES (`benchmarks.msar_tiles --only` arguments),
+#            `benchmarks.ops_attnres SYNC_OPS`; GPU 1: the GPU tests SYNC_TESTS (none: skipped), the profile of a
+#            graphed step (PROFILE_RESIDUALS, PROFILE_TOP rows); then both GPUs: DDP's bucketed all-reduce against
+#            one flat all-reduce after the backward (trainer.grad_sync), fp32 and bf16, graphed vanilla at small
+#            (SYNC_DDP=0 skips it); then the training path, `platform.run` on two GPUs (RUN_ARGS, default
+#            trainer.grad_sync=flat; RUN_FLAT=0 skips it)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
@@ -231,19 +233,21 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=0
       [ -n "${SYNC_TILES:-}" ] && step gpu0 tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small \
         --sources 5 --kernels "source gradients" --only ${SYNC_TILES} --tag ${TAG:-_sync}
+      [ -n "${SYNC_OPS:-}" ] && step gpu0 ops_attnres "${OPS_LIMIT:-150}" python3 -m benchmarks.ops_attnres ${SYNC_OPS}
     ) &
     (
       export CUDA_VISIBLE_DEVICES=1
-      step gpu1 gpu_tests "${SYNC_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-        ${SYNC_TESTS:-tests/kernels/test_msar_attn.py}
+      [ "${SYNC_TESTS:-}" != none ] && step gpu1 gpu_tests "${SYNC_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short \
+        -p no:cacheprovider -m gpu ${SYNC_TESTS:-tests/kernels/test_msar_attn.py}
       step gpu1 profile "${PROFILE_LIMIT:-80}" python3 -m benchmarks.profile_step --model small \
-        --residuals ${PROFILE_RESIDUALS:-vanilla} --graphs on --top 30
+        --residuals ${PROFILE_RESIDUALS:-vanilla} --graphs on --top ${PROFILE_TOP:-30}
     ) &
     wait
-    step all ddp "${DDP_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla --compile on \
-      --graphs on --ddp 2 --ddp-sync ddp flat --ddp-comm fp32 bf16 --steps 8 --tag ${TAG:-_sync}
-    [ "${RUN_FLAT:-1}" != 0 ] && step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu trainer.devices=2 trainer.grad_sync=flat \
-      trainer.max_steps=30 mlflow.depth_heatmaps=false
+    [ "${SYNC_DDP:-1}" != 0 ] && step all ddp "${DDP_LIMIT:-260}" python3 -m benchmarks.throughput --models small \
+      --residuals vanilla --compile on --graphs on --ddp 2 --ddp-sync ddp flat --ddp-comm fp32 bf16 --steps 8 \
+      --tag ${TAG:-_sync}
+    [ "${RUN_FLAT:-1}" != 0 ] && step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu \
+      trainer.devices=2 trainer.max_steps=30 mlflow.depth_heatmaps=false ${RUN_ARGS:-trainer.grad_sync=flat}
     ;;
   scaling)
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &

@@ -1,7 +1,6 @@
 """Compile every fused MSAR kernel for an H100/H200 (sm_90a) without a GPU; print registers and spills.
 
     python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12]
-    python -m benchmarks.msar_attn_ptxas --shapes small --src-taps tile row --src-warps 1 2 4
 
 Uses Triton's own NVIDIA backend and the ``ptxas`` shipped in the triton wheel, so it runs on a
 CPU-only machine: a kernel that does not compile for the GPU, or a tile choice in
@@ -17,7 +16,6 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
 
 import triton
 from triton.compiler import ASTSource
@@ -37,11 +35,8 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
     return f"shared {kernel.metadata.shared} B | " + "; ".join(info)
 
 
-def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16",
-                src: Sequence[tuple[str, int]] | None = None):
-    """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches,
-    and the source-gradient kernel's other ``Blocks.src_taps`` modes too (at ``_blocks``'s warps).
-    ``src``: (src_taps, warps) of the source-gradient kernel instead."""
+def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16"):
+    """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches."""
     from kernels.msar_attn import fused
 
     m = 1 + len(kernel_sizes)
@@ -70,40 +65,24 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     yield ("stats", fused._stats_kernel,
            dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
            dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common), blk.stats_warps)
-    if src is None:  # _blocks's mode first, under the plain name
-        src = [(taps, blk.src_warps) for taps in sorted(fused.SRC_TAPS, key=lambda t: t != blk.src_taps)]
-    for taps, warps in src:
-        yield ("source gradients" + ("" if taps == blk.src_taps else f", src_taps={taps}"), fused._src_kernel,
-               dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
-                    tap_scratch_ptr=F32),
-               dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
-                    KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]),
-                    TAP_ROWS=taps == "row", **common), warps)
+    yield ("source gradients", fused._src_kernel,
+           dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
+                tap_scratch_ptr=F32),
+           dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
+                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common), blk.src_warps)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--kernels", nargs="+", type=int, default=[4, 8, 12])
-    p.add_argument("--src-taps", nargs="+", default=None, choices=["tile", "row"],
-                   help="compile the source-gradient kernel with these Blocks.src_taps (default: _blocks's)")
-    p.add_argument("--src-warps", nargs="+", type=int, default=None,
-                   help="... and these warps (default: _blocks's); with either option, only that kernel")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile choices, not the interpreter's
     failed = 0
     for shape in args.shapes:
         T, d = SHAPES[shape]
         print(f"== {shape}: T={T} d={d} kernels={args.kernels}", flush=True)
-        src = None
-        if args.src_taps or args.src_warps:
-            from kernels.msar_attn import fused
-
-            blk = fused._blocks(T, d, triton.next_power_of_2(1 + len(args.kernels)), max(1, *args.kernels))
-            src = [(taps, w) for taps in args.src_taps or [blk.src_taps] for w in args.src_warps or [blk.src_warps]]
-        for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels), src=src):
-            if src and fn.__name__ != "_src_kernel":
-                continue
+        for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels)):
             start = time.time()
             try:
                 info = compile_kernel(fn, types, consts, warps)
@@ -111,7 +90,7 @@ def main(argv=None) -> int:
                 failed += 1
                 print(f"{name}: COMPILE FAILED\n{traceback.format_exc()}", flush=True)
                 continue
-            tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE", "TAP_ROWS")}
+            tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE")}
             print(f"{name} {tiles} warps={warps}: {time.time() - start:.0f} s | {info}", flush=True)
     return 1 if failed else 0
 

@@ -1,7 +1,6 @@
 """Tile sizes of the fused MSAR kernels, timed on a CUDA GPU: which choice of ``fused._blocks`` is fastest.
 
     python -m benchmarks.msar_tiles [--shapes small medium] [--sources 5]
-    python -m benchmarks.msar_tiles --kernels "source gradients" --only src_taps=row,src_warps=1 src_bd=16
 
 For one shape, every kernel of the op (forward, mixer backward, stats, source gradients) is timed
 with the tile choice of ``kernels.msar_attn.fused._blocks`` (the default, first row of its group) and
@@ -46,13 +45,7 @@ def candidates(blk) -> dict[str, list[dict]]:
         "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
                                     if (bd, w) != (blk.src_bd, blk.src_warps)]
                             + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
-                               if (bt, sub) != (blk.src_bt, blk.sub)]
-                            # tap-gradient partials as (src_bd,) rows summed per block (Blocks.src_taps):
-                            # one reduction over tokens per pair and block, within each thread at 1 warp
-                            # (ptxas: no shuffles), so fewer blocks a program too, to keep the GPU busy
-                            + [dict(src_taps="row", src_bt=bt, sub=sub, src_warps=w)
-                               for bt, sub in ((16, 16), (16, 8), (16, 4), (32, 8)) for w in (1, 2, 4)
-                               if blk.src_taps != "row"],
+                               if (bt, sub) != (blk.src_bt, blk.sub)],
     }
 
 
@@ -88,15 +81,12 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
         "stats": streams,
         "source gradients": streams,
     }
-    wanted = None if only is None else [dataclasses.replace(base, **o) for o in only]
-    matched = set()
     try:
         for kernel, overrides in candidates(base).items():
             if kernels and kernel not in kernels:
                 continue
-            if wanted is not None:  # the default and the candidates asked for (same tiles, however spelt)
-                overrides = [{}] + [o for o in overrides[1:] if dataclasses.replace(base, **o) in wanted]
-                matched |= {wanted.index(dataclasses.replace(base, **o)) for o in overrides[1:]}
+            if only is not None:  # the default and the candidates asked for
+                overrides = [{}] + [o for o in overrides if o in only]
             for i, over in enumerate([*overrides, {}]):  # the default again last: a first timing reads slow
                 blk = dataclasses.replace(base, **over)
                 fused._blocks = lambda *_a, _b=blk: _b
@@ -118,43 +108,29 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
                 print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
     finally:
         fused._blocks = default_blocks
-    for i in sorted(set(range(len(only or []))) - matched):
-        print(f"[{name}] --only {only[i]} is not a candidate of the groups run: not timed", flush=True)
 
 
 def parse_candidate(text: str) -> dict:
-    """"src_bt=32,sub=8" -> {"src_bt": 32, "sub": 8}: fields of ``fused.Blocks``, values Python
-    literals; a string field also takes a bare word, "src_taps=row,src_warps=1" ->
-    {"src_taps": "row", "src_warps": 1} (the same as 'src_taps="row",src_warps=1')."""
+    """"src_bt=32,sub=8" -> {"src_bt": 32, "sub": 8}: fields of ``fused.Blocks``, values Python literals."""
     import ast
     from dataclasses import fields
 
     from kernels.msar_attn.fused import Blocks
 
-    types = {f.name: f.type for f in fields(Blocks)}
+    names = {f.name for f in fields(Blocks)}
     out = {}
     for item in text.split(","):
         key, _, value = item.partition("=")
-        if key not in types or not value:
-            raise SystemExit(f"error: --only {text!r}: {key!r} is not a field=value of Blocks; fields: {sorted(types)}")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            if types[key] not in (str, "str") or not value.isidentifier():
-                raise SystemExit(f"error: --only {text!r}: {value!r} is not a Python literal") from None
-            out[key] = value
-    try:
-        Blocks(**{f.name: 1 for f in fields(Blocks) if f.name not in out and f.default is dataclasses.MISSING},
-               **out)
-    except ValueError as exc:  # a value the field refuses (Blocks.src_taps)
-        raise SystemExit(f"error: --only {text!r}: {exc}") from None
+        if key not in names or not value:
+            raise SystemExit(f"error: --only {text!r}: {key!r} is not a field=value of Blocks; fields: {sorted(names)}")
+        out[key] = ast.literal_eval(value)
     return out
 
 
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
-            "source gradients": ("src_bt", "src_bd", "src_warps", "sub", "src_taps")}[kernel]
+            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
 
 
 def main(argv=None) -> int:
@@ -165,9 +141,7 @@ def main(argv=None) -> int:
                    choices=["forward", "mixer backward", "stats", "source gradients"], help="only these groups")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--only", nargs="+", default=None, metavar="FIELD=VALUE[,FIELD=VALUE]",
-                   help="time only the default and these candidates of the groups run, e.g. src_bt=32,sub=8 "
-                        "or src_bd=16 or src_taps=row,src_warps=1 (a string field takes a bare word; quoted, "
-                        "'src_taps=\"row\",src_warps=1')")
+                   help="time only the default and these candidates, e.g. src_bt=32,sub=8 or src_bd=16")
     args = p.parse_args(argv)
     only = None if args.only is None else [parse_candidate(c) for c in args.only]
     if not torch.cuda.is_available():

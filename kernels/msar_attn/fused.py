@@ -523,14 +523,13 @@ def _src_kernel(
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
     scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 ring per program (dE of one source, two halves)
-    tap_scratch_ptr,  # scratch per program: the tap-gradient partials, (NPAIR, BT, BD) tiles or with
-    # TAP_ROWS (NPAIR, BD) rows, then the (M_PAD, BT, BD) query-gradient partials, fp32
+    tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, BT, BD)
+    # query-gradient partials, fp32
     S, B, T, D, M, K_MAX, plane, SUB,
     scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
     SOFTMAX: tl.constexpr,  # more than one source (with one, κ = μ = 0: dE = w dR, no views built for it)
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
     BT: tl.constexpr, BD: tl.constexpr,
-    TAP_ROWS: tl.constexpr,  # ``Blocks.src_taps == "row"``: tap-gradient partials as (BD,) rows, see below
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
     channel tile), all sources. A block of BT tokens needs dE_j(x_s) on the block and the next BT
@@ -539,11 +538,7 @@ def _src_kernel(
     then dx_s[t] = Σ_j Σ_{τ<k_j} c_τ^{(j)} ⊙ dE_j[t+τ] · [doc(t+τ) = doc(t)] from shifted loads of
     the scratch tile, dqg += Σ_t κ E and dc_τ^{(j)} += Σ_t dE_j[t+τ] ⊙ x_s[t] · [same doc] over the
     block's own tokens t (the adjoint's shifted dE times the block's own source tile: every pair
-    (t, t+τ) of Σ_t' dE_j[t'] ⊙ x_s[t'-τ] once); the tap loops per view, unrolled.
-    The tap-gradient partial of each (view, tap) pair: without TAP_ROWS a (BT, BD) tile in the
-    scratch, updated element by element per block (no reduction) and summed over tokens at the end;
-    with TAP_ROWS the block's products are summed over its tokens at once and added to a (BD,) row
-    of the scratch (BT times less scratch traffic, one reduction over tokens per pair and block)."""
+    (t, t+τ) of Σ_t' dE_j[t'] ⊙ x_s[t'-τ] once); the tap loops per view, unrolled."""
     chunk = tl.program_id(0)
     b = tl.program_id(1)
     dt = tl.program_id(2)
@@ -561,16 +556,11 @@ def _src_kernel(
     # this program's own rows of the scratch buffers (programs run concurrently on a GPU: the regions
     # must not overlap, so the strides are the buffers' own, not recomputed here)
     scr = scratch_ptr + pid.to(tl.int64) * scr_stride  # (M_PAD, 2·BT, BD) ring
-    tacc = tap_scratch_ptr + pid.to(tl.int64) * tap_stride  # tap-gradient partials: (NPAIR, BT, BD) or (NPAIR, BD)
+    tacc = tap_scratch_ptr + pid.to(tl.int64) * tap_stride  # (NPAIR, BT, BD) tap-gradient partials
     tile_t = loc[:, None] * BD + ld[None, :]  # (BT, BD) offsets in one scratch tile
-    if TAP_ROWS:
-        for p in tl.static_range(NPAIR):
-            tl.store(tacc + p * BD + ld, tl.zeros((BD,), dtype=tl.float32))
-        qacc = tacc + NPAIR * BD  # (M_PAD, BT, BD) query-gradient partials, after the rows
-    else:
-        for p in tl.static_range(NPAIR):
-            tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
-        qacc = tacc + NPAIR * BT * BD  # (M_PAD, BT, BD) query-gradient partials, after the tiles
+    for p in tl.static_range(NPAIR):
+        tl.store(tacc + p * (BT * BD) + tile_t, tl.zeros((BT, BD), dtype=tl.float32))
+    qacc = tacc + NPAIR * BT * BD  # (M_PAD, BT, BD) query-gradient partials
     tile_h = (jv[:, None, None] * BT + loc[None, :, None]) * BD + ld[None, None, :]
     tl.store(qacc + tile_h, tl.zeros((M_PAD, BT, BD), dtype=tl.float32))
     # sources outer, blocks inner: the scratch is a ring of two halves of BT tokens; block i's own
@@ -617,21 +607,10 @@ def _src_kernel(
                     ok = ((near_t >> (16 + tau)) & 1) != 0
                     sh = tl.where(ok[:, None], tl.load(scr + (j * 2 * BT + ring[:, None]) * BD + ld[None, :]), 0.0)
                     acc += c[None, :] * sh  # conv adjoint: c_τ ⊙ dE_j[t+τ]
-                    if TAP_ROWS:
-                        # tap gradient summed over the block's tokens now: the partial kept across
-                        # blocks is then one (BD,) row per pair, 2·BD·4 bytes of scratch traffic a
-                        # block instead of a (BT, BD) tile's 2·BT·BD·4, for one reduction over tokens.
-                        # A row in the scratch, not a (NPAIR_PAD, BD) register tensor updated by a
-                        # select (the withdrawn tap_regs option, slower on the H200: docs/kernel_msar.md).
-                        # The row's previous store (last block) and this load are two barriers apart,
-                        # so any thread of the program may load what another stored.
-                        row = tacc + (KOFF[j] + tau) * BD + ld
-                        tl.store(row, tl.load(row) + tl.sum(sh * x_own, axis=0))
-                    else:
-                        # tap gradient: summed over tokens once per program, at the end; here only a
-                        # per-thread update of this (view, tap)'s (BT, BD) partial in the scratch
-                        pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
-                        tl.store(pair, tl.load(pair) + sh * x_own)
+                    # tap gradient: summed over tokens once per program, at the end; here only a
+                    # per-thread update of this (view, tap)'s (BT, BD) partial in the scratch
+                    pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
+                    tl.store(pair, tl.load(pair) + sh * x_own)
             tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
             i += 1
@@ -640,10 +619,7 @@ def _src_kernel(
     dqg = tl.sum(tl.load(qacc + tile_h), axis=1)  # (M_PAD, BD)
     for j in tl.static_range(len(KS)):
         for tau in tl.static_range(tl.constexpr(KS[j])):
-            if TAP_ROWS:
-                contrib = tl.load(tacc + (KOFF[j] + tau) * BD + ld)  # (BD,), already summed over tokens
-            else:
-                contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
+            contrib = tl.sum(tl.load(tacc + (KOFF[j] + tau) * (BT * BD) + tile_t), axis=0)  # (BD,)
             sel = (kv == tau)[:, None] & (jv == j)[None, :]  # (K_PAD, M_PAD)
             dtaps += tl.where(sel[:, :, None], contrib[None, None, :], 0.0)
     part = (chunk * B + b).to(tl.int64)
@@ -694,9 +670,6 @@ def doc_window(doc_ids: Tensor) -> Tensor:
 
 
 # --- launchers -----------------------------------------------------------------------------------
-SRC_TAPS = ("tile", "row")  # the source-gradient kernel's tap-gradient partials (``Blocks.src_taps``)
-
-
 @dataclass(frozen=True)
 class Blocks:
     bd: int  # channels per tile of the forward
@@ -714,14 +687,6 @@ class Blocks:
     stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
     mix_warps: int = 4  # warps of the mixer backward (tiles of (m, bwd_bt, bwd_bd) of the saved streams)
     one_source_warps: int = 0  # warps of the forward over one source (attnres_conv's op); 0: ``warps``
-    # source-gradient kernel's tap-gradient partial per (view, tap) pair: "tile", a (src_bt, src_bd)
-    # tile in its scratch summed over tokens at the end; "row", the block's tokens summed at once
-    # into a (src_bd,) row (src_bt times less scratch traffic; not yet timed on a GPU)
-    src_taps: str = "tile"
-
-    def __post_init__(self):
-        if self.src_taps not in SRC_TAPS:
-            raise ValueError(f"Blocks.src_taps must be one of {', '.join(SRC_TAPS)}, got {self.src_taps!r}")
 
     def forward_warps(self, S: int) -> int:
         return self.one_source_warps if S == 1 and self.one_source_warps else self.warps
@@ -739,9 +704,8 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     forward), else tiles of 512 channels and three passes. The mixer backward and the stats kernel
     hold tiles of 4096 elements too (the stats kernel at most 512 channels, looping over channel
     tiles). The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 32 channels a program over 4
-    warps, 16 token blocks a program (its scratch, (4 + 0.5·(Σ_j k_j + m_pad))·BD/8 KiB a program at
-    m_pad = 4 with src_taps="tile", (4 + 0.5·m_pad + Σ_j k_j/32)·BD/8 KiB with "row", and the partial
-    sums scale with the number of programs). Warps: measured, see below. ptxas
+    warps, 16 token blocks a program (its scratch, (4 + 0.5·(Σ_j k_j + m_pad))·BD/8 KiB a program,
+    and the partial sums scale with the number of programs). Warps: measured, see below. ptxas
     (sm_90a) registers and spills: docs/kernel_msar.md. Under the interpreter each program costs
     milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
@@ -855,16 +819,13 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
     return dr, dphi_from(r, coef), dzy.sum(), dz.sum((0, 1))
 
 
-def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device,
-                taps: str = "tile") -> tuple[Tensor, Tensor]:
+def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -> tuple[Tensor, Tensor]:
     """The source-gradient kernel's scratch, one row per program: the dE ring (n_prog, M_PAD, 2·BT, BD)
-    and the partials (n_prog, P) fp32, P = (NPAIR·BT + M_PAD·BT)·BD: the tap-gradient products of
-    every (view, tap) pair as (NPAIR, BT, BD) tiles (``taps="tile"``) or, P = (NPAIR + M_PAD·BT)·BD,
-    as (NPAIR, BD) rows already summed over tokens (``taps="row"``), then κE of every view
-    (M_PAD, BT, BD). The kernel steps from one program's row to the next by the buffers' stride(0)."""
+    and the partials (n_prog, NPAIR + M_PAD, BT, BD) (tap-gradient products of every (view, tap) pair,
+    then κE of every view), fp32. The kernel steps from one program's row to the next by the
+    buffers' stride(0)."""
     f32 = dict(device=device, dtype=torch.float32)
-    tap_elems = npair * (bd if taps == "row" else bt * bd)
-    return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, tap_elems + m_pad * bt * bd, **f32)
+    return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, npair + m_pad, bt, bd, **f32)
 
 
 def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
@@ -894,12 +855,12 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
     n_prog = grid[0] * grid[1] * grid[2]
     koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
-    scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device, blk.src_taps)
+    scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
         sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
-        TAP_ROWS=blk.src_taps == "row", num_warps=blk.src_warps)
+        num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]

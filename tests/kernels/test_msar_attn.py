@@ -5,7 +5,6 @@ shapes are tiny and most kernel sizes small."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -67,18 +66,6 @@ def _blocks(bt, bd, sub=2, bwd_bd=None):
     return blocks
 
 
-SRC_TAPS = ["tile", "row"]  # fused.Blocks.src_taps: the source-gradient kernel's tap-gradient partials
-
-
-def _use_src_taps(monkeypatch, src_taps):
-    """Run the source-gradient kernel with ``src_taps`` over whatever tiles ``fused._blocks`` gives
-    (the default or a test's override, which must be in place already)."""
-    from kernels.msar_attn import fused
-
-    inner = fused._blocks
-    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), src_taps=src_taps))
-
-
 # (id, S, B, T, d, kernels, key_norm, gains, fusion, (BT, BD) override or None)
 CASES = [
     ("S3-B2-T13-d24-k2,3", 3, 2, 13, 24, (2, 3), True, True, "sigmoid", None),
@@ -102,15 +89,13 @@ def _leaves(x, taps, queries, key_gains, phi, alpha, bias):
 
 # --- the fused op against the reference -----------------------------------------------------------
 @needs_triton
-@pytest.mark.parametrize("src_taps", SRC_TAPS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fused_msar_matches_reference(case, src_taps, monkeypatch):
+def test_fused_msar_matches_reference(case, monkeypatch):
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
 
         monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
-    _use_src_taps(monkeypatch, src_taps)
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -150,16 +135,14 @@ STREAM_CASES = [
 
 
 @needs_triton
-@pytest.mark.parametrize("src_taps", SRC_TAPS)
 @pytest.mark.parametrize("case", STREAM_CASES, ids=[c[0] for c in STREAM_CASES])
-def test_fused_streams_match_reference(case, src_taps, monkeypatch):
+def test_fused_streams_match_reference(case, monkeypatch):
     """``msar_attn`` (the m streams, no mixer) on the fused kernels."""
     _, S, B, T, d, kernels, key_norm, gains, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
 
         monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
-    _use_src_taps(monkeypatch, src_taps)
     x, taps, queries, key_gains, doc_ids, *_ = make_inputs(S, B, T, d, kernels, gains)
     named = [(n, t.requires_grad_()) for n, t in [("x", x), ("queries", queries), ("key_gains", key_gains),
                                                    *((f"taps[{i}]", c) for i, c in enumerate(taps))]
@@ -177,74 +160,17 @@ def test_fused_streams_match_reference(case, src_taps, monkeypatch):
         assert rel_err(a, b) < 1e-4, f"{name}: relative error {rel_err(a, b):.2e}"
 
 
-# the source-gradient kernel's token blocks and chunks at their edges, per src_taps mode:
-# (id, S, B, T, d, kernels, gains, fusion, (BT, BD, SUB) override of fused._blocks)
-SRC_CASES = [
-    ("S3-B2-T13-d24-k2,3-ragged-last-block", 3, 2, 13, 24, (2, 3), True, "sigmoid", (4, 8, 2)),
-    ("S2-B1-T3-d8-k5-T-below-k", 2, 1, 3, 8, (5,), False, "softmax", (4, 8, 2)),
-    ("S1-B2-T13-d12-k2,5-one-source", 1, 2, 13, 12, (2, 5), True, "sigmoid", (4, 8, 2)),
-    ("S4-B1-T23-d12-k5,2-three-blocks-a-chunk", 4, 1, 23, 12, (5, 2), True, "softmax", (4, 8, 3)),
-    ("S2-B2-T9-d20-k3,4-one-block-a-chunk", 2, 2, 9, 20, (3, 4), False, "sigmoid", (4, 16, 1)),
-    ("S3-B1-T21-d16-k4,8,12-long-kernels", 3, 1, 21, 16, (4, 8, 12), True, "sigmoid", (4, 8, 2)),
-]
-
-
 @needs_triton
-@pytest.mark.parametrize("case", SRC_CASES, ids=[c[0] for c in SRC_CASES])
-def test_source_gradient_tap_modes_match_reference(case, monkeypatch):
-    """Both ``Blocks.src_taps`` modes against the reference: the tap, query and source gradients,
-    random upstream gradients, documents starting at odd offsets, T below the longest kernel, a last
-    token block cut short, one and several token blocks a chunk, one and several sources; and the
-    two modes against each other (the same sums in another order: fp32 round-off only)."""
-    from kernels.msar_attn import fused
-
-    _, S, B, T, d, kernels, gains, fusion, (bt, bd, sub) = case
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
-    named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
-    leaves = [t for _, t in named]
-    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(6))
-    ref = msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, fusion=fusion, backend="torch")
-    ref_grads = torch.autograd.grad((ref * up).sum(), leaves)
-    tiles = _blocks(bt, bd, sub)
-    grads = {}
-    for src_taps in SRC_TAPS:
-        monkeypatch.setattr(fused, "_blocks", lambda *a, _m=src_taps: dataclasses.replace(tiles(*a), src_taps=_m))
-        h = msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, fusion=fusion, backend="triton")
-        grads[src_taps] = dict(zip([n for n, _ in named], torch.autograd.grad((h * up).sum(), leaves)))
-    checked = ["x", *(n for n, _ in named if n.startswith("taps")), *(["queries", "key_gains"] if S > 1 else [])]
-    want = dict(zip([n for n, _ in named], ref_grads))
-    for name in checked:
-        if name not in want:  # no key gains
-            continue
-        assert want[name].abs().max() > 1e-6, name  # not trivially zero
-        for src_taps in SRC_TAPS:
-            err = rel_err(grads[src_taps][name], want[name])
-            assert err < 1e-5, f"{src_taps}: {name}: relative error {err:.2e}"
-        torch.testing.assert_close(grads["row"][name], grads["tile"][name], rtol=1e-5, atol=1e-5)
-
-
-def test_unknown_src_taps_is_refused():
-    from kernels.msar_attn import fused
-
-    with pytest.raises(ValueError, match=r"Blocks.src_taps must be one of tile, row, got 'rows'"):
-        fused.Blocks(32, True, 16, 4, 32, 16, 4, 16, 32, 4, 16, src_taps="rows")
-
-
-@needs_triton
-@pytest.mark.parametrize("src_taps", SRC_TAPS)
-def test_source_gradient_programs_keep_to_their_own_scratch(src_taps, monkeypatch):
-    """Each program of the source-gradient kernel accumulates its tap-gradient partials and its κE in
+def test_source_gradient_programs_keep_to_their_own_scratch(monkeypatch):
+    """Each program of the source-gradient kernel accumulates its tap-gradient products and its κE in
     its own row of the scratch (``fused.src_scratch``), summed over its tokens at the end. On a GPU the
     programs run at once, so rows that overlap race (the query and first tap gradients came out wrong
     on an H200 host when one program's κE partials were the next program's first tap partials); the
     interpreter runs them one after another, so the sign of an overlap is what the scratch holds
-    afterwards: summed over programs and tokens, its rows must give the query and tap gradients.
-    A program's row: the tap partials, (NPAIR, BT, BD) tiles ("tile") or (NPAIR, BD) rows summed
-    over tokens already ("row"), then κE (M_PAD, BT, BD)."""
+    afterwards: summed over programs and tokens, its rows must give the query and tap gradients."""
     from kernels.msar_attn import fused
 
     monkeypatch.setattr(fused, "_blocks", _blocks(4, 8))  # 2 chunks of 2 token blocks, 2 channel tiles
-    _use_src_taps(monkeypatch, src_taps)
     seen = []
 
     def spy(*args):
@@ -259,18 +185,12 @@ def test_source_gradient_programs_keep_to_their_own_scratch(src_taps, monkeypatc
     h = msar(x, taps, queries, None, doc_ids, phi, alpha, bias, backend="triton")
     up = torch.randn(h.shape, generator=torch.Generator().manual_seed(4))
     grads = dict(zip([n for n, _ in named], torch.autograd.grad((h * up).sum(), [t for _, t in named])))
-    (ring, partials), = seen  # ring (n_prog, M_PAD, 2·BT, BD), partials (n_prog, P)
+    (_, partials), = seen  # (n_prog, NPAIR + M_PAD, BT, BD)
     ks, m = (1, *kernels), 1 + len(kernels)
-    n_prog, m_pad, bt, bd = ring.shape[0], ring.shape[1], ring.shape[2] // 2, ring.shape[3]
-    npair = sum(ks)
-    n_tap = npair * (bd if src_taps == "row" else bt * bd)
-    assert partials.shape == (n_prog, n_tap + m_pad * bt * bd)
-    tap_part = partials[:, :n_tap].reshape(n_prog, npair, -1, bd).sum(2)  # (n_prog, NPAIR, BD)
-    q_part = partials[:, n_tap:].reshape(n_prog, m_pad, bt, bd).sum(2)  # (n_prog, M_PAD, BD)
-    rows = torch.cat([tap_part, q_part], dim=1)
+    npair, m_pad, bt, bd = sum(ks), partials.shape[1] - sum(ks), partials.shape[2], partials.shape[3]
     n_dt = -(-d // bd)
     # program id = (chunk · B + b) · n_dt + channel tile
-    per_tile = rows.reshape(-1, B, n_dt, npair + m_pad, bd).sum((0, 1))  # (n_dt, NPAIR + M_PAD, BD)
+    per_tile = partials.reshape(-1, B, n_dt, npair + m_pad, bt, bd).sum((0, 1, 4))  # (n_dt, NPAIR + M_PAD, BD)
     per_tile = per_tile.permute(1, 0, 2).reshape(npair + m_pad, n_dt * bd)[:, :d]  # (NPAIR + M_PAD, d)
     torch.testing.assert_close(per_tile[npair:npair + m], grads["queries"], rtol=1e-5, atol=1e-6)  # no key gains
     for j in range(1, m):
@@ -491,15 +411,13 @@ def test_auto_is_torch_on_cpu():
                     reason="the triton wheel has no ptxas")
 def test_kernels_compile_for_sm90_with_few_spills():
     """Every fused kernel compiles for an H100/H200 (Triton's NVIDIA backend and ptxas, no GPU needed),
-    with the tile sizes ``_blocks`` picks at model=small, the source-gradient kernel in each
-    ``Blocks.src_taps`` mode: catches GPU-only compile errors on CPU CI."""
+    with the tile sizes ``_blocks`` picks at model=small: catches GPU-only compile errors on CPU CI."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    # window bits, forward, forward over one source, mixer, stats, sources (src_taps "tile", then "row")
-    assert len(lines) == 7, res.stdout
+    assert len(lines) == 6, res.stdout  # window bits, forward, forward over one source, mixer, stats, sources
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
