@@ -235,9 +235,10 @@ def main(argv=None) -> str:
     p.add_argument("--ddp", type=int, default=0, help="also time N GPUs with DDP at the same per-GPU batch")
     p.add_argument("--ddp-comm", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                    help="gradient all-reduce dtype of the DDP runs (trainer.ddp_comm); one DDP row each")
-    p.add_argument("--ddp-sync", nargs="+", default=["ddp"], choices=["ddp", "flat"],
+    p.add_argument("--ddp-sync", nargs="+", default=["auto"], choices=["auto", "ddp", "flat"],
                    help="how the DDP runs average gradients (trainer.grad_sync): ddp, DistributedDataParallel's "
-                        "buckets; flat, one all-reduce after the backward; one DDP row each")
+                        "buckets; flat, one all-reduce after the backward; auto (the default), flat with --graphs "
+                        "on, else ddp; one DDP row each")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
     runs = run_names(a.residuals, a.ablations)
@@ -306,7 +307,8 @@ def main(argv=None) -> str:
                     print(f"{model_name} {name} compile={comp} graphs={graph} recompute={cfg.model.recompute}: "
                           f"{sec * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, MFU {mfu(flops, measured)} "
                           f"(datasheet {mfu(flops, datasheet)}), peak {peak:.2f} GiB", flush=True)
-                    for comm, sync in [(c, y) for y in a.ddp_sync for c in a.ddp_comm] if a.ddp else []:
+                    syncs = dict.fromkeys(("flat" if graphs else "ddp") if y == "auto" else y for y in a.ddp_sync)
+                    for comm, sync in [(c, y) for y in syncs for c in a.ddp_comm] if a.ddp else []:
                         job = {"model": model_name, "residual": name, "vocab": a.vocab, "overrides": overrides,
                                "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "compile": comp,
                                "graphs": graphs, "ddp_comm": comm, "ddp_sync": sync}
