@@ -81,12 +81,15 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
         "stats": streams,
         "source gradients": streams,
     }
+    wanted = None if only is None else [dataclasses.replace(base, **o) for o in only]
+    matched = set()
     try:
         for kernel, overrides in candidates(base).items():
             if kernels and kernel not in kernels:
                 continue
-            if only is not None:  # the default and the candidates asked for
-                overrides = [{}] + [o for o in overrides if o in only]
+            if wanted is not None:  # the default and the candidates asked for (same tiles, however spelt)
+                overrides = [{}] + [o for o in overrides[1:] if dataclasses.replace(base, **o) in wanted]
+                matched |= {wanted.index(dataclasses.replace(base, **o)) for o in overrides[1:]}
             for i, over in enumerate([*overrides, {}]):  # the default again last: a first timing reads slow
                 blk = dataclasses.replace(base, **over)
                 fused._blocks = lambda *_a, _b=blk: _b
@@ -108,6 +111,8 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
                 print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
     finally:
         fused._blocks = default_blocks
+    for i in sorted(set(range(len(only or []))) - matched):
+        print(f"[{name}] --only {only[i]} is not a candidate of the groups run: not timed", flush=True)
 
 
 def parse_candidate(text: str) -> dict:
