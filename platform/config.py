@@ -80,8 +80,9 @@ class TrainerConfig:
     cuda_graphs: bool = False  # replay the training forward + backward as CUDA graphs (platform/graphs.py; GPU only)
     ddp_comm: str = "fp32"  # gradient all-reduce under DDP: "fp32" (exact) | "bf16" (half the bytes; docs/gpu.md)
     # how several processes average gradients: "ddp" (DistributedDataParallel's buckets, during the backward) |
-    # "flat" (one all-reduce after the backward: platform/parallel.py; pays with cuda_graphs)
-    grad_sync: str = "ddp"
+    # "flat" (one all-reduce after the backward: platform/parallel.py) | "auto" (flat with cuda_graphs, whose
+    # backward hands over every gradient at its end, else ddp; docs/gpu.md)
+    grad_sync: str = "auto"
 
 
 @dataclass
@@ -236,7 +237,7 @@ def validate(cfg: DictConfig) -> None:
                           "and trainer.accelerator=cpu", "sdpa or auto on a CPU; flex with trainer=gpu")
     _choice("trainer.precision", t.precision, ("32-true", "bf16-mixed", "16-mixed", "bf16-true"))
     _choice("trainer.ddp_comm", t.ddp_comm, ("fp32", "bf16"))
-    _choice("trainer.grad_sync", t.grad_sync, ("ddp", "flat"))
+    _choice("trainer.grad_sync", t.grad_sync, ("auto", "ddp", "flat"))
     if t.cuda_graphs and t.accelerator == "cpu":
         raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, "CUDA graphs need a GPU, and trainer.accelerator=cpu",
                           "false on a CPU; true with trainer=gpu")

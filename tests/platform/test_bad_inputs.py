@@ -127,7 +127,7 @@ CASES = [
     Case("cuda-graphs-fp32", ["trainer.cuda_graphs=true", "trainer.accelerator=auto"],
          r"trainer.cuda_graphs=True: trainer.precision=32-true: the grouped GEMM outside bf16 copies"),
     Case("ddp-comm", ["trainer.ddp_comm=fp8"], r"trainer.ddp_comm=fp8: not a known choice; valid: \[fp32, bf16\]"),
-    Case("grad-sync", ["trainer.grad_sync=nccl"], r"trainer.grad_sync=nccl: not a known choice; valid: \[ddp, flat\]"),
+    Case("grad-sync", ["trainer.grad_sync=nccl"], r"trainer.grad_sync=nccl: not a known choice; valid: \[auto, ddp, flat\]"),
     Case("weight-decay", ["trainer.weight_decay=-1"], r"trainer.weight_decay=-1.0: must be >= 0"),
     Case("grad-clip", ["trainer.grad_clip=-1"], r"trainer.grad_clip=-1.0: must be >= 0"),
     Case("threads", ["trainer.threads=-1"], r"trainer.threads=-1: must be >= 0"),

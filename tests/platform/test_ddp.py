@@ -223,6 +223,12 @@ def test_trainer_strategy_of_flat_sync():
     strategy = trainer_strategy(make_cfg("trainer.grad_sync=flat", "trainer.ddp_comm=bf16", "trainer.devices=2").trainer)
     assert isinstance(strategy, FlatSyncDDP) and strategy.comm == "bf16"
     assert trainer_strategy(make_cfg("trainer.grad_sync=flat").trainer) == "auto"  # one process: nothing to average
+    # auto: flat with CUDA graphs (a config built here: a CPU refuses trainer.cuda_graphs at composition)
+    graphed = make_cfg("trainer.devices=2").trainer
+    graphed.cuda_graphs = True
+    assert isinstance(trainer_strategy(graphed), FlatSyncDDP) and trainer_strategy(graphed).comm == "fp32"
+    assert trainer_strategy(make_cfg("trainer.devices=2", "trainer.grad_sync=auto").trainer) == "auto"  # eager: DDP
+    assert not isinstance(trainer_strategy(make_cfg("trainer.devices=2", "trainer.grad_sync=ddp").trainer), FlatSyncDDP)
 
 
 @pytest.mark.parametrize("world", [2, 4])
