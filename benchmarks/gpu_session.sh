@@ -39,14 +39,17 @@
 #            one flat all-reduce after the backward (trainer.grad_sync), fp32 and bf16, graphed vanilla at small
 #            (SYNC_DDP=0 skips it); then the training path, `platform.run` on two GPUs (RUN_ARGS, default
 #            trainer.grad_sync=flat; RUN_FLAT=0 skips it)
+#   lr       both GPUs: the study preset's LR_RUNS (default vanilla, attnres_block, msar_block) at another peak
+#            learning rate LR (default 3e-3; the preset trains at 1e-3), seeds SEEDS (default 0,1,2), STUDY_WORKERS
+#            runs at once, in a fresh store; its report compare_lr_<LR>_small.md
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -248,6 +251,11 @@ case "$PLAN" in
       --tag ${TAG:-_sync}
     [ "${RUN_FLAT:-1}" != 0 ] && step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu \
       trainer.devices=2 trainer.max_steps=30 mlflow.depth_heatmaps=false ${RUN_ARGS:-trainer.grad_sync=flat}
+    ;;
+  lr)
+    step all lr "${LR_LIMIT:-500}" "${STUDY[@]}" compare.runs="[${LR_RUNS:-vanilla,attnres_block,msar_block}]" \
+      compare.seeds="[${SEEDS:-0,1,2}]" trainer.lr="${LR:-3e-3}" compare.name="lr_${LR:-3e-3}_small" \
+      compare.report="benchmarks/results/compare_lr_${LR:-3e-3}_small.md" compare.workers="${STUDY_WORKERS:-8}"
     ;;
   scaling)
     (export CUDA_VISIBLE_DEVICES=1; throughput gpu1 200) &
