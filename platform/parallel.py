@@ -20,6 +20,8 @@ routing loads `LMModule` lists) and collectives, with the average taken in `opti
 after the last micro-batch's backward and before Lightning's gradient clipping. Each rank averages
 the same numbers in the same order as DDP's buckets do (divide by the world size, then sum), so
 both give the same fp32 gradients; the difference is when and in how many messages.
+Measured on two H200s at `small`, graphed (`throughput_small_ddp2_sync.md`): scaling efficiency 0.850
+with DDP's buckets, 0.894 flat, 0.907 flat with the all-reduce in bf16.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
+
 
 @torch.no_grad()
 def all_reduce_gradients(params: Iterable[Tensor], comm: str = "fp32", group=None) -> None:
