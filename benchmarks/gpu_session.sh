@@ -35,9 +35,9 @@
 #            fit (`scaling.workers=4`: its runs four at a time, then the fit)
 #   sync     GPU 0: the source-gradient tile candidates SYNC_TILES (`benchmarks.msar_tiles --only` arguments),
 #            `benchmarks.ops_attnres SYNC_OPS`; GPU 1: the GPU tests SYNC_TESTS (none: skipped), the profile of a
-#            graphed step (PROFILE_RESIDUALS, PROFILE_TOP rows); then both GPUs: DDP's bucketed all-reduce against
-#            one flat all-reduce after the backward (trainer.grad_sync), fp32 and bf16, graphed vanilla at small
-#            (SYNC_DDP=0 skips it); then the training path, `platform.run` on two GPUs (RUN_ARGS, default
+#            graphed step (PROFILE_RESIDUALS, none: skipped; PROFILE_TOP rows); then both GPUs: DDP's bucketed
+#            all-reduce against one flat all-reduce after the backward (trainer.grad_sync; DDP_SYNCS, default
+#            "ddp flat"), fp32 and bf16, graphed vanilla at small (SYNC_DDP=0 skips it); then the training path, `platform.run` on two GPUs (RUN_ARGS, default
 #            trainer.grad_sync=flat; RUN_FLAT=0 skips it)
 #   lr       both GPUs: the study preset's LR_RUNS (default vanilla, attnres_block, msar_block) at another peak
 #            learning rate LR (default 3e-3; the preset trains at 1e-3), seeds SEEDS (default 0,1,2), STUDY_WORKERS
@@ -242,12 +242,12 @@ case "$PLAN" in
       export CUDA_VISIBLE_DEVICES=1
       [ "${SYNC_TESTS:-}" != none ] && step gpu1 gpu_tests "${SYNC_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short \
         -p no:cacheprovider -m gpu ${SYNC_TESTS:-tests/kernels/test_msar_attn.py}
-      step gpu1 profile "${PROFILE_LIMIT:-80}" python3 -m benchmarks.profile_step --model small \
-        --residuals ${PROFILE_RESIDUALS:-vanilla} --graphs on --top ${PROFILE_TOP:-30}
+      [ "${PROFILE_RESIDUALS:-vanilla}" != none ] && step gpu1 profile "${PROFILE_LIMIT:-80}" python3 -m \
+        benchmarks.profile_step --model small --residuals ${PROFILE_RESIDUALS:-vanilla} --graphs on --top ${PROFILE_TOP:-30}
     ) &
     wait
     [ "${SYNC_DDP:-1}" != 0 ] && step all ddp "${DDP_LIMIT:-260}" python3 -m benchmarks.throughput --models small \
-      --residuals vanilla --compile on --graphs on --ddp 2 --ddp-sync ddp flat --ddp-comm fp32 bf16 --steps 8 \
+      --residuals vanilla --compile on --graphs on --ddp 2 --ddp-sync ${DDP_SYNCS:-ddp flat} --ddp-comm fp32 bf16 --steps 8 \
       --tag ${TAG:-_sync}
     [ "${RUN_FLAT:-1}" != 0 ] && step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu \
       trainer.devices=2 trainer.max_steps=30 mlflow.depth_heatmaps=false ${RUN_ARGS:-trainer.grad_sync=flat}

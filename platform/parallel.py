@@ -12,7 +12,7 @@ a bf16 all-reduce changed nothing; docs/gpu.md).
 
     flat = cat(every gradient)        one copy kernel      (P,) per dtype
     flat /= world; all_reduce(flat)   one collective       (in bf16 with trainer.ddp_comm=bf16)
-    gradients <- split(flat)          one multi-tensor copy
+    p.grad <- its view of flat        no kernel
 
 `FlatSyncDDP` is Lightning's DDP strategy without the DistributedDataParallel wrapper: the same
 process launch, sampler slices, rank-0 broadcast of the weights at start (minus the per-rank
@@ -53,14 +53,19 @@ def all_reduce_gradients(params: Iterable[Tensor], comm: str = "fp32", group=Non
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for p in params:
         by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
+    for dtype, grads in by_dtype.items():
+        owners = [p for p in params if p.grad.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in grads])  # (P,) one copy
         send = flat.to(torch.bfloat16) if comm == "bf16" else flat
         send.div_(world)  # as DDP: divide, then sum (no AVG on gloo)
         dist.all_reduce(send, group=group)
         if send is not flat:
             flat.copy_(send)
-        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        # each gradient becomes its view of the averaged buffer (no copy back): the optimizer reads
+        # the views; the next step's backward writes fresh gradients (or, accumulating, adds into
+        # these views in place, and zero_grad zeroes them in place)
+        for p, part in zip(owners, flat.split([g.numel() for g in grads])):
+            p.grad = part.view_as(p.grad)
 
 
 def broadcast_from_rank0(module: torch.nn.Module) -> None:

@@ -93,6 +93,8 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, comm: str = "fp32
             broadcast_from_rank0(module)
             ddp = None
             record = train(module, module, rows, lambda: all_reduce_gradients(module.parameters(), comm))
+            # no copy back: every gradient is a view of the one averaged buffer
+            record["grad_buffers"] = len({p.grad.untyped_storage().data_ptr() for p in module.parameters()})
         else:
             ddp = DistributedDataParallel(module)  # buffers: broadcast from rank 0, except the ignored loads
             if ddp_comm_hook(comm) is not None:  # trainer.ddp_comm, as Lightning's DDP strategy registers it
@@ -120,6 +122,8 @@ def test_two_gloo_ranks_at_half_batch_equal_one_process(tmp_path, sync):
             torch.testing.assert_close(r["bias"][step], single["bias"][step], rtol=0, atol=0)
         for name, p in single["params"].items():
             torch.testing.assert_close(r["params"][name], p, rtol=1e-4, atol=1e-6, msg=name)
+    if sync == "flat":
+        assert all(r["grad_buffers"] == 1 for r in ranks)
     for step in range(STEPS):
         # Each rank counted only its own tokens; the update saw their sum, the single process's load.
         assert not torch.equal(ranks[0]["load"][step], ranks[1]["load"][step])
