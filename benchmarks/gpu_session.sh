@@ -37,8 +37,8 @@
 #            `benchmarks.ops_attnres SYNC_OPS`; GPU 1: the GPU tests SYNC_TESTS (none: skipped), the profile of a
 #            graphed step (PROFILE_RESIDUALS, none: skipped; PROFILE_TOP rows); then both GPUs: DDP's bucketed
 #            all-reduce against one flat all-reduce after the backward (trainer.grad_sync; DDP_SYNCS, default
-#            "ddp flat"), fp32 and bf16, graphed vanilla at small (SYNC_DDP=0 skips it); then the training path, `platform.run` on two GPUs (RUN_ARGS, default
-#            trainer.grad_sync=flat; RUN_FLAT=0 skips it)
+#            "ddp flat"), fp32 and bf16, graphed vanilla at small (SYNC_DDP=0 skips it); then the training
+#            path, `platform.run` on two GPUs (RUN_ARGS, default trainer.grad_sync=flat; RUN_FLAT=0 skips it)
 #   lr       both GPUs: the study preset's LR_RUNS (default vanilla, attnres_block, msar_block) at another peak
 #            learning rate LR (default 3e-3; the preset trains at 1e-3), seeds SEEDS (default 0,1,2), STUDY_WORKERS
 #            runs at once, in a fresh store; its report compare_lr_<LR>_small.md
