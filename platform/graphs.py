@@ -31,7 +31,7 @@ Data parallelism works: gradients leave the graph through autograd, so DDP's all
 as in eager mode, outside the graph, but only once the whole backward has replayed (no overlap of
 the all-reduce with the backward: 0.85 scaling on two H200s at `small`). `trainer.grad_sync=auto`
 therefore averages a graphed step's gradients after it in one all-reduce instead
-(`platform/parallel.py`: 0.894, 0.907 with a bf16 all-reduce; docs/gpu.md).
+(`platform/parallel.py`: 0.907, 0.917 with a bf16 all-reduce; docs/gpu.md).
 Measured on an H200 (`throughput_small_graphs_off_on.md`): a `small` vanilla step 36.1 -> 21.5 ms,
 Block AttnRes 65.9 -> 24.0 ms; `medium`, already GPU-bound, 2-3%.
 """

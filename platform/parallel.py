@@ -21,8 +21,8 @@ after the last micro-batch's backward and before Lightning's gradient clipping. 
 the same numbers in the same order as DDP's buckets do (divide by the world size, then sum), so
 both give the same fp32 gradients; the difference is when and in how many messages.
 Measured on two H200s at `small`, graphed (`throughput_small_ddp2_sync.md`): scaling efficiency 0.850
-with DDP's buckets, 0.894 flat, 0.907 flat with the all-reduce in bf16 (then with a copy back into
-each gradient, since replaced by views of the buffer: not yet timed).
+with DDP's buckets, 0.894 flat, 0.907 flat with the all-reduce in bf16 (then with a copy back into each
+gradient); with the views, 0.907 and 0.917 (`throughput_small_ddp2_sync_views.md`).
 """
 
 from __future__ import annotations

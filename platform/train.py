@@ -223,7 +223,7 @@ def ddp_comm_hook(name: str):
 def grad_sync(t) -> str:
     """``trainer.grad_sync`` resolved: ``auto`` is ``flat`` with CUDA graphs (the graphed backward hands every
     gradient over at its end, so DDP's bucket hooks have nothing left to overlap and cost host time:
-    2 H200s at `small`, scaling 0.850 with DDP's buckets, 0.894 flat; docs/gpu.md), else ``ddp``."""
+    2 H200s at `small`, scaling 0.850 with DDP's buckets, 0.907 flat; docs/gpu.md), else ``ddp``."""
     if t.grad_sync == "auto":
         return "flat" if t.cuda_graphs else "ddp"
     return t.grad_sync
