@@ -215,6 +215,7 @@ def time_ddp(world: int, job: dict) -> tuple[float, float]:
 def main(argv=None) -> str:
     import residuals
     from platform import accounting
+    from platform.parallel import resolve
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["small", "medium"])
@@ -307,7 +308,7 @@ def main(argv=None) -> str:
                     print(f"{model_name} {name} compile={comp} graphs={graph} recompute={cfg.model.recompute}: "
                           f"{sec * 1e3:.1f} ms/step, {tps:,.0f} tokens/s, MFU {mfu(flops, measured)} "
                           f"(datasheet {mfu(flops, datasheet)}), peak {peak:.2f} GiB", flush=True)
-                    syncs = dict.fromkeys(("flat" if graphs else "ddp") if y == "auto" else y for y in a.ddp_sync)
+                    syncs = dict.fromkeys(resolve(y, graphs) for y in a.ddp_sync)  # as trainer.grad_sync resolves
                     for comm, sync in [(c, y) for y in syncs for c in a.ddp_comm] if a.ddp else []:
                         job = {"model": model_name, "residual": name, "vocab": a.vocab, "overrides": overrides,
                                "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "compile": comp,

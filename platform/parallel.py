@@ -35,6 +35,15 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
 
+def resolve(grad_sync: str, cuda_graphs: bool) -> str:
+    """``trainer.grad_sync`` resolved: ``auto`` is ``flat`` with CUDA graphs (the graphed backward hands
+    every gradient over at its end, so DDP's bucket hooks have nothing left to overlap and cost host
+    time), else ``ddp``."""
+    if grad_sync == "auto":
+        return "flat" if cuda_graphs else "ddp"
+    return grad_sync
+
+
 @torch.no_grad()
 def all_reduce_gradients(params: Iterable[Tensor], comm: str = "fp32", group=None) -> None:
     """Average the `.grad` of `params` over the ranks of `group`, in place: one flat all-reduce per
@@ -48,15 +57,13 @@ def all_reduce_gradients(params: Iterable[Tensor], comm: str = "fp32", group=Non
     world = dist.get_world_size(group)
     if world == 1 or not params:
         return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for dtype, grads in by_dtype.items():
-        owners = [p for p in params if p.grad.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # (P,) one copy
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for owners in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in owners])  # (P,) one copy
         send = flat.to(torch.bfloat16) if comm == "bf16" else flat
         send.div_(world)  # as DDP: divide, then sum (no AVG on gloo)
         dist.all_reduce(send, group=group)
@@ -65,8 +72,8 @@ def all_reduce_gradients(params: Iterable[Tensor], comm: str = "fp32", group=Non
         # each gradient becomes its view of the averaged buffer (no copy back): the optimizer reads
         # the views; the next step's backward writes fresh gradients (or, accumulating, adds into
         # these views in place, and zero_grad zeroes them in place)
-        for p, part in zip(owners, flat.split([g.numel() for g in grads])):
-            p.grad = part.view_as(p.grad)
+        for p, part in zip(owners, flat.split([p.numel() for p in owners])):
+            p.grad = part.view_as(p)
 
 
 def broadcast_from_rank0(module: torch.nn.Module) -> None:

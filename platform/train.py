@@ -220,24 +220,15 @@ def ddp_comm_hook(name: str):
     return {"fp32": None, "bf16": _bf16_all_reduce}[name]
 
 
-def grad_sync(t) -> str:
-    """``trainer.grad_sync`` resolved: ``auto`` is ``flat`` with CUDA graphs (the graphed backward hands every
-    gradient over at its end, so DDP's bucket hooks have nothing left to overlap and cost host time:
-    2 H200s at `small`, scaling 0.850 with DDP's buckets, 0.907 flat; docs/gpu.md), else ``ddp``."""
-    if t.grad_sync == "auto":
-        return "flat" if t.cuda_graphs else "ddp"
-    return t.grad_sync
-
-
 def trainer_strategy(t) -> object:
     """Lightning's strategy: "auto" for one process; for several, DDP, with the communication hook of
     ``trainer.ddp_comm`` when one is asked for, or with ``trainer.grad_sync=flat`` (and ``auto`` with CUDA
     graphs) the gradients averaged after the backward in one all-reduce (`platform.parallel.FlatSyncDDP`)."""
     if t.devices * t.num_nodes == 1:
         return "auto"
-    if grad_sync(t) == "flat":
-        from platform.parallel import FlatSyncDDP
+    from platform.parallel import FlatSyncDDP, resolve
 
+    if resolve(t.grad_sync, t.cuda_graphs) == "flat":  # two H200s at `small`, graphed: 0.850 -> 0.907 scaling
         return FlatSyncDDP(comm=t.ddp_comm)
     hook = ddp_comm_hook(t.ddp_comm)
     if hook is None:
