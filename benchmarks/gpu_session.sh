@@ -42,14 +42,21 @@
 #   lr       both GPUs: the study preset's LR_RUNS (default vanilla, attnres_block, msar_block) at another peak
 #            learning rate LR (default 3e-3; the preset trains at 1e-3), seeds SEEDS (default 0,1,2), STUDY_WORKERS
 #            runs at once, in a fresh store; its report compare_lr_<LR>_small.md
+#   mfu      one GPU: the small table of MFU_RESIDUALS (default vanilla) compiled per MFU_COMPILE (default "on model":
+#            trainer.compile_scope sublayers and model), graphed; the profile of a graphed step compiled per
+#            PROFILE_COMPILE (default model; none: skipped); then FlexAttention's tiles (benchmarks.flex_tiles,
+#            FLEX_SHAPES, FLEX_BUDGET seconds); TAG names the result files (default _mfu)
+#   scope    one GPU: graphed vanilla at small with FlexAttention's default tiles and the model's (model.flex_fwd,
+#            flex_bwd), in one process; SCOPE_RESIDUALS at small compiled per sublayer and whole (trainer.compile_scope);
+#            FlexAttention's quick tile sweep at FLEX_SHAPES (default medium; none: skipped)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -251,6 +258,24 @@ case "$PLAN" in
       --tag ${TAG:-_sync}
     [ "${RUN_FLAT:-1}" != 0 ] && step all run_flat "${RUN_LIMIT:-150}" python3 -m platform.run trainer=gpu \
       trainer.devices=2 trainer.max_steps=30 mlflow.depth_heatmaps=false ${RUN_ARGS:-trainer.grad_sync=flat}
+    ;;
+  mfu)
+    step gpu0 throughput "${MFU_LIMIT:-170}" python3 -m benchmarks.throughput --models small \
+      --residuals ${MFU_RESIDUALS:-vanilla} --compile ${MFU_COMPILE:-on model} --graphs on --steps 8 --tag ${TAG:-_mfu}
+    [ "${PROFILE_COMPILE:-model}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
+      benchmarks.profile_step --model small --residuals vanilla --compile ${PROFILE_COMPILE:-model} --graphs on \
+      --top ${PROFILE_TOP:-40} --tag ${TAG:-_mfu}
+    [ "${FLEX_SHAPES:-small}" != none ] && step gpu0 flex "${FLEX_LIMIT:-260}" python3 -m benchmarks.flex_tiles \
+      --shapes ${FLEX_SHAPES:-small} --budget ${FLEX_BUDGET:-200}
+    ;;
+  scope)
+    step gpu0 tiles "${TILES_LIMIT:-100}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      --compile model --graphs on --steps 8 --set 'model.flex_fwd=[]' 'model.flex_bwd=[]' --set --tag ${TAG:-_tiles}
+    step gpu0 scope "${SCOPE_LIMIT:-330}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SCOPE_RESIDUALS:-vanilla attnres attnres_block mhc msar_block} --compile on model --graphs on \
+      --steps 8 --tag ${TAG:-_scope}
+    [ "${FLEX_SHAPES:-medium}" != none ] && step gpu0 flex "${FLEX_LIMIT:-110}" python3 -m benchmarks.flex_tiles --quick \
+      --shapes ${FLEX_SHAPES:-medium} --budget ${FLEX_BUDGET:-90} --tag _quick
     ;;
   lr)
     step all lr "${LR_LIMIT:-500}" "${STUDY[@]}" compare.runs="[${LR_RUNS:-vanilla,attnres_block,msar_block}]" \

@@ -24,14 +24,16 @@ from benchmarks.roofline import Table
 from benchmarks.throughput import build, run_names, training_step
 
 
-def profile(model_name: str, residual: str, batch: int, vocab: int, compile_on: bool, top: int,
+def profile(model_name: str, residual: str, batch: int, vocab: int, compile_mode: str, top: int,
             graphs: bool = False) -> tuple[dict, list]:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.manual_seed(0)
     model, cfg = build(model_name, residual, vocab, [], "cuda")
-    if compile_on:
+    if compile_mode == "on":
         model.compile_sublayers()
+    elif compile_mode == "model":  # trainer.compile_scope=model
+        model.compile_model()
     step = training_step(model, batch, cfg.model.seq_len, vocab, "cuda", graphs=graphs)
 
     for _ in range(3):
@@ -58,9 +60,11 @@ def main(argv=None) -> None:
     p.add_argument("--ablations", nargs="*", default=[], help="registered ablations, profiled after the residuals")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--compile", choices=["on", "off"], default="on")
+    p.add_argument("--compile", choices=["on", "off", "model"], default="on",
+                   help="on: the sublayers and the loss (trainer.compile); model: the whole forward below the mask")
     p.add_argument("--graphs", choices=["on", "off"], default="off", help="on: as trainer.cuda_graphs runs the step")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--tag", default="", help="appended to the result file's name")
     args = p.parse_args(argv)
     runs = run_names(args.residuals, args.ablations)  # unknown names fail here, before any GPU work
     if not torch.cuda.is_available():
@@ -72,7 +76,7 @@ def main(argv=None) -> None:
                   notes=["one profiled step after 3 warm-up steps; the op rows are the top operators by self GPU "
                          "time (kernels and the ops that launch them)"])
     for residual in runs:
-        summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile == "on", args.top,
+        summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile, args.top,
                                 graphs=args.graphs == "on")
         print(f"{residual}: {summary}", flush=True)
         for i, (name, calls, ms) in enumerate(rows):
@@ -80,7 +84,7 @@ def main(argv=None) -> None:
                     if i == 0 else ["", "", "", ""])
             table.add(*head, f"`{name}`", str(calls), f"{ms:.2f}")
         torch.cuda.empty_cache()
-    table.write(f"profile_step_{args.model}" + ("_graphs" if args.graphs == "on" else ""))
+    table.write(f"profile_step_{args.model}" + ("_graphs" if args.graphs == "on" else "") + args.tag)
 
 
 if __name__ == "__main__":

@@ -85,16 +85,17 @@ class _Replay(torch.nn.Module):
 
 
 def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: int = 0, ddp: bool = False,
-                  whole: bool = False, graphs: bool = False, ddp_comm: str = "fp32", ddp_sync: str = "ddp"):
+                  graphs: bool = False, ddp_comm: str = "fp32", ddp_sync: str = "ddp"):
     """One training step as `platform.run` trains (bf16 autocast on CUDA, clipping, AdamW fused on
     CUDA, the routing-bias update), on one fixed packed batch: returns ``step()``.
 
-    ``ddp``: through DistributedDataParallel; ``whole``: the loss compiled as one graph;
+    ``ddp``: through DistributedDataParallel;
     ``graphs``: forward and backward replayed as CUDA graphs (`trainer.cuda_graphs`), captured here;
     ``ddp_comm``: the gradient all-reduce's dtype under DDP (`trainer.ddp_comm`); ``ddp_sync``: how the
     ranks average gradients (`trainer.grad_sync`: "ddp" wraps the loss in DistributedDataParallel,
     "flat" averages after the backward with `platform.parallel.all_reduce_gradients`)."""
     from platform.graphs import TrainLoss, graphed_loss
+    from platform.module import clip_in_fused_step
     from platform.moe import update_biases
     from platform.parallel import all_reduce_gradients
     from platform.train import ddp_comm_hook
@@ -115,8 +116,6 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
         hook = ddp_comm_hook(ddp_comm)
         if hook is not None:
             loss_fn.register_comm_hook(None, hook)
-    if whole:
-        loss_fn = torch.compile(loss_fn)
 
     def step():
         with autocast:
@@ -124,7 +123,10 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
         loss.backward()
         if flat:
             all_reduce_gradients(model.parameters(), ddp_comm)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=cuda)
+        if cuda:  # as LMModule clips for its fused AdamW: inside the step
+            clip_in_fused_step(opt, model.parameters(), 1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         update_biases(moes)
@@ -138,6 +140,8 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
     if compile_mode in ("on", "sublayers"):  # on: what trainer.compile=true does
         model.compile_sublayers()
+    if compile_mode == "model":  # trainer.compile_scope=model: the whole forward below the mask, and the loss
+        model.compile_model()
     if compile_mode == "sublayers":  # the sublayers only, the loss eager (trainer.compile before 2026-11-30)
         from platform.model import cross_entropy
         model.cross_entropy = cross_entropy
@@ -145,7 +149,7 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
     rank = torch.distributed.get_rank() if ddp else 0
     if cuda:  # the peak covers the warm-up (and a graph's capture), whose pools stay allocated
         torch.cuda.reset_peak_memory_stats()
-    step = training_step(model, batch, seq, vocab, device, seed=rank, ddp=ddp, whole=compile_mode == "model",
+    step = training_step(model, batch, seq, vocab, device, seed=rank, ddp=ddp,
                          graphs=graphs, ddp_comm=ddp_comm, ddp_sync=ddp_sync)
 
     for _ in range(warmup):
@@ -227,12 +231,15 @@ def main(argv=None) -> str:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--compile", nargs="+", default=["on"], choices=["off", "on", "sublayers", "model"],
                    help="on: torch.compile each attention / MLP sublayer and the loss (trainer.compile); sublayers: "
-                        "the sublayers only, the loss eager; model: the whole backbone")
+                        "the sublayers only, the loss eager; model: the whole forward below the attention mask and the loss "
+                        "(trainer.compile_scope=model)")
     p.add_argument("--graphs", nargs="+", default=["off"], choices=["off", "on"],
                    help="on: replay forward + backward as CUDA graphs (trainer.cuda_graphs; platform/graphs.py)")
     p.add_argument("--recompute", nargs="+", default=[None], help="model.recompute values (default: the model's)")
     p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
-    p.add_argument("--set", nargs="*", default=[], help="extra config overrides, e.g. model.checkpoint_reads=false")
+    p.add_argument("--set", nargs="*", action="append", default=None,
+                   help="extra config overrides, e.g. model.checkpoint_reads=false; given again, another set, timed "
+                        "as rows of their own in the same process (an empty --set: the defaults)")
     p.add_argument("--ddp", type=int, default=0, help="also time N GPUs with DDP at the same per-GPU batch")
     p.add_argument("--ddp-comm", nargs="+", default=["fp32"], choices=["fp32", "bf16"],
                    help="gradient all-reduce dtype of the DDP runs (trainer.ddp_comm); one DDP row each")
@@ -254,10 +261,11 @@ def main(argv=None) -> str:
 
     if "on" in a.graphs and device != "cuda":
         raise SystemExit("error: --graphs on: CUDA graphs need a CUDA device; valid here: --graphs off")
-    if "model" in a.compile and "on" in a.graphs:
-        raise SystemExit("error: --compile model with --graphs on: the whole-model compile is timed without graphs")
+    sets = a.set or [[]]
     columns = ["model", "residual", "compile", "graphs", "recompute", "GPUs", "tokens/step", "ms/step", "tokens/s",
                "vs vanilla", "TFLOP/s", "MFU (measured bf16)", "MFU (datasheet)", "peak GiB"]
+    if len(sets) > 1:
+        columns.insert(1, "overrides")
     if a.ddp:
         columns.append(f"scaling x{a.ddp}")
     title = f"Training-step throughput ({', '.join(a.models)}; batch {a.batch} per GPU, vocab {a.vocab})"
@@ -269,14 +277,14 @@ def main(argv=None) -> str:
                          "peak GiB: the most allocated from the run's start (warm-up and a graph's capture included), "
                          "the previous run's memory freed first",
                          f"median of {a.steps} steps after {a.warmup} warm-up steps; attention={a.attention}"
-                         + (f"; {' '.join(a.set)}" if a.set else "")])
+                         + (f"; {' '.join(sets[0])}" if len(sets) == 1 and sets[0] else "")])
     for model_name in a.models:
-        for comp, graph in [(c, g) for c in a.compile for g in a.graphs]:
+        for comp, graph, extra in [(c, g, e) for c in a.compile for g in a.graphs for e in sets]:
             graphs = graph == "on"
             for rec in a.recompute:
                 base = None
                 for name in runs:
-                    overrides = [f"model.attention={a.attention}", *a.set] + ([f"model.recompute={rec}"] if rec else [])
+                    overrides = [f"model.attention={a.attention}", *extra] + ([f"model.recompute={rec}"] if rec else [])
                     torch.manual_seed(0)
                     model, cfg = build(model_name, name, a.vocab, overrides, device)
                     seq = cfg.model.seq_len
@@ -296,7 +304,8 @@ def main(argv=None) -> str:
                     tps = tokens / sec
                     if name == "vanilla":
                         base = tps
-                    row = [model_name, name, comp, graph, cfg.model.recompute, "1", f"{tokens:,}"]
+                    row = [model_name, *([" ".join(extra) or "-"] if len(sets) > 1 else []), name, comp, graph,
+                           cfg.model.recompute, "1", f"{tokens:,}"]
                     if peak == float("inf"):
                         table.add(*row, "OOM", "-", "-", "-", "-", "-", "> device", *([""] if a.ddp else []))
                         print(f"{model_name} {name} compile={comp} graphs={graph}: OOM", flush=True)
@@ -316,7 +325,7 @@ def main(argv=None) -> str:
                         sec_n, peak_n = time_ddp(a.ddp, job)
                         tps_n = a.ddp * tokens / sec_n
                         flops_n = tps_n * flops_per_token / a.ddp
-                        table.add(model_name, name, comp, graph, cfg.model.recompute, f"{a.ddp} ({sync}, {comm} all-reduce)",
+                        table.add(*row[:-3], cfg.model.recompute, f"{a.ddp} ({sync}, {comm} all-reduce)",
                                   f"{a.ddp * tokens:,}", f"{sec_n * 1e3:.1f}", f"{tps_n:,.0f}", "-",
                                   f"{flops_n / 1e12:.1f}", mfu(flops_n, measured), mfu(flops_n, datasheet),
                                   f"{peak_n:.2f}", f"{tps_n / (a.ddp * tps):.3f}")

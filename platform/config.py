@@ -51,6 +51,11 @@ class ModelConfig:
     checkpoint_reads: bool = False  # recompute the residual's read in backward where it stores views (reference reads; never a fused op)
     attention: str = "auto"  # "flex" (FlexAttention, block mask) | "sdpa" (dense-mask reference) | "auto" (flex on CUDA)
     recompute: str = "none"  # sublayers re-run in backward: "none" | "attention" | "mlp" | "full"
+    # FlexAttention's kernel tiles on CUDA (`python -m benchmarks.flex_tiles` times them); empty: PyTorch's
+    # defaults. forward: [BLOCK_M, BLOCK_N, warps, stages]; backward: [BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2,
+    # warps, stages]. Block sizes divide the block mask's 128-token tiles.
+    flex_fwd: list[int] = field(default_factory=list)
+    flex_bwd: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +82,9 @@ class TrainerConfig:
     progress_bar: bool = True
     threads: int = 0  # CPU intra-op threads (0: leave torch's default)
     compile: bool = False  # torch.compile each attention and MLP sublayer and the loss (the residual stays eager)
+    # what trainer.compile compiles: "sublayers" (each sublayer and the loss; the residual eager) | "model"
+    # (the whole forward below the attention mask, residual included, and the loss: docs/gpu.md)
+    compile_scope: str = "sublayers"
     cuda_graphs: bool = False  # replay the training forward + backward as CUDA graphs (platform/graphs.py; GPU only)
     ddp_comm: str = "fp32"  # gradient all-reduce under DDP: "fp32" (exact) | "bf16" (half the bytes; docs/gpu.md)
     # how several processes average gradients: "ddp" (DistributedDataParallel's buckets, during the backward) |
@@ -182,6 +190,27 @@ def tracking_uri(cfg: DictConfig | None = None) -> str:
     return uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlruns' / 'mlflow.db'}"
 
 
+COMPILE_SCOPES = ("sublayers", "model")  # trainer.compile_scope
+FLEX_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")  # model.flex_fwd
+FLEX_BWD_FIELDS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")  # model.flex_bwd
+
+
+def _flex_tiles(key: str, value: list, fields: tuple[str, ...]) -> None:
+    """[] or one value per field: block sizes 16..128 dividing the mask's 128-token tiles, warps 1..16
+    (powers of 2), stages 1..6."""
+    if not value:
+        return
+    if len(value) != len(fields):
+        raise ConfigError(key, value, f"needs {len(fields)} values", f"[] (PyTorch's tiles) or [{', '.join(fields)}]")
+    for name, v in zip(fields, value):
+        ok = (v in (16, 32, 64, 128) if name.startswith("BLOCK") else v in (1, 2, 4, 8, 16)
+              if name == "num_warps" else 1 <= v <= 6)
+        if not ok:
+            valid = ("16, 32, 64 or 128" if name.startswith("BLOCK") else "1, 2, 4, 8 or 16"
+                     if name == "num_warps" else "1..6")
+            raise ConfigError(key, value, f"{name}={v} is not valid", f"{name} in {valid}")
+
+
 def _choice(what: str, value: Any, choices) -> None:
     if value not in choices:
         raise ConfigError(what, value, "not a known choice", list(choices))
@@ -231,6 +260,8 @@ def validate(cfg: DictConfig) -> None:
                           "(grouped GEMM alignment)", "a multiple of 8, or model.moe_impl=sliced")
     _choice("model.attention", m.attention, ATTENTION_BACKENDS)
     _choice("model.recompute", m.recompute, RECOMPUTE)
+    for key, fields in (("model.flex_fwd", FLEX_FWD_FIELDS), ("model.flex_bwd", FLEX_BWD_FIELDS)):
+        _flex_tiles(key, list(m[key.split(".")[1]]), fields)
     _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
     if m.attention == "flex" and t.accelerator == "cpu":
         raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "
@@ -238,6 +269,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("trainer.precision", t.precision, ("32-true", "bf16-mixed", "16-mixed", "bf16-true"))
     _choice("trainer.ddp_comm", t.ddp_comm, ("fp32", "bf16"))
     _choice("trainer.grad_sync", t.grad_sync, ("auto", "ddp", "flat"))
+    _choice("trainer.compile_scope", t.compile_scope, COMPILE_SCOPES)
     if t.cuda_graphs and t.accelerator == "cpu":
         raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, "CUDA graphs need a GPU, and trainer.accelerator=cpu",
                           "false on a CPU; true with trainer=gpu")

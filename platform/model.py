@@ -20,6 +20,7 @@ Activation memory: ``model.recompute`` re-runs the attention and/or MLP sublayer
 instead of keeping their activations (``torch.utils.checkpoint``); ``model.checkpoint_reads`` does
 the same for the residual's read. ``Backbone.compile_sublayers`` compiles each sublayer (the part
 every residual variant shares); the residual mechanism stays as it is (see docs/gpu.md).
+``Backbone.compile_model`` compiles the whole forward below the mask instead, residual included.
 """
 
 from __future__ import annotations
@@ -88,7 +89,16 @@ class AttentionMask:
 _compiled_flex = None
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
+def flex_kernel_options(fwd, bwd) -> dict | None:
+    """FlexAttention's ``kernel_options`` from ``model.flex_fwd`` / ``model.flex_bwd`` (None: PyTorch's tiles)."""
+    from .config import FLEX_BWD_FIELDS, FLEX_FWD_FIELDS
+
+    options = {**{f"fwd_{k}": int(v) for k, v in zip(FLEX_FWD_FIELDS, fwd or ())},
+               **{f"bwd_{k}": int(v) for k, v in zip(FLEX_BWD_FIELDS, bwd or ())}}
+    return options or None
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, options: dict | None = None) -> Tensor:
     """FlexAttention: a fused kernel on CUDA (compiled), the unfused reference math elsewhere.
 
     Inside a compiled region (trainer.compile) the enclosing compile generates the fused kernel;
@@ -97,11 +107,13 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
-    if q.device.type != "cuda" or torch.compiler.is_compiling():
+    if q.device.type != "cuda":  # the unfused math: no kernel, no tiles
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
 
 
 def build_attention_mask(doc_ids: Tensor, backend: str, doc_mask: bool = True) -> AttentionMask:
@@ -143,6 +155,7 @@ class Attention(nn.Module):
         cos, sin = rope_tables(cfg.seq_len, self.hd, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.flex_options = flex_kernel_options(cfg.flex_fwd, cfg.flex_bwd)  # a plain dict for the compiled forward
 
     def forward(self, h: Tensor, mask: AttentionMask) -> Tensor:
         B, T, _ = h.shape
@@ -154,7 +167,7 @@ class Attention(nn.Module):
         v = v.to(q.dtype)
         if mask.backend == "flex":
             with torch.autocast(h.device.type, enabled=False):  # q, k, v already share the compute dtype
-                y = _flex(q, k, v, mask.block)  # (B, H, T, hd)
+                y = _flex(q, k, v, mask.block, self.flex_options)  # (B, H, T, hd)
         elif mask.dense is not None:
             rep = self.n_heads // self.n_kv  # the masked kernels want explicit KV heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -228,14 +241,32 @@ class Backbone(nn.Module):
             sub.compile(**{"dynamic": False, **options})
         self.cross_entropy = torch.compile(cross_entropy, **{"dynamic": False, **options})
 
+    def compile_model(self, **options) -> None:
+        """torch.compile the whole forward below the attention mask (embedding, every read, sublayer and
+        write, final norm and head: `trunk`) as one graph, and the loss as in `compile_sublayers`.
+
+        Where `compile_sublayers` leaves the residual eager, here its reads and writes are fused with
+        the sublayers around them: for vanilla, each residual addition and, in backward, each sum of
+        the skip's and the sublayer's gradient of the stream join a neighbouring kernel instead of a
+        pass of their own over the (B, T, d) fp32 stream (`trainer.compile_scope=model`, docs/gpu.md).
+        A fused Triton residual op is a graph break (it is `torch.compiler.disable`d), so the graph
+        is cut around each such call.
+        """
+        self.trunk = torch.compile(self.trunk, **{"dynamic": False, **options})
+        self.cross_entropy = torch.compile(cross_entropy, **{"dynamic": False, **options})
+
     def _recomputed(self, sublayer: nn.Module) -> bool:
         kind = "attention" if isinstance(sublayer, Attention) else "mlp"
         return self.recompute in (kind, "full")
 
     def forward(self, tokens: Tensor, doc_ids: Tensor, record: bool = False) -> Tensor:
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
-        ctx = Context(doc_ids=doc_ids, record=record)
         mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask)
+        return self.trunk(tokens, doc_ids, mask, record)
+
+    def trunk(self, tokens: Tensor, doc_ids: Tensor, mask: AttentionMask, record: bool = False) -> Tensor:
+        """The forward once the attention mask is built (what `compile_model` compiles): -> logits."""
+        ctx = Context(doc_ids=doc_ids, record=record)
         embedding = self.embed(tokens)  # v_0: (B, T, d)
         state = self.residual.begin(embedding, ctx)
         grad = self.training and torch.is_grad_enabled()

@@ -46,6 +46,27 @@ def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def clip_in_fused_step(optimizer: torch.optim.Optimizer, parameters, max_norm: float) -> torch.Tensor:
+    """Gradient-norm clipping folded into the next step of a fused optimizer; returns the total norm.
+
+    ``clip_grad_norm_`` multiplies every gradient in place by min(max_norm / (‖g‖ + 1e-6), 1), one
+    more pass over all gradients before the step reads them again (0.24 ms of an 18.5 ms `small` step
+    on an H200). A fused Adam/AdamW step already divides every gradient it reads by ``grad_scale``
+    when one is set (the hook loss scaling uses), so setting it to max((‖g‖ + 1e-6) / max_norm, 1)
+    gives the same update, and leaves the same clipped gradients behind, up to one rounding.
+    The norm is computed on the device; nothing waits for it. Refused for an optimizer that is not
+    fused (it would ignore the scale).
+    """
+    opt = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wraps the torch one
+    if not (opt.defaults.get("fused") and getattr(opt, "_step_supports_amp_scaling", False)):
+        raise ValueError(f"clip_in_fused_step needs a fused optimizer that takes a grad_scale; got "
+                         f"{type(opt).__name__}(fused={opt.defaults.get('fused')})")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+    return norm
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -99,7 +120,10 @@ class LMModule(L.LightningModule):
         self.model_cfg, self.tcfg = model_cfg, trainer_cfg
         self.model = Backbone(model_cfg, vocab_size, residual_cfg)
         if trainer_cfg.compile:
-            self.model.compile_sublayers()
+            if trainer_cfg.compile_scope == "model":
+                self.model.compile_model()
+            else:
+                self.model.compile_sublayers()
         self.val_ppl = Perplexity()
         self._graphed_loss = None  # trainer.cuda_graphs: the captured training loss (platform.graphs), built on first use
         self._last_loss: torch.Tensor | None = None
@@ -205,8 +229,10 @@ class LMModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # Lightning's mixed-precision plugin refuses to clip for any fused optimizer because of fp16
         # loss scaling; in bf16 and fp32 the gradients are not scaled, so clip them here directly.
+        # The clipping itself is folded into the fused step (`clip_in_fused_step`): no pass of its own
+        # over the gradients.
         if gradient_clip_val and getattr(optimizer, "defaults", {}).get("fused"):
-            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val, foreach=True)
+            clip_in_fused_step(optimizer, self.parameters(), gradient_clip_val)
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 

@@ -5,9 +5,9 @@ from an fp32 router; the top-k experts are chosen on s + bias, where `bias` is a
 buffer nudged after each optimizer step toward balanced load (`update_bias`); the gates are the
 selected s renormalised. Dispatch sorts the (token, expert) assignments by expert and runs one
 grouped GEMM per projection over the contiguous groups (no loop over experts on the hot path); the
-combine copies the outputs back to (token, slot) order and sums each token's k slots, and the
-dispatch's backward gathers and sums each token's k input-gradient rows the same way (`_Dispatch`):
-no atomic scatter-add in either direction, so the step is deterministic.
+combine gathers each token's k output rows and sums them (`_Combine`), and the dispatch's backward
+gathers and sums each token's k input-gradient rows the same way (`_Dispatch`): no atomic
+scatter-add in either direction, so the step is deterministic.
 
 The dispatch never waits for the device: group ends come from a `searchsorted` over the sorted
 expert ids (not `bincount`, which reads the maximum back to the host on CUDA), the grouped GEMM
@@ -70,11 +70,43 @@ class _Dispatch(torch.autograd.Function):
         return dxs[inv].view(inv.numel() // ctx.k, ctx.k, dxs.shape[-1]).sum(1), None, None, None
 
 
+class _Combine(torch.autograd.Function):
+    """y[inv]: the expert-sorted rows y (N·k, d) back in (token, slot) order, as a gather.
+
+    inv and order are inverse permutations. Autograd's backward of y[inv] is an accumulating
+    index_put (atomic adds, for indices that cannot repeat here); the gradient of a permutation is the
+    inverse permutation of the gradient, dy = dout[order], a gather like the forward."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, inv: Tensor, order: Tensor) -> Tensor:
+        ctx.save_for_backward(order)
+        return y[inv]
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        (order,) = ctx.saved_tensors
+        return dout[order], None, None
+
+
+def inverse_permutation(order: Tensor) -> Tensor:
+    """inv with inv[order[p]] = p."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def dispatch(x: Tensor, order: Tensor, k: int) -> Tensor:
     """x (N, d), order (N·k,) the argsort of the flattened (N, k) expert choices -> x's row of every sorted
     assignment, (N·k, d) (`_Dispatch`)."""
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return _Dispatch.apply(x, order // k, inv, k)
+    return _Dispatch.apply(x, order // k, inverse_permutation(order), k)
+
+
+def combine(y: Tensor, order: Tensor, k: int) -> Tensor:
+    """y (N·k, d) in the sorted order of ``order`` -> each token's k rows summed, (N, d) (`_Combine`)."""
+    return _Combine.apply(y, inverse_permutation(order), order).view(-1, k, y.shape[-1]).sum(1)
+
+
+def sort_key_dtype(n_experts: int) -> torch.dtype:
+    """The narrowest integer dtype that holds every expert id (uint8 up to 256 experts)."""
+    return torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 2**15 else torch.int32
 
 
 class SwiGLU(nn.Module):
@@ -95,6 +127,9 @@ class MoE(nn.Module):
                  bias_update_rate: float, route_scale: float = 1.0, impl: str = "grouped_mm"):
         super().__init__()
         self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
+        # The sort key's dtype: a radix sort makes one pass per key byte, so expert ids sorted as uint8
+        # take 1 pass where topk's int64 indices take 8 (the order is the same: stable, same keys).
+        self.key_dtype = sort_key_dtype(n_experts)
         self.bias_update_rate, self.route_scale = bias_update_rate, route_scale
         self.shared = SwiGLU(d, expert_hidden * n_shared) if n_shared > 0 else None
         self.router = nn.Parameter(torch.empty(n_experts, d))  # e_i, used in fp32
@@ -109,7 +144,9 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x: (N, d) -> expert indices (N, k) and gates (N, k), in fp32."""
         scores = torch.sigmoid(x.float() @ self.router.float().t())  # (N, E)
-        idx = torch.topk(scores + self.bias, self.top_k, dim=-1).indices  # bias steers choice only
+        # bias steers choice only; the k chosen in no particular order (nothing depends on the slot order,
+        # and an ordered top-k sorts every token's k values once more)
+        idx = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
         gates = scores.gather(-1, idx)
         gates = gates / gates.sum(-1, keepdim=True) * self.route_scale
         return idx, gates
@@ -118,22 +155,22 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, d)
         idx, gates = self.route(x)  # (N, k)
-        flat = idx.flatten()  # (N*k,) expert of each assignment
+        flat = idx.flatten().to(self.key_dtype)  # (N*k,) expert of each assignment, as a narrow sort key
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         experts = torch.arange(self.n_experts, device=x.device, dtype=flat.dtype)
         ends = torch.searchsorted(flat[order], experts, right=True)  # (E,) cumulative group ends
         offsets = ends.to(torch.int32)
-        xs = dispatch(x, order, self.top_k)  # (N*k, d): row p is token order[p] // k
+        inv = inverse_permutation(order)  # (N*k,): sorted position of assignment t*k + j
+        xs = _Dispatch.apply(x, order // self.top_k, inv, self.top_k)  # (N*k, d): row p is token order[p] // k
         h = F.silu(grouped_matmul(xs, self.w1, offsets, self.impl)) * grouped_matmul(xs, self.w3, offsets, self.impl)
         # The gate scales the expert's hidden activation, not its output: the same product (w2 is
         # linear), but the gate's gradient needs h (N*k, hidden) instead of the output (N*k, d).
         h = h * gates.flatten()[order].unsqueeze(-1).to(h.dtype)  # (N*k, hidden)
         y = grouped_matmul(h, self.w2, offsets, self.impl)  # (N*k, d), sorted by expert
-        # Combine: each assignment's output back to its place (token, slot), then the k slots of a token
-        # summed. A permutation copy and a reduction: no atomics (an index_add of the k rows of a token
-        # into one row needs atomic adds, slow in bf16 and non-deterministic), one rounding per sum.
-        unsorted = torch.empty_like(y).index_copy(0, order, y)  # (N*k, d): row t*k + j = token t, slot j
-        out = unsorted.view(-1, self.top_k, y.shape[-1]).sum(1)  # (N, d)
+        # Combine: each token gathers its k assignments' rows and sums them (`_Combine`): no atomics (an
+        # index_add of the k rows of a token into one row needs atomic adds, slow in bf16 and
+        # non-deterministic), one rounding per sum, and compiled one kernel that reads y once.
+        out = _Combine.apply(y, inv, order).view(-1, self.top_k, y.shape[-1]).sum(1)  # (N, d)
         if self.shared is not None:
             out = out + self.shared(x)
         with torch.no_grad():  # idempotent: a recomputed forward writes the same counts

@@ -16,12 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 from .. import stats, tracking
 
 # Knobs that do not change a run's numbers: runs that differ only in these are the same run.
-# `compile` and `cuda_graphs` change rounding only (fused kernels; the step's kernels replayed from a
+# `compile`, `compile_scope` and `cuda_graphs` change rounding only (fused kernels; the step's kernels replayed from a
 # graph): a graphed training run follows the eager one within 2% a step (tests/platform/test_graphs.py).
 # `grad_sync` changes when and in how many messages the gradients are averaged, not the average
 # (divide by the world size, then sum, in the same dtype: bit-equal, tests/platform/test_ddp.py).
 HASH_IGNORED = ("trainer/progress_bar", "trainer/threads", "trainer/ckpt_every", "trainer/log_every",
-                "trainer/compile", "trainer/cuda_graphs", "trainer/grad_sync", "data/num_workers", "data/cache_dir")
+                "trainer/compile", "trainer/compile_scope", "trainer/cuda_graphs", "trainer/grad_sync", "data/num_workers", "data/cache_dir")
 HASH_GROUPS = ("model/", "data/", "trainer/", "residual/")
 # Config fields added after runs were stored, each with the value that does what every run did before
 # the field existed. A stored run that lacks the param is hashed as if it had logged this value, so a

@@ -128,8 +128,11 @@ def test_recompute_changes_nothing_but_memory(recompute):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_flex_equals_sdpa_on_gpu(dtype):
-    cfg = tiny_model_cfg(d_model=256, n_heads=4, n_kv_heads=2, seq_len=1000)
+@pytest.mark.parametrize("tiles", [([], []), ([64, 64, 4, 2], [32, 64, 64, 32, 4, 3])], ids=["default", "tuned"])
+def test_compiled_flex_equals_sdpa_on_gpu(dtype, tiles):
+    """FlexAttention compiled, with PyTorch's tiles and with model.flex_fwd / flex_bwd, against the dense mask."""
+    torch._dynamo.reset()  # the tiles are part of the compiled kernel: no cached one from the other case
+    cfg = tiny_model_cfg(d_model=256, n_heads=4, n_kv_heads=2, seq_len=1000, flex_fwd=tiles[0], flex_bwd=tiles[1])
     torch.manual_seed(0)
     attn = Attention(cfg).cuda()
     doc_ids = odd_doc_ids(2, 1000, seed=0).cuda()

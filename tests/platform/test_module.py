@@ -69,3 +69,74 @@ def test_mfu_and_lr_are_logged_from_the_analytic_flops(monkeypatch):
 
 def test_peak_rates_are_unknown_off_cuda():
     assert accounting.peak_rates(torch.device("cpu")) == (None, None)
+
+
+@pytest.mark.parametrize("max_norm", [0.3, 1e3])  # clipping active, and a norm under the limit
+def test_clipping_folded_into_the_fused_step_equals_clip_then_step(max_norm):
+    """clip_in_fused_step + a fused AdamW step against clip_grad_norm_ + the same step, over three steps
+    of random gradients: the same weights, the same clipped gradients left behind, the same moments
+    (the first moment is (1 - β1)·g after one step, so an unclipped gradient would show there)."""
+    from platform.module import clip_in_fused_step
+
+    g = torch.Generator().manual_seed(7)
+    shapes = [(37, 5), (5,), (3, 4, 2)]
+    ref = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    new = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True)
+    opt_new = torch.optim.AdamW(new, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        for a, b in zip(ref, new):
+            grad = torch.randn(a.shape, generator=g) * (step + 2)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=True)
+        norm_new = clip_in_fused_step(opt_new, new, max_norm)
+        torch.testing.assert_close(norm_new, norm_ref)
+        assert (norm_ref > max_norm) == (max_norm < 1)  # the two cases are what they claim to be
+        opt_ref.step()
+        opt_new.step()
+        for a, b in zip(ref, new):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt_new.state[b][key], opt_ref.state[a][key], rtol=1e-6, atol=1e-9)
+
+
+def test_clipping_in_the_step_refuses_an_unfused_optimizer():
+    from platform.module import clip_in_fused_step
+
+    p = torch.nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    with pytest.raises(ValueError, match=r"fused optimizer.*AdamW\(fused=None\)"):
+        clip_in_fused_step(torch.optim.AdamW([p]), [p], 1.0)
+
+
+def test_module_clips_inside_its_fused_step(monkeypatch):
+    """LMModule with a fused AdamW (forced on CPU) and an active clip trains to the weights of the same
+    module clipping with clip_grad_norm_ before the step."""
+    from platform.config import residual_config
+
+    cfg = make_cfg("model=tiny", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.seq_len=24",
+                   "residual=vanilla", "trainer.grad_clip=0.05", "trainer.max_steps=3")
+    monkeypatch.setattr(LMModule, "_fused_adamw", lambda self: True)
+
+    def fit(clip_before_step: bool):
+        torch.manual_seed(0)
+        module = LMModule(cfg.model, cfg.trainer, residual_config(cfg), vocab_size=VOCAB)
+        if clip_before_step:
+            module.configure_gradient_clipping = lambda optimizer, gradient_clip_val=None, gradient_clip_algorithm=None: (
+                torch.nn.utils.clip_grad_norm_(module.parameters(), gradient_clip_val, foreach=True))
+        trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_progress_bar=False,
+                            gradient_clip_val=cfg.trainer.grad_clip, enable_checkpointing=False,
+                            enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(module, train_dataloaders=loader(3))
+        opt = trainer.optimizers[0]
+        assert opt.defaults["fused"]
+        return module, opt
+
+    ref, opt_ref = fit(clip_before_step=True)
+    new, opt_new = fit(clip_before_step=False)
+    assert getattr(opt_ref, "grad_scale", None) is None and float(opt_new.grad_scale) > 1  # clipping was active
+    for (name, a), b in zip(ref.named_parameters(), new.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(opt_new.state[b]["exp_avg"], opt_ref.state[a]["exp_avg"], rtol=1e-5, atol=1e-8,
+                                   msg=name)

@@ -137,3 +137,49 @@ def test_dispatch_backward_sums_each_tokens_rows(N, k, d):
     (ref,) = torch.autograd.grad(x[order // k], x, up)
     torch.testing.assert_close(dx, ref, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda x: dispatch(x, order, k), (x,))
+
+
+@pytest.mark.parametrize("E", [4, 32, 256, 257, 3000])
+def test_narrow_sort_key_gives_the_int64_order_and_group_ends(E):
+    """The dispatch sorts expert ids as the narrowest dtype that holds them (one radix pass per byte):
+    the stable order and the group ends equal those of topk's int64 indices, up to the dtype's edge."""
+    from platform.moe import sort_key_dtype
+
+    dtype = sort_key_dtype(E)
+    assert torch.iinfo(dtype).max >= E - 1 and dtype.itemsize <= 4
+    g = torch.Generator().manual_seed(E)
+    flat = torch.randint(0, E, (5003,), generator=g)
+    flat[:3] = E - 1  # the largest id, at the dtype's edge for E = 256 (uint8 255)
+    order = torch.argsort(flat.to(dtype), stable=True)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    ends = torch.searchsorted(flat.to(dtype)[order], torch.arange(E, dtype=dtype), right=True)
+    assert torch.equal(ends, torch.searchsorted(flat[order], torch.arange(E), right=True))
+
+
+def test_moe_with_more_experts_than_uint8_holds_matches_sliced():
+    """300 experts: the sort key is int16; the grouped dispatch still equals the sliced reference."""
+    fast, ref = make_moe("grouped_mm", E=300, k=3), make_moe("sliced", E=300, k=3)
+    ref.load_state_dict(fast.state_dict())
+    assert fast.key_dtype == torch.int16
+    x = torch.randn(64, 16)
+    torch.testing.assert_close(fast(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("N, k, d", [(1, 1, 3), (7, 2, 5), (13, 4, 9)])
+def test_combine_gathers_each_tokens_rows(N, k, d):
+    """The combine (each token gathers its k sorted rows and sums them) against copying the rows back to
+    (token, slot) order with index_copy and summing; its gather backward against autograd's, for a
+    random upstream gradient; fp64 gradcheck."""
+    from platform.moe import combine
+
+    g = torch.Generator().manual_seed(N * 100 + k + 1)
+    order = torch.argsort(torch.randint(0, 5, (N * k,), generator=g), stable=True)
+    y = torch.randn(N * k, d, dtype=torch.float64, generator=g, requires_grad=True)
+    up = torch.randn(N, d, dtype=torch.float64, generator=g)
+    out = combine(y, order, k)
+    ref = torch.zeros_like(y).index_copy(0, order, y).view(N, k, d).sum(1)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    (dy,) = torch.autograd.grad(out, y, up)
+    (dref,) = torch.autograd.grad(ref, y, up)
+    torch.testing.assert_close(dy, dref, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(lambda y: combine(y, order, k), (y,))
