@@ -49,14 +49,16 @@
 #   scope    one GPU: graphed vanilla at small with FlexAttention's default tiles and the model's (model.flex_fwd,
 #            flex_bwd), in one process; SCOPE_RESIDUALS at small compiled per sublayer and whole (trainer.compile_scope);
 #            FlexAttention's quick tile sweep at FLEX_SHAPES (default medium; none: skipped)
+#   closing1 the closing tables on one GPU: the GPU tests CLOSING_TESTS, every residual and ablation at small, the
+#            medium table (MEDIUM_RESIDUALS), compiled per COMPILE (default model); TAG names the files (default _closing)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -267,6 +269,18 @@ case "$PLAN" in
       --top ${PROFILE_TOP:-40} --tag ${TAG:-_mfu}
     [ "${FLEX_SHAPES:-small}" != none ] && step gpu0 flex "${FLEX_LIMIT:-260}" python3 -m benchmarks.flex_tiles \
       --shapes ${FLEX_SHAPES:-small} --budget ${FLEX_BUDGET:-200}
+    ;;
+  closing1)
+    # the closing tables on one GPU with the final defaults: the GPU tests of the training path (CLOSING_TESTS),
+    # every residual and ablation at small, then the medium table; compiled per COMPILE (default model)
+    step gpu0 gpu_tests "${CLOSING_TEST_LIMIT:-110}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      ${CLOSING_TESTS:-tests/platform}
+    step gpu0 throughput_small "${SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      attnres attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv \
+      --compile ${COMPILE:-model} --graphs on --steps 8 --tag ${TAG:-_closing}
+    step gpu0 throughput_medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals \
+      ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile ${COMPILE:-model} --graphs on --steps 6 \
+      --tag ${TAG:-_closing}
     ;;
   scope)
     step gpu0 tiles "${TILES_LIMIT:-100}" python3 -m benchmarks.throughput --models small --residuals vanilla \

@@ -138,7 +138,7 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
                   compile_mode: str, ddp: bool = False, graphs: bool = False,
                   ddp_comm: str = "fp32", ddp_sync: str = "ddp") -> tuple[float, float]:
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
-    if compile_mode in ("on", "sublayers"):  # on: what trainer.compile=true does
+    if compile_mode in ("on", "sublayers"):  # on: trainer.compile=true with compile_scope=sublayers
         model.compile_sublayers()
     if compile_mode == "model":  # trainer.compile_scope=model: the whole forward below the mask, and the loss
         model.compile_model()

@@ -64,3 +64,24 @@ def test_fused_backend_run_finishes_and_records_depth_weights_on_gpu(name, tmp_p
     assert run.info.status == "FINISHED", run.info.status
     assert any(a.path.endswith("depth_attention.json") for a in client.list_artifacts(run.info.run_id, "plots"))
     assert math.isfinite(result.val_loss)
+
+
+@pytest.mark.parametrize("name", ["vanilla", "attnres_block"])
+def test_training_run_compiled_whole_matches_eager_on_gpu(name, tmp_path):
+    """trainer=gpu as shipped (the whole forward compiled, trainer.compile_scope=model, CUDA graphs) trains
+    to the losses of the same run uncompiled, step by step; attnres_block's fused ops are graph breaks."""
+    from platform.train import train
+    from tests.platform.test_train import FAST, LossRecorder
+
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        rec = LossRecorder()
+        cfg = make_cfg(*FAST, "trainer=gpu", f"trainer.compile={compiled}", "trainer.compile_scope=model",
+                       f"residual={name}", "trainer.max_steps=6", "trainer.val_every=6", "mlflow.enabled=false",
+                       "seed=3")
+        train(cfg, callbacks=[rec], run_dir=tmp_path / f"compiled{compiled}")
+        runs[compiled] = rec.losses
+    assert sorted(runs[True]) == sorted(runs[False]) and len(runs[True]) >= 6
+    for step in runs[False]:
+        assert abs(runs[True][step] - runs[False][step]) < 2e-2 * abs(runs[False][step]), (step, runs)
