@@ -289,11 +289,17 @@ def main(argv=None) -> str:
                     model, cfg = build(model_name, name, a.vocab, overrides, device)
                     seq = cfg.model.seq_len
                     flops_per_token = 3 * accounting.forward_flops_per_token(model, cfg.model, a.vocab)
+                    failed = ""
                     try:
                         sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp,
                                                   graphs=graphs)
                     except torch.OutOfMemoryError:
                         sec, peak = float("nan"), float("inf")
+                    except Exception as e:  # noqa: BLE001 - a row that cannot run (e.g. no kernel for its
+                        # settings) is reported in its row; the other rows of the table are still timed
+                        failed = f"FAILED: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+                        sec, peak = float("nan"), float("nan")
+                        print(f"{model_name} {name} {' '.join(extra)}: {failed}", flush=True)
                     del model
                     gc.collect()  # graphed callables live in reference cycles: free their pools before the next run
                     if device == "cuda":
@@ -306,6 +312,9 @@ def main(argv=None) -> str:
                         base = tps
                     row = [model_name, *([" ".join(extra) or "-"] if len(sets) > 1 else []), name, comp, graph,
                            cfg.model.recompute, "1", f"{tokens:,}"]
+                    if failed:
+                        table.add(*row, failed, "-", "-", "-", "-", "-", "-", *([""] if a.ddp else []))
+                        continue
                     if peak == float("inf"):
                         table.add(*row, "OOM", "-", "-", "-", "-", "-", "> device", *([""] if a.ddp else []))
                         print(f"{model_name} {name} compile={comp} graphs={graph}: OOM", flush=True)

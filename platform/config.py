@@ -53,11 +53,9 @@ class ModelConfig:
     recompute: str = "none"  # sublayers re-run in backward: "none" | "attention" | "mlp" | "full"
     # FlexAttention's kernel tiles on CUDA (`python -m benchmarks.flex_tiles` times them); empty: PyTorch's
     # defaults. forward: [BLOCK_M, BLOCK_N, warps, stages]; backward: [BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2,
-    # warps, stages]. Block sizes divide flex_block, the block mask's tile: the granularity at which tiles wholly
-    # outside the causal, same-document mask are skipped (32, 64 or 128; below 128, flex_fwd and flex_bwd are set).
+    # warps, stages]. Block sizes divide the block mask's 128-token tiles.
     flex_fwd: list[int] = field(default_factory=list)
     flex_bwd: list[int] = field(default_factory=list)
-    flex_block: int = 128
 
 
 @dataclass
@@ -197,22 +195,22 @@ FLEX_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")  # model.fle
 FLEX_BWD_FIELDS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")  # model.flex_bwd
 
 
-def _flex_tiles(key: str, value: list, fields: tuple[str, ...], mask_block: int) -> None:
-    """[] or one value per field: block sizes 16..128 dividing the mask's tile (``model.flex_block``), warps
-    1..16 (powers of 2), stages 1..6. PyTorch's own tiles (empty) are 128 wide: a smaller mask tile needs ours."""
+def _flex_tiles(key: str, value: list, fields: tuple[str, ...]) -> None:
+    """[] or one value per field: block sizes 16..128 (dividing the block mask's 128-token tiles), warps 1..16
+    (powers of 2), stages 1..6.
+
+    The mask's tile itself stays 128: with 64-token mask tiles (more masked tiles skipped) PyTorch 2.11's flex
+    backward has no kernel on an H200 (it filters its own default tile, 128 wide, against the mask's before
+    applying these options; tried 2026-12-01)."""
     if not value:
-        if mask_block < 128:
-            raise ConfigError(key, value, f"PyTorch's default tiles do not divide model.flex_block={mask_block}",
-                              f"[{', '.join(fields)}] with block sizes dividing {mask_block}, or model.flex_block=128")
         return
     if len(value) != len(fields):
         raise ConfigError(key, value, f"needs {len(fields)} values", f"[] (PyTorch's tiles) or [{', '.join(fields)}]")
     for name, v in zip(fields, value):
-        ok = (v in (16, 32, 64, 128) and v <= mask_block if name.startswith("BLOCK") else v in (1, 2, 4, 8, 16)
+        ok = (v in (16, 32, 64, 128) if name.startswith("BLOCK") else v in (1, 2, 4, 8, 16)
               if name == "num_warps" else 1 <= v <= 6)
         if not ok:
-            valid = (f"{', '.join(str(b) for b in (16, 32, 64, 128) if b <= mask_block)} (model.flex_block="
-                     f"{mask_block})" if name.startswith("BLOCK") else "1, 2, 4, 8 or 16"
+            valid = ("16, 32, 64 or 128" if name.startswith("BLOCK") else "1, 2, 4, 8 or 16"
                      if name == "num_warps" else "1..6")
             raise ConfigError(key, value, f"{name}={v} is not valid", f"{name} in {valid}")
 
@@ -266,9 +264,8 @@ def validate(cfg: DictConfig) -> None:
                           "(grouped GEMM alignment)", "a multiple of 8, or model.moe_impl=sliced")
     _choice("model.attention", m.attention, ATTENTION_BACKENDS)
     _choice("model.recompute", m.recompute, RECOMPUTE)
-    _choice("model.flex_block", m.flex_block, (32, 64, 128))
     for key, fields in (("model.flex_fwd", FLEX_FWD_FIELDS), ("model.flex_bwd", FLEX_BWD_FIELDS)):
-        _flex_tiles(key, list(m[key.split(".")[1]]), fields, m.flex_block)
+        _flex_tiles(key, list(m[key.split(".")[1]]), fields)
     _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
     if m.attention == "flex" and t.accelerator == "cpu":
         raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "

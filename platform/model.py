@@ -116,9 +116,8 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, block_mask, options: dict | None = No
     return _compiled_flex(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=options)
 
 
-def build_attention_mask(doc_ids: Tensor, backend: str, doc_mask: bool = True, block: int = 128) -> AttentionMask:
-    """The causal (and, with ``doc_mask``, same-document) mask for doc_ids (B, T), for ``backend``; ``block``:
-    the flex mask's tile (``model.flex_block``), the granularity at which masked tiles are skipped."""
+def build_attention_mask(doc_ids: Tensor, backend: str, doc_mask: bool = True) -> AttentionMask:
+    """The causal (and, with ``doc_mask``, same-document) mask for doc_ids (B, T), for ``backend``."""
     B, T = doc_ids.shape
     if backend == "sdpa":
         if not doc_mask:
@@ -139,8 +138,8 @@ def build_attention_mask(doc_ids: Tensor, backend: str, doc_mask: bool = True, b
         def mask_mod(b, h, q, kv):
             return q >= kv
     # On CUDA the mask itself is built by a compiled kernel: no (B, T, T) tensor is materialised.
-    mask = create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, BLOCK_SIZE=block, _compile=doc_ids.is_cuda)
-    return AttentionMask("flex", block=mask)
+    block = create_block_mask(mask_mod, B, None, T, T, device=doc_ids.device, _compile=doc_ids.is_cuda)
+    return AttentionMask("flex", block=block)
 
 
 class Attention(nn.Module):
@@ -207,7 +206,6 @@ class Backbone(nn.Module):
         # Plain values read on every forward (a config node is opaque to torch.compile's tracer).
         self.attention, self.recompute, self.doc_mask = str(cfg.attention), str(cfg.recompute), bool(cfg.doc_mask)
         self.checkpoint_reads = bool(cfg.checkpoint_reads)
-        self.flex_block = int(cfg.flex_block)
         self.embed = nn.Embedding(vocab_size, cfg.d_model)
         self.sublayers = nn.ModuleList()
         for b in range(cfg.n_blocks):
@@ -263,8 +261,7 @@ class Backbone(nn.Module):
 
     def forward(self, tokens: Tensor, doc_ids: Tensor, record: bool = False) -> Tensor:
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
-        mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask,
-                                    self.flex_block)
+        mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask)
         return self.trunk(tokens, doc_ids, mask, record)
 
     def trunk(self, tokens: Tensor, doc_ids: Tensor, mask: AttentionMask, record: bool = False) -> Tensor:

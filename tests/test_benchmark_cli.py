@@ -57,3 +57,26 @@ def test_throughput_ddp_rows_per_all_reduce_dtype_and_sync(tmp_path, monkeypatch
     assert [r[6].strip() for r in rows] == ["1", "2 (ddp, fp32 all-reduce)", "2 (ddp, bf16 all-reduce)",
                                             "2 (flat, fp32 all-reduce)", "2 (flat, bf16 all-reduce)"]
     assert all(float(r[-2]) > 0 for r in rows[1:])  # a scaling efficiency per DDP row
+
+
+def test_throughput_sets_are_rows_and_a_failing_row_keeps_the_table(tmp_path, monkeypatch):
+    """--set given twice: the rows of each set, labelled with its overrides, in one table; a row whose run
+    raises is reported FAILED in its row, and the rows after it are still timed."""
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    real = throughput.time_training
+
+    def flaky(model, *args, **kwargs):
+        if model.cfg.expert_hidden == 24:
+            raise RuntimeError("no kernel for these settings")
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(throughput, "time_training", flaky)
+    text = throughput.main(["--models", "tiny", "--residuals", "vanilla", "--steps", "1", "--warmup", "1",
+                            "--compile", "off", "--vocab", "256", "--batch", "2", "--set", "model.seq_len=32",
+                            "model.expert_hidden=24", "--set", "model.seq_len=32", "--tag", "_test"])
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| tiny")]
+    assert [r[2].strip() for r in rows] == ["model.seq_len=32 model.expert_hidden=24", "model.seq_len=32"]
+    assert rows[0][9].strip() == "FAILED: RuntimeError: no kernel for these settings"
+    assert float(rows[1][9].strip()) > 0  # ms/step of the set after the failure

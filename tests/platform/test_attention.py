@@ -91,37 +91,6 @@ def test_block_mask_skips_tiles_other_documents_own():
     assert dense.tolist() == [[1, 0], [0, 1]]
 
 
-@pytest.mark.parametrize("block", [32, 64])
-@pytest.mark.parametrize("B,T,d,H,Hkv", [CASES[1], CASES[2]])
-def test_flex_with_smaller_mask_tiles_equals_masked_sdpa(flex_backward_on_cpu, block, B, T, d, H, Hkv):
-    """model.flex_block below 128: the mask's tiles are smaller (more of them skipped), the attention is the
-    same: forward and gradients against the dense mask, fp64, random upstream gradient."""
-    cfg = tiny_model_cfg(d_model=d, n_heads=H, n_kv_heads=Hkv, seq_len=T)
-    torch.manual_seed(1)
-    attn = Attention(cfg).double()
-    for p in attn.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    doc_ids = odd_doc_ids(B, T, seed=T + block)
-    h = torch.randn(B, T, d, dtype=torch.float64)
-    upstream = torch.randn(B, T, d, dtype=torch.float64)
-    out = {}
-    for backend in ("flex", "sdpa"):
-        x = h.clone().requires_grad_(True)
-        y = attn(x, build_attention_mask(doc_ids, backend, block=block))
-        (dx,) = torch.autograd.grad(y, x, upstream)
-        out[backend] = (y.detach(), dx)
-    for a, b in zip(out["flex"], out["sdpa"]):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
-
-
-def test_smaller_mask_tiles_skip_more():
-    """Two 64-token documents in a 128-token window: one 128 tile covers both (computed, masked inside);
-    at model.flex_block=64 the cross-document tile is skipped."""
-    doc_ids = torch.cat([torch.zeros(1, 64), torch.ones(1, 64)], 1).long()
-    assert build_attention_mask(doc_ids, "flex").block.to_dense()[0, 0].tolist() == [[1]]
-    assert build_attention_mask(doc_ids, "flex", block=64).block.to_dense()[0, 0].tolist() == [[1, 0], [0, 1]]
-
-
 def test_auto_dispatch_and_bad_names():
     assert attention_backend("auto", torch.device("cpu")) == "sdpa"
     assert attention_backend("auto", torch.device("cuda")) == "flex"
@@ -159,14 +128,11 @@ def test_recompute_changes_nothing_but_memory(recompute):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tiles", [([], [], 128), ([64, 64, 4, 2], [32, 64, 64, 32, 4, 3], 128),
-                                   ([64, 64, 4, 2], [32, 64, 64, 32, 4, 3], 64)], ids=["default", "tuned", "tuned-64"])
+@pytest.mark.parametrize("tiles", [([], []), ([64, 64, 4, 2], [32, 64, 64, 32, 4, 3])], ids=["default", "tuned"])
 def test_compiled_flex_equals_sdpa_on_gpu(dtype, tiles):
-    """FlexAttention compiled, with PyTorch's tiles and with model.flex_fwd / flex_bwd (and the mask's tile
-    model.flex_block), against the dense mask."""
+    """FlexAttention compiled, with PyTorch's tiles and with model.flex_fwd / flex_bwd, against the dense mask."""
     torch._dynamo.reset()  # the tiles are part of the compiled kernel: no cached one from the other case
     cfg = tiny_model_cfg(d_model=256, n_heads=4, n_kv_heads=2, seq_len=1000, flex_fwd=tiles[0], flex_bwd=tiles[1])
-    block = tiles[2]
     torch.manual_seed(0)
     attn = Attention(cfg).cuda()
     doc_ids = odd_doc_ids(2, 1000, seed=0).cuda()
@@ -177,7 +143,7 @@ def test_compiled_flex_equals_sdpa_on_gpu(dtype, tiles):
         attn.zero_grad()
         x = h.clone().requires_grad_(True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            y = attn(x, build_attention_mask(doc_ids, backend, block=block))
+            y = attn(x, build_attention_mask(doc_ids, backend))
         y.float().backward(upstream)
         res[backend] = [y.float()] + [x.grad] + [p.grad for p in attn.parameters()]
     tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
