@@ -250,8 +250,10 @@ class Backbone(nn.Module):
         the skip's and the sublayer's gradient of the stream join a neighbouring kernel instead of a
         pass of their own over the (B, T, d) fp32 stream (`trainer.compile_scope=model`, docs/gpu.md).
         A fused Triton residual op is a graph break (it is `torch.compiler.disable`d), so the graph
-        is cut around each such call.
+        is cut around each such call. A recording forward (``record=True``, once at the end of a run) runs
+        the uncompiled trunk: no graph of its own for one call, and its side effects stay plain Python.
         """
+        self._eager_trunk = self.trunk
         self.trunk = torch.compile(self.trunk, **{"dynamic": False, **options})
         self.cross_entropy = torch.compile(cross_entropy, **{"dynamic": False, **options})
 
@@ -262,7 +264,8 @@ class Backbone(nn.Module):
     def forward(self, tokens: Tensor, doc_ids: Tensor, record: bool = False) -> Tensor:
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
         mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask)
-        return self.trunk(tokens, doc_ids, mask, record)
+        trunk = getattr(self, "_eager_trunk", self.trunk) if record else self.trunk
+        return trunk(tokens, doc_ids, mask, record)
 
     def trunk(self, tokens: Tensor, doc_ids: Tensor, mask: AttentionMask, record: bool = False) -> Tensor:
         """The forward once the attention mask is built (what `compile_model` compiles): -> logits."""

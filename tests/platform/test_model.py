@@ -125,3 +125,21 @@ def test_compiled_model_equals_the_eager_model():
         err_eager = float((eager[n] - ref).norm() / ref.norm().clamp_min(1e-12))
         err_compiled = float((compiled[n] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert err_compiled <= 2 * err_eager + 1e-2, (n, err_compiled, err_eager)
+
+
+@pytest.mark.slow
+def test_compiled_model_records_depth_weights_as_the_eager_model():
+    """A recording forward (record=True, what the end of a run does) on a compiled model keeps the depth
+    weights of the eager one (attnres_block, PyTorch backend on the CPU)."""
+    torch.manual_seed(0)
+    model = build_backbone("attnres_block", vocab=101).eval()
+    tokens, docs = packed_batch(2, 24, 101)
+    with torch.no_grad():
+        model(tokens, docs, record=True)
+        eager = {k: v.clone() for k, v in model.residual.recorded.items()}
+        model.residual.recorded.clear()
+        model.compile_model()
+        model(tokens, docs, record=True)
+    assert eager and sorted(model.residual.recorded) == sorted(eager)
+    for k, v in eager.items():
+        torch.testing.assert_close(model.residual.recorded[k], v)
