@@ -1,20 +1,21 @@
 """FlexAttention's kernel tiles at the backbone's shapes, timed on a CUDA GPU (one process).
 
-    python -m benchmarks.flex_tiles [--shapes small medium] [--budget 240]
+    python -m benchmarks.flex_tiles [--shapes small medium] [--budget 240] [--quick] [--tag _x]
 
 The attention of `small` and `medium` (bf16, head dim 64, GQA, causal and same-document block mask
 built as `platform.model.build_attention_mask` builds it, from the batches `benchmarks.throughput`
 times: about 2 documents per 1024 tokens) runs with PyTorch's default tiles and with the candidates
 below, passed as FlexAttention's ``kernel_options`` (``fwd_*`` / ``bwd_*`` for one direction). The
 forward candidates are timed forward only, the backward ones forward+backward with a random upstream
-gradient, and one row compiles with ``mode="max-autotune-no-cudagraphs"`` (PyTorch's own search over
-its tile list). Every candidate's output and gradients are compared with the default's first
+gradient, then pairs of forward and backward tiles forward+backward, and one row compiles with
+``mode="max-autotune-no-cudagraphs"`` (PyTorch's own search over its tile list). ``--quick``: a few
+candidates around the best at `small`, and the pairs. Every candidate's output and gradients are compared with the default's first
 (relative L2 < 1e-2): one that computes something else is reported WRONG and not timed.
 
 TFLOP/s counts the blocks the mask does not skip (``1 - BlockMask.sparsity()``): 4·B·H·T²·hd·(kept)
 forward, 2.5× that backward (five products instead of two); "% bf16" is against a bf16 matmul timed
 in the same process. The table goes to benchmarks/results/flex_tiles_<gpu>.md. Changing the backbone's
-tiles is a separate edit of ``model.flex_tiles`` (conf/model/*.yaml).
+tiles is a separate edit of ``model.flex_fwd`` / ``model.flex_bwd`` (conf/model/*.yaml).
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ QUICK_BWD = [(32, 64, 64, 32, 4, 3), (32, 128, 128, 32, 8, 3)]
 
 
 def fwd_options(t) -> dict:
-    m, n, w, s = t
-    return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "fwd_num_warps": w, "fwd_num_stages": s}
+    """The kernel_options `model.flex_fwd=t` gives the backbone."""
+    from platform.model import flex_kernel_options
+
+    return flex_kernel_options(list(t), None)
 
 
 def bwd_options(t) -> dict:
-    m1, n1, m2, n2, w, s = t
-    return {"bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": m2, "bwd_BLOCK_N2": n2,
-            "bwd_num_warps": w, "bwd_num_stages": s}
+    """The kernel_options `model.flex_bwd=t` gives the backbone."""
+    from platform.model import flex_kernel_options
+
+    return flex_kernel_options(None, list(t))
 
 
 def inputs(shape: str, seed: int = 0):

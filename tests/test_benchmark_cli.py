@@ -80,3 +80,20 @@ def test_throughput_sets_are_rows_and_a_failing_row_keeps_the_table(tmp_path, mo
     assert [r[2].strip() for r in rows] == ["model.seq_len=32 model.expert_hidden=24", "model.seq_len=32"]
     assert rows[0][9].strip() == "FAILED: RuntimeError: no kernel for these settings"
     assert float(rows[1][9].strip()) > 0  # ms/step of the set after the failure
+
+
+def test_flex_tile_candidates_are_what_the_config_passes():
+    """benchmarks.flex_tiles times each candidate with the kernel_options that model.flex_fwd / flex_bwd give
+    the backbone, and every candidate passes the config's validation."""
+    from benchmarks import flex_tiles
+    from platform.config import validate
+    from tests.helpers import build_backbone, make_cfg
+
+    for f, b in flex_tiles.PAIRS:
+        model = build_backbone("vanilla", flex_fwd=list(f), flex_bwd=list(b))
+        assert model.sublayers[0].flex_options == {**flex_tiles.fwd_options(f), **flex_tiles.bwd_options(b)}
+    for t in flex_tiles.FWD + flex_tiles.QUICK_FWD:
+        assert set(flex_tiles.fwd_options(t)) == {"fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_warps", "fwd_num_stages"}
+        validate(make_cfg(f"model.flex_fwd=[{','.join(map(str, t))}]"))
+    for t in flex_tiles.BWD + flex_tiles.QUICK_BWD:
+        validate(make_cfg(f"model.flex_bwd=[{','.join(map(str, t))}]"))
