@@ -98,13 +98,15 @@ def test_compiled_loss_equals_the_eager_loss_and_its_gradient():
 
 
 @pytest.mark.slow
-def test_compiled_model_equals_the_eager_model():
+@pytest.mark.parametrize("recompute", ["none", "mlp"])
+def test_compiled_model_equals_the_eager_model(recompute):
     """trainer.compile_scope=model (`Backbone.compile_model`): the whole forward below the mask compiled
-    as one graph, residual reads and writes fused with the sublayers. In bf16 (autocast on CPU, as the
-    compiled grouped GEMM wants) its logits and gradients are as close to the fp32 eager model's as the
-    eager bf16 model's are, for a random upstream gradient."""
+    as one graph, residual reads and writes fused with the sublayers, also with sublayers recomputed in
+    backward (model.recompute, a checkpoint inside the graph). In bf16 (autocast on CPU, as the compiled
+    grouped GEMM wants) its logits and gradients are as close to the fp32 eager model's as the eager bf16
+    model's are, for a random upstream gradient."""
     torch.manual_seed(0)
-    model = build_backbone("vanilla", vocab=101).train()
+    model = build_backbone("vanilla", vocab=101, recompute=recompute).train()
     tokens, docs = packed_batch(2, 24, 101)
     upstream = torch.randn(2, 24, 101)
 
