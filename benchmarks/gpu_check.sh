@@ -93,14 +93,17 @@ PY
 stage report report_runs
 
 # shellcheck disable=SC2086
-stage throughput python3 -m benchmarks.throughput --models $MODELS --residuals $RESIDUALS --steps 10 --warmup 3
+# as trainer=gpu trains: the whole forward compiled, forward and backward replayed as CUDA graphs
+stage throughput python3 -m benchmarks.throughput --models $MODELS --residuals $RESIDUALS --compile model --graphs on \
+  --steps 10 --warmup 3
 if [ "$GPUS" -ge 2 ]; then
   # shellcheck disable=SC2086
-  stage ddp.scaling python3 -m benchmarks.throughput --models $MODELS --residuals vanilla --steps 10 --warmup 3 --ddp 2
+  stage ddp.scaling python3 -m benchmarks.throughput --models $MODELS --residuals vanilla --compile model --graphs on \
+    --steps 10 --warmup 3 --ddp 2
 fi
 # Where the time goes, per residual (kernels vs host), and the host synchronisations of a step.
 # shellcheck disable=SC2086
-stage profile python3 -m benchmarks.profile_step --model small --residuals $RESIDUALS
+stage profile python3 -m benchmarks.profile_step --model small --residuals $RESIDUALS --compile model --graphs on
 # shellcheck disable=SC2086
 stage host_sync python3 -m benchmarks.host_sync --model small --residuals $RESIDUALS
 # The fused ops: parity of every gradient first, then time against the reference and the roofline.
