@@ -5,6 +5,8 @@
     python -m benchmarks.throughput --models small medium --compile sublayers on --graphs on   # the compiled loss
     python -m benchmarks.throughput --models small medium --ddp 2        # 2-GPU scaling efficiency
     python -m benchmarks.throughput --models small --graphs on --ddp 2 --ddp-sync ddp flat  # DDP's buckets vs one all-reduce
+    python -m benchmarks.throughput --models small --compile on model --graphs on   # per sublayer vs whole forward
+    python -m benchmarks.throughput --models small --graphs on --set 'model.flex_fwd=[]' --set   # A/B of overrides
 
 One step = forward + backward + gradient clipping + AdamW (fused on CUDA) + the routing-bias update,
 bf16 autocast on CUDA, as `platform.run trainer=gpu` trains. Per model size, residual, compile
@@ -19,6 +21,8 @@ like real data: about 2 documents per 1024 tokens.
 process per GPU) and reports the scaling efficiency: tokens/s on N GPUs / (N x tokens/s on 1);
 `--ddp-sync flat` averages the gradients after the backward in one all-reduce instead
 (`trainer.grad_sync=flat`, platform/parallel.py).
+`--set` overrides the config of every row; given several times, each set is timed as its own rows
+of the one table (an empty `--set`: the defaults). A row that raises is reported FAILED in its row.
 Writes benchmarks/results/throughput_<models>[_ddpN][tag].md via `roofline.Table`.
 """
 
