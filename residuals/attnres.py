@@ -61,6 +61,9 @@ class DepthAttentionConfig(ResidualConfig):
     key_norm: bool = True  # RMSNorm the keys (learnable gain, init 1); False: keys are the raw sources
     query: str = "static"  # "static": learned w_l; "input": w_l + W_l·RMSNorm(latest source), W_l zero-init
     backend: str = "auto"  # "torch" (reference), "triton" (fused op), "auto" (fused on CUDA, reference on CPU)
+    # the two-phase path's merge (phase 2): "auto" (backend's op), "torch" (PyTorch ops: under
+    # trainer.compile_scope=model compiled with the sublayer around it, no graph break), "triton" (the fused merge)
+    merge_backend: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ class DepthAttentionResidual(Residual):
         super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
         check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
         check_choice(cls.name, "backend", cfg.backend, BACKENDS)
+        check_choice(cls.name, "merge_backend", cfg.merge_backend, BACKENDS)
 
     @staticmethod
     def covered(cfg: DepthAttentionConfig) -> bool:
@@ -224,9 +228,10 @@ class DepthAttentionResidual(Residual):
                 self._record(state.ctx, consumer, state.weights[c][None])
             return self._after_read(out, consumer, state.ctx)
         gain = self.queries.key_gain
+        merge_backend = state.backend if self.cfg.merge_backend == "auto" else self.cfg.merge_backend
         h, w = depth_attn_merge(out, state.lses[c], state.partial, self.queries.weight[consumer, 0],
                                 None if gain is None else gain[consumer, 0], key_norm=self.cfg.key_norm,
-                                backend=state.backend)
+                                backend=merge_backend)
         if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
             w = w.detach()
             self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])

@@ -33,6 +33,8 @@ HASH_GROUPS = ("model/", "data/", "trainer/", "residual/")
 # every param today's config logs is either in its snapshot of the logged params or here).
 ADDED_PARAMS: dict[str, str] = {
     "trainer/ddp_comm": "fp32",  # gradients were averaged in fp32 before the bf16 hook existed
+    "residual/merge_backend": "auto",  # the merge ran on the residual's backend before it had a choice
+    "residual/attnres/merge_backend": "auto",  # the same inside attnres_mhc_sum's AttnRes half
 }
 
 

@@ -151,6 +151,9 @@ CASES = [
     Case("triton-on-cpu", ["residual.backend=triton"], r"residual.backend=triton: the Triton kernels need a CUDA device",
          env={"TRITON_INTERPRET": None}, skip=HAS_CUDA),
     Case("residual-field", ["residual=mhc", "residual.n=0"], r"residual.n=0 must be an integer >= 1", valid=False),
+    Case("merge-backend", ["residual=attnres_block", "residual.merge_backend=cuda"],
+         r"residual.merge_backend='cuda' is not valid for residual=attnres_block; choose one of: auto, torch, triton",
+         valid=False),
     # --- data -------------------------------------------------------------------------------------------
     Case("data-source", ["data.source=web"], r"data.source='web': not a known source; valid: embedded, files, hub"),
     Case("vocab-size", ["data.vocab_size=10"], r"data.vocab_size=10: is too small.*; valid: >= 259"),

@@ -425,10 +425,20 @@ def test_every_param_added_since_a_stored_study_has_its_old_behaviour_registered
 def test_a_run_stored_before_a_field_existed_matches_its_old_behaviour_only():
     from platform.compare.matching import ADDED_PARAMS
 
+    seen = set()
+    for residual in ("vanilla", "attnres_block", "attnres_mhc_sum"):  # a field may belong to some residuals only
+        params = compare.flat_params(make_cfg(*BASE, f"residual={residual}"))
+        old = {k: v for k, v in params.items() if k not in ADDED_PARAMS and k != "trainer/cuda_graphs"}
+        added = [k for k in ADDED_PARAMS if k in params]
+        assert all(params[k] == ADDED_PARAMS[k] for k in added)  # today's defaults: the old behaviour
+        assert compare.config_key(old) == compare.config_key(params), residual
+        seen.update(added)
+    assert ADDED_PARAMS and seen == set(ADDED_PARAMS)  # every registered field is checked above
+    block = compare.flat_params(make_cfg(*BASE, "residual=attnres_block"))
+    torch_merge = compare.flat_params(make_cfg(*BASE, "residual=attnres_block", "residual.merge_backend=torch"))
+    assert compare.config_key(torch_merge) != compare.config_key(block)  # another value is another run
     params = compare.flat_params(make_cfg(*BASE, "residual=vanilla"))
     old = {k: v for k, v in params.items() if k not in ADDED_PARAMS and k != "trainer/cuda_graphs"}
-    assert ADDED_PARAMS and all(params[k] == v for k, v in ADDED_PARAMS.items())  # today's defaults: old behaviour
-    assert compare.config_key(old) == compare.config_key(params)
     bf16 = compare.flat_params(make_cfg(*BASE, "residual=vanilla", "trainer.ddp_comm=bf16"))
     assert compare.config_key(old) != compare.config_key(bf16)
     graphs_off = compare.flat_params(make_cfg(*BASE, "residual=vanilla", "trainer.cuda_graphs=false"))

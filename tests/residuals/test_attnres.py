@@ -343,11 +343,15 @@ def test_fused_backend_refuses_what_it_does_not_compute(name, fields):
 
 @needs_interpreter
 @pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres", ("residual.key_norm=false",)),
-                                             ("attnres_block", ()), ("attnres_block", ("residual.block_size=2",))],
-                         ids=["attnres", "attnres-raw-keys", "attnres_block", "attnres_block-size=2"])
+                                             ("attnres_block", ()), ("attnres_block", ("residual.block_size=2",)),
+                                             ("attnres", ("residual.merge_backend=torch",)),
+                                             ("attnres_block", ("residual.merge_backend=torch",))],
+                         ids=["attnres", "attnres-raw-keys", "attnres_block", "attnres_block-size=2",
+                              "attnres-torch-merge", "attnres_block-torch-merge"])
 def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, overrides):
     # The whole backbone with residual.backend=triton (under Triton's interpreter on CPU) against the
-    # PyTorch reference, with checkpoint_reads on for the fused one: outputs and every gradient.
+    # PyTorch reference, with checkpoint_reads on for the fused one: outputs and every gradient. With
+    # residual.merge_backend=torch the fused phase 1 feeds the PyTorch merge.
     check_fused_backbone_against_the_reference(name, overrides, "cpu", "triton", B=1, T=11, checkpoint_reads=True)
 
 
@@ -399,3 +403,23 @@ def test_fused_backend_matches_the_reference_in_a_two_row_backbone(name, overrid
 def test_gpu_auto_backend_is_the_fused_op_and_matches_the_reference(name, overrides):
     # On CUDA, backend=auto runs the fused op (its state is the fused one).
     check_fused_backbone_against_the_reference(name, overrides, "cuda", "auto", B=2, T=67)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("merge_backend, fused_merges", [("auto", True), ("triton", True), ("torch", False)])
+def test_merge_backend_dispatch_is_explicit(merge_backend, fused_merges, monkeypatch):
+    """residual.merge_backend picks the op of phase 2 on the two-phase path, whatever phase 1 runs on: with
+    "torch" the fused merge is never called (PyTorch ops, compiled with their sublayer under
+    trainer.compile_scope=model), with "auto" (backend=triton) and "triton" it is."""
+    from kernels.depth_attn import fused
+    from tests.helpers import build_backbone, packed_batch
+
+    calls = []
+    real = fused.merge
+    monkeypatch.setattr(fused, "merge", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = build_backbone("attnres_block", vocab=37, n_blocks=2, attention="sdpa",
+                           residual_overrides=("residual.backend=triton", "residual.block_size=4",
+                                               f"residual.merge_backend={merge_backend}"))
+    tokens, docs = packed_batch(1, 9, 37)
+    model(tokens, docs).sum().backward()
+    assert bool(calls) == fused_merges, (merge_backend, len(calls))
