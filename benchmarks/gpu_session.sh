@@ -51,14 +51,16 @@
 #            FlexAttention's quick tile sweep at FLEX_SHAPES (default medium; none: skipped)
 #   closing1 the closing tables on one GPU: the GPU tests CLOSING_TESTS, every residual and ablation at small, the
 #            medium table (MEDIUM_RESIDUALS), compiled per COMPILE (default model); TAG names the files (default _closing)
+#   merge    one GPU: attnres and attnres_block with the fused merge and with residual.merge_backend=torch (compiled
+#            with the sublayer), graphed, whole forward compiled, in one process (MERGE_MODELS, default "small medium")
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -281,6 +283,11 @@ case "$PLAN" in
     step gpu0 throughput_medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals \
       ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile ${COMPILE:-model} --graphs on --steps 6 \
       --tag ${TAG:-_closing}
+    ;;
+  merge)
+    step gpu0 merge "${MERGE_LIMIT:-300}" python3 -m benchmarks.throughput --models ${MERGE_MODELS:-small medium} \
+      --residuals attnres attnres_block --compile model --graphs on --steps 8 --set --set residual.merge_backend=torch \
+      --tag ${TAG:-_merge}
     ;;
   scope)
     step gpu0 tiles "${TILES_LIMIT:-100}" python3 -m benchmarks.throughput --models small --residuals vanilla \
