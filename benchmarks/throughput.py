@@ -52,6 +52,30 @@ def build(model_name: str, residual: str, vocab: int, overrides: list[str], devi
     return model, cfg
 
 
+def check_configs(models: list[str], runs: list[str], sets: list[list[str]], recompute: list, attention: str) -> None:
+    """Compose and validate the config of every row before any is timed: SystemExit naming the row and
+    the error (a bad override in a later --set would otherwise end the run after the earlier rows)."""
+    import residuals
+    from platform.config import compose, residual_config
+    from platform.model import flex_kernel_options
+
+    for model_name in models:
+        for extra in sets:
+            for rec in recompute:
+                for name in runs:
+                    choice = name if name.startswith("ablation=") else f"residual={name}"
+                    overrides = [f"model.attention={attention}", *extra] + ([f"model.recompute={rec}"] if rec else [])
+                    try:  # what building the row's model checks, without building it
+                        cfg = compose(f"model={model_name}", choice, *overrides)
+                        rcfg = residual_config(cfg)
+                        residuals.get(rcfg.name).validate(rcfg, d_model=cfg.model.d_model,
+                                                          n_sublayers=2 * cfg.model.n_blocks)
+                        flex_kernel_options(cfg.model.flex_fwd, cfg.model.flex_bwd)
+                    except Exception as e:  # noqa: BLE001 - Hydra's and ours: reported with the row
+                        raise SystemExit(f"error: {model_name} {name} {' '.join(extra)}: "
+                                         f"{' '.join(str(e).split())[:300]}") from None
+
+
 def run_names(residual_names: list[str], ablation_names: list[str]) -> list[str]:
     """What ``build`` takes, residuals first, then ``ablation=<name>`` per ablation; an unknown name is
     a SystemExit before any work, listing the registered ones."""
@@ -254,6 +278,7 @@ def main(argv=None) -> str:
     p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
     runs = run_names(a.residuals, a.ablations)
+    check_configs(a.models, runs, a.set or [[]], a.recompute, a.attention)  # a bad override fails before any timing
     if a.ddp and torch.cuda.is_available() and torch.cuda.device_count() < a.ddp:
         raise SystemExit(f"--ddp {a.ddp}: only {torch.cuda.device_count()} CUDA device(s) here")
     device = "cuda" if torch.cuda.is_available() else "cpu"

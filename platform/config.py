@@ -195,7 +195,7 @@ FLEX_FWD_FIELDS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")  # model.fle
 FLEX_BWD_FIELDS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")  # model.flex_bwd
 
 
-def _flex_tiles(key: str, value: list, fields: tuple[str, ...]) -> None:
+def check_flex_tiles(key: str, value: list, fields: tuple[str, ...]) -> None:
     """[] or one value per field: block sizes 16..128 (dividing the block mask's 128-token tiles), warps 1..16
     (powers of 2), stages 1..6.
 
@@ -265,7 +265,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("model.attention", m.attention, ATTENTION_BACKENDS)
     _choice("model.recompute", m.recompute, RECOMPUTE)
     for key, fields in (("model.flex_fwd", FLEX_FWD_FIELDS), ("model.flex_bwd", FLEX_BWD_FIELDS)):
-        _flex_tiles(key, list(m[key.split(".")[1]]), fields)
+        check_flex_tiles(key, list(m[key.split(".")[1]]), fields)
     _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
     if m.attention == "flex" and t.accelerator == "cpu":
         raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "

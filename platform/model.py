@@ -90,8 +90,12 @@ _compiled_flex = None
 
 
 def flex_kernel_options(fwd, bwd) -> dict | None:
-    """FlexAttention's ``kernel_options`` from ``model.flex_fwd`` / ``model.flex_bwd`` (None: PyTorch's tiles)."""
-    from .config import FLEX_BWD_FIELDS, FLEX_FWD_FIELDS
+    """FlexAttention's ``kernel_options`` from ``model.flex_fwd`` / ``model.flex_bwd`` (None: PyTorch's tiles);
+    a bad value is a ConfigError naming it and the valid ones, wherever a model is built."""
+    from .config import FLEX_BWD_FIELDS, FLEX_FWD_FIELDS, check_flex_tiles
+
+    check_flex_tiles("model.flex_fwd", list(fwd or ()), FLEX_FWD_FIELDS)
+    check_flex_tiles("model.flex_bwd", list(bwd or ()), FLEX_BWD_FIELDS)
 
     options = {**{f"fwd_{k}": int(v) for k, v in zip(FLEX_FWD_FIELDS, fwd or ())},
                **{f"bwd_{k}": int(v) for k, v in zip(FLEX_BWD_FIELDS, bwd or ())}}

@@ -97,3 +97,15 @@ def test_flex_tile_candidates_are_what_the_config_passes():
         validate(make_cfg(f"model.flex_fwd=[{','.join(map(str, t))}]"))
     for t in flex_tiles.BWD + flex_tiles.QUICK_BWD:
         validate(make_cfg(f"model.flex_bwd=[{','.join(map(str, t))}]"))
+
+
+def test_throughput_refuses_a_bad_override_of_any_row_before_timing(monkeypatch):
+    """A --set that does not compose for one of the rows (vanilla has no merge_backend) ends the command
+    before anything is timed, naming the row."""
+    monkeypatch.setattr(throughput, "time_training", lambda *a, **k: pytest.fail("timed before the check"))
+    with pytest.raises(SystemExit, match=r"error: tiny vanilla residual.merge_backend=torch: .*merge_backend"):
+        throughput.main(["--models", "tiny", "--residuals", "attnres_block", "vanilla", "--compile", "off",
+                         "--set", "--set", "residual.merge_backend=torch"])
+    with pytest.raises(SystemExit, match=r"error: tiny vanilla model.flex_fwd=\[64,64,4\]: model.flex_fwd="):
+        throughput.main(["--models", "tiny", "--residuals", "vanilla", "--compile", "off",
+                         "--set", "model.flex_fwd=[64,64,4]"])

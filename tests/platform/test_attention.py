@@ -193,3 +193,14 @@ def test_whole_backbone_traces_without_graph_breaks(name):
     dynamo.reset()
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     assert explained.graph_count == 1
+
+
+def test_a_model_with_bad_flex_tiles_is_refused_where_it_is_built():
+    """model.flex_fwd / flex_bwd are checked when a model is built, not only by the run's config check:
+    three values for four fields would otherwise pass as a partial kernel_options."""
+    from platform.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.flex_fwd=\[64, 64, 4\]: needs 4 values"):
+        build_backbone("vanilla", flex_fwd=[64, 64, 4])
+    with pytest.raises(ConfigError, match=r"model.flex_bwd=.*num_warps=3 is not valid"):
+        build_backbone("vanilla", flex_bwd=[32, 64, 64, 32, 3, 3])
