@@ -52,25 +52,23 @@ def build(model_name: str, residual: str, vocab: int, overrides: list[str], devi
     return model, cfg
 
 
-def check_configs(models: list[str], runs: list[str], sets: list[list[str]], recompute: list, attention: str) -> None:
-    """Compose and validate the config of every row before any is timed: SystemExit naming the row and
-    the error (a bad override in a later --set would otherwise end the run after the earlier rows)."""
-    import residuals
-    from platform.config import compose, residual_config
-    from platform.model import flex_kernel_options
+def row_overrides(attention: str, extra: list[str], recompute: str | None) -> list[str]:
+    """The config overrides of one table row: the attention backend, one --set, the recompute choice."""
+    return [f"model.attention={attention}", *extra] + ([f"model.recompute={recompute}"] if recompute else [])
 
+
+def check_configs(models: list[str], runs: list[str], sets: list[list[str]], recompute: list, attention: str,
+                  vocab: int) -> None:
+    """Build every row's model on the meta device (no memory, no compute) before any row is timed: the
+    config, the residual's validation and the model's own checks, as the timed build runs them.
+    SystemExit naming the row and the error (a bad override in a later --set would otherwise end the
+    run after the earlier rows)."""
     for model_name in models:
         for extra in sets:
             for rec in recompute:
                 for name in runs:
-                    choice = name if name.startswith("ablation=") else f"residual={name}"
-                    overrides = [f"model.attention={attention}", *extra] + ([f"model.recompute={rec}"] if rec else [])
-                    try:  # what building the row's model checks, without building it
-                        cfg = compose(f"model={model_name}", choice, *overrides)
-                        rcfg = residual_config(cfg)
-                        residuals.get(rcfg.name).validate(rcfg, d_model=cfg.model.d_model,
-                                                          n_sublayers=2 * cfg.model.n_blocks)
-                        flex_kernel_options(cfg.model.flex_fwd, cfg.model.flex_bwd)
+                    try:
+                        build(model_name, name, vocab, row_overrides(attention, extra, rec), "meta")
                     except Exception as e:  # noqa: BLE001 - Hydra's and ours: reported with the row
                         raise SystemExit(f"error: {model_name} {name} {' '.join(extra)}: "
                                          f"{' '.join(str(e).split())[:300]}") from None
@@ -278,7 +276,8 @@ def main(argv=None) -> str:
     p.add_argument("--tag", default="", help="suffix of the results file name")
     a = p.parse_args(argv)
     runs = run_names(a.residuals, a.ablations)
-    check_configs(a.models, runs, a.set or [[]], a.recompute, a.attention)  # a bad override fails before any timing
+    sets = a.set or [[]]
+    check_configs(a.models, runs, sets, a.recompute, a.attention, a.vocab)  # a bad override fails before any timing
     if a.ddp and torch.cuda.is_available() and torch.cuda.device_count() < a.ddp:
         raise SystemExit(f"--ddp {a.ddp}: only {torch.cuda.device_count()} CUDA device(s) here")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -290,7 +289,6 @@ def main(argv=None) -> str:
 
     if "on" in a.graphs and device != "cuda":
         raise SystemExit("error: --graphs on: CUDA graphs need a CUDA device; valid here: --graphs off")
-    sets = a.set or [[]]
     columns = ["model", "residual", "compile", "graphs", "recompute", "GPUs", "tokens/step", "ms/step", "tokens/s",
                "vs vanilla", "TFLOP/s", "MFU (measured bf16)", "MFU (datasheet)", "peak GiB"]
     if len(sets) > 1:
@@ -313,7 +311,7 @@ def main(argv=None) -> str:
             for rec in a.recompute:
                 base = None
                 for name in runs:
-                    overrides = [f"model.attention={a.attention}", *extra] + ([f"model.recompute={rec}"] if rec else [])
+                    overrides = row_overrides(a.attention, extra, rec)
                     torch.manual_seed(0)
                     model, cfg = build(model_name, name, a.vocab, overrides, device)
                     seq = cfg.model.seq_len

@@ -264,8 +264,8 @@ def validate(cfg: DictConfig) -> None:
                           "(grouped GEMM alignment)", "a multiple of 8, or model.moe_impl=sliced")
     _choice("model.attention", m.attention, ATTENTION_BACKENDS)
     _choice("model.recompute", m.recompute, RECOMPUTE)
-    for key, fields in (("model.flex_fwd", FLEX_FWD_FIELDS), ("model.flex_bwd", FLEX_BWD_FIELDS)):
-        check_flex_tiles(key, list(m[key.split(".")[1]]), fields)
+    check_flex_tiles("model.flex_fwd", list(m.flex_fwd), FLEX_FWD_FIELDS)
+    check_flex_tiles("model.flex_bwd", list(m.flex_bwd), FLEX_BWD_FIELDS)
     _choice("trainer.accelerator", t.accelerator, ("cpu", "gpu", "auto"))
     if m.attention == "flex" and t.accelerator == "cpu":
         raise ConfigError("model.attention", m.attention, "FlexAttention has no backward on the CPU in PyTorch, "

@@ -257,9 +257,9 @@ class Backbone(nn.Module):
         is cut around each such call. A recording forward (``record=True``, once at the end of a run) runs
         the uncompiled trunk: no graph of its own for one call, and its side effects stay plain Python.
         """
-        self._eager_trunk = self.trunk
-        self.trunk = torch.compile(self.trunk, **{"dynamic": False, **options})
-        self.cross_entropy = torch.compile(cross_entropy, **{"dynamic": False, **options})
+        options = {"dynamic": False, **options}
+        self.trunk = torch.compile(self.trunk, **options)
+        self.cross_entropy = torch.compile(cross_entropy, **options)
 
     def _recomputed(self, sublayer: nn.Module) -> bool:
         kind = "attention" if isinstance(sublayer, Attention) else "mlp"
@@ -268,8 +268,9 @@ class Backbone(nn.Module):
     def forward(self, tokens: Tensor, doc_ids: Tensor, record: bool = False) -> Tensor:
         """tokens, doc_ids: (B, T) -> logits (B, T, vocab)."""
         mask = build_attention_mask(doc_ids, attention_backend(self.attention, doc_ids.device), self.doc_mask)
-        trunk = getattr(self, "_eager_trunk", self.trunk) if record else self.trunk
-        return trunk(tokens, doc_ids, mask, record)
+        if record:  # the class's own trunk: uncompiled even after compile_model
+            return Backbone.trunk(self, tokens, doc_ids, mask, record)
+        return self.trunk(tokens, doc_ids, mask, record)
 
     def trunk(self, tokens: Tensor, doc_ids: Tensor, mask: AttentionMask, record: bool = False) -> Tensor:
         """The forward once the attention mask is built (what `compile_model` compiles): -> logits."""

@@ -93,15 +93,17 @@ def inverse_permutation(order: Tensor) -> Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
-def dispatch(x: Tensor, order: Tensor, k: int) -> Tensor:
+def dispatch(x: Tensor, order: Tensor, k: int, inv: Tensor | None = None) -> Tensor:
     """x (N, d), order (N·k,) the argsort of the flattened (N, k) expert choices -> x's row of every sorted
-    assignment, (N·k, d) (`_Dispatch`)."""
-    return _Dispatch.apply(x, order // k, inverse_permutation(order), k)
+    assignment, (N·k, d) (`_Dispatch`); ``inv``: order's inverse, if the caller has it."""
+    return _Dispatch.apply(x, order // k, inverse_permutation(order) if inv is None else inv, k)
 
 
-def combine(y: Tensor, order: Tensor, k: int) -> Tensor:
-    """y (N·k, d) in the sorted order of ``order`` -> each token's k rows summed, (N, d) (`_Combine`)."""
-    return _Combine.apply(y, inverse_permutation(order), order).view(-1, k, y.shape[-1]).sum(1)
+def combine(y: Tensor, order: Tensor, k: int, inv: Tensor | None = None) -> Tensor:
+    """y (N·k, d) in the sorted order of ``order`` -> each token's k rows summed, (N, d) (`_Combine`);
+    ``inv``: order's inverse, if the caller has it."""
+    inv = inverse_permutation(order) if inv is None else inv
+    return _Combine.apply(y, inv, order).view(-1, k, y.shape[-1]).sum(1)
 
 
 def sort_key_dtype(n_experts: int) -> torch.dtype:
@@ -161,7 +163,7 @@ class MoE(nn.Module):
         ends = torch.searchsorted(flat[order], experts, right=True)  # (E,) cumulative group ends
         offsets = ends.to(torch.int32)
         inv = inverse_permutation(order)  # (N*k,): sorted position of assignment t*k + j
-        xs = _Dispatch.apply(x, order // self.top_k, inv, self.top_k)  # (N*k, d): row p is token order[p] // k
+        xs = dispatch(x, order, self.top_k, inv)  # (N*k, d): row p is token order[p] // k
         h = F.silu(grouped_matmul(xs, self.w1, offsets, self.impl)) * grouped_matmul(xs, self.w3, offsets, self.impl)
         # The gate scales the expert's hidden activation, not its output: the same product (w2 is
         # linear), but the gate's gradient needs h (N*k, hidden) instead of the output (N*k, d).
@@ -170,7 +172,7 @@ class MoE(nn.Module):
         # Combine: each token gathers its k assignments' rows and sums them (`_Combine`): no atomics (an
         # index_add of the k rows of a token into one row needs atomic adds, slow in bf16 and
         # non-deterministic), one rounding per sum, and compiled one kernel that reads y once.
-        out = _Combine.apply(y, inv, order).view(-1, self.top_k, y.shape[-1]).sum(1)  # (N, d)
+        out = combine(y, order, self.top_k, inv)  # (N, d)
         if self.shared is not None:
             out = out + self.shared(x)
         with torch.no_grad():  # idempotent: a recomputed forward writes the same counts

@@ -10,6 +10,7 @@ import mlflow
 import pytest
 from mlflow.entities import Metric, Param
 
+import residuals
 from platform import compare, stats
 from tests.helpers import make_cfg
 from tests.platform.test_train import FAST
@@ -426,7 +427,7 @@ def test_a_run_stored_before_a_field_existed_matches_its_old_behaviour_only():
     from platform.compare.matching import ADDED_PARAMS
 
     seen = set()
-    for residual in ("vanilla", "attnres_block", "attnres_mhc_sum"):  # a field may belong to some residuals only
+    for residual in residuals.names():  # a field may belong to some residuals only
         params = compare.flat_params(make_cfg(*BASE, f"residual={residual}"))
         old = {k: v for k, v in params.items() if k not in ADDED_PARAMS and k != "trainer/cuda_graphs"}
         added = [k for k in ADDED_PARAMS if k in params]
