@@ -53,14 +53,17 @@
 #            medium table (MEDIUM_RESIDUALS), compiled per COMPILE (default model); TAG names the files (default _closing)
 #   merge    one GPU: attnres and attnres_block with the fused merge and with residual.merge_backend=torch (compiled
 #            with the sublayer), graphed, whole forward compiled, in one process (MERGE_MODELS, default "small medium")
+#   options  one GPU: Inductor's combo kernels (trainer.compile_options) against the default for OPTIONS_RESIDUALS
+#            (default vanilla attnres_block mhc) at small; the merge A/B at MERGE_MODELS (default small); the profile of
+#            a graphed attnres_block step (PROFILE_RESIDUALS; none: skipped); all graphed, whole forward compiled
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -288,6 +291,17 @@ case "$PLAN" in
     step gpu0 merge "${MERGE_LIMIT:-300}" python3 -m benchmarks.throughput --models ${MERGE_MODELS:-small medium} \
       --residuals attnres attnres_block --compile model --graphs on --steps 8 --set --set residual.merge_backend=torch \
       --tag ${TAG:-_merge}
+    ;;
+  options)
+    step gpu0 options "${OPTIONS_LIMIT:-260}" python3 -m benchmarks.throughput --models small \
+      --residuals ${OPTIONS_RESIDUALS:-vanilla attnres_block mhc} --compile model --graphs on --steps 8 \
+      --set --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_options}
+    step gpu0 merge "${MERGE_LIMIT:-180}" python3 -m benchmarks.throughput --models ${MERGE_MODELS:-small} \
+      --residuals attnres attnres_block --compile model --graphs on --steps 8 --set --set residual.merge_backend=torch \
+      --tag ${TAG:-_merge}
+    [ "${PROFILE_RESIDUALS:-attnres_block}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
+      benchmarks.profile_step --model small --residuals ${PROFILE_RESIDUALS:-attnres_block} --compile model \
+      --graphs on --top ${PROFILE_TOP:-40} --tag ${TAG:-_options}
     ;;
   scope)
     step gpu0 tiles "${TILES_LIMIT:-100}" python3 -m benchmarks.throughput --models small --residuals vanilla \

@@ -25,15 +25,16 @@ from benchmarks.throughput import build, run_names, training_step
 
 
 def profile(model_name: str, residual: str, batch: int, vocab: int, compile_mode: str, top: int,
-            graphs: bool = False) -> tuple[dict, list]:
+            graphs: bool = False, overrides: list[str] = ()) -> tuple[dict, list]:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     torch.manual_seed(0)
-    model, cfg = build(model_name, residual, vocab, [], "cuda")
+    model, cfg = build(model_name, residual, vocab, list(overrides), "cuda")
+    inductor = dict(cfg.trainer.compile_options)
     if compile_mode == "on":
-        model.compile_sublayers()
+        model.compile_sublayers(inductor)
     elif compile_mode == "model":  # trainer.compile_scope=model
-        model.compile_model()
+        model.compile_model(inductor)
     step = training_step(model, batch, cfg.model.seq_len, vocab, "cuda", graphs=graphs)
 
     for _ in range(3):
@@ -64,6 +65,7 @@ def main(argv=None) -> None:
                    help="on: the sublayers and the loss (trainer.compile); model: the whole forward below the mask")
     p.add_argument("--graphs", choices=["on", "off"], default="off", help="on: as trainer.cuda_graphs runs the step")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. +trainer.compile_options.combo_kernels=true")
     p.add_argument("--tag", default="", help="appended to the result file's name")
     args = p.parse_args(argv)
     runs = run_names(args.residuals, args.ablations)  # unknown names fail here, before any GPU work
@@ -74,10 +76,11 @@ def main(argv=None) -> None:
                   ["residual", "step wall ms", "step GPU ms (sum of kernels)", "kernel launches", "op", "calls",
                    "self GPU ms"],
                   notes=["one profiled step after 3 warm-up steps; the op rows are the top operators by self GPU "
-                         "time (kernels and the ops that launch them)"])
+                         "time (kernels and the ops that launch them)"]
+                  + ([f"overrides: {' '.join(args.set)}"] if args.set else []))
     for residual in runs:
         summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile, args.top,
-                                graphs=args.graphs == "on")
+                                graphs=args.graphs == "on", overrides=args.set)
         print(f"{residual}: {summary}", flush=True)
         for i, (name, calls, ms) in enumerate(rows):
             head = ([residual, f"{summary['wall_ms']:.1f}", f"{summary['gpu_ms']:.1f}", str(summary["launches"])]

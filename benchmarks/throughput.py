@@ -162,12 +162,13 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
 
 def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: int, device: str,
                   compile_mode: str, ddp: bool = False, graphs: bool = False,
-                  ddp_comm: str = "fp32", ddp_sync: str = "ddp") -> tuple[float, float]:
-    """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones."""
+                  ddp_comm: str = "fp32", ddp_sync: str = "ddp", inductor: dict | None = None) -> tuple[float, float]:
+    """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones.
+    ``inductor``: the row's Inductor settings (its config's trainer.compile_options)."""
     if compile_mode in ("on", "sublayers"):  # on: trainer.compile=true with compile_scope=sublayers
-        model.compile_sublayers()
+        model.compile_sublayers(inductor)
     if compile_mode == "model":  # trainer.compile_scope=model: the whole forward below the mask, and the loss
-        model.compile_model()
+        model.compile_model(inductor)
     if compile_mode == "sublayers":  # the sublayers only, the loss eager (trainer.compile before 2026-11-30)
         from platform.model import cross_entropy
         model.cross_entropy = cross_entropy
@@ -215,7 +216,7 @@ def _ddp_rank(rank: int, world: int, init_file: str, job: dict, out: dict) -> No
         model, cfg = build(job["model"], job["residual"], job["vocab"], job["overrides"], device)
         sec, peak = time_training(model, job["batch"], cfg.model.seq_len, job["vocab"], job["steps"], job["warmup"],
                                   device, job["compile"], ddp=True, graphs=job["graphs"], ddp_comm=job["ddp_comm"],
-                                  ddp_sync=job["ddp_sync"])
+                                  ddp_sync=job["ddp_sync"], inductor=dict(cfg.trainer.compile_options))
         times = torch.tensor([sec], device=device)
         torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)  # the slowest rank sets the pace
         if rank == 0:
@@ -319,7 +320,7 @@ def main(argv=None) -> str:
                     failed = ""
                     try:
                         sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp,
-                                                  graphs=graphs)
+                                                  graphs=graphs, inductor=dict(cfg.trainer.compile_options))
                     except torch.OutOfMemoryError:
                         sec, peak = float("nan"), float("inf")
                     except Exception as e:  # noqa: BLE001 - a row that cannot run (e.g. no kernel for its

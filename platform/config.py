@@ -85,6 +85,9 @@ class TrainerConfig:
     # what trainer.compile compiles: "sublayers" (each sublayer and the loss; the residual eager) | "model"
     # (the whole forward below the attention mask, residual included, and the loss: docs/gpu.md)
     compile_scope: str = "sublayers"
+    # Inductor settings for that compile, passed as torch.compile(options=...), e.g.
+    # +trainer.compile_options.combo_kernels=true; keys are torch._inductor.config's (checked before any compute)
+    compile_options: dict[str, Any] = field(default_factory=dict)
     cuda_graphs: bool = False  # replay the training forward + backward as CUDA graphs (platform/graphs.py; GPU only)
     ddp_comm: str = "fp32"  # gradient all-reduce under DDP: "fp32" (exact) | "bf16" (half the bytes; docs/gpu.md)
     # how several processes average gradients: "ddp" (DistributedDataParallel's buckets, during the backward) |
@@ -220,6 +223,24 @@ def _choice(what: str, value: Any, choices) -> None:
         raise ConfigError(what, value, "not a known choice", list(choices))
 
 
+def check_compile_options(options: dict) -> None:
+    """`trainer.compile_options`: every key must be one of Inductor's settings (torch._inductor.config), so
+    a misspelt option fails here instead of at the first compiled call (or, for some, silently)."""
+    if not options:
+        return
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = set(inductor_config.get_config_copy())
+    for key in options:
+        if key not in known:
+            near = difflib.get_close_matches(key, sorted(known), n=5)
+            raise ConfigError(f"trainer.compile_options.{key}", options[key], "not an Inductor setting",
+                              (f"one of torch._inductor.config's settings, e.g. {', '.join(near)}" if near else
+                               "a key of torch._inductor.config"))
+
+
 def _finite(key: str, value: float) -> None:
     if not math.isfinite(value):
         raise ConfigError(key, value, "must be a finite number", "a finite number")
@@ -274,6 +295,7 @@ def validate(cfg: DictConfig) -> None:
     _choice("trainer.ddp_comm", t.ddp_comm, ("fp32", "bf16"))
     _choice("trainer.grad_sync", t.grad_sync, ("auto", "ddp", "flat"))
     _choice("trainer.compile_scope", t.compile_scope, COMPILE_SCOPES)
+    check_compile_options(dict(t.compile_options))
     if t.cuda_graphs and t.accelerator == "cpu":
         raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, "CUDA graphs need a GPU, and trainer.accelerator=cpu",
                           "false on a CPU; true with trainer=gpu")

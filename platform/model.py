@@ -200,6 +200,15 @@ def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
 
+def _compile_kwargs(inductor: dict | None, options: dict) -> dict:
+    """torch.compile's keyword arguments: static shapes unless asked otherwise, and the Inductor settings
+    (a plain dict: torch.compile takes no config node) as its ``options``."""
+    kwargs = {"dynamic": False, **options}
+    if inductor:
+        kwargs["options"] = {**kwargs.get("options", {}), **dict(inductor)}
+    return kwargs
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg, vocab_size: int, residual_cfg):
         super().__init__()
@@ -233,19 +242,21 @@ class Backbone(nn.Module):
     def moe_layers(self) -> list[tuple[int, MoE]]:
         return [(i, s.mlp) for i, s in enumerate(self.sublayers) if isinstance(getattr(s, "mlp", None), MoE)]
 
-    def compile_sublayers(self, **options) -> None:
+    def compile_sublayers(self, inductor: dict | None = None, **options) -> None:
         """torch.compile every attention and MLP sublayer in place (parameter names do not change), and
         the loss: compiled, the cast of the (B, T, V) logits to fp32, the log-softmax and its backward are
         fused kernels instead of eager passes over the logits (about 1.3 ms of a 20 ms `small` step).
 
         Static shapes by default: one specialised graph per (sublayer kind, shape, train/eval), shared
         by all layers of a kind, instead of a dynamic-shape recompile when a second shape appears.
+        ``inductor``: Inductor settings (`trainer.compile_options`), torch.compile's ``options``.
         """
+        options = _compile_kwargs(inductor, options)
         for sub in self.sublayers:
-            sub.compile(**{"dynamic": False, **options})
-        self.cross_entropy = torch.compile(cross_entropy, **{"dynamic": False, **options})
+            sub.compile(**options)
+        self.cross_entropy = torch.compile(cross_entropy, **options)
 
-    def compile_model(self, **options) -> None:
+    def compile_model(self, inductor: dict | None = None, **options) -> None:
         """torch.compile the whole forward below the attention mask (embedding, every read, sublayer and
         write, final norm and head: `trunk`) as one graph, and the loss as in `compile_sublayers`.
 
@@ -256,8 +267,9 @@ class Backbone(nn.Module):
         A fused Triton residual op is a graph break (it is `torch.compiler.disable`d), so the graph
         is cut around each such call. A recording forward (``record=True``, once at the end of a run) runs
         the uncompiled trunk: no graph of its own for one call, and its side effects stay plain Python.
+        ``inductor``: Inductor settings (`trainer.compile_options`), torch.compile's ``options``.
         """
-        options = {"dynamic": False, **options}
+        options = _compile_kwargs(inductor, options)
         self.trunk = torch.compile(self.trunk, **options)
         self.cross_entropy = torch.compile(cross_entropy, **options)
 

@@ -16,13 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 from .. import stats, tracking
 
 # Knobs that do not change a run's numbers: runs that differ only in these are the same run.
-# `compile`, `compile_scope` and `cuda_graphs` change rounding only (fused kernels; the step's kernels replayed from a
+# `compile`, `compile_scope`, `compile_options` (Inductor settings) and `cuda_graphs` change rounding only (fused kernels; the step's kernels replayed from a
 # graph), and so do FlexAttention's tiles (`flex_fwd`, `flex_bwd`: the order of the sums). A graphed training run
 # follows the eager one within 2% a step (tests/platform/test_graphs.py), a compiled one too (tests/platform/test_gpu.py).
 # `grad_sync` changes when and in how many messages the gradients are averaged, not the average
 # (divide by the world size, then sum, in the same dtype: bit-equal, tests/platform/test_ddp.py).
 HASH_IGNORED = ("trainer/progress_bar", "trainer/threads", "trainer/ckpt_every", "trainer/log_every",
-                "trainer/compile", "trainer/compile_scope", "trainer/cuda_graphs",
+                "trainer/compile", "trainer/compile_scope", "trainer/compile_options", "trainer/cuda_graphs",
                 "model/flex_fwd", "model/flex_bwd", "trainer/grad_sync", "data/num_workers",
                 "data/cache_dir")
 HASH_GROUPS = ("model/", "data/", "trainer/", "residual/")
@@ -61,12 +61,17 @@ def flat_params(cfg: DictConfig) -> dict[str, str]:
     return {k: str(v)[:250] for k, v in flat.items()}
 
 
+def _ignored(key: str) -> bool:
+    """In HASH_IGNORED, or below one of its keys (a dict param is logged flattened: trainer/compile_options/<key>)."""
+    return key in HASH_IGNORED or any(key.startswith(k + "/") for k in HASH_IGNORED)
+
+
 def config_key(params: Mapping[str, str]) -> str:
     """Hash of what decides a run's numbers (model, data, trainer, residual params; not the seed). The
     residual's name is taken through the rename map, so a run logged under an old name keeps its key."""
     params = {**ADDED_PARAMS, **params}
     items = sorted((k, tracking.canonical_residual(v) if k == "residual/name" else v) for k, v in params.items()
-                   if k.startswith(HASH_GROUPS) and k not in HASH_IGNORED)
+                   if k.startswith(HASH_GROUPS) and not _ignored(k))
     return hashlib.sha1(json.dumps(items).encode()).hexdigest()[:16]
 
 
@@ -110,7 +115,7 @@ def nearest_difference(client, experiment_id: str, residual: str, want: Mapping[
     runs = _finished_of(client, experiment_id, residual)[:50]
     if not runs:
         return f"no FINISHED run of residual {residual} in this experiment"
-    keys = [k for k in want if k.startswith(HASH_GROUPS) and k not in HASH_IGNORED and k != "residual/name"]
+    keys = [k for k in want if k.startswith(HASH_GROUPS) and not _ignored(k) and k != "residual/name"]
 
     def diff(run):
         return [k for k in keys if run.data.params.get(k, ADDED_PARAMS.get(k)) != want[k]]

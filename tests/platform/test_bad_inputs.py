@@ -134,6 +134,8 @@ CASES = [
          r"model.flex_bwd=\[32, 64, 64, 48, 4, 3\]: BLOCK_N2=48 is not valid; valid: BLOCK_N2 in 16, 32, 64 or 128"),
     Case("compile-scope", ["trainer.compile_scope=layers"],
          r"trainer.compile_scope=layers: not a known choice; valid: \[sublayers, model\]"),
+    Case("compile-options", ["+trainer.compile_options.combo_kernel=true"],
+         r"trainer.compile_options.combo_kernel=True: not an Inductor setting; valid: .*combo_kernels"),
     Case("weight-decay", ["trainer.weight_decay=-1"], r"trainer.weight_decay=-1.0: must be >= 0"),
     Case("grad-clip", ["trainer.grad_clip=-1"], r"trainer.grad_clip=-1.0: must be >= 0"),
     Case("threads", ["trainer.threads=-1"], r"trainer.threads=-1: must be >= 0"),

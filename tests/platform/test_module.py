@@ -140,3 +140,31 @@ def test_module_clips_inside_its_fused_step(monkeypatch):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(opt_new.state[b]["exp_avg"], opt_ref.state[a]["exp_avg"], rtol=1e-5, atol=1e-8,
                                    msg=name)
+
+
+@pytest.mark.parametrize("scope", ["model", "sublayers"])
+def test_compile_options_reach_every_torch_compile(monkeypatch, scope):
+    """trainer.compile_options are handed to every torch.compile the module makes (the trunk or each
+    sublayer, and the loss) as Inductor's options, with static shapes kept; without them, no options."""
+    from platform.config import residual_config
+
+    calls = []
+
+    def fake_compile(fn=None, **kwargs):
+        calls.append(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    base = ["model=tiny", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.seq_len=24",
+            "residual=vanilla", "trainer.compile=true", f"trainer.compile_scope={scope}"]
+    for extra, want in ([], None), (["+trainer.compile_options.combo_kernels=true",
+                                     "+trainer.compile_options.max_autotune=false"],
+                                    {"combo_kernels": True, "max_autotune": False}):
+        calls.clear()
+        cfg = make_cfg(*base, *extra)
+        module = LMModule(cfg.model, cfg.trainer, residual_config(cfg), vocab_size=VOCAB)
+        expected = 2 if scope == "model" else len(module.model.sublayers) + 1
+        assert len(calls) == expected
+        for kwargs in calls:
+            assert kwargs.get("dynamic") is False
+            assert kwargs.get("options") == want
