@@ -53,6 +53,9 @@
 #            medium table (MEDIUM_RESIDUALS), compiled per COMPILE (default model); TAG names the files (default _closing)
 #   merge    one GPU: attnres and attnres_block with the fused merge and with residual.merge_backend=torch (compiled
 #            with the sublayer), graphed, whole forward compiled, in one process (MERGE_MODELS, default "small medium")
+#   combo    one GPU: the GPU tests of the training path (COMBO_TESTS), then vanilla graphed at small with trainer=gpu's
+#            Inductor settings (combo kernels), without them, and with coordinate-descent tuning added; at medium with
+#            and without them; TAG names the files (default _combo)
 #   options  one GPU: Inductor's combo kernels (trainer.compile_options) against the default for OPTIONS_RESIDUALS
 #            (default vanilla attnres_block mhc) at small; the merge A/B at MERGE_MODELS (default small); the profile of
 #            a graphed attnres_block step (PROFILE_RESIDUALS; none: skipped); all graphed, whole forward compiled
@@ -61,9 +64,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -291,6 +294,15 @@ case "$PLAN" in
     step gpu0 merge "${MERGE_LIMIT:-300}" python3 -m benchmarks.throughput --models ${MERGE_MODELS:-small medium} \
       --residuals attnres attnres_block --compile model --graphs on --steps 8 --set --set residual.merge_backend=torch \
       --tag ${TAG:-_merge}
+    ;;
+  combo)
+    step gpu0 gpu_tests "${COMBO_TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      ${COMBO_TESTS:-tests/platform/test_gpu.py}
+    step gpu0 small "${COMBO_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      --compile model --graphs on --steps 8 --set trainer=gpu --set \
+      --set trainer=gpu +trainer.compile_options.coordinate_descent_tuning=true --tag ${TAG:-_combo}
+    step gpu0 medium "${COMBO_MEDIUM_LIMIT:-170}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      --compile model --graphs on --steps 6 --set trainer=gpu --set --tag ${TAG:-_combo}
     ;;
   options)
     step gpu0 options "${OPTIONS_LIMIT:-260}" python3 -m benchmarks.throughput --models small \

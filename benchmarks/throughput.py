@@ -313,6 +313,7 @@ def main(argv=None) -> str:
                 base = None
                 for name in runs:
                     overrides = row_overrides(a.attention, extra, rec)
+                    torch._dynamo.reset()  # every row compiles afresh: no graphs (or recompile counts) of earlier rows
                     torch.manual_seed(0)
                     model, cfg = build(model_name, name, a.vocab, overrides, device)
                     seq = cfg.model.seq_len

@@ -270,6 +270,11 @@ class Backbone(nn.Module):
         ``inductor``: Inductor settings (`trainer.compile_options`), torch.compile's ``options``.
         """
         options = _compile_kwargs(inductor, options)
+        # A residual whose fused ops are graph breaks has its read/write frames compiled once per layer (the
+        # layer index is a constant of each graph) and per output dtype (bf16 attention, fp32 MoE): Dynamo's
+        # default of 8 graphs per frame ran the later layers' frames eager (mhc, attnres on an H200).
+        dynamo_config = torch._dynamo.config
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 2 * (len(self.sublayers) + 2))
         self.trunk = torch.compile(self.trunk, **options)
         self.cross_entropy = torch.compile(cross_entropy, **options)
 

@@ -145,3 +145,18 @@ def test_compiled_model_records_depth_weights_as_the_eager_model():
     assert eager and sorted(model.residual.recorded) == sorted(eager)
     for k, v in eager.items():
         torch.testing.assert_close(model.residual.recorded[k], v)
+
+
+def test_compile_model_leaves_room_for_a_graph_per_layer(monkeypatch):
+    """compile_model raises Dynamo's per-frame graph limit so that a residual's read/write, compiled per
+    layer and output dtype between its fused ops' graph breaks, stays compiled for every layer (the
+    default 8 ran mhc's later writes eager); a higher limit already set is kept."""
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: fn)
+    config = torch._dynamo.config
+    monkeypatch.setattr(config, "recompile_limit", 8)
+    model = build_backbone("vanilla", vocab=97)
+    model.compile_model()
+    assert config.recompile_limit >= 2 * (len(model.sublayers) + 2)
+    monkeypatch.setattr(config, "recompile_limit", 1000)
+    model.compile_model()
+    assert config.recompile_limit == 1000
