@@ -53,9 +53,8 @@
 #            medium table (MEDIUM_RESIDUALS), compiled per COMPILE (default model); TAG names the files (default _closing)
 #   merge    one GPU: attnres and attnres_block with the fused merge and with residual.merge_backend=torch (compiled
 #            with the sublayer), graphed, whole forward compiled, in one process (MERGE_MODELS, default "small medium")
-#   combo    one GPU: the GPU tests of the training path (COMBO_TESTS), then vanilla graphed at small with trainer=gpu's
-#            Inductor settings (combo kernels), without them, and with coordinate-descent tuning added; at medium with
-#            and without them; TAG names the files (default _combo)
+#   combo    one GPU: the GPU tests of the whole-model compile (COMBO_TESTS), then COMBO_RESIDUALS graphed at small
+#            without and with Inductor's combo kernels (trainer.compile_options); TAG names the files (default _combo)
 #   options  one GPU: Inductor's combo kernels (trainer.compile_options) against the default for OPTIONS_RESIDUALS
 #            (default vanilla attnres_block mhc) at small; the merge A/B at MERGE_MODELS (default small); the profile of
 #            a graphed attnres_block step (PROFILE_RESIDUALS; none: skipped); all graphed, whole forward compiled
@@ -84,7 +83,7 @@ touch "$OUTDIR/.started"
 step() {
   local lane=$1 name=$2 limit=$3; shift 3
   local t0=$SECONDS log="$OUTDIR/$lane.$name.txt"
-  { echo "# \`$*\` ($(date -u +%FT%TZ), CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all})"; timeout "$limit" "$@"; } > "$log" 2>&1
+  { echo "# \`$*\` ($(date -u +%FT%TZ), CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all})"; timeout -k 10 "$limit" "$@"; } > "$log" 2>&1
   local rc=$?
   printf '%-6s %-22s rc=%-3s %4ss  %s\n' "$lane" "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$OUTDIR/summary.txt"
 }
@@ -296,13 +295,11 @@ case "$PLAN" in
       --tag ${TAG:-_merge}
     ;;
   combo)
-    step gpu0 gpu_tests "${COMBO_TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      ${COMBO_TESTS:-tests/platform/test_gpu.py}
-    step gpu0 small "${COMBO_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      --compile model --graphs on --steps 8 --set trainer=gpu --set \
-      --set trainer=gpu +trainer.compile_options.coordinate_descent_tuning=true --tag ${TAG:-_combo}
-    step gpu0 medium "${COMBO_MEDIUM_LIMIT:-170}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      --compile model --graphs on --steps 6 --set trainer=gpu --set --tag ${TAG:-_combo}
+    step gpu0 gpu_tests "${COMBO_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      ${COMBO_TESTS:-tests/platform/test_gpu.py -k compiled_whole}
+    step gpu0 small "${COMBO_SMALL_LIMIT:-240}" python3 -m benchmarks.throughput --models small --residuals \
+      ${COMBO_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile model --graphs on --steps 8 --set \
+      --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_combo}
     ;;
   options)
     step gpu0 options "${OPTIONS_LIMIT:-260}" python3 -m benchmarks.throughput --models small \
