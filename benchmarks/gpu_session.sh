@@ -55,6 +55,9 @@
 #            with the sublayer), graphed, whole forward compiled, in one process (MERGE_MODELS, default "small medium")
 #   combo    one GPU: the GPU tests of the whole-model compile (COMBO_TESTS), then COMBO_RESIDUALS graphed at small
 #            without and with Inductor's combo kernels (trainer.compile_options); TAG names the files (default _combo)
+#   sources  one GPU: attnres and attnres_block with their sources stored in the stream's dtype and in bf16
+#            (residual.source_dtype), graphed, whole forward compiled, at SOURCES_MODELS (default "small medium"), in one
+#            process; then the 60-step training parity of the fused bf16-source path against its reference (seeds 0 1)
 #   options  one GPU: Inductor's combo kernels (trainer.compile_options) against the default for OPTIONS_RESIDUALS
 #            (default vanilla attnres_block mhc) at small; the merge A/B at MERGE_MODELS (default small); the profile of
 #            a graphed attnres_block step (PROFILE_RESIDUALS; none: skipped); all graphed, whole forward compiled
@@ -63,9 +66,9 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo" >&2
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources) ;;
+  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -293,6 +296,13 @@ case "$PLAN" in
     step gpu0 merge "${MERGE_LIMIT:-300}" python3 -m benchmarks.throughput --models ${MERGE_MODELS:-small medium} \
       --residuals attnres attnres_block --compile model --graphs on --steps 8 --set --set residual.merge_backend=torch \
       --tag ${TAG:-_merge}
+    ;;
+  sources)
+    step gpu0 sources "${SOURCES_LIMIT:-330}" python3 -m benchmarks.throughput --models ${SOURCES_MODELS:-small medium} \
+      --residuals attnres attnres_block --compile model --graphs on --steps 8 --set \
+      --set residual.source_dtype=bfloat16 --tag ${TAG:-_sources}
+    step gpu0 parity "${PARITY_LIMIT:-200}" python3 -m benchmarks.backend_training --residuals attnres_block --steps 60 \
+      --seeds 0 1 --set model=small trainer=gpu residual.source_dtype=bfloat16 --name small_bf16_sources
     ;;
   combo)
     step gpu0 gpu_tests "${COMBO_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \

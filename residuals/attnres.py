@@ -41,6 +41,9 @@ from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
 from .registry import register
 
 QUERY_KINDS = ("static", "input")
+# residual.source_dtype (AttnRes, Block AttnRes): how the completed sources are stored; "stream": the residual
+# stream's dtype (fp32 under mixed precision), "bfloat16": half the bytes of every phase-1 read
+SOURCE_DTYPES = {"stream": None, "bfloat16": torch.bfloat16}
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
 
 
@@ -79,6 +82,7 @@ class FusedState:
     partial: Tensor | None  # the one source not in the buffer pass (merged by phase 2), (B, T, d)
     weights: Tensor | None = None  # phase-1 weights (C, n, B, T) when ctx.record
     backend: str = "triton"  # of the phase-1 and merge ops ("auto": their own dispatch)
+    dtype: torch.dtype = torch.float32  # the stream's (the embedding's): what a read returns, whatever the buffer's
 
 
 @dataclass(frozen=True)
@@ -175,7 +179,16 @@ class DepthAttentionResidual(Residual):
         return SourceState(ctx, (embedding,))
 
     def sources(self, state: SourceState) -> list[Tensor]:
-        return list(state.sources)
+        return [self._stored(s) for s in state.sources]
+
+    def _stored(self, source: Tensor) -> Tensor:
+        """A completed source as the two-phase path's buffer holds it (the list-of-sources path reads this,
+        so both paths see the same sources): here unchanged; `residual.source_dtype` rounds it."""
+        return source
+
+    def _source_dtype(self) -> torch.dtype | None:
+        """The buffer's dtype on the two-phase path (None: the embedding's, the stream's)."""
+        return None
 
     # --- the protocol --------------------------------------------------------------------------
     def begin(self, embedding: Tensor, ctx: Context):
@@ -184,9 +197,9 @@ class DepthAttentionResidual(Residual):
         backend = self._two_phase(embedding)
         if backend is None:
             return self.initial_state(embedding, ctx)
-        buffer = SourceBuffer(self._buffer_rows(), embedding)
+        buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype())
         buffer.append(embedding)  # v_0 = b_0
-        return self._open_group(ctx, buffer, 0, backend)
+        return self._open_group(ctx, buffer, 0, backend, embedding.dtype)
 
     def read(self, state, layer: int) -> Tensor:
         if isinstance(state, FusedState):
@@ -211,14 +224,15 @@ class DepthAttentionResidual(Residual):
     def _buffer_rows(self) -> int:
         return self.n_sublayers + 1  # v_0 .. v_L
 
-    def _open_group(self, ctx: Context, buffer: SourceBuffer, first: int, backend: str) -> FusedState:
+    def _open_group(self, ctx: Context, buffer: SourceBuffer, first: int, backend: str,
+                    dtype: torch.dtype) -> FusedState:
         """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own)."""
         last = self.n_sublayers + 1 if first == self.n_sublayers else min(first + self._group_size(), self.n_sublayers)
         gain = self.queries.key_gain
         res = depth_attn_summaries(buffer, self.queries.weight[first:last, 0],  # (C, d)
                                    None if gain is None else gain[first:last, 0],
                                    key_norm=self.cfg.key_norm, return_weights=ctx.record, backend=backend)
-        return FusedState(ctx, buffer, first, res[0], res[1], None, res[2] if ctx.record else None, backend)
+        return FusedState(ctx, buffer, first, res[0], res[1], None, res[2] if ctx.record else None, backend, dtype)
 
     def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
         c = consumer - state.first
@@ -226,7 +240,8 @@ class DepthAttentionResidual(Residual):
         if state.partial is None:
             if state.ctx.record:
                 self._record(state.ctx, consumer, state.weights[c][None])
-            return self._after_read(out, consumer, state.ctx)
+            # in the buffer's dtype: back to the stream's (under torch.compile fused into the sublayer's first kernel)
+            return self._after_read(out.to(state.dtype), consumer, state.ctx)
         gain = self.queries.key_gain
         merge_backend = state.backend if self.cfg.merge_backend == "auto" else self.cfg.merge_backend
         h, w = depth_attn_merge(out, state.lses[c], state.partial, self.queries.weight[consumer, 0],
@@ -235,7 +250,7 @@ class DepthAttentionResidual(Residual):
         if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
             w = w.detach()
             self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])
-        return self._after_read(h, consumer, state.ctx)
+        return self._after_read(h.to(state.dtype), consumer, state.ctx)
 
     def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
         """Every output is a source. The first output of a group is the second consumer's partial
@@ -243,7 +258,7 @@ class DepthAttentionResidual(Residual):
         row = state.buffer.append(out)  # v_{layer+1}
         if layer + 1 - state.first < self._group_size() and layer + 1 < self.n_sublayers:
             return replace(state, partial=row)
-        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend)
+        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend, state.dtype)
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
         """h for ``consumer`` from its sources (each (B, T, d)); returns (B, T, d)."""
@@ -309,10 +324,14 @@ class AttnRes(DepthAttentionResidual):
     @dataclass
     class Config(DepthAttentionConfig):
         heads: int = 1  # channel-split heads, each over d/heads channels with its query slice and own key RMSNorm
+        # how completed sources are stored: "stream" (the residual stream's dtype, fp32 under mixed precision) |
+        # "bfloat16" (half the bytes of every phase-1 read; the reference path rounds its sources alike)
+        source_dtype: str = "stream"
 
     @classmethod
     def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
         super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
+        check_choice(cls.name, "source_dtype", cfg.source_dtype, tuple(SOURCE_DTYPES))
         if not (isinstance(cfg.heads, int) and cfg.heads >= 1 and d_model % cfg.heads == 0):
             divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise ValueError(f"residual.heads={cfg.heads!r} must divide d_model={d_model} (channel-split heads); "
@@ -334,6 +353,13 @@ class AttnRes(DepthAttentionResidual):
 
     def _two_phase(self, x: Tensor) -> str | None:
         return "triton" if self._fused(x) else None  # the fused path: the two-phase schedule
+
+    def _source_dtype(self) -> torch.dtype | None:
+        return SOURCE_DTYPES[self.cfg.source_dtype]
+
+    def _stored(self, source: Tensor) -> Tensor:
+        dtype = SOURCE_DTYPES[self.cfg.source_dtype]
+        return source if dtype is None else source.to(dtype).to(source.dtype)  # rounded as the buffer stores it
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
         heads = self.cfg.heads

@@ -76,7 +76,8 @@ class BlockSummaries:
         return BlockState(ctx, (embedding,), None)
 
     def sources(self, state: BlockState) -> list[Tensor]:
-        return [*state.summaries, *([] if state.partial is None else [state.partial])]
+        # the summaries as the buffer stores them (`_stored`); the partial is not buffered
+        return [*map(self._stored, state.summaries), *([] if state.partial is None else [state.partial])]
 
     def write(self, state, layer: int, out: Tensor):
         if isinstance(state, FusedState):
@@ -99,7 +100,7 @@ class BlockSummaries:
             return replace(state, partial=partial)
         terms = (out,) if state.partial is None else (state.partial, out)
         state.buffer.append(*terms)  # b_n = partial + out, written once into the buffer
-        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend)
+        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend, state.dtype)
 
     def io_per_sublayer(self) -> float:
         """Two-phase computation (docs/method.md §3), reads+writes per sublayer in units of d. Phase 1 reads

@@ -35,6 +35,8 @@ ADDED_PARAMS: dict[str, str] = {
     "trainer/ddp_comm": "fp32",  # gradients were averaged in fp32 before the bf16 hook existed
     "residual/merge_backend": "auto",  # the merge ran on the residual's backend before it had a choice
     "residual/attnres/merge_backend": "auto",  # the same inside attnres_mhc_sum's AttnRes half
+    "residual/source_dtype": "stream",  # completed sources were stored in the stream's dtype before the choice
+    "residual/attnres/source_dtype": "stream",  # the same inside attnres_mhc_sum's AttnRes half
 }
 
 

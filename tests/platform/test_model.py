@@ -152,11 +152,11 @@ def test_compile_model_leaves_room_for_a_graph_per_layer(monkeypatch):
     layer and output dtype between its fused ops' graph breaks, stays compiled for every layer (the
     default 8 ran mhc's later writes eager); a higher limit already set is kept."""
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: fn)
-    config = torch._dynamo.config
-    monkeypatch.setattr(config, "recompile_limit", 8)
+    config = torch._dynamo.config  # patched with its own context manager: a config module is not a plain module
     model = build_backbone("vanilla", vocab=97)
-    model.compile_model()
-    assert config.recompile_limit >= 2 * (len(model.sublayers) + 2)
-    monkeypatch.setattr(config, "recompile_limit", 1000)
-    model.compile_model()
-    assert config.recompile_limit == 1000
+    with config.patch(recompile_limit=8):
+        model.compile_model()
+        assert config.recompile_limit >= 2 * (len(model.sublayers) + 2)
+    with config.patch(recompile_limit=1000):
+        model.compile_model()
+        assert config.recompile_limit == 1000
