@@ -30,11 +30,8 @@ def profile(model_name: str, residual: str, batch: int, vocab: int, compile_mode
 
     torch.manual_seed(0)
     model, cfg = build(model_name, residual, vocab, list(overrides), "cuda")
-    inductor = dict(cfg.trainer.compile_options)
-    if compile_mode == "on":
-        model.compile_sublayers(inductor)
-    elif compile_mode == "model":  # trainer.compile_scope=model
-        model.compile_model(inductor)
+    if compile_mode != "off":  # on: trainer.compile_scope=sublayers; model: the whole forward
+        model.compile_as("model" if compile_mode == "model" else "sublayers", dict(cfg.trainer.compile_options))
     step = training_step(model, batch, cfg.model.seq_len, vocab, "cuda", graphs=graphs)
 
     for _ in range(3):

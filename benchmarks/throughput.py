@@ -165,10 +165,8 @@ def time_training(model, batch: int, seq: int, vocab: int, steps: int, warmup: i
                   ddp_comm: str = "fp32", ddp_sync: str = "ddp", inductor: dict | None = None) -> tuple[float, float]:
     """(median seconds per step, peak GiB) of `steps` timed training steps after `warmup` ones.
     ``inductor``: the row's Inductor settings (its config's trainer.compile_options)."""
-    if compile_mode in ("on", "sublayers"):  # on: trainer.compile=true with compile_scope=sublayers
-        model.compile_sublayers(inductor)
-    if compile_mode == "model":  # trainer.compile_scope=model: the whole forward below the mask, and the loss
-        model.compile_model(inductor)
+    if compile_mode != "off":  # on: trainer.compile=true with compile_scope=sublayers; model: the whole forward
+        model.compile_as("model" if compile_mode == "model" else "sublayers", inductor)
     if compile_mode == "sublayers":  # the sublayers only, the loss eager (trainer.compile before 2026-11-30)
         from platform.model import cross_entropy
         model.cross_entropy = cross_entropy

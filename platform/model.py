@@ -278,6 +278,14 @@ class Backbone(nn.Module):
         self.trunk = torch.compile(self.trunk, **options)
         self.cross_entropy = torch.compile(cross_entropy, **options)
 
+    def compile_as(self, scope: str, inductor: dict | None = None) -> None:
+        """Compile as `trainer.compile_scope` says: "model" (`compile_model`) or "sublayers"
+        (`compile_sublayers`), with the Inductor settings of `trainer.compile_options`."""
+        if scope == "model":
+            self.compile_model(inductor)
+        else:
+            self.compile_sublayers(inductor)
+
     def _recomputed(self, sublayer: nn.Module) -> bool:
         kind = "attention" if isinstance(sublayer, Attention) else "mlp"
         return self.recompute in (kind, "full")

@@ -120,11 +120,7 @@ class LMModule(L.LightningModule):
         self.model_cfg, self.tcfg = model_cfg, trainer_cfg
         self.model = Backbone(model_cfg, vocab_size, residual_cfg)
         if trainer_cfg.compile:
-            inductor = dict(trainer_cfg.compile_options)  # Inductor settings (trainer.compile_options)
-            if trainer_cfg.compile_scope == "model":
-                self.model.compile_model(inductor)
-            else:
-                self.model.compile_sublayers(inductor)
+            self.model.compile_as(trainer_cfg.compile_scope, dict(trainer_cfg.compile_options))
         self.val_ppl = Perplexity()
         self._graphed_loss = None  # trainer.cuda_graphs: the captured training loss (platform.graphs), built on first use
         self._last_loss: torch.Tensor | None = None

@@ -358,7 +358,7 @@ class AttnRes(DepthAttentionResidual):
         return SOURCE_DTYPES[self.cfg.source_dtype]
 
     def _stored(self, source: Tensor) -> Tensor:
-        dtype = SOURCE_DTYPES[self.cfg.source_dtype]
+        dtype = self._source_dtype()
         return source if dtype is None else source.to(dtype).to(source.dtype)  # rounded as the buffer stores it
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:

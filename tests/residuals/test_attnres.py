@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels.depth_attn import depth_attn
-from residuals import Context, config_for, get
+from residuals import Context, config_for, get, names
 
 D, L, B, T = 16, 8, 2, 11
 # two packed rows, several documents each
@@ -445,8 +445,15 @@ def test_bf16_sources_fused_path_matches_the_reference_path(name, overrides, tol
     check_fused_backbone_against_the_reference(name, bf16, "cpu", "triton", B=1, T=11, tol=tol)
 
 
+SOURCE_DTYPE_RESIDUALS = [n for n in names() if "source_dtype" in {f.name for f in dataclasses.fields(get(n).Config)}]
+
+
+def test_source_dtype_residuals_are_found_in_the_registry():
+    assert {"attnres", "attnres_block"} <= set(SOURCE_DTYPE_RESIDUALS)
+
+
 @needs_interpreter
-@pytest.mark.parametrize("name", ["attnres", "attnres_block"])
+@pytest.mark.parametrize("name", SOURCE_DTYPE_RESIDUALS)
 def test_bf16_sources_are_stored_in_bf16_and_change_the_numbers(name):
     """The buffer of the two-phase path is bf16 with residual.source_dtype=bfloat16 (the stream's dtype
     otherwise), and the reference path's read rounds its sources: the logits move by bf16 rounding, not
