@@ -102,8 +102,9 @@ def grads_through_stack(res, stack: FakeStack, seed: int = 3) -> tuple[Tensor, d
 def assert_same_grads(a: dict[str, Tensor], b: dict[str, Tensor], names=None) -> None:
     names = sorted(a) if names is None else names
     assert names and set(names) <= set(a) & set(b)
-    for k in names:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+    for k in names:  # atol relative to the tensor's largest entry: fp32 sums in another order differ by ~1e-6 of it
+        atol = max(1e-6, 5e-6 * b[k].abs().max().item())
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=atol, msg=k)
 
 
 def assert_causal(res, d: int = D) -> None:
@@ -172,6 +173,7 @@ def test_block_size_one_is_full_attnres(fields):
 
 def assert_block_size_one_is_full(full_name: str, block_name: str, fields: dict) -> None:
     """With one sublayer per block, the block variant computes exactly the full one (outputs, grads)."""
+    torch.manual_seed(0)  # the stack's and the mechanism's init: the same inputs every run
     full = randomize(make(full_name, **fields))
     block = make(block_name, block_size=1, **fields)
     block.load_state_dict(full.state_dict())
