@@ -61,13 +61,20 @@
 #   options  one GPU: Inductor's combo kernels (trainer.compile_options) against the default for OPTIONS_RESIDUALS
 #            (default vanilla attnres_block mhc) at small; the merge A/B at MERGE_MODELS (default small); the profile of
 #            a graphed attnres_block step (PROFILE_RESIDUALS; none: skipped); all graphed, whole forward compiled
+#   glue     one GPU: the GPU tests GLUE_TESTS (default the depth-attention kernels and AttnRes), then GLUE_RESIDUALS
+#            (default vanilla attnres attnres_block) graphed at small with combo kernels, whole forward compiled; with
+#            GLUE_OPTION (an Inductor setting, e.g. aggressive_fusion=true) vanilla with and without it; the
+#            profile of a graphed step of PROFILE_RESIDUALS (default attnres_block; none: skipped); with GLUE_PARITY=1
+#            the 60-step training parity of the fused path of PARITY_RESIDUALS (default attnres_block attnres), seeds 0 1
+#   tuning   one GPU: TUNING_RESIDUALS (default vanilla) graphed at small with combo kernels, without and with
+#            Inductor's coordinate-descent tuning of its generated kernels' launch settings, in one process
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources) ;;
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources | tuning | glue}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources|tuning|glue) ;;
   *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources" >&2
      exit 2 ;;
 esac
@@ -303,6 +310,29 @@ case "$PLAN" in
       --set residual.source_dtype=bfloat16 --tag ${TAG:-_sources}
     step gpu0 parity "${PARITY_LIMIT:-200}" python3 -m benchmarks.backend_training --residuals attnres_block --steps 60 \
       --seeds 0 1 --set model=small trainer=gpu residual.source_dtype=bfloat16 --name small_bf16_sources
+    ;;
+  glue)
+    [ "${GLUE_TESTS:-x}" != none ] && step gpu0 gpu_tests "${GLUE_TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short \
+      -p no:cacheprovider -m gpu ${GLUE_TESTS:-tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py}
+    step gpu0 small "${GLUE_SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small \
+      --residuals ${GLUE_RESIDUALS:-vanilla attnres attnres_block} --compile model --graphs on --steps 8 \
+      --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_glue}
+    [ -n "${GLUE_OPTION:-}" ] && step gpu0 option "${GLUE_OPTION_LIMIT:-100}" python3 -m benchmarks.throughput --models \
+      small --residuals vanilla --compile model --graphs on --steps 8 --set +trainer.compile_options.combo_kernels=true \
+      --set +trainer.compile_options.combo_kernels=true +trainer.compile_options.$GLUE_OPTION --tag ${TAG:-_glue}_option
+    [ "${PROFILE_RESIDUALS:-attnres_block}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
+      benchmarks.profile_step --model small --residuals ${PROFILE_RESIDUALS:-attnres_block} --compile model \
+      --graphs on --top ${PROFILE_TOP:-60} --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_glue}
+    [ "${GLUE_PARITY:-0}" = 1 ] && step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training \
+      --residuals ${PARITY_RESIDUALS:-attnres_block attnres} --steps 60 --seeds 0 1 --set model=small trainer=gpu \
+      --name small${TAG:-_glue}
+    ;;
+  tuning)
+    step gpu0 tuning "${TUNING_LIMIT:-240}" python3 -m benchmarks.throughput --models small \
+      --residuals ${TUNING_RESIDUALS:-vanilla} --compile model --graphs on --steps 8 \
+      --set +trainer.compile_options.combo_kernels=true \
+      --set +trainer.compile_options.combo_kernels=true +trainer.compile_options.coordinate_descent_tuning=true \
+      --tag ${TAG:-_tuning}
     ;;
   combo)
     step gpu0 gpu_tests "${COMBO_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \

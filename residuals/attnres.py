@@ -83,6 +83,11 @@ class FusedState:
     weights: Tensor | None = None  # phase-1 weights (C, n, B, T) when ctx.record
     backend: str = "triton"  # of the phase-1 and merge ops ("auto": their own dispatch)
     dtype: torch.dtype = torch.float32  # the stream's (the embedding's): what a read returns, whatever the buffer's
+    # every consumer's static query (d,) and key gain (d,) (None: raw keys), split from the parameters once per
+    # forward by one autograd node each: indexed per consumer instead, each read's backward would write a full-size
+    # zero-filled gradient of the parameter and autograd would sum L+1 of them (about 100 small kernels a step)
+    queries: tuple[Tensor, ...] = ()
+    gains: tuple[Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,7 +204,10 @@ class DepthAttentionResidual(Residual):
             return self.initial_state(embedding, ctx)
         buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype())
         buffer.append(embedding)  # v_0 = b_0
-        return self._open_group(ctx, buffer, 0, backend, embedding.dtype)
+        gain = self.queries.key_gain
+        state = FusedState(ctx, buffer, 0, (), (), None, None, backend, embedding.dtype,
+                           self.queries.weight[:, 0].unbind(0), None if gain is None else gain[:, 0].unbind(0))
+        return self._open_group(state, 0)
 
     def read(self, state, layer: int) -> Tensor:
         if isinstance(state, FusedState):
@@ -224,15 +232,15 @@ class DepthAttentionResidual(Residual):
     def _buffer_rows(self) -> int:
         return self.n_sublayers + 1  # v_0 .. v_L
 
-    def _open_group(self, ctx: Context, buffer: SourceBuffer, first: int, backend: str,
-                    dtype: torch.dtype) -> FusedState:
+    def _open_group(self, state: FusedState, first: int) -> FusedState:
         """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own)."""
         last = self.n_sublayers + 1 if first == self.n_sublayers else min(first + self._group_size(), self.n_sublayers)
-        gain = self.queries.key_gain
-        res = depth_attn_summaries(buffer, self.queries.weight[first:last, 0],  # (C, d)
-                                   None if gain is None else gain[first:last, 0],
-                                   key_norm=self.cfg.key_norm, return_weights=ctx.record, backend=backend)
-        return FusedState(ctx, buffer, first, res[0], res[1], None, res[2] if ctx.record else None, backend, dtype)
+        gains = state.gains
+        res = depth_attn_summaries(state.buffer, torch.stack(state.queries[first:last]),  # (C, d)
+                                   None if gains is None else torch.stack(gains[first:last]),
+                                   key_norm=self.cfg.key_norm, return_weights=state.ctx.record, backend=state.backend)
+        return replace(state, first=first, outs=res[0], lses=res[1], partial=None,
+                       weights=res[2] if state.ctx.record else None)
 
     def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
         c = consumer - state.first
@@ -242,10 +250,9 @@ class DepthAttentionResidual(Residual):
                 self._record(state.ctx, consumer, state.weights[c][None])
             # in the buffer's dtype: back to the stream's (under torch.compile fused into the sublayer's first kernel)
             return self._after_read(out.to(state.dtype), consumer, state.ctx)
-        gain = self.queries.key_gain
         merge_backend = state.backend if self.cfg.merge_backend == "auto" else self.cfg.merge_backend
-        h, w = depth_attn_merge(out, state.lses[c], state.partial, self.queries.weight[consumer, 0],
-                                None if gain is None else gain[consumer, 0], key_norm=self.cfg.key_norm,
+        h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer],
+                                None if state.gains is None else state.gains[consumer], key_norm=self.cfg.key_norm,
                                 backend=merge_backend)
         if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
             w = w.detach()
@@ -258,7 +265,7 @@ class DepthAttentionResidual(Residual):
         row = state.buffer.append(out)  # v_{layer+1}
         if layer + 1 - state.first < self._group_size() and layer + 1 < self.n_sublayers:
             return replace(state, partial=row)
-        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend, state.dtype)
+        return self._open_group(state, layer + 1)
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
         """h for ``consumer`` from its sources (each (B, T, d)); returns (B, T, d)."""

@@ -100,7 +100,7 @@ class BlockSummaries:
             return replace(state, partial=partial)
         terms = (out,) if state.partial is None else (state.partial, out)
         state.buffer.append(*terms)  # b_n = partial + out, written once into the buffer
-        return self._open_group(state.ctx, state.buffer, layer + 1, state.backend, state.dtype)
+        return self._open_group(state, layer + 1)
 
     def io_per_sublayer(self) -> float:
         """Two-phase computation (docs/method.md §3), reads+writes per sublayer in units of d. Phase 1 reads

@@ -123,7 +123,8 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
     C, n = queries.shape[0], len(sources) if buffered else x.shape[0]
     rows = sources.rows if buffered else ()
     res = fused.summaries(x if buffered else x.contiguous(), n, True, bool(key_norm), float(eps),
-                          bool(return_weights), _folded(queries, key_gains), tuple(rows))
+                          bool(return_weights), _folded(queries, key_gains), tuple(rows),
+                          sources.grads if buffered else None)
     outs, lses, logits = res[:C], res[C: 2 * C], res[-1]
     if return_weights:
         return outs, lses, torch.exp(logits - torch.stack(lses).detach()[:, None])

@@ -210,15 +210,25 @@ def _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok
 
 
 @triton.jit
+def _store_dsrc(dsrc_ptr, rows, offs_d, dx, mask, n_add, N, D):
+    """dx (S, T, D) into the source gradients at rows s·N + t: added to what is there for s < n_add (the
+    gradient a later phase-1 call's backward left in a shared buffer), written for the others."""
+    ptrs = dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :]
+    if n_add > 0:
+        dx += tl.load(ptrs, mask=mask & (rows < n_add * N)[:, :, None], other=0.0).to(tl.float32)
+    tl.store(ptrs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _summaries_bwd_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries (C, d) fp32
     lse_ptr,  # forward log-sum-exp (C, N) fp32
     douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
     dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
-    dsrc_ptr,  # result: gradient of the sources (n, N, d), the sources' dtype
+    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
-    n, N, D, eps,
+    n, n_add, N, D, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, ONE_CHUNK: tl.constexpr,
     UNROLL_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -241,8 +251,7 @@ def _summaries_bwd_kernel(
             r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
             dx, dqg = _chunk_grads(x, r, mask_s, dqg, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d,
                                    mask_t, mask_td, mask_d, N, D, C, KEY_NORM, True, UNROLL_C)
-            tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
-                     mask=mask_s[:, None, None] & mask_td[None, :, :])
+            _store_dsrc(dsrc_ptr, rows, offs_d, dx, mask_s[:, None, None] & mask_td[None, :, :], n_add, N, D)
         else:
             # pass 1: delta_c = dO_c·o_c (C, T); pass 2 (the chunks again, usually from L2): gradients
             delta = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
@@ -262,8 +271,7 @@ def _summaries_bwd_kernel(
                 dx, dqg = _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c,
                                        offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, False,
                                        UNROLL_C)
-                tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
-                         mask=mask_s[:, None, None] & mask_td[None, :, :])
+                _store_dsrc(dsrc_ptr, rows, offs_d, dx, mask_s[:, None, None] & mask_td[None, :, :], n_add, N, D)
                 s0 += BLOCK_S
         tile += n_prog
     tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
@@ -453,15 +461,22 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
 
 
 def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Tensor, ...], dlse: Tensor,
-                  *, key_norm: bool, eps: float) -> tuple[Tensor, Tensor]:
-    """-> dsrc (n, B, T, d) in the sources' dtype, dqg (C, d) fp32."""
+                  *, key_norm: bool, eps: float, dsrc: Tensor | None = None, n_add: int = 0) -> tuple[Tensor, Tensor]:
+    """-> dsrc (n, B, T, d) in the sources' dtype, dqg (C, d) fp32.
+
+    ``dsrc`` given (a buffer's :class:`~kernels.depth_attn.buffer.RowGradients`, (n_max, B, T, d) like
+    ``src``): rows [0, n) are written into it, rows [0, n_add) added to what they hold; returned as is."""
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
     t = tiles(n, d)
-    dsrc = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype)
+    if dsrc is None:
+        dsrc, n_add = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype), 0
+    elif dsrc.shape[1:] != src.shape[1:] or dsrc.shape[0] < n or not dsrc.is_contiguous() or not 0 <= n_add <= n:
+        raise ValueError(f"summaries_bwd: dsrc must be contiguous ({n}+, {', '.join(map(str, src.shape[1:]))}) "
+                         f"and 0 <= n_add <= n={n}; got {tuple(dsrc.shape)}, n_add={n_add}")
     meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
                 BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
-    args = (src, qg, lse, douts, dlse, dsrc, None, n, N, d, eps)
+    args = (src, qg, lse, douts, dlse, dsrc, None, n, n_add, N, d, eps)
     programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,
                                 _cdiv(N, t.block_t), src.device)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
@@ -508,21 +523,23 @@ def merge_bwd(o: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, key_no
 
 # --- autograd ------------------------------------------------------------------------------------
 class SummariesFunction(torch.autograd.Function):
-    """Phase 1. ``apply(src, n, split, key_norm, eps, store_logits, qg, *rows)``.
+    """Phase 1. ``apply(src, n, split, key_norm, eps, store_logits, qg, grads, *rows)``.
 
     ``rows`` empty: ``src`` (n, B, T, d) is itself the differentiable input. ``rows`` given: they are
     the n differentiable sources, views of the rows [0, n) of the buffer ``src`` (n_max, B, T, d),
     which is read directly (never stacked) and kept on ``ctx`` outside the saved tensors, because
-    later rows of the buffer are written after this call (rows [0, n) never change again).
+    later rows of the buffer are written after this call (rows [0, n) never change again). Their
+    gradient is accumulated into ``grads`` (the buffer's ``RowGradients``) and handed to autograd as
+    None: each row's ``StoreFunction`` takes the finished sum from there (no autograd sum per reader).
     ``split``: return C outputs and C log-sum-exps (one per consumer) instead of two stacked tensors.
     """
 
     @staticmethod
-    def forward(ctx, src, n, split, key_norm, eps, store_logits, qg, *rows):
+    def forward(ctx, src, n, split, key_norm, eps, store_logits, qg, grads, *rows):
         out, lse, logits = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps, store_logits=store_logits)
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
         if rows:
-            ctx.src = src
+            ctx.src, ctx.grads = src, grads
             ctx.save_for_backward(qg, lse)
         else:
             ctx.save_for_backward(qg, lse, src)
@@ -546,10 +563,13 @@ class SummariesFunction(torch.autograd.Function):
         else:
             douts = tuple(grads[0].contiguous().unbind(0))
             dlse = grads[1].float().contiguous()
-        dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps)
         if ctx.buffered:
-            return (None, None, None, None, None, None, dqg, *dsrc.unbind(0))
-        return (dsrc, None, None, None, None, None, dqg)
+            dst, n_add = ctx.grads.target(ctx.n)
+            _, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, dsrc=dst,
+                                   n_add=n_add)
+            return (None, None, None, None, None, None, dqg, None, *(None for _ in range(ctx.n)))
+        dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps)
+        return (dsrc, None, None, None, None, None, dqg, None)
 
 
 class MergeFunction(torch.autograd.Function):
@@ -573,8 +593,8 @@ class MergeFunction(torch.autograd.Function):
 # --- entry points (inputs validated by kernels.depth_attn) -----------------------------------------
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
 def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, store_logits: bool, qg: Tensor,
-              rows: tuple[Tensor, ...] = ()):
-    return SummariesFunction.apply(src, n, split, key_norm, eps, store_logits, qg, *rows)
+              rows: tuple[Tensor, ...] = (), grads=None):
+    return SummariesFunction.apply(src, n, split, key_norm, eps, store_logits, qg, grads, *rows)
 
 
 @torch.compiler.disable

@@ -173,6 +173,74 @@ def test_buffer_rows_are_read_in_place_and_written_once():
         buffer.append(leaf[0])
 
 
+def growing_reads(backend, leaf, queries, key_gains, *, chunks=None):
+    """The full-AttnRes pattern over a buffer: row i is written, then read by a phase-1 call over
+    rows [0, i+1) (so row 0 has every call as a reader) and, for odd i, by a merge as its partial,
+    and row 1 also by a plain PyTorch op. Returns every output (outputs, merges, the op)."""
+    n = leaf.shape[0]
+    buffer = SourceBuffer(n + 1, leaf[0])  # a spare row: never written, never read
+    outs = []
+    for i in range(n):
+        row = buffer.append(leaf[i] * (1 + i))  # each row a function of a leaf: gradients go through it
+        o, lse = depth_attn_summaries(buffer, queries, key_gains, backend=backend)
+        outs += o
+        if i % 2:
+            outs.append(depth_attn_merge(o[0], lse[0], row, queries[0], None if key_gains is None else key_gains[0],
+                                         backend=backend)[0])
+        if i == 1:
+            outs.append(row.square())
+    return outs
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_interpreter),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_rows_read_by_many_calls_get_the_sum_of_their_readers_gradients(device):
+    # Each phase-1 backward adds its rows' gradient into the buffer's RowGradients (rows a later call's
+    # backward reached already) or writes it (rows it reaches first); a row's gradient is that sum plus
+    # what its other readers (a merge, a PyTorch op) hand autograd. Against the reference on random
+    # upstream gradients, twice through the same graph (retain_graph: the second pass starts from zero).
+    sources, _, queries, key_gains = make_inputs(3, 5, 2, 19, 37, True, seed=5, device=device)
+    leaves = [sources.requires_grad_(), queries.requires_grad_(), key_gains.requires_grad_()]
+    fused = growing_reads("triton", *leaves)
+    ref = growing_reads("torch", *leaves)
+    g = torch.Generator(device).manual_seed(6)
+    ups = [torch.randn(h.shape, generator=g, device=device) for h in ref]
+    loss = sum((h * u).sum() for h, u in zip(fused, ups))
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref, ups)), leaves)
+    for i, (a, a2, b) in enumerate(zip(first, second, ref_grads)):
+        assert rel_err(a, b) < (1e-5 if device == "cpu" else 1e-4), f"input {i}: relative error {rel_err(a, b):.2e}"
+        torch.testing.assert_close(a2, a, rtol=0, atol=0, msg=f"input {i}: second backward")
+
+
+@needs_interpreter
+def test_summaries_backward_adds_into_the_rows_it_is_told_to():
+    # summaries_bwd with a gradient buffer: rows [0, n_add) get the buffer's earlier content plus this
+    # call's gradient, rows [n_add, n) this call's gradient alone, rows past n are untouched.
+    from kernels.depth_attn import fused
+
+    n, n_max, B, T, d = 4, 6, 2, 19, 37
+    sources, _, queries, _ = make_inputs(3, n_max, B, T, d, False, seed=7)
+    g = torch.Generator().manual_seed(8)
+    out, lse, _ = fused.summaries_fwd(sources, n, queries, key_norm=True, eps=1e-6, store_logits=False)
+    douts = tuple(torch.randn(out[0].shape, generator=g) for _ in range(3))
+    dlse = torch.randn(lse.shape, generator=g)
+    fresh, dqg = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6)
+    for n_add in (0, 1, 3, 4):
+        before = torch.randn(n_max, B, T, d, generator=g)
+        dst = before.clone()
+        _, dqg2 = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=dst,
+                                      n_add=n_add)
+        torch.testing.assert_close(dst[:n_add], before[:n_add] + fresh[:n_add], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dst[n_add:n], fresh[n_add:], rtol=0, atol=0)
+        assert torch.equal(dst[n:], before[n:]) and torch.equal(dqg2, dqg)
+    with pytest.raises(ValueError, match="n_add=5"):
+        fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=before, n_add=5)
+
+
 def test_buffer_sums_in_the_terms_precision_and_routes_gradients():
     # A bf16 block summary stored in an fp32 buffer (bf16-mixed training: the embedding is fp32):
     # summed in bf16 like the reference's partial + out, then cast; gradients reach both terms in bf16.
