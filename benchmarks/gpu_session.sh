@@ -66,6 +66,9 @@
 #            GLUE_OPTION (an Inductor setting, e.g. aggressive_fusion=true) vanilla with and without it; the
 #            profile of a graphed step of PROFILE_RESIDUALS (default attnres_block; none: skipped); with GLUE_PARITY=1
 #            the 60-step training parity of the fused path of PARITY_RESIDUALS (default attnres_block attnres), seeds 0 1
+#   comboref one GPU: 3 training steps of REF_RESIDUALS (default attnres) on the reference backend (residual.backend=torch)
+#            with trainer=gpu's combo kernels and without them (Inductor's scheduler assertion of the 2026-12-01 parity
+#            run); then the glue plan's small table (GLUE_RESIDUALS) and, with GLUE_PARITY=1, its parity without combo
 #   tuning   one GPU: TUNING_RESIDUALS (default vanilla) graphed at small with combo kernels, without and with
 #            Inductor's coordinate-descent tuning of its generated kernels' launch settings, in one process
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -73,8 +76,8 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources | tuning | glue}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources|tuning|glue) ;;
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources | tuning | glue | comboref}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources|tuning|glue|comboref) ;;
   *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources" >&2
      exit 2 ;;
 esac
@@ -326,6 +329,20 @@ case "$PLAN" in
     [ "${GLUE_PARITY:-0}" = 1 ] && step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training \
       --residuals ${PARITY_RESIDUALS:-attnres_block attnres} --steps 60 --seeds 0 1 --set model=small trainer=gpu \
       --name small${TAG:-_glue}
+    ;;
+  comboref)
+    for r in ${REF_RESIDUALS:-attnres}; do
+      step gpu0 ref_combo_$r "${REF_LIMIT:-75}" python3 -m platform.run trainer=gpu model=small residual=$r residual.backend=torch \
+        trainer.max_steps=3 mlflow.depth_heatmaps=false
+      step gpu0 ref_plain_$r "${REF_LIMIT:-75}" python3 -m platform.run trainer=gpu model=small residual=$r residual.backend=torch \
+        trainer.max_steps=3 mlflow.depth_heatmaps=false trainer.compile_options.combo_kernels=false
+    done
+    step gpu0 small "${GLUE_SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small \
+      --residuals ${GLUE_RESIDUALS:-vanilla attnres attnres_block} --compile model --graphs on --steps 8 \
+      --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_comboref}
+    [ "${GLUE_PARITY:-0}" = 1 ] && step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training \
+      --residuals ${PARITY_RESIDUALS:-attnres} --steps 60 --seeds 0 1 --set model=small trainer=gpu \
+      trainer.compile_options.combo_kernels=false --name small${TAG:-_comboref}
     ;;
   tuning)
     step gpu0 tuning "${TUNING_LIMIT:-240}" python3 -m benchmarks.throughput --models small \

@@ -120,6 +120,10 @@ class LMModule(L.LightningModule):
         self.model_cfg, self.tcfg = model_cfg, trainer_cfg
         self.model = Backbone(model_cfg, vocab_size, residual_cfg)
         if trainer_cfg.compile:
+            # Dynamo's per-frame graph limit counts the graphs of every model this process compiled: a process
+            # that trains several runs (benchmarks.backend_training, an in-process sweep) ran the later runs'
+            # residual frames eager once the earlier runs' graphs filled it. A run starts from an empty cache.
+            torch._dynamo.reset()
             self.model.compile_as(trainer_cfg.compile_scope, dict(trainer_cfg.compile_options))
         self.val_ppl = Perplexity()
         self._graphed_loss = None  # trainer.cuda_graphs: the captured training loss (platform.graphs), built on first use

@@ -184,16 +184,15 @@ def _consumer_grad(x, r, mask_s, delta, dqg, dx, dl_l, qg_ptr, do_ptr, lse_ptr, 
 
 
 @triton.jit
-def _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d, mask_t,
+def _chunk_grads(x, r, mask_s, delta, dx, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d, mask_t,
                  mask_td, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr, LOCAL_DELTA: tl.constexpr,
                  UNROLL_C: tl.constexpr):
-    """Gradient dx (S, T, D) of a chunk of sources, and dqg (BLOCK_C, D) plus this chunk's share:
+    """dx (S, T, D) plus the gradient of a chunk of sources, and dqg (BLOCK_C, D) plus this chunk's share:
         dlogit_cs = w_cs (a_cs − delta_c + dlse_c),  delta_c = dO_c·o_c = Σ_s w_cs a_cs
         dx_s = Σ_c w_cs dO_c + r_s Σ_c dlogit_cs qg_c − r_s² x_s Σ_c dlogit_cs logit_cs / d
     ``LOCAL_DELTA``: the chunk holds every source, delta_c is summed here; else it is given (C, T).
     ``UNROLL_C``: consumers unrolled (the compiler overlaps their upstream-gradient loads); else a
     loop that keeps one consumer's values live at a time (for the 128-register cap of 16 warps)."""
-    dx = tl.zeros_like(x)
     dl_l = tl.zeros_like(r)  # Σ_c dlogit_cs logit_cs (S, T)
     if UNROLL_C:
         for c in tl.static_range(C):
@@ -210,13 +209,12 @@ def _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok
 
 
 @triton.jit
-def _store_dsrc(dsrc_ptr, rows, offs_d, dx, mask, n_add, N, D):
-    """dx (S, T, D) into the source gradients at rows s·N + t: added to what is there for s < n_add (the
-    gradient a later phase-1 call's backward left in a shared buffer), written for the others."""
-    ptrs = dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :]
-    if n_add > 0:
-        dx += tl.load(ptrs, mask=mask & (rows < n_add * N)[:, :, None], other=0.0).to(tl.float32)
-    tl.store(ptrs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask)
+def _earlier_dsrc(dsrc_ptr, rows, offs_d, mask, n_add, N, D):
+    """What the source gradients hold at rows s·N + t for s < n_add (the gradient a later phase-1 call's
+    backward left in a shared buffer), 0 for the others; loaded with the sources, before the chunk's
+    arithmetic, so that its latency overlaps it (no traffic where the mask is empty, e.g. n_add = 0)."""
+    return tl.load(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                   mask=mask & (rows < n_add * N)[:, :, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -248,10 +246,13 @@ def _summaries_bwd_kernel(
         td = tok[:, None] * D + offs_d[None, :]
         if ONE_CHUNK:  # every source in one load: each source and upstream gradient read once
             x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+            mask_x = mask_s[:, None, None] & mask_td[None, :, :]
+            dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
             r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
-            dx, dqg = _chunk_grads(x, r, mask_s, dqg, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c, offs_d,
-                                   mask_t, mask_td, mask_d, N, D, C, KEY_NORM, True, UNROLL_C)
-            _store_dsrc(dsrc_ptr, rows, offs_d, dx, mask_s[:, None, None] & mask_td[None, :, :], n_add, N, D)
+            dx, dqg = _chunk_grads(x, r, mask_s, dqg, dx, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c,
+                                   offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, True, UNROLL_C)
+            tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                     mask=mask_x)
         else:
             # pass 1: delta_c = dO_c·o_c (C, T); pass 2 (the chunks again, usually from L2): gradients
             delta = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
@@ -267,11 +268,13 @@ def _summaries_bwd_kernel(
             s0 = pid * 0
             while s0 < n:
                 x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+                mask_x = mask_s[:, None, None] & mask_td[None, :, :]
+                dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
                 r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
-                dx, dqg = _chunk_grads(x, r, mask_s, delta, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c,
-                                       offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, False,
-                                       UNROLL_C)
-                _store_dsrc(dsrc_ptr, rows, offs_d, dx, mask_s[:, None, None] & mask_td[None, :, :], n_add, N, D)
+                dx, dqg = _chunk_grads(x, r, mask_s, delta, dx, dqg, qg_ptr, douts, lse_ptr, dlse_ptr, tok, td, offs_c,
+                                       offs_d, mask_t, mask_td, mask_d, N, D, C, KEY_NORM, False, UNROLL_C)
+                tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                         mask=mask_x)
                 s0 += BLOCK_S
         tile += n_prog
     tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,

@@ -217,10 +217,16 @@ def test_rows_read_by_many_calls_get_the_sum_of_their_readers_gradients(device):
 
 
 @needs_interpreter
-def test_summaries_backward_adds_into_the_rows_it_is_told_to():
+@pytest.mark.parametrize("one_chunk", [True, False], ids=["one-chunk", "chunks-of-2"])
+def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, one_chunk):
     # summaries_bwd with a gradient buffer: rows [0, n_add) get the buffer's earlier content plus this
-    # call's gradient, rows [n_add, n) this call's gradient alone, rows past n are untouched.
+    # call's gradient, rows [n_add, n) this call's gradient alone, rows past n are untouched; with every
+    # source in one chunk and in chunks of 2 (the two-pass backward).
     from kernels.depth_attn import fused
+
+    if not one_chunk:
+        monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), 8, True, 4, 2, False,
+                                                                       False))
 
     n, n_max, B, T, d = 4, 6, 2, 19, 37
     sources, _, queries, _ = make_inputs(3, n_max, B, T, d, False, seed=7)

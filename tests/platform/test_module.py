@@ -168,3 +168,24 @@ def test_compile_options_reach_every_torch_compile(monkeypatch, scope):
         for kwargs in calls:
             assert kwargs.get("dynamic") is False
             assert kwargs.get("options") == want
+
+
+def test_a_compiled_run_starts_from_an_empty_dynamo_cache(monkeypatch):
+    """Every compiled module resets Dynamo before it compiles: Dynamo's per-frame graph limit counts the
+    graphs of every model of the process, so a process training several runs ran the later runs'
+    residual frames eager. Without compilation nothing is reset (another run's graphs stay)."""
+    from platform.config import residual_config
+
+    events = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: events.append("reset"))
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kwargs: events.append("compile") or fn)
+    base = ["model=tiny", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.seq_len=24",
+            "residual=attnres_block"]
+    for compile_ in ("true", "false"):
+        events.clear()
+        cfg = make_cfg(*base, f"trainer.compile={compile_}")
+        LMModule(cfg.model, cfg.trainer, residual_config(cfg), vocab_size=VOCAB)
+        if compile_ == "true":
+            assert events[0] == "reset" and events.count("reset") == 1 and events.count("compile") >= 2
+        else:
+            assert events == []
