@@ -69,6 +69,9 @@
 #   comboref one GPU: 3 training steps of REF_RESIDUALS (default attnres) on the reference backend (residual.backend=torch)
 #            with trainer=gpu's combo kernels and without them (Inductor's scheduler assertion of the 2026-12-01 parity
 #            run); then the glue plan's small table (GLUE_RESIDUALS) and, with GLUE_PARITY=1, its parity without combo
+#   attnref  one GPU: the 60-step parity of AttnRes's fused path compiled per sublayer (its reference fails to compile
+#            whole: docs/gpu.md, the 2026-12-01 afternoon session); 3 steps of that reference compiled whole with
+#            Inductor's loop_ordering_after_fusion off; the phase-1 kernels alone (benchmarks.ops_attnres, small)
 #   tuning   one GPU: TUNING_RESIDUALS (default vanilla) graphed at small with combo kernels, without and with
 #            Inductor's coordinate-descent tuning of its generated kernels' launch settings, in one process
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -76,8 +79,8 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources | tuning | glue | comboref}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources|tuning|glue|comboref) ;;
+PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources | tuning | glue | comboref | attnref}
+case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources|tuning|glue|comboref|attnref) ;;
   *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources" >&2
      exit 2 ;;
 esac
@@ -343,6 +346,15 @@ case "$PLAN" in
     [ "${GLUE_PARITY:-0}" = 1 ] && step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training \
       --residuals ${PARITY_RESIDUALS:-attnres} --steps 60 --seeds 0 1 --set model=small trainer=gpu \
       trainer.compile_options.combo_kernels=false --name small${TAG:-_comboref}
+    ;;
+  attnref)
+    step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres --steps 60 \
+      --seeds 0 1 --set model=small trainer=gpu trainer.compile_scope=sublayers --name small_attnres_sublayers
+    step gpu0 ref_loop_order "${REF_LIMIT:-200}" python3 -m platform.run trainer=gpu model=small residual=attnres \
+      residual.backend=torch trainer.max_steps=3 mlflow.depth_heatmaps=false \
+      +trainer.compile_options.loop_ordering_after_fusion=false
+    step gpu0 ops_attnres "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_attnres --quick --shapes small \
+      --impls fused reference
     ;;
   tuning)
     step gpu0 tuning "${TUNING_LIMIT:-240}" python3 -m benchmarks.throughput --models small \

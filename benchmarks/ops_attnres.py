@@ -213,11 +213,15 @@ def kernel_breakdown(n, C, B, T, d) -> list[tuple[str, float]]:
     p, o, lse1, q1 = partials[0].detach(), out[1], lse[1].contiguous(), qg[1].contiguous()
     h, w = fused.merge_fwd(o, lse1, p, q1, key_norm=True, eps=1e-6)
     dh = torch.randn_like(h)
+    grads = torch.randn(src.shape, device=src.device)  # a buffer's RowGradients (fp32), every row reached before
     times = [
         ("phase 1 forward", bench_ms(lambda: fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6,
                                                                  store_logits=False))),
         ("phase 1 backward", bench_ms(lambda: fused.summaries_bwd(src, n, qg, lse, douts, dlse, key_norm=True,
                                                                   eps=1e-6))),
+        # as the residuals run it: every call but the last reads back what the later calls' backward left
+        ("phase 1 backward, adding into the rows' gradients", bench_ms(lambda: fused.summaries_bwd(
+            src, n, qg, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=grads, n_add=n))),
         ("merge forward (one consumer)", bench_ms(lambda: fused.merge_fwd(o, lse1, p, q1, key_norm=True, eps=1e-6))),
         ("merge backward (one consumer)", bench_ms(lambda: fused.merge_bwd(o, p, q1, w, dh, key_norm=True,
                                                                            eps=1e-6))),
