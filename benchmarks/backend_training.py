@@ -9,7 +9,8 @@ op), for each seed. The fused op passes when, at every logged step, the gap betw
 training losses (averaged over the seeds) stays within the run-to-run spread of the reference (the
 largest gap between two reference seeds at that step), plus 1% of the loss: bf16 rounding differs
 between the two, so equality is not expected, only that the difference is smaller than what a new
-seed does. Writes benchmarks/results/backend_training_<model>.md via `roofline.Table`.
+seed does. Writes benchmarks/results/backend_training_<model>.md via `roofline.Table`, again after every
+residual; a residual whose runs raise is a FAILED row (the others still run, the exit code is 1).
 """
 
 from __future__ import annotations
@@ -81,8 +82,16 @@ def main(argv=None) -> int:
                          "for both backends of a seed"])
     failures = 0
     for residual in a.residuals:
-        reference = [run(residual, "torch", s, a.steps, a.set) for s in a.seeds]
-        fused = [run(residual, "triton", s, a.steps, a.set) for s in a.seeds]
+        try:
+            reference = [run(residual, "torch", s, a.steps, a.set) for s in a.seeds]
+            fused = [run(residual, "triton", s, a.steps, a.set) for s in a.seeds]
+        except Exception as e:  # noqa: BLE001 - reported in its row; the other residuals still run
+            error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+            table.add(residual, "-", "-", "-", "-", f"FAILED ({error})")
+            table.write(f"backend_training_{a.name or model}")  # after every residual: nothing measured is lost
+            failures += 1
+            print(f"{residual}: FAILED ({error})", flush=True)
+            continue
         ok, gap, spread, step = verdict(reference, fused)
         last = max(reference[0])
         table.add(residual, ", ".join(f"{r[last]:.4f}" for r in reference),
@@ -91,7 +100,7 @@ def main(argv=None) -> int:
         failures += not ok
         print(f"{residual}: {'ok' if ok else 'OUTSIDE THE SPREAD'} (worst gap {gap:.4f} at step {step}, "
               f"allowed {spread:.4f})", flush=True)
-    table.write(f"backend_training_{a.name or model}")
+        table.write(f"backend_training_{a.name or model}")
     return 1 if failures else 0
 
 

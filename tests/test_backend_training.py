@@ -25,3 +25,25 @@ def test_fused_and_reference_training_agree_on_the_cpu(tmp_path, monkeypatch):
                  "model.seq_len=32", "data.batch_size=2", "trainer.threads=1"])
     assert code == 0
     assert "attnres_block" in (tmp_path / "backend_training_cpu.md").read_text()
+
+
+def test_a_failing_residual_is_a_row_and_the_others_are_kept(tmp_path, monkeypatch):
+    # One residual's runs raise (as an Inductor error did on a GPU): its row says FAILED with the error, the
+    # residual before it keeps its verdict in the written table, and the exit code is 1.
+    import benchmarks.backend_training as bt
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+
+    def fake_run(residual, backend, seed, steps, overrides):
+        if residual == "attnres":
+            raise RuntimeError("InductorError: AssertionError")
+        return {1: 5.0 + 0.1 * seed, 2: 4.0 + 0.1 * seed}
+
+    monkeypatch.setattr(bt, "run", fake_run)
+    code = main(["--residuals", "attnres_block", "attnres", "--steps", "2", "--seeds", "0", "1", "--name", "fake"])
+    text = (tmp_path / "backend_training_fake.md").read_text()
+    assert code == 1
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| attnres")}
+    assert "| ok |" in rows["attnres_block"]
+    assert "FAILED (RuntimeError: InductorError: AssertionError)" in rows["attnres"]
