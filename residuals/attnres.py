@@ -332,7 +332,8 @@ class AttnRes(DepthAttentionResidual):
     class Config(DepthAttentionConfig):
         heads: int = 1  # channel-split heads, each over d/heads channels with its query slice and own key RMSNorm
         # how completed sources are stored: "stream" (the residual stream's dtype, fp32 under mixed precision) |
-        # "bfloat16" (half the bytes of every phase-1 read; the reference path rounds its sources alike)
+        # "bfloat16" (half the bytes of every phase-1 read, yet slower end to end on an H200 because of the casts:
+        # docs/kernel_attnres.md; the reference path rounds its sources alike)
         source_dtype: str = "stream"
 
     @classmethod
