@@ -6,7 +6,7 @@ kernel reads rows [0, n) of that tensor in place; autograd sees each row as a vi
 ``StoreFunction`` whose gradient flows to the terms it was summed from. Pure PyTorch (no Triton).
 
 A row is read by every later phase-1 call, so its gradient is a sum over those calls. Summed by
-autograd that is one extra pass over a (B, T, d) fp32 tensor per extra reader (about 60 a step in
+autograd that is one extra pass over a (B, T, d) fp32 tensor per extra reader (64 a backward in
 full AttnRes at 16 sublayers); instead the phase-1 backward kernel accumulates into
 :class:`RowGradients`, one fp32 (n_max, B, T, d) tensor, and the row's ``StoreFunction`` takes its
 gradient from there.
