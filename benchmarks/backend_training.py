@@ -88,19 +88,18 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - reported in its row; the other residuals still run
             error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
             table.add(residual, "-", "-", "-", "-", f"FAILED ({error})")
-            table.write(f"backend_training_{a.name or model}")  # after every residual: nothing measured is lost
             failures += 1
             print(f"{residual}: FAILED ({error})", flush=True)
-            continue
-        ok, gap, spread, step = verdict(reference, fused)
-        last = max(reference[0])
-        table.add(residual, ", ".join(f"{r[last]:.4f}" for r in reference),
-                  ", ".join(f"{f[last]:.4f}" for f in fused), f"{gap:.4f} (step {step})", f"{spread:.4f}",
-                  "ok" if ok else "OUTSIDE THE SPREAD")
-        failures += not ok
-        print(f"{residual}: {'ok' if ok else 'OUTSIDE THE SPREAD'} (worst gap {gap:.4f} at step {step}, "
-              f"allowed {spread:.4f})", flush=True)
-        table.write(f"backend_training_{a.name or model}")
+        else:
+            ok, gap, spread, step = verdict(reference, fused)
+            last = max(reference[0])
+            table.add(residual, ", ".join(f"{r[last]:.4f}" for r in reference),
+                      ", ".join(f"{f[last]:.4f}" for f in fused), f"{gap:.4f} (step {step})", f"{spread:.4f}",
+                      "ok" if ok else "OUTSIDE THE SPREAD")
+            failures += not ok
+            print(f"{residual}: {'ok' if ok else 'OUTSIDE THE SPREAD'} (worst gap {gap:.4f} at step {step}, "
+                  f"allowed {spread:.4f})", flush=True)
+        table.write(f"backend_training_{a.name or model}")  # after every residual: nothing measured is lost
     return 1 if failures else 0
 
 

@@ -63,25 +63,23 @@
 #            a graphed attnres_block step (PROFILE_RESIDUALS; none: skipped); all graphed, whole forward compiled
 #   glue     one GPU: the GPU tests GLUE_TESTS (default the depth-attention kernels and AttnRes), then GLUE_RESIDUALS
 #            (default vanilla attnres attnres_block) graphed at small with combo kernels, whole forward compiled; with
-#            GLUE_OPTION (an Inductor setting, e.g. aggressive_fusion=true) vanilla with and without it; the
+#            GLUE_OPTION (an Inductor setting, e.g. aggressive_fusion=true or coordinate_descent_tuning=true) vanilla
+#            with and without it, in one process; the
 #            profile of a graphed step of PROFILE_RESIDUALS (default attnres_block; none: skipped); with GLUE_PARITY=1
 #            the 60-step training parity of the fused path of PARITY_RESIDUALS (default attnres_block attnres), seeds 0 1
-#   comboref one GPU: 3 training steps of REF_RESIDUALS (default attnres) on the reference backend (residual.backend=torch)
-#            with trainer=gpu's combo kernels and without them (Inductor's scheduler assertion of the 2026-12-01 parity
-#            run); then the glue plan's small table (GLUE_RESIDUALS) and, with GLUE_PARITY=1, its parity without combo
 #   attnref  one GPU: the 60-step parity of AttnRes's fused path compiled per sublayer (its reference fails to compile
 #            whole: docs/gpu.md, the 2026-12-01 afternoon session); 3 steps of that reference compiled whole with
 #            Inductor's loop_ordering_after_fusion off; the phase-1 kernels alone (benchmarks.ops_attnres, small)
-#   tuning   one GPU: TUNING_RESIDUALS (default vanilla) graphed at small with combo kernels, without and with
-#            Inductor's coordinate-descent tuning of its generated kernels' launch settings, in one process
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLAN=${1:?plan: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources | tuning | glue | comboref | attnref}
-case "$PLAN" in check|study|finish|seeds|scaling|measure|graphs|kernels|final|closing|sync|lr|mfu|scope|closing1|merge|options|combo|sources|tuning|glue|comboref|attnref) ;;
-  *) echo "unknown plan $PLAN: check | study | finish | seeds | scaling | measure | graphs | kernels | final | closing | sync | lr | mfu | scope | closing1 | merge | options | combo | sources" >&2
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref"
+PLAN=${1:?plan: ${PLANS// / | }}
+case " $PLANS " in
+  *" $PLAN "*) ;;
+  *) echo "unknown plan $PLAN: ${PLANS// / | }" >&2
      exit 2 ;;
 esac
 OUTDIR=${2:-benchmarks/results/gpu_session}
@@ -333,20 +331,6 @@ case "$PLAN" in
       --residuals ${PARITY_RESIDUALS:-attnres_block attnres} --steps 60 --seeds 0 1 --set model=small trainer=gpu \
       --name small${TAG:-_glue}
     ;;
-  comboref)
-    for r in ${REF_RESIDUALS:-attnres}; do
-      step gpu0 ref_combo_$r "${REF_LIMIT:-75}" python3 -m platform.run trainer=gpu model=small residual=$r residual.backend=torch \
-        trainer.max_steps=3 mlflow.depth_heatmaps=false
-      step gpu0 ref_plain_$r "${REF_LIMIT:-75}" python3 -m platform.run trainer=gpu model=small residual=$r residual.backend=torch \
-        trainer.max_steps=3 mlflow.depth_heatmaps=false trainer.compile_options.combo_kernels=false
-    done
-    step gpu0 small "${GLUE_SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small \
-      --residuals ${GLUE_RESIDUALS:-vanilla attnres attnres_block} --compile model --graphs on --steps 8 \
-      --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_comboref}
-    [ "${GLUE_PARITY:-0}" = 1 ] && step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training \
-      --residuals ${PARITY_RESIDUALS:-attnres} --steps 60 --seeds 0 1 --set model=small trainer=gpu \
-      trainer.compile_options.combo_kernels=false --name small${TAG:-_comboref}
-    ;;
   attnref)
     step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres --steps 60 \
       --seeds 0 1 --set model=small trainer=gpu trainer.compile_scope=sublayers --name small_attnres_sublayers
@@ -355,13 +339,6 @@ case "$PLAN" in
       +trainer.compile_options.loop_ordering_after_fusion=false
     step gpu0 ops_attnres "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_attnres --quick --shapes small \
       --impls fused reference
-    ;;
-  tuning)
-    step gpu0 tuning "${TUNING_LIMIT:-240}" python3 -m benchmarks.throughput --models small \
-      --residuals ${TUNING_RESIDUALS:-vanilla} --compile model --graphs on --steps 8 \
-      --set +trainer.compile_options.combo_kernels=true \
-      --set +trainer.compile_options.combo_kernels=true +trainer.compile_options.coordinate_descent_tuning=true \
-      --tag ${TAG:-_tuning}
     ;;
   combo)
     step gpu0 gpu_tests "${COMBO_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \

@@ -41,3 +41,12 @@ def test_gpu_session_script_parses_and_names_its_plans(tmp_path):
     assert out.returncode == 2 and "unknown plan nope" in out.stderr
     for plan in ("check", "study", "finish", "scaling"):
         assert f"  {plan})" in script.read_text(), plan
+    # the list that the usage, the check and the error name is exactly the script's case arms
+    import re
+
+    text = script.read_text()
+    listed = set(re.search(r'^PLANS="([^"]+)"', text, re.M).group(1).split())
+    arms = set(re.findall(r"^  ([a-z0-9]+)\)$", text, re.M))
+    assert listed == arms, (listed ^ arms)
+    for plan in sorted(listed):
+        assert plan in out.stderr, plan

@@ -539,6 +539,8 @@ class SummariesFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, src, n, split, key_norm, eps, store_logits, qg, grads, *rows):
+        if rows and grads is None:
+            raise ValueError("summaries: buffered rows need their buffer's RowGradients (SourceBuffer.grads), got None")
         out, lse, logits = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps, store_logits=store_logits)
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
         if rows:

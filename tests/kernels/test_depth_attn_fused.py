@@ -173,7 +173,7 @@ def test_buffer_rows_are_read_in_place_and_written_once():
         buffer.append(leaf[0])
 
 
-def growing_reads(backend, leaf, queries, key_gains, *, chunks=None):
+def growing_reads(backend, leaf, queries, key_gains):
     """The full-AttnRes pattern over a buffer: row i is written, then read by a phase-1 call over
     rows [0, i+1) (so row 0 has every call as a reader) and, for odd i, by a merge as its partial,
     and row 1 also by a plain PyTorch op. Returns every output (outputs, merges, the op)."""
