@@ -70,12 +70,15 @@
 #   attnref  one GPU: the 60-step parity of AttnRes's fused path compiled per sublayer (its reference fails to compile
 #            whole: docs/gpu.md, the 2026-12-01 afternoon session); 3 steps of that reference compiled whole with
 #            Inductor's loop_ordering_after_fusion off; the phase-1 kernels alone (benchmarks.ops_attnres, small)
+#   router   one GPU: ROUTER_RESIDUALS (default vanilla attnres_block) graphed at small with the router's top-k as
+#            torch.topk and as fused argmax rounds (model.moe_topk), whole forward compiled, in one process; the
+#            profile of a graphed vanilla step with ROUTER_PROFILE_SET (default model.moe_topk=argmax; none: skipped)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -334,11 +337,19 @@ case "$PLAN" in
   attnref)
     step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres --steps 60 \
       --seeds 0 1 --set model=small trainer=gpu trainer.compile_scope=sublayers --name small_attnres_sublayers
-    step gpu0 ref_loop_order "${REF_LIMIT:-200}" python3 -m platform.run trainer=gpu model=small residual=attnres \
+    [ "${REF_LIMIT:-200}" != 0 ] && step gpu0 ref_loop_order "${REF_LIMIT:-200}" python3 -m platform.run trainer=gpu model=small residual=attnres \
       residual.backend=torch trainer.max_steps=3 mlflow.depth_heatmaps=false \
       +trainer.compile_options.loop_ordering_after_fusion=false
-    step gpu0 ops_attnres "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_attnres --quick --shapes small \
-      --impls fused reference
+    [ "${OPS_LIMIT:-100}" != 0 ] && step gpu0 ops_attnres "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_attnres \
+      --quick --shapes small --impls fused reference
+    ;;
+  router)
+    step gpu0 small "${ROUTER_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
+      --residuals ${ROUTER_RESIDUALS:-vanilla attnres_block} --compile model --graphs on --steps 8 \
+      --set --set model.moe_topk=argmax --tag ${TAG:-_router}
+    [ "${ROUTER_PROFILE_SET:-x}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
+      benchmarks.profile_step --model small --residuals vanilla --compile model --graphs on --top ${PROFILE_TOP:-50} \
+      --set ${ROUTER_PROFILE_SET:-model.moe_topk=argmax} --tag ${TAG:-_router}
     ;;
   combo)
     step gpu0 gpu_tests "${COMBO_TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \

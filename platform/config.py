@@ -47,6 +47,7 @@ class ModelConfig:
     init_std: float = 0.02
     norm_eps: float = 1e-6
     moe_impl: str = "grouped_mm"  # "grouped_mm" (one grouped GEMM per projection) | "sliced" (reference)
+    moe_topk: str = "topk"  # the router's expert choice: "topk" (torch.topk) | "argmax" (k fused argmax rounds)
     doc_mask: bool = True  # attention never crosses a document boundary in packed windows
     checkpoint_reads: bool = False  # recompute the residual's read in backward where it stores views (reference reads; never a fused op)
     attention: str = "auto"  # "flex" (FlexAttention, block mask) | "sdpa" (dense-mask reference) | "auto" (flex on CUDA)
@@ -258,7 +259,7 @@ def validate(cfg: DictConfig) -> None:
     import residuals
 
     from .model import ATTENTION_BACKENDS, RECOMPUTE
-    from .moe import MOE_IMPLS
+    from .moe import MOE_IMPLS, MOE_TOPK
 
     m, t = cfg.model, cfg.trainer
     for key in ("d_model", "n_blocks", "n_heads", "n_kv_heads", "seq_len", "dense_hidden", "n_experts",
@@ -279,6 +280,7 @@ def validate(cfg: DictConfig) -> None:
     if m.n_shared < 0:
         raise ConfigError("model.n_shared", m.n_shared, "must be >= 0", ">= 0")
     _choice("model.moe_impl", m.moe_impl, MOE_IMPLS)
+    _choice("model.moe_topk", m.moe_topk, MOE_TOPK)
     if m.moe_impl == "grouped_mm" and (m.d_model % 8 or m.expert_hidden % 8):
         key = "model.d_model" if m.d_model % 8 else "model.expert_hidden"
         raise ConfigError(key, m[key.split(".")[1]], "model.moe_impl=grouped_mm needs multiples of 8 "

@@ -189,7 +189,7 @@ class FeedForward(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.dense_hidden) if dense else MoE(
             cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_hidden, cfg.n_shared,
-            cfg.bias_update_rate, cfg.route_scale, cfg.moe_impl)
+            cfg.bias_update_rate, cfg.route_scale, cfg.moe_impl, cfg.moe_topk)
 
     def forward(self, h: Tensor, mask: AttentionMask) -> Tensor:
         return self.mlp(self.norm(h))

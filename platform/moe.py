@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 MOE_IMPLS = ("grouped_mm", "sliced")  # model.moe_impl: the grouped GEMM and its reference twin
+MOE_TOPK = ("topk", "argmax")  # model.moe_topk: how the router picks its k experts (the same set)
 
 
 def grouped_matmul(x: Tensor, w: Tensor, offsets: Tensor, impl: str) -> Tensor:
@@ -106,6 +107,30 @@ def combine(y: Tensor, order: Tensor, k: int, inv: Tensor | None = None) -> Tens
     return _Combine.apply(y, inv, order).view(-1, k, y.shape[-1]).sum(1)
 
 
+def top_k_indices(scores: Tensor, k: int, impl: str) -> Tensor:
+    """The k largest entries' indices along the last dim, in no particular order: (N, E) -> (N, k).
+
+    ``impl="topk"`` is ``torch.topk`` (on CUDA a selection kernel of its own, one per MoE layer, that a
+    compiled graph calls as a library op). ``impl="argmax"`` takes k rounds of argmax, each masking out
+    the entry it chose: elementwise work and row reductions only, which Inductor can fuse with the
+    router's sigmoid and the gates' gather. Both pick the same set; on ties argmax keeps the lowest
+    index, as a stable descending sort would.
+    """
+    if impl == "topk":
+        return torch.topk(scores, k, dim=-1, sorted=False).indices
+    if impl != "argmax":
+        raise ValueError(f"unknown top-k impl {impl!r}; choose {' or '.join(MOE_TOPK)}")
+    cols = torch.arange(scores.shape[-1], device=scores.device)
+    # a chosen entry becomes -inf, so every entry left must be above it, -inf scores included
+    scores = scores.clamp_min(torch.finfo(scores.dtype).min)
+    picks = []
+    for _ in range(k):
+        i = scores.argmax(-1, keepdim=True)  # (N, 1)
+        picks.append(i)
+        scores = scores.masked_fill(cols == i, float("-inf"))
+    return torch.cat(picks, dim=-1)  # (N, k)
+
+
 def sort_key_dtype(n_experts: int) -> torch.dtype:
     """The narrowest integer dtype that holds every expert id (uint8 up to 256 experts)."""
     return torch.uint8 if n_experts <= 256 else torch.int16 if n_experts <= 2**15 else torch.int32
@@ -126,9 +151,10 @@ class SwiGLU(nn.Module):
 
 class MoE(nn.Module):
     def __init__(self, d: int, n_experts: int, top_k: int, expert_hidden: int, n_shared: int,
-                 bias_update_rate: float, route_scale: float = 1.0, impl: str = "grouped_mm"):
+                 bias_update_rate: float, route_scale: float = 1.0, impl: str = "grouped_mm",
+                 topk_impl: str = "topk"):
         super().__init__()
-        self.n_experts, self.top_k, self.impl = n_experts, top_k, impl
+        self.n_experts, self.top_k, self.impl, self.topk_impl = n_experts, top_k, impl, topk_impl
         # The sort key's dtype: a radix sort makes one pass per key byte, so expert ids sorted as uint8
         # take 1 pass where topk's int64 indices take 8 (the order is the same: stable, same keys).
         self.key_dtype = sort_key_dtype(n_experts)
@@ -148,7 +174,7 @@ class MoE(nn.Module):
         scores = torch.sigmoid(x.float() @ self.router.float().t())  # (N, E)
         # bias steers choice only; the k chosen in no particular order (nothing depends on the slot order,
         # and an ordered top-k sorts every token's k values once more)
-        idx = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        idx = top_k_indices(scores + self.bias, self.top_k, self.topk_impl)  # (N, k)
         gates = scores.gather(-1, idx)
         gates = gates / gates.sum(-1, keepdim=True) * self.route_scale
         return idx, gates

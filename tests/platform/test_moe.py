@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from platform.moe import MoE
+from platform.moe import MOE_TOPK, MoE, top_k_indices
 
 
 def make_moe(impl="grouped_mm", E=8, k=2, d=16, h=8, shared=1, seed=0):
@@ -87,6 +87,42 @@ def test_routing_topk_gates_and_bias():
     assert (idx == 5).any(-1).all()
     sel = scores.gather(-1, idx)
     torch.testing.assert_close(gates, sel / sel.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("E,k,N", [(32, 4, 257), (7, 7, 5), (6, 1, 33), (3, 2, 1)])
+def test_argmax_top_k_picks_the_same_set_as_topk(E, k, N):
+    g = torch.Generator().manual_seed(E * 100 + k)
+    scores = torch.randn(N, E, generator=g)
+    fast, ref = top_k_indices(scores, k, "argmax"), top_k_indices(scores, k, "topk")
+    assert fast.shape == (N, k) and fast.dtype == ref.dtype == torch.int64
+    assert torch.equal(fast.sort(-1).values, ref.sort(-1).values)
+    # Ties (few distinct values, -inf included): the lowest indices among equals, as a stable sort keeps them.
+    tied = torch.randint(0, 3, (N, E), generator=g).float()
+    tied[tied == 0] = float("-inf")
+    stable = torch.sort(tied, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(top_k_indices(tied, k, "argmax").sort(-1).values, stable.sort(-1).values)
+
+
+def test_moe_trains_identically_with_either_top_k():
+    a, b = make_moe(E=8, k=3), make_moe(E=8, k=3)
+    b.topk_impl = "argmax"
+    x = torch.randn(41, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = a(x), b(x2)
+    torch.testing.assert_close(y, y2, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
+    for (n, p), (_, p2) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p.grad, p2.grad, rtol=1e-6, atol=1e-6, msg=n)
+    torch.testing.assert_close(a.counts, b.counts)
+
+
+def test_unknown_top_k_impl_names_the_choices():
+    with pytest.raises(ValueError, match="'sorting'.*topk or argmax"):
+        top_k_indices(torch.randn(2, 4), 2, "sorting")
+    assert MOE_TOPK == ("topk", "argmax")
 
 
 def test_bias_update_moves_toward_balance():
