@@ -72,13 +72,17 @@
 #            Inductor's loop_ordering_after_fusion off; the phase-1 kernels alone (benchmarks.ops_attnres, small)
 #   router   one GPU: ROUTER_RESIDUALS (default vanilla attnres_block) graphed at small with the router's top-k as
 #            torch.topk and as fused argmax rounds (model.moe_topk), whole forward compiled, in one process; the
-#            profile of a graphed vanilla step with ROUTER_PROFILE_SET (default model.moe_topk=argmax; none: skipped)
+#            profile of a graphed vanilla step with ROUTER_PROFILE_SET (default model.moe_topk=argmax; none: skipped);
+#            ROUTER_ORDER=reverse times argmax, topk, argmax instead (the first row a process times can read slow)
+#   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
+#            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
+#            (default 8) launches each, clocks left alone
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -344,9 +348,14 @@ case "$PLAN" in
       --quick --shapes small --impls fused reference
     ;;
   router)
+    if [ "${ROUTER_ORDER:-}" = reverse ]; then
+      sets=(--set model.moe_topk=argmax --set model.moe_topk=topk --set model.moe_topk=argmax)
+    else
+      sets=(--set --set model.moe_topk=argmax)
+    fi
     step gpu0 small "${ROUTER_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
       --residuals ${ROUTER_RESIDUALS:-vanilla attnres_block} --compile model --graphs on --steps 8 \
-      --set --set model.moe_topk=argmax --tag ${TAG:-_router}
+      "${sets[@]}" --tag ${TAG:-_router}
     [ "${ROUTER_PROFILE_SET:-x}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
       benchmarks.profile_step --model small --residuals vanilla --compile model --graphs on --top ${PROFILE_TOP:-50} \
       --set ${ROUTER_PROFILE_SET:-model.moe_topk=argmax} --tag ${TAG:-_router}
@@ -368,6 +377,13 @@ case "$PLAN" in
     [ "${PROFILE_RESIDUALS:-attnres_block}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
       benchmarks.profile_step --model small --residuals ${PROFILE_RESIDUALS:-attnres_block} --compile model \
       --graphs on --top ${PROFILE_TOP:-40} --tag ${TAG:-_options}
+    ;;
+  counters)
+    for op in ${COUNTER_OPS:-mhc msar attnres}; do
+      step gpu0 "ncu_$op" "${COUNTER_LIMIT:-90}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+        -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops "$op"
+    done
     ;;
   scope)
     step gpu0 tiles "${TILES_LIMIT:-100}" python3 -m benchmarks.throughput --models small --residuals vanilla \

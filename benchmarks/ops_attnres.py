@@ -15,7 +15,7 @@ One process measures everything (timings on a shared host swing 13-17% between i
   the run fails if any exceeds 1e-2;
 - per shape and op, the median time (``triton.testing.do_bench``) of the forward (under no_grad) and
   of forward+backward (gradients of every input, random upstream gradients) of:
-  ``fused`` (kernels/depth_attn, two-phase), ``reference`` (the residual's torch path: stack the
+  ``fused`` (kernels/depth_attn, two-phase, the sources stored in its buffer as the residual stores them), ``reference`` (the residual's torch path: stack the
   sources at every read), ``torch.compile(reference)``, and as benchmark-only anchors, when
   importable, ``fast-attnres`` (``attnres.attnres``, one call per consumer over its source list,
   key RMSNorm without gain: the gain is folded into its bf16 query) and flash-linear-attention's
@@ -57,36 +57,33 @@ IMPLS = ("fused", "reference", "torch.compile(reference)", "fast-attnres", "fla 
 QUICK_IMPLS = ("fused", "reference", "fast-attnres", "fla fused_attnres")
 
 
-def make_inputs(n, C, B, T, d, *, dtype=torch.bfloat16, seed=0):
-    """Leaves: sources (n tensors (B, T, d), aliases of one buffer's rows for the fused op), partials
-    (C-1), queries (C, d) and key gains (C, d) (fp32 parameters)."""
-    from kernels.depth_attn import SourceBuffer
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    buffer = SourceBuffer(n, torch.empty(B, T, d, device="cuda"), dtype=dtype)
-    buffer.data.copy_(torch.randn(n, B, T, d, device="cuda", generator=g) * 2
-                      + torch.randn(n, 1, 1, d, device="cuda", generator=g))
-    rows = []
-    for s in range(n):  # leaves that alias the buffer rows: the steady state of the residual
-        row = buffer.data[s]
-        rows.append(torch.empty(0, device="cuda", dtype=dtype).set_(row.untyped_storage(), row.storage_offset(),
-                                                                    row.shape, row.stride()).requires_grad_())
-    buffer.rows = rows
-    partials = [(1.5 * torch.randn(B, T, d, device="cuda", generator=g)).to(dtype).requires_grad_()
+def make_inputs(n, C, B, T, d, *, dtype=torch.bfloat16, seed=0, device="cuda"):
+    """Leaves: sources (n tensors (B, T, d)), partials (C-1), queries (C, d) and key gains (C, d) (fp32
+    parameters)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    base = (torch.randn(n, B, T, d, device=device, generator=g) * 2
+            + torch.randn(n, 1, 1, d, device=device, generator=g))
+    sources = [base[s].to(dtype).requires_grad_() for s in range(n)]
+    partials = [(1.5 * torch.randn(B, T, d, device=device, generator=g)).to(dtype).requires_grad_()
                 for _ in range(C - 1)]
-    queries = (0.5 * torch.randn(C, d, device="cuda", generator=g)).requires_grad_()
-    gains = (1 + 0.3 * torch.randn(C, d, device="cuda", generator=g)).requires_grad_()
-    return buffer, partials, queries, gains
+    queries = (0.5 * torch.randn(C, d, device=device, generator=g)).requires_grad_()
+    gains = (1 + 0.3 * torch.randn(C, d, device=device, generator=g)).requires_grad_()
+    return sources, partials, queries, gains
 
 
-def leaves_of(buffer, partials, queries, gains):
-    return [*buffer.rows, *partials, queries, gains]
+def leaves_of(sources, partials, queries, gains):
+    return [*sources, *partials, queries, gains]
 
 
 # --- the implementations: each returns the C outputs h_c (B, T, d) ------------------------------------
-def run_fused(buffer, partials, queries, gains):
-    from kernels.depth_attn import depth_attn_merge, depth_attn_summaries
+def run_fused(sources, partials, queries, gains):
+    """As the residual runs it: each source stored once in a SourceBuffer (a copy, timed with the op; its
+    gradient comes back through the buffer's row gradients), then phase 1 over the buffer and the merges."""
+    from kernels.depth_attn import SourceBuffer, depth_attn_merge, depth_attn_summaries
 
+    buffer = SourceBuffer(len(sources), sources[0])
+    for s in sources:
+        buffer.append(s)
     outs, lses = depth_attn_summaries(buffer, queries, gains, backend="triton")
     return [outs[0]] + [depth_attn_merge(outs[c], lses[c], p, queries[c], gains[c], backend="triton")[0]
                         for c, p in enumerate(partials, start=1)]
@@ -103,29 +100,29 @@ def reference_block(sources, partials, queries, gains):
     return hs
 
 
-def run_reference(buffer, partials, queries, gains):
-    return reference_block(buffer.rows, partials, queries, gains)
+def run_reference(sources, partials, queries, gains):
+    return reference_block(sources, partials, queries, gains)
 
 
 _COMPILED = {}
 
 
-def run_compiled(buffer, partials, queries, gains):
+def run_compiled(sources, partials, queries, gains):
     fn = _COMPILED.setdefault("block", torch.compile(reference_block))
-    return fn(buffer.rows, partials, queries, gains)
+    return fn(sources, partials, queries, gains)
 
 
-def run_fast_attnres(buffer, partials, queries, gains):
+def run_fast_attnres(sources, partials, queries, gains):
     from attnres import attnres  # fast-attnres: key RMSNorm without gain, bf16 query
 
     qg = (queries * gains).to(torch.bfloat16)  # q·(g ⊙ n) = (q ⊙ g)·n
-    return [attnres(list(buffer.rows) + ([partials[c - 1]] if c else []), qg[c]) for c in range(queries.shape[0])]
+    return [attnres(list(sources) + ([partials[c - 1]] if c else []), qg[c]) for c in range(queries.shape[0])]
 
 
-def run_fla(buffer, partials, queries, gains):
+def run_fla(sources, partials, queries, gains):
     from fla.ops.attnres import fused_attnres
 
-    return [fused_attnres(queries[c].to(torch.bfloat16), list(buffer.rows) + ([partials[c - 1]] if c else []),
+    return [fused_attnres(queries[c].to(torch.bfloat16), list(sources) + ([partials[c - 1]] if c else []),
                           gains[c].to(torch.bfloat16)) for c in range(queries.shape[0])]
 
 
@@ -165,16 +162,16 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def parity(n, C, B, T, d, seed=0) -> float:
-    """Worst relative error of the bf16 fused op (outputs and every gradient) vs the fp32 reference."""
-    buffer, partials, queries, gains = make_inputs(n, C, B, T, d, seed=seed)
-    leaves = leaves_of(buffer, partials, queries, gains)
+def parity(n, C, B, T, d, seed=0, *, dtype=torch.bfloat16, device="cuda") -> float:
+    """Worst relative error of the fused op (bf16 by default; outputs and every gradient) vs the fp32 reference."""
+    sources, partials, queries, gains = make_inputs(n, C, B, T, d, seed=seed, dtype=dtype, device=device)
+    leaves = leaves_of(sources, partials, queries, gains)
     ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
     ref_src, ref_p, ref_q, ref_g = ref_leaves[:n], ref_leaves[n:n + C - 1], ref_leaves[-2], ref_leaves[-1]
-    out = run_fused(buffer, partials, queries, gains)
+    out = run_fused(sources, partials, queries, gains)
     ref = reference_block(ref_src, ref_p, ref_q, ref_g)
-    g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    ups = [torch.randn(h.shape, device="cuda", generator=g) for h in ref]
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    ups = [torch.randn(h.shape, device=device, generator=g) for h in ref]
     errs = [rel_err(a, b) for a, b in zip(out, ref)]
     grads = torch.autograd.grad(sum((h.float() * u).sum() for h, u in zip(out, ups)), leaves)
     ref_grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(ref, ups)), ref_leaves)
@@ -183,17 +180,17 @@ def parity(n, C, B, T, d, seed=0) -> float:
 
 
 def measure(impl, n, C, B, T, d) -> tuple[float, float]:
-    buffer, partials, queries, gains = make_inputs(n, C, B, T, d)
-    leaves = leaves_of(buffer, partials, queries, gains)
+    sources, partials, queries, gains = make_inputs(n, C, B, T, d)
+    leaves = leaves_of(sources, partials, queries, gains)
     run = RUNNERS[impl]
     ups = [torch.randn(B, T, d, device="cuda", dtype=torch.bfloat16) for _ in range(C)]
 
     def fwd():
         with torch.no_grad():
-            return run(buffer, partials, queries, gains)
+            return run(sources, partials, queries, gains)
 
     def fwd_bwd():
-        hs = run(buffer, partials, queries, gains)
+        hs = run(sources, partials, queries, gains)
         return torch.autograd.grad(hs, leaves, grad_outputs=[u.to(h.dtype) for h, u in zip(hs, ups)],
                                    allow_unused=True)
 
@@ -205,8 +202,8 @@ def kernel_breakdown(n, C, B, T, d) -> list[tuple[str, float]]:
     phase 1 forward and backward once, merge forward and backward C-1 times."""
     from kernels.depth_attn import fused
 
-    buffer, partials, queries, gains = make_inputs(n, C, B, T, d)
-    src, qg = buffer.data, (queries * gains).detach().float().contiguous()
+    sources, partials, queries, gains = make_inputs(n, C, B, T, d)
+    src, qg = torch.stack(sources).detach(), (queries * gains).detach().float().contiguous()
     out, lse, _ = fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6, store_logits=False)
     douts = tuple(torch.randn_like(out[c]) for c in range(C))
     dlse = torch.randn_like(lse)

@@ -2,6 +2,7 @@
 registered ones listed), and an ablation is timed as its preset configures it."""
 
 import pytest
+import torch
 
 from benchmarks import profile_step, throughput
 
@@ -109,3 +110,14 @@ def test_throughput_refuses_a_bad_override_of_any_row_before_timing(monkeypatch)
     with pytest.raises(SystemExit, match=r"error: tiny vanilla model.flex_fwd=\[64,64,4\]: model.flex_fwd="):
         throughput.main(["--models", "tiny", "--residuals", "vanilla", "--compile", "off",
                          "--set", "model.flex_fwd=[64,64,4]"])
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused kernels on CPU tensors need TRITON_INTERPRET=1")
+def test_ops_attnres_parity_runs_the_fused_op_as_the_residual_does():
+    """The benchmark's parity check on the CPU (fp32 under the interpreter): the fused op stores its sources in
+    a buffer and every source's gradient comes back through it, equal to the reference's."""
+    from benchmarks import ops_attnres
+
+    for n, C in [(3, 3), (4, 1)]:
+        assert ops_attnres.parity(n, C, 1, 9, 16, dtype=torch.float32, device="cpu") < 1e-5
