@@ -77,12 +77,14 @@
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
 #            (default 8) launches each, clocks left alone
+#   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
+#            (default small), fp32 and bf16 sources
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
 # results, the logs and the host's MLflow store (mlruns/) are packed into one archive, ARCHIVE
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -377,6 +379,9 @@ case "$PLAN" in
     [ "${PROFILE_RESIDUALS:-attnres_block}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
       benchmarks.profile_step --model small --residuals ${PROFILE_RESIDUALS:-attnres_block} --compile model \
       --graphs on --top ${PROFILE_TOP:-40} --tag ${TAG:-_options}
+    ;;
+  dtiles)
+    step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small}
     ;;
   counters)
     for op in ${COUNTER_OPS:-mhc msar attnres}; do

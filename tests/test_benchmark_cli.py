@@ -121,3 +121,23 @@ def test_ops_attnres_parity_runs_the_fused_op_as_the_residual_does():
 
     for n, C in [(3, 3), (4, 1)]:
         assert ops_attnres.parity(n, C, 1, 9, 16, dtype=torch.float32, device="cpu") < 1e-5
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused kernels on CPU tensors need TRITON_INTERPRET=1")
+def test_depth_attn_tile_sweep_checks_every_candidate_against_the_default(tmp_path, monkeypatch):
+    """Every candidate tile of the sweep runs and matches the default tiles' outputs and gradients (CPU smoke run,
+    fp32 under the interpreter); the kernels' own tiles are restored afterwards."""
+    import benchmarks.roofline as roofline
+    from benchmarks import depth_attn_tiles
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    tiles, row_tiles, qg = fused.tiles, fused._row_tiles, fused.FWD_QG_3D
+    depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block", "--device", "cpu"])
+    text = (tmp_path / "depth_attn_tiles_cpu_tiny.md").read_text()
+    assert "FAIL" not in text and "failed" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| tiny")]
+    n_phase1 = len(depth_attn_tiles.PHASE1) + 1  # the default also with the query as a row
+    assert len(rows) == (n_phase1 * 2 - 1) + 2 * len(depth_attn_tiles.MERGE)
+    assert (fused.tiles, fused._row_tiles, fused.FWD_QG_3D) == (tiles, row_tiles, qg)

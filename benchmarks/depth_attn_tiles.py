@@ -1,0 +1,211 @@
+"""Tile sweep of the depth-attention kernels (kernels/depth_attn/fused.py), in one process (CUDA).
+
+    python -m benchmarks.depth_attn_tiles [--shapes small] [--dtypes fp32 bf16] [--ops block full]
+
+The kernels take fixed tiles (``fused.tiles`` for phase 1, ``fused._row_tiles`` for the merges). This
+times each kernel launched alone with other tiles: tokens per program, warps, sources per load (forward
+and backward), and for the phase-1 forward the query's layout (``fused.FWD_QG_3D``). A hardware-counter
+profile (``benchmarks/kernel_counters.py``) showed phase 1 and the merge's backward bound by the L1 and
+shared-memory pipes (cross-warp reductions at one token per program), not by DRAM. Every candidate's
+outputs are checked against the default tiles' (relative error in norm; FAIL above 1e-3 in fp32, 1e-2 in
+bf16). Writes benchmarks/results/depth_attn_tiles_<gpu>_<shapes>.md with the command, GPU and date.
+
+Shapes as ``benchmarks.ops_attnres``: ``block`` = n = 5 summaries, C = 4 consumers; ``full`` = 17 sources,
+2 consumers. The backward adds into rows [0, n - 1) of a row-gradient buffer, as the residuals run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import torch
+
+from benchmarks.roofline import Ceilings, Table, bench_ms
+
+SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "tiny": (1, 9, 20)}  # tiny: the CPU smoke test
+OPS = {"block": (5, 4), "full": (17, 2)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# phase 1: (tokens per program, warps, sources per load forward, sources per load backward); None: default
+PHASE1 = [None, (1, 1, 8, 8), (1, 1, 4, 4), (1, 1, 2, 2), (1, 1, 8, 2), (2, 1, 4, 2), (1, 2, 8, 4), (2, 2, 8, 4),
+          (4, 4, 8, 4), (1, 8, 8, 8)]
+# merges: (tokens per program, warps); None: default
+MERGE = [None, (1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (4, 4), (8, 8)]
+
+
+def _wall_ms(fn) -> float:
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@contextlib.contextmanager
+def phase1_tiles(fused, cand, n, d):
+    """fused.tiles returning ``cand`` (the default when None) for this (n, d)."""
+    default = fused.tiles
+    if cand is None:
+        yield default(n, d)
+        return
+    bt, warps, bs, bbs = cand
+    block_d = fused._pow2(d)
+    bs, bbs = min(bs, fused._pow2(n)), min(bbs, fused._pow2(n))
+    t = fused.Tiles(bt, block_d, bs, n <= bs, warps, bbs, n <= bbs, warps < 16)
+    fused.tiles = lambda n_, d_: t
+    try:
+        yield t
+    finally:
+        fused.tiles = default
+
+
+@contextlib.contextmanager
+def merge_tiles(fused, cand, d):
+    default = fused._row_tiles
+    if cand is None:
+        yield default(d)
+        return
+    fused._row_tiles = lambda d_: (cand[0], fused._pow2(d), cand[1])
+    try:
+        yield fused._row_tiles(d)
+    finally:
+        fused._row_tiles = default
+
+
+@contextlib.contextmanager
+def qg_layout(fused, three_d: bool):
+    old = fused.FWD_QG_3D
+    fused.FWD_QG_3D = three_d
+    try:
+        yield
+    finally:
+        fused.FWD_QG_3D = old
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["small"], choices=list(SHAPES))
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks.depth_attn_tiles needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)")
+    from kernels.depth_attn import fused
+
+    dev = args.device
+    if dev == "cuda":
+        ceilings, timer = Ceilings.measure(), bench_ms
+        described = ceilings.describe()
+    else:
+        ceilings, timer, described = None, _wall_ms, "cpu smoke run: no ceilings, one call timed"
+    print(described, flush=True)
+    table = Table("Depth-attention kernels: tiles", ["shape", "dtype", "op", "kernel", "tiles", "ms", "vs default",
+                                                       "GB/s (min bytes)", "check"],
+                  notes=[described,
+                         "tiles: phase 1 (tokens/program, warps, sources/load fwd, sources/load bwd), merges "
+                         "(tokens/program, warps); 'default' is what the kernels take today",
+                         "min bytes: phase 1 fwd reads n sources, writes C outputs; bwd reads n sources, C upstream "
+                         "gradients, reads and writes n-1 gradient rows, writes 1; merge fwd reads o, p, writes h; "
+                         "merge bwd reads o, p, dh, writes do, dp"])
+    failed = []
+    for shape in args.shapes:
+        B, T, d = SHAPES[shape]
+        N = B * T
+        for dname in args.dtypes:
+            dt = DTYPES[dname]
+            e = torch.finfo(dt).bits // 8
+            tol = 1e-3 if dt == torch.float32 else 1e-2
+            for op in args.ops:
+                n, C = OPS[op]
+                g = torch.Generator(device=dev).manual_seed(0)
+                src = (torch.randn(n, B, T, d, device=dev, generator=g) * 2
+                       + torch.randn(n, 1, 1, d, device=dev, generator=g)).to(dt)
+                qg = 0.5 * torch.randn(C, d, device=dev, generator=g)
+                douts = tuple(torch.randn(B, T, d, device=dev, generator=g).to(dt) for _ in range(C))
+                dlse = torch.randn(C, B, T, device=dev, generator=g)
+                grads0 = torch.randn(n, B, T, d, device=dev, generator=g)
+                kw = dict(key_norm=True, eps=1e-6)
+
+                def row(kernel, tiles, ms, base, nbytes, err):
+                    ok = err < tol
+                    if not ok:
+                        failed.append(f"{shape}/{dname}/{op}/{kernel}/{tiles}: {err:.1e}")
+                    table.add(shape, dname, op, kernel, tiles, f"{ms:.4f}", f"{ms / base:.2f}" if base else "1.00",
+                              f"{nbytes / (ms * 1e-3) / 1e9:.0f}", f"{err:.1e} {'ok' if ok else 'FAIL'}")
+                    print(" | ".join(table.rows[-1]), flush=True)
+
+                fwd_bytes = (n + C) * N * d * e
+                bwd_bytes = (n + C) * N * d * e + (2 * (n - 1) + 1) * N * d * 4
+                ref_out, ref_lse, _ = fused.summaries_fwd(src, n, qg, store_logits=False, **kw)
+                dsrc = grads0.clone()
+                fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1, **kw)
+                ref_dsrc = dsrc.clone()
+                _, ref_dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=grads0.clone(), n_add=n - 1,
+                                                 **kw)
+                base_f = base_b = None
+                for cand in PHASE1:
+                    for three_d in ([True, False] if cand is None else [True]):
+                        label = ("default" if cand is None else str(cand)) + ("" if three_d else ", qg as a row")
+                        try:
+                            with phase1_tiles(fused, cand, n, d), qg_layout(fused, three_d):
+                                out, lse, _ = fused.summaries_fwd(src, n, qg, store_logits=False, **kw)
+                                err = max(rel(out, ref_out), rel(lse, ref_lse))
+                                ms = timer(lambda: fused.summaries_fwd(src, n, qg, store_logits=False, **kw))
+                                base_f = base_f or ms
+                                row("phase 1 fwd", label, ms, base_f, fwd_bytes, err)
+                                if not three_d:
+                                    continue
+                                dsrc = grads0.clone()
+                                _, dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1,
+                                                             **kw)
+                                err = max(rel(dsrc, ref_dsrc), rel(dqg, ref_dqg))
+                                ms = timer(lambda: fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc,
+                                                                          n_add=n - 1, **kw))
+                                base_b = base_b or ms
+                                row("phase 1 bwd", label, ms, base_b, bwd_bytes, err)
+                        except Exception as exc:  # a candidate that does not compile (registers, shared memory)
+                            table.add(shape, dname, op, "phase 1", label, "", "", "",
+                                      f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                            print(" | ".join(table.rows[-1]), flush=True)
+                if op != "block":
+                    continue
+                o, pp, q1 = ref_out[1].contiguous(), douts[0].clone(), qg[1].contiguous()
+                lse1 = ref_lse[1].contiguous()
+                ref_h, ref_w = fused.merge_fwd(o, lse1, pp, q1, **kw)
+                dh = douts[2]
+                ref_b = fused.merge_bwd(o, pp, q1, ref_w, dh, **kw)
+                base_f = base_b = None
+                for cand in MERGE:
+                    label = "default" if cand is None else str(cand)
+                    try:
+                        with merge_tiles(fused, cand, d):
+                            h, w = fused.merge_fwd(o, lse1, pp, q1, **kw)
+                            err = max(rel(h, ref_h), rel(w, ref_w))
+                            ms = timer(lambda: fused.merge_fwd(o, lse1, pp, q1, **kw))
+                            base_f = base_f or ms
+                            row("merge fwd", label, ms, base_f, 3 * N * d * e, err)
+                            got = fused.merge_bwd(o, pp, q1, ref_w, dh, **kw)
+                            err = max(rel(a, b) for a, b in zip(got, ref_b))
+                            ms = timer(lambda: fused.merge_bwd(o, pp, q1, ref_w, dh, **kw))
+                            base_b = base_b or ms
+                            row("merge bwd", label, ms, base_b, 5 * N * d * e, err)
+                    except Exception as exc:
+                        table.add(shape, dname, op, "merge", label, "", "", "",
+                                  f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                        print(" | ".join(table.rows[-1]), flush=True)
+                del src, douts, grads0
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+    gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower()) if dev == "cuda" else "cpu"
+    table.write(f"depth_attn_tiles_{gpu}_{'_'.join(args.shapes)}")
+    if failed:
+        raise SystemExit(f"check failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()
