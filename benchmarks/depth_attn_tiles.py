@@ -26,11 +26,22 @@ from benchmarks.roofline import Ceilings, Table, bench_ms
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "tiny": (1, 9, 20)}  # tiny: the CPU smoke test
 OPS = {"block": (5, 4), "full": (17, 2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# phase 1: (tokens per program, warps, sources per load forward, sources per load backward); None: default
-PHASE1 = [None, (1, 1, 8, 8), (1, 1, 4, 4), (1, 1, 2, 2), (1, 1, 8, 2), (2, 1, 4, 2), (1, 2, 8, 4), (2, 2, 8, 4),
-          (4, 4, 8, 4), (1, 8, 8, 8)]
-# merges: (tokens per program, warps); None: default
-MERGE = [None, (1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (4, 4), (8, 8)]
+# phase 1, per d: (tokens per program, warps, sources per load forward, sources per load backward); None: the
+# kernels' own tiles. (1, 4, 8, 8) at d = 512 and (1, 8, 8, 8) at d = 1024 are the tiles before the sweep.
+PHASE1 = {
+    512: [None, (1, 4, 8, 8), (1, 1, 8, 8), (1, 1, 4, 4), (1, 1, 2, 2), (1, 1, 4, 2), (2, 1, 4, 2), (1, 2, 8, 4),
+          (2, 2, 8, 4), (1, 2, 8, 2)],
+    1024: [None, (1, 8, 8, 8), (1, 1, 4, 1), (1, 1, 2, 1), (1, 2, 4, 2), (1, 2, 2, 2), (1, 4, 8, 4), (1, 4, 8, 2),
+           (1, 2, 8, 1)],
+}
+# merges, per d: (tokens per program, warps); None: the kernels' own tiles ((2, 4) and (1, 4) before the sweep)
+MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8, 8)],
+         1024: [None, (1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 8)]}
+
+
+def _bucket(d: int) -> int:
+    """The candidate list for width d: 1024's above 512, else 512's."""
+    return 1024 if d > 512 else 512
 
 
 def _wall_ms(fn) -> float:
@@ -148,7 +159,7 @@ def main(argv=None) -> None:
                 _, ref_dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=grads0.clone(), n_add=n - 1,
                                                  **kw)
                 base_f = base_b = None
-                for cand in PHASE1:
+                for cand in PHASE1[_bucket(d)]:
                     for three_d in ([True, False] if cand is None else [True]):
                         label = ("default" if cand is None else str(cand)) + ("" if three_d else ", qg as a row")
                         try:
@@ -180,7 +191,7 @@ def main(argv=None) -> None:
                 dh = douts[2]
                 ref_b = fused.merge_bwd(o, pp, q1, ref_w, dh, **kw)
                 base_f = base_b = None
-                for cand in MERGE:
+                for cand in MERGE[_bucket(d)]:
                     label = "default" if cand is None else str(cand)
                     try:
                         with merge_tiles(fused, cand, d):

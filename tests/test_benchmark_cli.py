@@ -138,6 +138,6 @@ def test_depth_attn_tile_sweep_checks_every_candidate_against_the_default(tmp_pa
     text = (tmp_path / "depth_attn_tiles_cpu_tiny.md").read_text()
     assert "FAIL" not in text and "failed" not in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny")]
-    n_phase1 = len(depth_attn_tiles.PHASE1) + 1  # the default also with the query as a row
-    assert len(rows) == (n_phase1 * 2 - 1) + 2 * len(depth_attn_tiles.MERGE)
+    n_phase1 = len(depth_attn_tiles.PHASE1[512]) + 1  # the default also with the query as a row
+    assert len(rows) == (n_phase1 * 2 - 1) + 2 * len(depth_attn_tiles.MERGE[512])
     assert (fused.tiles, fused._row_tiles, fused.FWD_QG_3D) == (tiles, row_tiles, qg)

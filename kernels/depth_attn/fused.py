@@ -9,7 +9,7 @@ sources' dtype (bf16 on the GPU). PyTorch only folds the key gains into the quer
 autograd) and sums per-program partial query gradients (deterministic, no atomics).
 
 Phase 1, ``_summaries_fwd_kernel``: one program per block of BLOCK_T tokens (one token for
-d >= 512) with all d channels, warps along d. A chunk of BLOCK_S (<= 8) sources is read in one
+d >= 512) with all d channels, one warp per 512 channels (``tiles``). A chunk of BLOCK_S (<= 8) sources is read in one
 load, so every source of a token is in flight at once; with n <= BLOCK_S (``ONE_CHUNK``: Block
 AttnRes up to 8 blocks at d <= 2048) the chunk is loaded once for all C consumers. Per consumer (a
 static loop): the logits (q_c ⊙ g_c)·x_s·r_s (the sums of squares r_s are shared), the softmax over
@@ -34,8 +34,9 @@ dO_c·o_c and a second (usually from L2) writes the gradients. Both backward ker
 programs as fit on the GPU at once, read from the compiled kernel's registers and shared memory.
 
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
-resource report (``python -m benchmarks.depth_attn_ptxas``): ~4 fp32 per thread and row, at most 32
-fp32 of a chunk per thread, at most 4 sources per load in a 16-warp backward (128 registers).
+resource report (``python -m benchmarks.depth_attn_ptxas``) and a sweep on an H200
+(``python -m benchmarks.depth_attn_tiles``): 16 fp32 per thread and row, up to 8 sources per load
+forward and 2 backward.
 Under the interpreter: 32 tokens per program.
 
 Sources are never stacked per read: phase 1 reads rows [0, n) of a preallocated (n_max, B, T, d)
@@ -378,7 +379,7 @@ def _pow2(x: int) -> int:
 
 @dataclass(frozen=True)
 class Tiles:
-    """One program's tile: BLOCK_T tokens × all d channels (warps along d: ~4 fp32 per thread and
+    """One program's tile: BLOCK_T tokens × all d channels (warps along d: 16 fp32 per thread and
     row), BLOCK_S sources per load, ``one_chunk`` when every source fits in one load; the backward
     holds more per source (the gradient too) and may take fewer sources per load."""
 
@@ -396,23 +397,27 @@ class Tiles:
 def tiles(n: int, d: int) -> Tiles:
     """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)).
 
-    GPU: one token per program for d >= 512 (a 512-channel row per 4 warps; 16 warps at most), else
-    as many tokens as make a 512-value row block. The chunk holds up to 8 sources and at most 32 fp32
-    per thread, so at d <= 2048 a block of Block AttnRes with up to 8 summaries is read once, in
-    one load. Interpreter: 32 tokens per program (each program costs milliseconds)."""
+    GPU: 16 fp32 of a row per thread: one token per program for d >= 512 with one warp per 512
+    channels, else as many tokens as make a 512-value row in one warp. A reduction over d then stays
+    inside one warp (shuffles) up to d = 512; four warps per 512-channel row, as before, made every
+    logit and sum of squares a cross-warp reduction through shared memory, and the kernels were bound by
+    it (L1/shared 90% busy, DRAM 7-15%: benchmarks/kernel_counters.py). The forward loads up to 8
+    sources at once (at most 128 fp32 of a chunk per thread), so a block of Block AttnRes with up to 8
+    summaries is read once for all consumers; the backward, which also holds the chunk's gradient,
+    takes 2. Measured on an H200 at d = 512 (``python -m benchmarks.depth_attn_tiles``, fp32 sources):
+    phase 1 forward 0.133 -> 0.106 ms (Block AttnRes) and 0.316 -> 0.251 (AttnRes), backward 0.505 ->
+    0.335 and 1.240 -> 0.663. Interpreter: 32 tokens per program (each program costs milliseconds)."""
     block_d = _pow2(d)
     if interpreting():
         block_t, warps = 32, 4
-    else:
-        block_t = max(1, 512 // block_d)
-        warps = min(16, max(1, block_t * block_d // 128))
-    per_thread = max(1, block_t * block_d // (32 * warps))
-    block_s = min(_pow2(n), 8, max(1, 32 // per_thread))
-    # 16 warps cap a thread at 128 registers: the backward then spills with 8 sources per load
-    # (sm_90, d=2048, 4 consumers: 712 bytes) and barely with 4 (40 bytes)
-    # and loops over the consumers instead of unrolling them (unrolled, the compiler overlaps the
-    # consumers' upstream-gradient loads but keeps their values live: 252 vs 219 registers at d=512)
-    bwd_block_s = min(block_s, 4) if warps >= 16 else block_s
+        block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
+        return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True)
+    block_t = max(1, 512 // block_d)
+    warps = max(1, block_d // 512)
+    block_s = min(_pow2(n), 8)
+    bwd_block_s = min(block_s, 2)
+    # 16 warps cap a thread at 128 registers: there the backward loops over the consumers instead of
+    # unrolling them (unrolled, the compiler overlaps their upstream-gradient loads but keeps them live)
     return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16)
 
 
@@ -496,12 +501,14 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
 
 @functools.lru_cache(maxsize=None)
 def _row_tiles(d: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, warps) of the merge kernels: rows of ~8 fp32 per thread (they hold three)."""
+    """(BLOCK_T, BLOCK_D, warps) of the merge kernels: rows of 16 fp32 per thread (they hold three), at
+    least 1,024 values a program: at d = 512 two tokens over two warps (an H200 measured the merge's
+    forward 0.041 -> 0.029 ms and backward 0.081 -> 0.055 against two tokens over four warps, fp32)."""
     block_d = _pow2(d)
     if interpreting():
         return 32, block_d, 4
     block_t = max(1, 1024 // block_d)
-    return block_t, block_d, min(16, max(1, block_t * block_d // 256))
+    return block_t, block_d, min(16, max(1, block_t * block_d // 512))
 
 
 def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, eps: float):
