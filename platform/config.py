@@ -47,7 +47,7 @@ class ModelConfig:
     init_std: float = 0.02
     norm_eps: float = 1e-6
     moe_impl: str = "grouped_mm"  # "grouped_mm" (one grouped GEMM per projection) | "sliced" (reference)
-    moe_topk: str = "topk"  # the router's expert choice: "topk" (torch.topk) | "argmax" (k fused argmax rounds)
+    moe_topk: str = "argmax"  # the router's expert choice: "argmax" (k argmax rounds, fused by Inductor) | "topk"
     doc_mask: bool = True  # attention never crosses a document boundary in packed windows
     checkpoint_reads: bool = False  # recompute the residual's read in backward where it stores views (reference reads; never a fused op)
     attention: str = "auto"  # "flex" (FlexAttention, block mask) | "sdpa" (dense-mask reference) | "auto" (flex on CUDA)

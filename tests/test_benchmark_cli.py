@@ -141,3 +141,35 @@ def test_depth_attn_tile_sweep_checks_every_candidate_against_the_default(tmp_pa
     n_phase1 = len(depth_attn_tiles.PHASE1[512]) + 1  # the default also with the query as a row
     assert len(rows) == (n_phase1 * 2 - 1) + 2 * len(depth_attn_tiles.MERGE[512])
     assert (fused.tiles, fused._row_tiles, fused.FWD_QG_3D) == (tiles, row_tiles, qg)
+
+
+def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):
+    """The profiler's text report becomes one row per launch with its own metrics (not the next launch's)."""
+    import benchmarks.roofline as roofline
+    from benchmarks import kernel_counters
+
+    report = "\n".join([
+        "# `ncu -c 2 python3 -m benchmarks.kernel_counters --ops mhc` (2026-12-01T13:07:22Z)",
+        "  _pre_fwd_kernel (1024, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0",
+        "    Section: GPU Speed Of Light Throughput",
+        "    DRAM Throughput                   %        15.26",
+        "    Duration                         us       182.62",
+        "    L1/TEX Cache Throughput           %        89.37",
+        "    Registers Per Thread             register/thread              48",
+        "    Achieved Occupancy                        %        43.93",
+        "  _post_fwd_kernel (2048, 4, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0",
+        "    Duration                         ms         2.30",
+        "    DRAM Throughput                   %        71.67",
+    ])
+    launches = kernel_counters.parse_report(report)
+    assert [x["kernel"] for x in launches] == ["_pre_fwd_kernel", "_post_fwd_kernel"]
+    assert launches[0]["grid × block"] == "1024 × 128" and launches[1]["grid × block"] == "2048×4 × 128"
+    assert launches[0]["duration"] == "182.62 us" and launches[1]["duration"] == "2.30 ms"
+    assert launches[0]["DRAM %"] == "15.26" and launches[0]["registers"] == "48"
+    assert "registers" not in launches[1]
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    path = tmp_path / "r.txt"
+    path.write_text(report)
+    text = kernel_counters.summarize([str(path)], "_t").read_text()
+    assert "| r | _pre_fwd_kernel | 1024 × 128 | 182.62 us | 15.26 | 89.37 | 48 | 43.93 |" in text
+    assert "compute capability 9.0" in text and "--ops mhc" in text

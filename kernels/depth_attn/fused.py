@@ -404,9 +404,11 @@ def tiles(n: int, d: int) -> Tiles:
     it (L1/shared 90% busy, DRAM 7-15%: benchmarks/kernel_counters.py). The forward loads up to 8
     sources at once (at most 128 fp32 of a chunk per thread), so a block of Block AttnRes with up to 8
     summaries is read once for all consumers; the backward, which also holds the chunk's gradient,
-    takes 2. Measured on an H200 at d = 512 (``python -m benchmarks.depth_attn_tiles``, fp32 sources):
-    phase 1 forward 0.133 -> 0.106 ms (Block AttnRes) and 0.316 -> 0.251 (AttnRes), backward 0.505 ->
-    0.335 and 1.240 -> 0.663. Interpreter: 32 tokens per program (each program costs milliseconds)."""
+    takes 2. Measured on an H200 (``python -m benchmarks.depth_attn_tiles``, fp32 sources), Block AttnRes
+    (5 summaries, 4 consumers) and AttnRes (17 sources, 2 consumers), against the tiles before: at d = 512
+    forward 0.133 -> 0.106 ms and 0.316 -> 0.251, backward 0.505 -> 0.335 and 1.240 -> 0.663; at d = 1024
+    forward 0.591 -> 0.382 and 1.324 -> 0.921, backward 2.082 -> 1.583 and 5.307 -> 2.900. Interpreter: 32
+    tokens per program (each program costs milliseconds)."""
     block_d = _pow2(d)
     if interpreting():
         block_t, warps = 32, 4
@@ -501,14 +503,17 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
 
 @functools.lru_cache(maxsize=None)
 def _row_tiles(d: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, warps) of the merge kernels: rows of 16 fp32 per thread (they hold three), at
-    least 1,024 values a program: at d = 512 two tokens over two warps (an H200 measured the merge's
-    forward 0.041 -> 0.029 ms and backward 0.081 -> 0.055 against two tokens over four warps, fp32)."""
+    """(BLOCK_T, BLOCK_D, warps) of the merge kernels (rows of three tensors), at least 1,024 values a
+    program: 16 fp32 per thread and row up to d = 512, 8 above. Swept on an H200 (fp32,
+    ``python -m benchmarks.depth_attn_tiles``): at d = 512 two tokens over two warps (forward 0.041 ->
+    0.029 ms, backward 0.081 -> 0.055 against four warps); at d = 1024 one token over four warps
+    (backward 0.178 ms, against 0.215 over two warps)."""
     block_d = _pow2(d)
     if interpreting():
         return 32, block_d, 4
     block_t = max(1, 1024 // block_d)
-    return block_t, block_d, min(16, max(1, block_t * block_d // 512))
+    per_warp = 512 if block_d <= 512 else 256
+    return block_t, block_d, min(16, max(1, block_t * block_d // per_warp))
 
 
 def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, eps: float):

@@ -33,7 +33,7 @@ def test_unknown_residual_lists_registered():
     (["model.top_k=9"], r"model.top_k=9: must be between 1 and model.n_experts=8"),
     (["model.n_kv_heads=3"], r"model.n_kv_heads=3: must divide model.n_heads=4 \(GQA\); valid: \[1, 2, 4\]"),
     (["model.moe_impl=loop"], r"model.moe_impl=loop: not a known choice; valid: \[grouped_mm, sliced\]"),
-    (["model.moe_topk=sort"], r"model.moe_topk=sort: not a known choice; valid: \[topk, argmax\]"),
+    (["model.moe_topk=sort"], r"model.moe_topk=sort: not a known choice; valid: \[argmax, topk\]"),
     (["model.expert_hidden=60"], r"multiple of 8"),
     (["trainer.precision=fp8"], r"trainer.precision=fp8: not a known choice; valid: \[32-true"),
     (["trainer.accelerator=tpu"], r"accelerator=tpu"),

@@ -105,7 +105,7 @@ def test_argmax_top_k_picks_the_same_set_as_topk(E, k, N):
 
 def test_moe_trains_identically_with_either_top_k():
     a, b = make_moe(E=8, k=3), make_moe(E=8, k=3)
-    b.topk_impl = "argmax"
+    a.topk_impl, b.topk_impl = "topk", "argmax"
     x = torch.randn(41, 16, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
     y, y2 = a(x), b(x2)
@@ -120,9 +120,9 @@ def test_moe_trains_identically_with_either_top_k():
 
 
 def test_unknown_top_k_impl_names_the_choices():
-    with pytest.raises(ValueError, match="'sorting'.*topk or argmax"):
+    with pytest.raises(ValueError, match="'sorting'.*argmax or topk"):
         top_k_indices(torch.randn(2, 4), 2, "sorting")
-    assert MOE_TOPK == ("topk", "argmax")
+    assert MOE_TOPK == ("argmax", "topk")
 
 
 def test_bias_update_moves_toward_balance():
