@@ -26,13 +26,14 @@ from benchmarks.roofline import Ceilings, Table, bench_ms
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "tiny": (1, 9, 20)}  # tiny: the CPU smoke test
 OPS = {"block": (5, 4), "full": (17, 2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# phase 1, per d: (tokens per program, warps, sources per load forward, sources per load backward); None: the
-# kernels' own tiles. (1, 4, 8, 8) at d = 512 and (1, 8, 8, 8) at d = 1024 are the tiles before the sweep.
+# phase 1, per d: (tokens per program, warps, sources per load forward, sources per load backward[, backward's
+# consumers unrolled]); None: the kernels' own tiles. (1, 4, 8, 8) at d = 512 and (1, 8, 8, 8) at d = 1024 are
+# the tiles before the sweep. (1, 1, 8, 2, False): the backward's consumer loop, which spills less at d = 512.
 PHASE1 = {
     512: [None, (1, 4, 8, 8), (1, 1, 8, 8), (1, 1, 4, 4), (1, 1, 2, 2), (1, 1, 4, 2), (2, 1, 4, 2), (1, 2, 8, 4),
-          (2, 2, 8, 4), (1, 2, 8, 2)],
+          (2, 2, 8, 4), (1, 2, 8, 2), (1, 1, 8, 2, False), (1, 1, 8, 1)],
     1024: [None, (1, 8, 8, 8), (1, 1, 4, 1), (1, 1, 2, 1), (1, 2, 4, 2), (1, 2, 2, 2), (1, 4, 8, 4), (1, 4, 8, 2),
-           (1, 2, 8, 1)],
+           (1, 2, 8, 1), (1, 2, 8, 2, False)],
 }
 # merges, per d: (tokens per program, warps); None: the kernels' own tiles ((2, 4) and (1, 4) before the sweep)
 MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8, 8)],
@@ -63,10 +64,10 @@ def phase1_tiles(fused, cand, n, d):
     if cand is None:
         yield default(n, d)
         return
-    bt, warps, bs, bbs = cand
+    bt, warps, bs, bbs, *unroll = cand
     block_d = fused._pow2(d)
     bs, bbs = min(bs, fused._pow2(n)), min(bbs, fused._pow2(n))
-    t = fused.Tiles(bt, block_d, bs, n <= bs, warps, bbs, n <= bbs, warps < 16)
+    t = fused.Tiles(bt, block_d, bs, n <= bs, warps, bbs, n <= bbs, unroll[0] if unroll else warps < 16)
     fused.tiles = lambda n_, d_: t
     try:
         yield t

@@ -3,6 +3,9 @@
 # of steps with its own time limit; every step logs to OUTDIR/<lane>.<step>.txt and adds a line
 # (exit code, seconds) to OUTDIR/summary.txt. A failing step does not stop its lane.
 #   bash benchmarks/gpu_session.sh PLAN [OUTDIR]
+# A step's limit of 0 skips it (every *_LIMIT variable below; `timeout 0` would mean no limit at all).
+# On a host that hands back only a few files per call, keep OUTDIR outside the returned folder and
+# put the one archive in it: ARCHIVE=$OUT/x.tgz bash benchmarks/gpu_session.sh PLAN /tmp/x
 # PLAN:
 #   check    GPU 0: the GPU tests, fused MSAR parity and timing, training parity of the fused backends;
 #            GPU 1: the throughput table of every study residual (alone on its GPU), then the tile
@@ -105,6 +108,10 @@ touch "$OUTDIR/.started"
 # step LANE NAME LIMIT CMD...: run CMD under a time limit, log it, record the result.
 step() {
   local lane=$1 name=$2 limit=$3; shift 3
+  if [ "$limit" = 0 ]; then
+    printf '%-6s %-22s skipped (limit 0)\n' "$lane" "$name" >> "$OUTDIR/summary.txt"
+    return 0
+  fi
   local t0=$SECONDS log="$OUTDIR/$lane.$name.txt"
   { echo "# \`$*\` ($(date -u +%FT%TZ), CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all})"; timeout -k 10 "$limit" "$@"; } > "$log" 2>&1
   local rc=$?
@@ -343,10 +350,10 @@ case "$PLAN" in
   attnref)
     step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres --steps 60 \
       --seeds 0 1 --set model=small trainer=gpu trainer.compile_scope=sublayers --name small_attnres_sublayers
-    [ "${REF_LIMIT:-200}" != 0 ] && step gpu0 ref_loop_order "${REF_LIMIT:-200}" python3 -m platform.run trainer=gpu model=small residual=attnres \
+    step gpu0 ref_loop_order "${REF_LIMIT:-200}" python3 -m platform.run trainer=gpu model=small residual=attnres \
       residual.backend=torch trainer.max_steps=3 mlflow.depth_heatmaps=false \
       +trainer.compile_options.loop_ordering_after_fusion=false
-    [ "${OPS_LIMIT:-100}" != 0 ] && step gpu0 ops_attnres "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_attnres \
+    step gpu0 ops_attnres "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_attnres \
       --quick --shapes small --impls fused reference
     ;;
   router)

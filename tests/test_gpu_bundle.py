@@ -50,3 +50,22 @@ def test_gpu_session_script_parses_and_names_its_plans(tmp_path):
     assert listed == arms, (listed ^ arms)
     for plan in sorted(listed):
         assert plan in out.stderr, plan
+
+
+def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
+    """A step's limit of 0 skips it (``timeout 0`` would run it without any limit), and says so in the summary."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "gpu_session.sh", repo / "benchmarks" / "gpu_session.sh")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PARITY_LIMIT": "0", "REF_LIMIT": "0", "OPS_LIMIT": "0",
+           "ARCHIVE": str(tmp_path / "a.tgz")}
+    out = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_session.sh"), "attnref", str(tmp_path / "o")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    summary = (tmp_path / "o" / "summary.txt").read_text().splitlines()
+    assert [line.split()[1] for line in summary] == ["parity", "ref_loop_order", "ops_attnres"]
+    assert all("skipped (limit 0)" in line for line in summary)
+    assert not list((tmp_path / "o").glob("gpu0.*.txt")) and (tmp_path / "a.tgz").exists()
