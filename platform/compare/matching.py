@@ -19,11 +19,13 @@ from .. import stats, tracking
 # `compile`, `compile_scope`, `compile_options` (Inductor settings) and `cuda_graphs` change rounding only (fused kernels; the step's kernels replayed from a
 # graph), and so do FlexAttention's tiles (`flex_fwd`, `flex_bwd`: the order of the sums). A graphed training run
 # follows the eager one within 2% a step (tests/platform/test_graphs.py), a compiled one too (tests/platform/test_gpu.py).
+# `model/moe_topk` picks the same experts either way (ties aside); only the order in which a token's k expert
+# outputs are summed differs (tests/platform/test_moe.py).
 # `grad_sync` changes when and in how many messages the gradients are averaged, not the average
 # (divide by the world size, then sum, in the same dtype: bit-equal, tests/platform/test_ddp.py).
 HASH_IGNORED = ("trainer/progress_bar", "trainer/threads", "trainer/ckpt_every", "trainer/log_every",
                 "trainer/compile", "trainer/compile_scope", "trainer/compile_options", "trainer/cuda_graphs",
-                "model/flex_fwd", "model/flex_bwd", "trainer/grad_sync", "data/num_workers",
+                "model/flex_fwd", "model/flex_bwd", "model/moe_topk", "trainer/grad_sync", "data/num_workers",
                 "data/cache_dir")
 HASH_GROUPS = ("model/", "data/", "trainer/", "residual/")
 # Config fields added after runs were stored, each with the value that does what every run did before
