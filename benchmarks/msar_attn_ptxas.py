@@ -35,14 +35,20 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
     return f"shared {kernel.metadata.shared} B | " + "; ".join(info)
 
 
-def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16"):
-    """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches."""
+def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None):
+    """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches;
+    ``views_3d``: the view builder's layout (None: what ``_blocks`` picks)."""
+    import dataclasses
+
     from kernels.msar_attn import fused
 
     m = 1 + len(kernel_sizes)
     k_max, m_pad = max(1, *kernel_sizes), triton.next_power_of_2(m)
     blk = fused._blocks(T, d, m_pad, k_max)
+    if views_3d is not None:
+        blk = dataclasses.replace(blk, views_3d=views_3d)
     common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
+    v3 = dict(V3=blk.views_3d)
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
     yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
@@ -51,38 +57,42 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type, save_z_ptr=F32,
                 save_rr_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                BT=blk.bt, BD=blk.bd, **common), blk.warps)
+                BT=blk.bt, BD=blk.bd, **common, **v3), blk.warps)
     if blk.forward_warps(1) != blk.warps:
         yield ("forward, one source", fused._fwd_kernel,
                dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type,
                     save_z_ptr=F32, save_rr_ptr=F32),
                dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                    BT=blk.bt, BD=blk.bd, **common), blk.forward_warps(1))
+                    BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1)), blk.forward_warps(1))
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),
            dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps)
     yield ("stats", fused._stats_kernel,
            dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
-           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common), blk.stats_warps)
+           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3), blk.stats_warps)
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
                 tap_scratch_ptr=F32),
            dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
-                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common), blk.src_warps)
+                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common, **v3),
+           blk.src_warps)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--kernels", nargs="+", type=int, default=[4, 8, 12])
+    p.add_argument("--views-3d", choices=["default", "on", "off"], default="default",
+                   help="the view builder's layout (fused.Blocks.views_3d); default: what _blocks picks")
     args = p.parse_args(argv)
+    views_3d = {"default": None, "on": True, "off": False}[args.views_3d]
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile choices, not the interpreter's
     failed = 0
     for shape in args.shapes:
         T, d = SHAPES[shape]
         print(f"== {shape}: T={T} d={d} kernels={args.kernels}", flush=True)
-        for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels)):
+        for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels), views_3d=views_3d):
             start = time.time()
             try:
                 info = compile_kernel(fn, types, consts, warps)
@@ -90,7 +100,7 @@ def main(argv=None) -> int:
                 failed += 1
                 print(f"{name}: COMPILE FAILED\n{traceback.format_exc()}", flush=True)
                 continue
-            tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE")}
+            tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE", "V3")}
             print(f"{name} {tiles} warps={warps}: {time.time() - start:.0f} s | {info}", flush=True)
     return 1 if failed else 0
 

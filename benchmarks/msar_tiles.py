@@ -30,19 +30,21 @@ def candidates(blk) -> dict[str, list[dict]]:
     def around(bt):
         return sorted({max(1, bt // 2), bt, bt * 2})
 
+    v3 = [dict(views_3d=not blk.views_3d)]  # the view builder's other layout
     return {
-        "forward": [{}] + [dict(bt=bt, warps=w) for bt in around(blk.bt) for w in (2, 4, 8, 16)
-                           if (bt, w) != (blk.bt, blk.warps)]
+        "forward": [{}] + v3 + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
+                   + [dict(bt=bt, warps=w) for bt in around(blk.bt) for w in (2, 4, 8, 16)
+                      if (bt, w) != (blk.bt, blk.warps)]
                    # the passes over channel tiles (the wide-d forward) with narrow tiles and more tokens
                    + [dict(bd=bd, single=False, bt=bt, warps=w) for bd, bt in ((64, 16), (64, 32), (128, 8),
                                                                                (128, 16), (256, 4), (256, 8))
                       for w in (4, 8) if bd < blk.bd or not blk.single],
         "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
                                   if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
-        "stats": [{}] + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
+        "stats": [{}] + v3 + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
                          if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)],
-        "source gradients": [{}] + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
+        "source gradients": [{}] + v3 + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (2, 4, 8)
                                     if (bd, w) != (blk.src_bd, blk.src_warps)]
                             + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
                                if (bt, sub) != (blk.src_bt, blk.sub)],

@@ -60,7 +60,7 @@ from ..backend import interpreting
 
 @triton.jit
 def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-           M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+           M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
     """All m views of one source tile: E (M_PAD, BT, BD) fp32,
     E[j, t] = Σ_{τ<k_j} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)], rows past m zero.
     Per view j a (BT, BD) tile over its own k_j = KS[j] taps (constexpr: Σ_j k_j multiply-adds
@@ -71,15 +71,28 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
     # zero, but not provably: the tap loads stay in the caller's loop over sources instead of being
     # hoisted out of it (Σ_j k_j tap vectors held across that loop spill registers)
     taps_ptr = taps_ptr + (row0 >> 62)
-    for j in tl.static_range(len(KS)):
-        ej = tl.zeros((BT, BD), dtype=tl.float32)
-        for tau in tl.static_range(tl.constexpr(KS[j])):
-            ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
-            xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
-                         mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
-            c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
-            ej += c[None, :] * xv
-        e = tl.where(jv[:, None, None] == j, ej[None, :, :], e)
+    if V3:  # every load in the view tile's own 3-d layout: (1, BT, BD) rows, (1, 1, BD) taps
+        d3 = offs_d[None, None, :]
+        md3 = mask_d[None, None, :]
+        for j in tl.static_range(len(KS)):
+            ej3 = tl.zeros((1, BT, BD), dtype=tl.float32)
+            for tau in tl.static_range(tl.constexpr(KS[j])):
+                ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
+                xv3 = tl.load(x_ptr + (row0 + offs_t - tau)[None, :, None] * D + d3,
+                              mask=ok[None, :, None] & md3, other=0.0).to(tl.float32)  # (1, BT, BD)
+                c3 = tl.load(taps_ptr + (j * K_MAX + tau) * D + d3, mask=md3, other=0.0)  # (1, 1, BD)
+                ej3 += c3 * xv3
+            e = tl.where(jv[:, None, None] == j, ej3, e)
+    else:  # (BT, BD) tiles and (BD,) taps, placed into the view tile per view
+        for j in tl.static_range(len(KS)):
+            ej = tl.zeros((BT, BD), dtype=tl.float32)
+            for tau in tl.static_range(tl.constexpr(KS[j])):
+                ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
+                xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                             mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
+                c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+                ej += c[None, :] * xv
+            e = tl.where(jv[:, None, None] == j, ej[None, :, :], e)
     return e
 
 
@@ -91,7 +104,7 @@ def _add2(a0, b0, a1, b1):
 @triton.jit
 def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, mask_d,
               b, S, B, T, D, K_MAX,
-              M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+              M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
     """Streams of one channel tile from stored logits: R[j, t] = Σ_s exp(logit - lse) E_j(x_s)[t]."""
     jv = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
@@ -99,7 +112,7 @@ def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, 
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
         e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, KS, BT, BD)
+                   M_PAD, KS, BT, BD, V3)
         lg = tl.load(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
                      mask=mask_t[None, :], other=0.0)
         acc += tl.exp(lg - lse)[:, :, None] * e
@@ -139,7 +152,7 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
 def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
               b, S, B, T, D, K_MAX, eps,
               KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
-              BT: tl.constexpr, BD: tl.constexpr):
+              BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
     """d in one tile: logits, online softmax over sources (fp32) and weighted sums together.
     Returns the streams r (M_PAD, BT, BD) and the lse (M_PAD, BT)."""
     jv = tl.arange(0, M_PAD)
@@ -151,7 +164,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
     while s < S:
         row0 = (s * B + b).to(tl.int64) * T
         e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, KS, BT, BD)
+                   M_PAD, KS, BT, BD, V3)
         if KEY_NORM:  # (q ⊙ g)·E and ‖E‖² in one reduction over the channels (one round of barriers)
             logit, ss = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (M_PAD, BT) each
             logit = logit * tl.rsqrt(ss / D + eps)
@@ -174,7 +187,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
 def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
                 b, S, B, T, D, K_MAX, eps, n_dt,
                 KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
-                BD: tl.constexpr):
+                BD: tl.constexpr, V3: tl.constexpr):
     """d over several tiles, pass 1: the logits (reductions over all channel tiles) of every source,
     written to logits (M_PAD, S, B, T) for the next passes; returns their lse (M_PAD, BT)."""
     jv = tl.arange(0, M_PAD)
@@ -192,7 +205,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
             e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, KS, BT, BD)
+                       M_PAD, KS, BT, BD, V3)
             dot_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)
             dot += dot_part
             ss += ss_part
@@ -228,7 +241,7 @@ def _fwd_kernel(
     S, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
     SAVE: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr,
+    BD: tl.constexpr, V3: tl.constexpr,
 ):
     tb = tl.program_id(0)
     b = tl.program_id(1)
@@ -247,7 +260,7 @@ def _fwd_kernel(
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
         r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT, BD)
+                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT, BD, V3)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
@@ -265,7 +278,7 @@ def _fwd_kernel(
                      mask=mask_t[:, None] & mask_d[None, :])
     else:
         lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
-                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD)
+                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD, V3)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             dt = b * 0
@@ -273,7 +286,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
                 tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
                          mask=stat_mask[:, :, None] & mask_d[None, None, :])
                 dt += 1
@@ -286,7 +299,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
                 rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
                 rr += rr_part
                 z += z_part
@@ -301,7 +314,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD)
+                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
                 if SAVE:
                     tl.store(save_r_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                              r.to(save_r_ptr.dtype.element_ty), mask=stat_mask[:, :, None] & mask_d[None, None, :])
@@ -413,6 +426,7 @@ def _stats_kernel(
     coef_ptr,  # result: w, κ, μ, then a scratch plane (4, M_PAD, S, B, T) fp32
     S, B, T, D, M, K_MAX, eps, n_dt, plane,
     KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    V3: tl.constexpr,
 ):
     """Per (view, source, token), the scalars of dE_j(x_s) = w dR_j + κ qg_j - μ E_j(x_s):
     w = exp(logit - lse), a = dR_j·E_j(x_s), dlogit = w (a - Σ_s' w a) (the softmax backward; its
@@ -444,7 +458,7 @@ def _stats_kernel(
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
             e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, KS, BT, BD)
+                       M_PAD, KS, BT, BD, V3)
             dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                          mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
             dq_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (three at once spill)
@@ -488,7 +502,8 @@ def _stats_kernel(
 @triton.jit
 def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j, offs_d, mask_d,
              s, b, S, B, T, D, K_MAX, plane,
-             SOFTMAX: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+             SOFTMAX: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+             V3: tl.constexpr):
     """On the BT tokens offs_h of source s: dE = w dR + κ qg - μ E and κ E, (M_PAD, BT, BD) each.
     Without SOFTMAX (one source: κ = μ = 0) dE = w dR and no views are built."""
     jv = tl.arange(0, M_PAD)
@@ -502,7 +517,7 @@ def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j
     if SOFTMAX:
         near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
         row0 = (s * B + b).to(tl.int64) * T
-        e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD)
+        e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD, V3)
         kappa = tl.load(coef_ptr + plane + cidx, mask=m_h, other=0.0)
         mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_h, other=0.0)
         ke = kappa[:, :, None] * e
@@ -529,7 +544,7 @@ def _src_kernel(
     scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
     SOFTMAX: tl.constexpr,  # more than one source (with one, κ = μ = 0: dE = w dR, no views built for it)
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
-    BT: tl.constexpr, BD: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr,
 ):
     """Gradients of the sources, queries and taps; one program per (chunk of SUB token blocks, row,
     channel tile), all sources. A block of BT tokens needs dE_j(x_s) on the block and the next BT
@@ -582,12 +597,12 @@ def _src_kernel(
             tl.debug_barrier()  # every thread is done reading the half overwritten below
             if i == 0:
                 de_o, ke_o = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t, mask_j, offs_d,
-                                      mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD)
+                                      mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD, V3)
                 tl.store(scr + (jv[:, None, None] * (2 * BT) + own0 + loc[None, :, None]) * BD + ld[None, None, :],
                          de_o)
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_o)  # κ E, summed over tokens at the end
             de_n, ke_n = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t + BT, mask_j, offs_d,
-                                  mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD)
+                                  mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD, V3)
             tl.store(scr + (jv[:, None, None] * (2 * BT) + nxt0 + loc[None, :, None]) * BD + ld[None, None, :], de_n)
             if i + 1 < SUB:  # the next block is this program's: count its κ E here, once
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_n)
@@ -687,9 +702,20 @@ class Blocks:
     stats_bt: int = 0  # tokens per program of the stats kernel (0: bwd_bt)
     mix_warps: int = 4  # warps of the mixer backward (tiles of (m, bwd_bt, bwd_bd) of the saved streams)
     one_source_warps: int = 0  # warps of the forward over one source (attnres_conv's op); 0: ``warps``
+    # the views built from loads in the (m, BT, BD) view tile's own layout instead of (BT, BD) tiles and (BD,)
+    # tap rows placed into it: compiled for sm_90a at `small` (`python -m benchmarks.msar_attn_ptxas
+    # --views-3d`), the forward's layout conversions 51 -> 9, its shared memory 4096 -> 256 bytes and its
+    # spills 36 -> 0 bytes; the stats kernel's conversions 37 -> 7. Not timed yet (benchmarks.msar_tiles
+    # has the candidate), so off by default.
+    views_3d: bool = False
 
     def forward_warps(self, S: int) -> int:
         return self.one_source_warps if S == 1 and self.one_source_warps else self.warps
+
+    def forward_views_3d(self, S: int) -> bool:
+        """The forward's view layout: never 3-d for the one-source forward on its own warps (compiled so,
+        ptxas keeps 32 registers and spills 7.8 KB at `small`)."""
+        return self.views_3d and not (S == 1 and self.one_source_warps)
 
     def stats_tiles(self) -> tuple[int, int]:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
@@ -786,7 +812,8 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
         x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, B, T, d, m, k_max, eps,
         triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
-        SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, num_warps=blk.forward_warps(S))
+        SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, V3=blk.forward_views_3d(S),
+        num_warps=blk.forward_warps(S))
     return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
 
 
@@ -844,7 +871,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
             x, packed, qg, near, dr, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
-            KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, num_warps=blk.stats_warps)
+            KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, V3=blk.views_3d,
+            num_warps=blk.stats_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
@@ -860,7 +888,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
         x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
         sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
-        num_warps=blk.src_warps)
+        V3=blk.views_3d, num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]

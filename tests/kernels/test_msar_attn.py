@@ -88,14 +88,27 @@ def _leaves(x, taps, queries, key_gains, phi, alpha, bias):
 
 
 # --- the fused op against the reference -----------------------------------------------------------
+def _with_views_3d(monkeypatch):
+    """fused._blocks (as overridden so far) with the view builder's 3-d layout (Blocks.views_3d)."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    inner = fused._blocks
+    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), views_3d=True))
+
+
 @needs_triton
+@pytest.mark.parametrize("views_3d", [False, True], ids=["views-2d", "views-3d"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fused_msar_matches_reference(case, monkeypatch):
+def test_fused_msar_matches_reference(case, views_3d, monkeypatch):
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
 
         monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
+    if views_3d:
+        _with_views_3d(monkeypatch)
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -409,12 +422,14 @@ def test_auto_is_torch_on_cpu():
 
 @pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists(),
                     reason="the triton wheel has no ptxas")
-def test_kernels_compile_for_sm90_with_few_spills():
+@pytest.mark.parametrize("views_3d", ["default", "on"])
+def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     """Every fused kernel compiles for an H100/H200 (Triton's NVIDIA backend and ptxas, no GPU needed),
-    with the tile sizes ``_blocks`` picks at model=small: catches GPU-only compile errors on CPU CI."""
+    with the tile sizes ``_blocks`` picks at model=small, and with the view builder's 3-d layout (a candidate
+    of benchmarks.msar_tiles): catches GPU-only compile errors on CPU CI."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d",
+                          views_3d], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
     assert len(lines) == 6, res.stdout  # window bits, forward, forward over one source, mixer, stats, sources
