@@ -14,20 +14,26 @@ def make_moe(impl="grouped_mm", E=8, k=2, d=16, h=8, shared=1, seed=0):
     return moe
 
 
+def assert_same_forward_and_backward(a, b, N, tol):
+    """Two MoEs with the same weights: equal outputs, input gradients and parameter gradients on random inputs
+    and a random upstream gradient."""
+    x = torch.randn(N, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y, y2 = a(x), b(x2)
+    torch.testing.assert_close(y, y2, rtol=tol, atol=tol)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=tol, atol=tol)
+    for (n, p), (_, p2) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p.grad, p2.grad, rtol=tol, atol=tol, msg=n)
+
+
 @pytest.mark.parametrize("E,k,N", [(8, 2, 37), (5, 1, 11), (4, 4, 9)])
 def test_grouped_mm_matches_sliced_forward_and_backward(E, k, N):
     fast, ref = make_moe("grouped_mm", E, k), make_moe("sliced", E, k)
     ref.load_state_dict(fast.state_dict())
-    x = torch.randn(N, 16, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
-    y, y2 = fast(x), ref(x2)
-    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-5)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y2.backward(g)
-    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
-    for (n, p), (_, p2) in zip(fast.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, p2.grad, rtol=1e-5, atol=1e-5, msg=n)
+    assert_same_forward_and_backward(fast, ref, N, 1e-5)
 
 
 def test_moe_equals_explicit_per_token_mixture():
@@ -106,16 +112,7 @@ def test_argmax_top_k_picks_the_same_set_as_topk(E, k, N):
 def test_moe_trains_identically_with_either_top_k():
     a, b = make_moe(E=8, k=3), make_moe(E=8, k=3)
     a.topk_impl, b.topk_impl = "topk", "argmax"
-    x = torch.randn(41, 16, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_(True)
-    y, y2 = a(x), b(x2)
-    torch.testing.assert_close(y, y2, rtol=1e-6, atol=1e-6)
-    g = torch.randn_like(y)
-    y.backward(g)
-    y2.backward(g)
-    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
-    for (n, p), (_, p2) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(p.grad, p2.grad, rtol=1e-6, atol=1e-6, msg=n)
+    assert_same_forward_and_backward(a, b, 41, 1e-6)
     torch.testing.assert_close(a.counts, b.counts)
 
 
