@@ -80,6 +80,10 @@
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
 #            (default 8) launches each, clocks left alone
+#   verify   one GPU, what the 2026-12-01 second afternoon built and could not time or check (about 560 s with the
+#            start; pack it: ARCHIVE=$OUT/v.tgz ... verify /tmp/v): the 60-step parity of attnres_block with the new
+#            depth-attention tiles, MSAR's view builder in the tile's own layout against the default
+#            (benchmarks.msar_tiles --only views_3d=...), the depth-attention tile candidates added since (small)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -87,7 +91,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -386,6 +390,13 @@ case "$PLAN" in
     [ "${PROFILE_RESIDUALS:-attnres_block}" != none ] && step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m \
       benchmarks.profile_step --model small --residuals ${PROFILE_RESIDUALS:-attnres_block} --compile model \
       --graphs on --top ${PROFILE_TOP:-40} --tag ${TAG:-_options}
+    ;;
+  verify)
+    step gpu0 parity "${PARITY_LIMIT:-220}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --steps 60 --seeds 0 1 --set model=small trainer=gpu --name small${TAG:-_verify}
+    step gpu0 msar_views "${VIEWS_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small --only views_3d=True \
+      views_3d=True,bt=1,warps=1 views_3d=True,bt=1,warps=2 views_3d=True,bt=2,warps=2
+    step gpu0 dtiles "${DTILES_LIMIT:-110}" python3 -m benchmarks.depth_attn_tiles --shapes small --dtypes fp32
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
