@@ -5,7 +5,7 @@
 Uses Triton's NVIDIA backend and the ``ptxas`` shipped in the triton wheel, with the tiles that
 ``kernels/depth_attn/fused.tiles`` picks and the argument specialisation of a real launch (pointers
 and d, N divisible by 16), so it runs on a CPU-only machine. One line per kernel: shared memory,
-registers per thread, spill bytes, and the programs per SM those allow (the persistent backward
+layout conversions (TTGIR), registers per thread, spill bytes, and the programs per SM those allow (the persistent backward
 grids are sized from the same numbers at run time). Not a timing: the GPU benchmark is
 ``benchmarks.ops_attnres``.
 """
@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from benchmarks.ptxas import compile_sm90, ptxas_report, registers
+from benchmarks.ptxas import compile_sm90, layout_conversions, ptxas_report, registers
 
 # name -> (consumers C, sources n, d): the ops of benchmarks.ops_attnres at its widths, and the limits
 SHAPES = {
@@ -43,7 +43,8 @@ def compile_report(fn, types: dict, constexprs: dict, num_warps: int) -> tuple[s
     report = ptxas_report(kernel)
     info = [ln.split(":", 1)[-1].strip() for ln in report.splitlines() if "registers" in ln or "spill" in ln]
     regs = registers(report)
-    return f"shared {kernel.metadata.shared} B | " + "; ".join(info), regs
+    return (f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | "
+            + "; ".join(info)), regs
 
 
 def per_sm(regs: int, warps: int, smem: int) -> int:

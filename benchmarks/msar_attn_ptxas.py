@@ -5,8 +5,8 @@
 Uses Triton's own NVIDIA backend and the ``ptxas`` shipped in the triton wheel, so it runs on a
 CPU-only machine: a kernel that does not compile for the GPU, or a tile choice in
 ``kernels/msar_attn/fused._blocks`` that spills registers, shows up here before a GPU run. Prints
-one line per kernel: compile seconds, shared memory, registers per thread and spill bytes. Exits
-non-zero if a kernel fails to compile. (Not a timing: the GPU benchmark is ``benchmarks.msar_attn``.)
+one line per kernel: compile seconds, shared memory, layout conversions (TTGIR), registers per thread
+and spill bytes. Exits non-zero if a kernel fails to compile. (Not a timing: the GPU benchmark is ``benchmarks.msar_attn``.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import traceback
 import triton
 from triton.compiler import ASTSource
 
-from benchmarks.ptxas import compile_sm90, ptxas_report
+from benchmarks.ptxas import compile_sm90, layout_conversions, ptxas_report
 
 SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d3000": (1024, 3000)}
 F32, I32 = "*fp32", "*i32"
@@ -32,7 +32,7 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
     kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs), {"num_warps": num_warps})
     report = ptxas_report(kernel)
     info = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
-    return f"shared {kernel.metadata.shared} B | " + "; ".join(info)
+    return f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | " + "; ".join(info)
 
 
 def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None):

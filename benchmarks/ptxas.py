@@ -34,6 +34,13 @@ def ptxas_report(compiled) -> str:
                               check=True).stderr
 
 
+def layout_conversions(compiled) -> int:
+    """``ttg.convert_layout`` ops in a compiled kernel's TTGIR: each moves a tensor between register layouts,
+    many of them through shared memory. A CPU-side hint of on-chip traffic: MSAR's forward at `small` had 51
+    (docs/kernel_msar.md), depth attention's bf16 phase-1 forward paid one per consumer (3× slower)."""
+    return compiled.asm["ttgir"].count("ttg.convert_layout")
+
+
 def registers(report: str) -> int:
     """Registers per thread from a ptxas report."""
     return int(re.search(r"Used (\d+) registers", report).group(1))

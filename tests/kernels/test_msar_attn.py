@@ -550,3 +550,25 @@ def test_dphi_split_over_tokens_matches_one_product(B, T):
     got = fused.dphi_from(r, coef)
     assert got.shape == (m * d, m) and got.dtype == torch.float32
     assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists(),
+                    reason="the triton wheel has no ptxas")
+def test_views_in_the_tiles_layout_remove_the_forwards_layout_conversions():
+    """What Blocks.views_3d is for: compiled for sm_90a at model=small, the forward built from loads in the view
+    tile's own layout has a fraction of the 2-d builder's layout conversions (each a trip through shared memory
+    or a shuffle), and computes the same (test_fused_msar_matches_reference[...-views-3d])."""
+    code = (
+        "from benchmarks.msar_attn_ptxas import kernels_for\n"
+        "from benchmarks.ptxas import compile_sm90, layout_conversions\n"
+        "from triton.compiler import ASTSource\n"
+        "for v3 in (False, True):\n"
+        "    name, fn, types, consts, warps = [k for k in kernels_for(1024, 512, (4, 8, 12), views_3d=v3)][1]\n"
+        "    sig = {n: ('constexpr' if n in consts else types.get(n, 'i32')) for n in fn.arg_names}\n"
+        "    k = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=consts), {'num_warps': warps})\n"
+        "    print(name, v3, layout_conversions(k))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    counts = {line.split()[-2]: int(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith("forward")}
+    assert counts["True"] * 3 < counts["False"], res.stdout
