@@ -4,7 +4,7 @@
 
 The kernels take fixed tiles (``fused.tiles`` for phase 1, ``fused._row_tiles`` for the merges). This
 times each kernel launched alone with other tiles: tokens per program, warps, sources per load (forward
-and backward), and for the phase-1 forward the query's layout (``fused.FWD_QG_3D``). A hardware-counter
+and backward) and the backward's consumer loop. A hardware-counter
 profile (``benchmarks/kernel_counters.py``) showed phase 1 and the merge's backward bound by the L1 and
 shared-memory pipes (cross-warp reductions at one token per program), not by DRAM. Every candidate's
 outputs are checked against the default tiles' (relative error in norm; FAIL above 1e-3 in fp32, 1e-2 in
@@ -88,16 +88,6 @@ def merge_tiles(fused, cand, d):
         fused._row_tiles = default
 
 
-@contextlib.contextmanager
-def qg_layout(fused, three_d: bool):
-    old = fused.FWD_QG_3D
-    fused.FWD_QG_3D = three_d
-    try:
-        yield
-    finally:
-        fused.FWD_QG_3D = old
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["small"], choices=list(SHAPES))
@@ -161,29 +151,25 @@ def main(argv=None) -> None:
                                                  **kw)
                 base_f = base_b = None
                 for cand in PHASE1[_bucket(d)]:
-                    for three_d in ([True, False] if cand is None else [True]):
-                        label = ("default" if cand is None else str(cand)) + ("" if three_d else ", qg as a row")
-                        try:
-                            with phase1_tiles(fused, cand, n, d), qg_layout(fused, three_d):
-                                out, lse, _ = fused.summaries_fwd(src, n, qg, store_logits=False, **kw)
-                                err = max(rel(out, ref_out), rel(lse, ref_lse))
-                                ms = timer(lambda: fused.summaries_fwd(src, n, qg, store_logits=False, **kw))
-                                base_f = base_f or ms
-                                row("phase 1 fwd", label, ms, base_f, fwd_bytes, err)
-                                if not three_d:
-                                    continue
-                                dsrc = grads0.clone()
-                                _, dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1,
-                                                             **kw)
-                                err = max(rel(dsrc, ref_dsrc), rel(dqg, ref_dqg))
-                                ms = timer(lambda: fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc,
-                                                                          n_add=n - 1, **kw))
-                                base_b = base_b or ms
-                                row("phase 1 bwd", label, ms, base_b, bwd_bytes, err)
-                        except Exception as exc:  # a candidate that does not compile (registers, shared memory)
-                            table.add(shape, dname, op, "phase 1", label, "", "", "",
-                                      f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
-                            print(" | ".join(table.rows[-1]), flush=True)
+                    label = "default" if cand is None else str(cand)
+                    try:
+                        with phase1_tiles(fused, cand, n, d):
+                            out, lse, _ = fused.summaries_fwd(src, n, qg, store_logits=False, **kw)
+                            err = max(rel(out, ref_out), rel(lse, ref_lse))
+                            ms = timer(lambda: fused.summaries_fwd(src, n, qg, store_logits=False, **kw))
+                            base_f = base_f or ms
+                            row("phase 1 fwd", label, ms, base_f, fwd_bytes, err)
+                            dsrc = grads0.clone()
+                            _, dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1, **kw)
+                            err = max(rel(dsrc, ref_dsrc), rel(dqg, ref_dqg))
+                            ms = timer(lambda: fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc,
+                                                                   n_add=n - 1, **kw))
+                            base_b = base_b or ms
+                            row("phase 1 bwd", label, ms, base_b, bwd_bytes, err)
+                    except Exception as exc:  # a candidate that does not compile (registers, shared memory)
+                        table.add(shape, dname, op, "phase 1", label, "", "", "",
+                                  f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                        print(" | ".join(table.rows[-1]), flush=True)
                 if op != "block":
                     continue
                 o, pp, q1 = ref_out[1].contiguous(), douts[0].clone(), qg[1].contiguous()

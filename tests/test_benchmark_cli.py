@@ -133,14 +133,13 @@ def test_depth_attn_tile_sweep_checks_every_candidate_against_the_default(tmp_pa
     from kernels.depth_attn import fused
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
-    tiles, row_tiles, qg = fused.tiles, fused._row_tiles, fused.FWD_QG_3D
+    tiles, row_tiles = fused.tiles, fused._row_tiles
     depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block", "--device", "cpu"])
     text = (tmp_path / "depth_attn_tiles_cpu_tiny.md").read_text()
     assert "FAIL" not in text and "failed" not in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny")]
-    n_phase1 = len(depth_attn_tiles.PHASE1[512]) + 1  # the default also with the query as a row
-    assert len(rows) == (n_phase1 * 2 - 1) + 2 * len(depth_attn_tiles.MERGE[512])
-    assert (fused.tiles, fused._row_tiles, fused.FWD_QG_3D) == (tiles, row_tiles, qg)
+    assert len(rows) == 2 * len(depth_attn_tiles.PHASE1[512]) + 2 * len(depth_attn_tiles.MERGE[512])
+    assert (fused.tiles, fused._row_tiles) == (tiles, row_tiles)
 
 
 def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):

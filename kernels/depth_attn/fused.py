@@ -85,7 +85,7 @@ def _chunk_rstd(x, D, eps, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_
 def _fwd_chunk(x, r, mask_s, qg, m_i, l_i, acc):
     """One consumer (qg (D,)) over a chunk x (S, T, D): logits (S, T) and the online-softmax state
     (running max m_i (T,), sum l_i (T,), accumulator acc (T, D)) updated."""
-    logit = tl.sum(x * qg, axis=2) * r  # qg (1, 1, D) or (D,)
+    logit = tl.sum(x * qg, axis=2) * r  # qg (1, 1, D)
     masked = tl.where(mask_s[:, None], logit, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(masked, axis=0))  # a chunk holds at least one source
     alpha = tl.exp(m_i - m_new)
@@ -104,7 +104,7 @@ def _summaries_fwd_kernel(
     logits_ptr,  # result: raw logits (C, n, N) fp32, only when STORE_LOGITS
     n, N, D, eps,
     C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, QG_3D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -117,10 +117,9 @@ def _summaries_fwd_kernel(
         x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
         r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
     for c in tl.static_range(C):
-        if QG_3D:  # in the chunk's layout (1, 1, D): no conversion through shared memory
-            qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
-        else:
-            qg = tl.load(qg_ptr + c * D + offs_d, mask=mask_d, other=0.0)[None, None, :]  # (BLOCK_D,)
+        # in the chunk's layout (1, 1, D): loaded as a (D,) row and broadcast, it cost a layout conversion per
+        # consumer (bf16 sources at `small` on an H200: 0.410 against 0.135 ms, depth_attn_tiles_nvidia_h200_small.md)
+        qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
         # online softmax over chunks of sources, fp32 (AttnRes §3: the softmax is in fp32)
         m_i = tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_T,), dtype=tl.float32)
@@ -423,9 +422,6 @@ def tiles(n: int, d: int) -> Tiles:
     return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16)
 
 
-# phase 1 forward: each consumer's query loaded in the chunk's 3-d layout (True) or as a row broadcast (False)
-FWD_QG_3D = True
-
 _RESIDENT: dict = {}
 
 
@@ -472,7 +468,7 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
         src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
-        ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, QG_3D=FWD_QG_3D,
+        ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d,
         num_warps=t.num_warps)
     return out, lse, (logits if store_logits else None)
 
