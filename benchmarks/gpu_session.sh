@@ -84,6 +84,10 @@
 #            start; pack it: ARCHIVE=$OUT/v.tgz ... verify /tmp/v): the 60-step parity of attnres_block with the new
 #            depth-attention tiles, MSAR's view builder in the tile's own layout against the default
 #            (benchmarks.msar_tiles --only views_3d=...), the depth-attention tile candidates added since (small)
+#   evening  one GPU (about 560 s with the start; ARCHIVE=$OUT/e.tgz ... evening /tmp/e): attnres_block's 60-step
+#            parity with the backward's one-source loads (the earlier tiles' check did not fit its call twice),
+#            Block AttnRes and AttnRes with the sources stored in bf16 against fp32 (one process), and MSAR's view
+#            builder in the tile's own layout at `medium` (benchmarks.msar_tiles --only views_3d=True)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -91,7 +95,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -397,6 +401,14 @@ case "$PLAN" in
     step gpu0 msar_views "${VIEWS_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small --only views_3d=True \
       views_3d=True,bt=1,warps=1 views_3d=True,bt=1,warps=2 views_3d=True,bt=2,warps=2
     step gpu0 dtiles "${DTILES_LIMIT:-110}" python3 -m benchmarks.depth_attn_tiles --shapes small --dtypes fp32
+    ;;
+  evening)
+    step gpu0 parity "${PARITY_LIMIT:-290}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --steps 60 --seeds 0 1 --set model=small trainer=gpu --name small${TAG:-_evening}
+    step gpu0 bf16 "${BF16_LIMIT:-150}" python3 -m benchmarks.throughput --models small --residuals attnres attnres_block \
+      --compile model --graphs on --steps 8 --set +trainer.compile_options.combo_kernels=true \
+      --set +trainer.compile_options.combo_kernels=true residual.source_dtype=bfloat16 --tag ${TAG:-_bf16_sources}
+    step gpu0 msar_views "${VIEWS_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes medium --only views_3d=True
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

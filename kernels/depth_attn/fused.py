@@ -403,9 +403,10 @@ def tiles(n: int, d: int) -> Tiles:
     it (L1/shared 90% busy, DRAM 7-15%: benchmarks/kernel_counters.py). The forward loads up to 8
     sources at once (at most 128 fp32 of a chunk per thread), so a block of Block AttnRes with up to 8
     summaries is read once for all consumers; the backward, which also holds the chunk's gradient,
-    takes 2. Measured on an H200 (``python -m benchmarks.depth_attn_tiles``, fp32 sources), Block AttnRes
-    (5 summaries, 4 consumers) and AttnRes (17 sources, 2 consumers), against the tiles before: at d = 512
-    forward 0.133 -> 0.106 ms and 0.316 -> 0.251, backward 0.505 -> 0.335 and 1.240 -> 0.663; at d = 1024
+    takes 1 at one warp and 2 above. Measured on an H200 (``python -m benchmarks.depth_attn_tiles``, fp32
+    sources), Block AttnRes (5 summaries, 4 consumers) and AttnRes (17 sources, 2 consumers), against the
+    tiles before: at d = 512 forward 0.133 -> 0.106 ms and 0.316 -> 0.251, backward 0.505 -> 0.335 (0.272
+    with one source a load, 2026-12-01 evening) and 1.240 -> 0.663; at d = 1024
     forward 0.591 -> 0.382 and 1.324 -> 0.921, backward 2.082 -> 1.583 and 5.307 -> 2.900. Interpreter: 32
     tokens per program (each program costs milliseconds)."""
     block_d = _pow2(d)
@@ -416,7 +417,9 @@ def tiles(n: int, d: int) -> Tiles:
     block_t = max(1, 512 // block_d)
     warps = max(1, block_d // 512)
     block_s = min(_pow2(n), 8)
-    bwd_block_s = min(block_s, 2)
+    # one source per backward load at one warp (d <= 512), two above: Block AttnRes's backward at d = 512
+    # 0.336 -> 0.272 ms (AttnRes's equal); at d = 1024 one source was slower (1.58 -> 1.76 ms)
+    bwd_block_s = 1 if warps == 1 else min(block_s, 2)
     # 16 warps cap a thread at 128 registers: there the backward loops over the consumers instead of
     # unrolling them (unrolled, the compiler overlaps their upstream-gradient loads but keeps them live)
     return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16)
