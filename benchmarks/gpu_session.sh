@@ -88,6 +88,9 @@
 #            parity with the backward's one-source loads (the earlier tiles' check did not fit its call twice),
 #            Block AttnRes and AttnRes with the sources stored in bf16 against fp32 (one process), and MSAR's view
 #            builder in the tile's own layout at `medium` (benchmarks.msar_tiles --only views_3d=True)
+#   evening2 one GPU (about 600 s with the start; ARCHIVE=$OUT/f.tgz ... evening2 /tmp/f): MSAR's stats and
+#            source-gradient kernels at one warp (benchmarks.msar_tiles --only), then the `small` table of every
+#            study residual and the `medium` table of vanilla and attnres_block with the evening's kernels
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -95,7 +98,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -409,6 +412,18 @@ case "$PLAN" in
       --compile model --graphs on --steps 8 --set +trainer.compile_options.combo_kernels=true \
       --set +trainer.compile_options.combo_kernels=true residual.source_dtype=bfloat16 --tag ${TAG:-_bf16_sources}
     step gpu0 msar_views "${VIEWS_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes medium --only views_3d=True
+    ;;
+  evening2)
+    step gpu0 msar_one_warp "${ONE_WARP_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small \
+      --kernels stats "source gradients" --only stats_bt=1,stats_bd=128,stats_warps=1 \
+      stats_bt=1,stats_bd=256,stats_warps=1 stats_bt=2,stats_bd=128,stats_warps=1 \
+      views_3d=True,stats_bt=1,stats_bd=128,stats_warps=1 src_warps=1 src_warps=1,src_bd=16 --tag _one_warp
+    step gpu0 small "${SMALL_LIMIT:-270}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SMALL_RESIDUALS:-vanilla attnres attnres_block mhc msar_block} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_evening}
+    step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium \
+      --residuals ${MEDIUM_RESIDUALS:-vanilla attnres_block} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_evening}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
