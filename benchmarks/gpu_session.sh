@@ -91,6 +91,8 @@
 #   evening2 one GPU (about 600 s with the start; ARCHIVE=$OUT/f.tgz ... evening2 /tmp/f): MSAR's stats and
 #            source-gradient kernels at one warp (benchmarks.msar_tiles --only), then the `small` table of every
 #            study residual and the `medium` table of vanilla and attnres_block with the evening's kernels
+#   evening3 one GPU (about 400 s with the start; ARCHIVE=$OUT/g.tgz ... evening3 /tmp/g): MSAR's stats kernel on
+#            one warp against its earlier tiles at `medium`, the MSAR GPU tests, and vanilla against msar_block
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -98,7 +100,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -424,6 +426,15 @@ case "$PLAN" in
     step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium \
       --residuals ${MEDIUM_RESIDUALS:-vanilla attnres_block} --compile model --graphs on \
       --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_evening}
+    ;;
+  evening3)
+    step gpu0 msar_stats "${STATS_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes medium --kernels stats \
+      --only stats_bt=2,stats_bd=512,stats_warps=4 stats_bt=4,stats_bd=512,stats_warps=4 --tag _stats_medium
+    step gpu0 gpu_tests "${TEST_LIMIT:-110}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py
+    step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SMALL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_stats}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

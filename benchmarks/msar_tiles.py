@@ -47,7 +47,8 @@ def candidates(blk) -> dict[str, list[dict]]:
                  # one warp a token row (the depth-attention kernels' lesson: reductions over d inside one warp);
                  # at (1, 128) ptxas keeps the stats kernel free of spills at `small` (336 bytes at the default)
                  + [dict(stats_bt=bt, stats_bd=bd, stats_warps=1) for bt, bd in ((1, 128), (1, 256), (2, 128))]
-                 + [dict(views_3d=not blk.views_3d, stats_bt=1, stats_bd=128, stats_warps=1)],
+                 + [dict(views_3d=not blk.views_3d, stats_bt=1, stats_bd=128, stats_warps=1)]
+                 + [dict(stats_bt=bt, stats_bd=min(512, blk.bd), stats_warps=4) for bt in (2, 4)],  # the tiles before
         "source gradients": [{}] + v3 + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (1, 2, 4, 8)
                                     if (bd, w) != (blk.src_bd, blk.src_warps)]
                             + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))

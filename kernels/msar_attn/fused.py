@@ -719,17 +719,15 @@ class Blocks:
 
     def stats_tiles(self) -> tuple[int, int]:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
-        recomputation), so it takes at most 512 channels and more tokens when the mixer backward
-        holds all of d."""
+        recomputation), so its tiles need not hold all of d (0: the mixer backward's)."""
         return self.stats_bd or self.bwd_bd, self.stats_bt or self.bwd_bt
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of 4096
     elements; channels in one tile up to 4096 / m_pad (d <= 1024 at m = 4 runs the one-pass
-    forward), else tiles of 512 channels and three passes. The mixer backward and the stats kernel
-    hold tiles of 4096 elements too (the stats kernel at most 512 channels, looping over channel
-    tiles). The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 32 channels a program over 4
+    forward), else tiles of 512 channels and three passes. The mixer backward holds tiles of 4096
+    elements too; the stats kernel (2, 128) tiles on one warp, looping over channel tiles. The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 32 channels a program over 4
     warps, 16 token blocks a program (its scratch, (4 + 0.5·(Σ_j k_j + m_pad))·BD/8 KiB a program,
     and the partial sums scale with the number of programs). Warps: measured, see below. ptxas
     (sm_90a) registers and spills: docs/kernel_msar.md. Under the interpreter each program costs
@@ -747,8 +745,12 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     # tile but at least 2 tokens (at d = 1024: (4, 2, 1024), measured faster than (4, 1, 1024))
     bd = bd_full if m_pad * bd_full <= elems // 2 else 512
     bt = max(1, min(t_pow, max(2, elems // (2 * m_pad * bd)), 16))
-    stats_bd = min(bd_full, 512)
-    stats_bt = max(1, min(t_pow, elems // (2 * m_pad * stats_bd), 16))
+    # the stats kernel: one warp on 2 tokens of 128 channels a tile, its reductions over d inside the warp (the
+    # depth-attention kernels' lesson). H200, `small`, stats + source gradients (`benchmarks.msar_tiles --only`,
+    # msar_tiles_nvidia_h200_one_warp.md): 3.087 ms against 3.165 / 3.176 with 4 warps on (2, 512) tiles;
+    # (1, 256) at one warp timed 3.073 but spills 724 bytes (ptxas), (2, 128) 384
+    stats_bd = min(bd_full, 128)
+    stats_bt = max(1, min(t_pow, 2))
     # 4 warps a program throughout, and 32 channels a source-gradient program: timed with
     # `python -m benchmarks.msar_tiles --shapes small medium` on an H200
     # (benchmarks/results/msar_tiles_nvidia_h200.md). 4 warps beat 8 and 16 although a few hundred
@@ -760,7 +762,7 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     # --sources 1` (msar_tiles_nvidia_h200_passes_s1.md): `small` 0.249 against 0.345 ms with 4 warps;
     # at `medium` ((4, 2, 1024) tiles) 2 warps took 2.56 against 1.12 ms, so it keeps 4.
     one_source_warps = 2 if m_pad * bt * bd <= 4096 else 0
-    return Blocks(bd, bd >= d, bt, 4, bd, bt, 4, max(halo, min(16, t_pow)), 32, 4, 16,
+    return Blocks(bd, bd >= d, bt, 4, bd, bt, 1, max(halo, min(16, t_pow)), 32, 4, 16,
                   stats_bd, stats_bt, 4, one_source_warps=one_source_warps)
 
 
