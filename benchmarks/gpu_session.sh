@@ -93,6 +93,9 @@
 #            study residual and the `medium` table of vanilla and attnres_block with the evening's kernels
 #   evening3 one GPU (about 400 s with the start; ARCHIVE=$OUT/g.tgz ... evening3 /tmp/g): MSAR's stats kernel on
 #            one warp against its earlier tiles at `medium`, the MSAR GPU tests, and vanilla against msar_block
+#   regs     one GPU (about 200 s with the start; ARCHIVE=$OUT/r.tgz ... regs /tmp/r): MSAR's forward, stats and
+#            source-gradient kernels with their registers capped (Blocks.*_maxnreg, benchmarks.msar_tiles --only) at
+#            REGS_SHAPES (default small medium)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -100,7 +103,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 regs"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -435,6 +438,11 @@ case "$PLAN" in
     step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small \
       --residuals ${SMALL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
       --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_stats}
+    ;;
+  regs)
+    step gpu0 msar_regs "${REGS_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes ${REGS_SHAPES:-small medium} \
+      --kernels forward stats "source gradients" --only fwd_maxnreg=168 fwd_maxnreg=128 stats_maxnreg=168 \
+      stats_maxnreg=128 src_maxnreg=168 src_maxnreg=128 --tag _regs
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

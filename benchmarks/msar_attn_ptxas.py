@@ -1,6 +1,6 @@
 """Compile every fused MSAR kernel for an H100/H200 (sm_90a) without a GPU; print registers and spills.
 
-    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12]
+    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12] [--maxnreg 168]
 
 Uses Triton's own NVIDIA backend and the ``ptxas`` shipped in the triton wheel, so it runs on a
 CPU-only machine: a kernel that does not compile for the GPU, or a tile choice in
@@ -26,18 +26,22 @@ SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d
 F32, I32 = "*fp32", "*i32"
 
 
-def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
-    """Compile ``fn`` for sm_90a; returns ptxas's register/spill summary."""
+def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int, maxnreg: int = 0) -> str:
+    """Compile ``fn`` for sm_90a (registers capped at ``maxnreg`` when given); returns ptxas's register/spill
+    summary."""
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
-    kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs), {"num_warps": num_warps})
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs), options)
     report = ptxas_report(kernel)
     info = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
     return f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | " + "; ".join(info)
 
 
-def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None):
-    """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches;
-    ``views_3d``: the view builder's layout (None: what ``_blocks`` picks)."""
+def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None,
+                maxnreg: int | None = None):
+    """(name, fn, argument types, constexprs, num_warps, register cap) of every kernel a bf16 training step
+    launches; ``views_3d``: the view builder's layout, ``maxnreg``: the forward's, stats' and source-gradient
+    kernel's register cap (None: what ``_blocks`` picks for either; a cap of 0 is none)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -47,36 +51,39 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     blk = fused._blocks(T, d, m_pad, k_max)
     if views_3d is not None:
         blk = dataclasses.replace(blk, views_3d=views_3d)
+    if maxnreg is not None:
+        blk = dataclasses.replace(blk, fwd_maxnreg=maxnreg, stats_maxnreg=maxnreg, src_maxnreg=maxnreg)
     common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
     v3 = dict(V3=blk.views_3d)
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
     yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
-           dict(BT=fused.doc_window_block(T)), 4)
+           dict(BT=fused.doc_window_block(T)), 4, 0)
     yield ("forward (h, saving R)", fused._fwd_kernel,
            dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type, save_z_ptr=F32,
                 save_rr_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                BT=blk.bt, BD=blk.bd, **common, **v3), blk.warps)
+                BT=blk.bt, BD=blk.bd, **common, **v3), blk.warps, blk.fwd_maxnreg)
     if blk.forward_warps(1) != blk.warps:
         yield ("forward, one source", fused._fwd_kernel,
                dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type,
                     save_z_ptr=F32, save_rr_ptr=F32),
                dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                    BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1)), blk.forward_warps(1))
+                    BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1)), blk.forward_warps(1), blk.fwd_maxnreg)
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),
-           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps)
+           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps, 0)
     yield ("stats", fused._stats_kernel,
            dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
-           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3), blk.stats_warps)
+           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3), blk.stats_warps,
+           blk.stats_maxnreg)
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
                 tap_scratch_ptr=F32),
            dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
                 KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common, **v3),
-           blk.src_warps)
+           blk.src_warps, blk.src_maxnreg)
 
 
 def main(argv=None) -> int:
@@ -85,6 +92,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", nargs="+", type=int, default=[4, 8, 12])
     p.add_argument("--views-3d", choices=["default", "on", "off"], default="default",
                    help="the view builder's layout (fused.Blocks.views_3d); default: what _blocks picks")
+    p.add_argument("--maxnreg", type=int, default=None,
+                   help="cap the forward's, stats' and source-gradient kernel's registers per thread (fused.Blocks "
+                        "fwd_maxnreg, stats_maxnreg, src_maxnreg; 0: no cap); default: what _blocks picks")
     args = p.parse_args(argv)
     views_3d = {"default": None, "on": True, "off": False}[args.views_3d]
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile choices, not the interpreter's
@@ -92,16 +102,18 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         T, d = SHAPES[shape]
         print(f"== {shape}: T={T} d={d} kernels={args.kernels}", flush=True)
-        for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels), views_3d=views_3d):
+        for name, fn, types, consts, warps, cap in kernels_for(T, d, tuple(args.kernels), views_3d=views_3d,
+                                                               maxnreg=args.maxnreg):
             start = time.time()
             try:
-                info = compile_kernel(fn, types, consts, warps)
+                info = compile_kernel(fn, types, consts, warps, cap)
             except Exception:
                 failed += 1
                 print(f"{name}: COMPILE FAILED\n{traceback.format_exc()}", flush=True)
                 continue
             tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE", "V3")}
-            print(f"{name} {tiles} warps={warps}: {time.time() - start:.0f} s | {info}", flush=True)
+            capped = f" maxnreg={cap}" if cap else ""
+            print(f"{name} {tiles} warps={warps}{capped}: {time.time() - start:.0f} s | {info}", flush=True)
     return 1 if failed else 0
 
 
