@@ -56,7 +56,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
     v3 = dict(V3=blk.views_3d)
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
-    views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32")
+    views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32", p_off="i64")
     yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
            dict(BT=fused.doc_window_block(T)), 4, 0)
     yield ("forward (h, saving R)", fused._fwd_kernel,

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries
+from kernels.msar_attn import BufferedSources
 
 from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
 from .registry import register
@@ -96,6 +97,8 @@ class SourceState:
 
     ctx: Context
     sources: tuple[Tensor, ...]  # (v_0 = embedding, v_1, ..., v_l), each (B, T, d)
+    # with a fused one-pass read (MSAR: ``_buffers_sources``) the sources are rows of one buffer, read in place
+    buffer: SourceBuffer | None = None
 
 
 class PseudoQueries(nn.Module):
@@ -201,6 +204,9 @@ class DepthAttentionResidual(Residual):
             self.recorded = {}
         backend = self._two_phase(embedding)
         if backend is None:
+            if self._buffers_sources(embedding):  # the sources in one buffer, which the fused read takes in place
+                buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype())
+                return replace(self.initial_state(buffer.append(embedding), ctx), buffer=buffer)
             return self.initial_state(embedding, ctx)
         buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype())
         buffer.append(embedding)  # v_0 = b_0
@@ -212,17 +218,34 @@ class DepthAttentionResidual(Residual):
     def read(self, state, layer: int) -> Tensor:
         if isinstance(state, FusedState):
             return self._fused_read(state, layer)
-        return self._retrieve(self.sources(state), layer, state.ctx)
+        return self._retrieve(self._read_sources(state), layer, state.ctx)
 
     def write(self, state, layer: int, out: Tensor):
         if isinstance(state, FusedState):
             return self._fused_write(state, layer, out)
+        if state.buffer is not None:  # written once into the buffer's next row
+            return replace(state, sources=state.sources + (state.buffer.append(out),))
         return SourceState(state.ctx, state.sources + (out,))
 
     def end(self, state) -> Tensor:
         if isinstance(state, FusedState):
             return self._fused_read(state, self.n_sublayers)
-        return self._retrieve(self.sources(state), self.n_sublayers, state.ctx)
+        return self._retrieve(self._read_sources(state), self.n_sublayers, state.ctx)
+
+    # --- a one-pass read over buffered sources (MSAR's fused read) -------------------------------------
+    def _buffers_sources(self, x: Tensor) -> bool:
+        """Whether the sources go into one ``SourceBuffer`` (outside the two-phase path): for a fused read
+        that takes them in place (``BufferedSources``) instead of a stacked copy per read. None here."""
+        return False
+
+    def _read_sources(self, state) -> list[Tensor] | BufferedSources:
+        """What a read attends over: ``sources``, or with a buffer the same S tensors as ``BufferedSources``
+        (the buffer's rows written so far, then the partial of an open block) for the fused op."""
+        if state.buffer is None:
+            return self.sources(state)
+        if isinstance(state, SourceState):
+            return BufferedSources(state.buffer, state.sources)
+        return BufferedSources(state.buffer, state.summaries, state.partial)
 
     # --- the two-phase path over a source buffer (docs/method.md §3) ---------------------------------
     def _group_size(self) -> int:

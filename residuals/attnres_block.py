@@ -24,6 +24,8 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor
 
+from kernels.depth_attn import SourceBuffer
+
 from .attnres import AttnRes, FusedState
 from .base import Context
 from .registry import register
@@ -43,6 +45,7 @@ class BlockState:
     ctx: Context
     summaries: tuple[Tensor, ...]  # (b_0 = embedding, b_1, ..., b_{n-1}), each (B, T, d)
     partial: Tensor | None  # (B, T, d): sum of the current block's outputs so far; None at a block start
+    buffer: SourceBuffer | None = None  # the summaries as rows of one buffer (a fused read takes them in place)
 
 
 class BlockSummaries:
@@ -82,9 +85,12 @@ class BlockSummaries:
     def write(self, state, layer: int, out: Tensor):
         if isinstance(state, FusedState):
             return self._fused_write(state, layer, out)
+        if state.buffer is not None and not (layer + 1) % self.cfg.block_size:  # b_n written once into the buffer
+            row = state.buffer.append(*((out,) if state.partial is None else (state.partial, out)))
+            return replace(state, summaries=state.summaries + (row,), partial=None)
         partial = out if state.partial is None else state.partial + out  # (B, T, d)
         if (layer + 1) % self.cfg.block_size:
-            return BlockState(state.ctx, state.summaries, partial)
+            return replace(state, partial=partial)
         return BlockState(state.ctx, state.summaries + (partial,), None)  # block complete: b_n
 
     # --- the two-phase path (residuals/attnres.py): phase 1 when a block opens, merge per sublayer ----

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from kernels.causal_conv import causal_conv
 from kernels.depth_attn import depth_attn
-from kernels.msar_attn import FUSIONS, MAX_K
+from kernels.msar_attn import FUSIONS, MAX_K, BufferedSources
 from kernels.msar_attn import msar as msar_fused
 from kernels.msar_attn.reference import mix
 
@@ -143,13 +143,17 @@ class Msar(DepthAttentionResidual):
         group = self._tap_group(consumer)
         return torch.stack([x, *(causal_conv(x, taps[group], doc_ids) for taps in self.conv_taps)])
 
-    def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
+    def _buffers_sources(self, x: Tensor) -> bool:
+        # the fused read (placement=streams) takes the sources in place from one buffer: no stacked copy of the
+        # S sources per read, forward or backward (57 source copies a forward at `small` in msar_block)
+        return self.cfg.placement == "streams" and self._fused(x)
+
+    def _retrieve(self, sources: list[Tensor] | BufferedSources, consumer: int, ctx: Context) -> Tensor:
         queries = self.queries(consumer, latest=sources[-1])  # (V, d) or (V, B, T, d)
         gain = self.queries.gain(consumer)  # (V, d) or None
         if self._fused(sources[0]):  # the whole read in one op, mixer included (validated: see covered)
             phi, alpha, bias = (self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
-            # the list, not a stacked copy: the op keeps the sources (alive in the state anyway) for its
-            # backward instead of an (S, B, T, d) copy per read
+            # sources in place (BufferedSources: the buffer's rows and the open block's partial), never stacked
             res = msar_fused(sources, self._view_taps(consumer, sources[0]), queries, gain, ctx.doc_ids, phi, alpha,
                              bias, key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
                              backend="triton")  # (B, T, d), with the weights (V, S, B, T) when recording

@@ -24,6 +24,29 @@ from . import reference
 from .reference import FUSIONS
 
 MAX_K = 16  # longest conv kernel the fused kernel accepts (its tap loop is unrolled)
+
+
+class BufferedSources(Sequence):
+    """S sources that the fused op reads in place, never stacked: the first rows of a ``SourceBuffer``
+    (``kernels.depth_attn.buffer``: one preallocated (n_max, B, T, d) tensor, each row written once), given by
+    their aliases ``rows`` (``buffer.rows[:n]``, the rows a reader saw, whatever was appended since), then an
+    optional ``partial`` (B, T, d), e.g. Block MSAR's running sum of the open block, read through its own
+    address. As a sequence it is those S tensors (the rows' differentiable aliases, then the partial): what
+    the torch backend stacks, and what the gradients flow to (each row's through the buffer's store)."""
+
+    def __init__(self, buffer, rows: Sequence[Tensor], partial: Tensor | None = None):
+        rows = tuple(rows)
+        if len(rows) > len(buffer.rows) or any(r is not b for r, b in zip(rows, buffer.rows)):
+            raise ValueError(f"BufferedSources: the rows must be the buffer's first rows (its aliases, in order); "
+                             f"got {len(rows)} rows for a buffer of {len(buffer.rows)}")
+        self.buffer, self.rows, self.partial = buffer, rows, partial
+        self._items = (*rows, *(() if partial is None else (partial,)))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):
+        return self._items[i]
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -113,7 +136,8 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
 
     Args:
         x: sources ``(S, B, T, d)``, or a sequence of S tensors ``(B, T, d)`` (the fused backend then
-            saves the tensors as they are for its backward, not a stacked copy).
+            saves the tensors as they are for its backward, not a stacked copy, but stacks them per call),
+            or ``BufferedSources`` (the fused backend reads them in place: no copy at all).
         taps: ``m-1`` tensors ``(k_j, d)``; queries ``(m, d)``;
         key_gains ``(m, d)`` or None; doc_ids ``(B, T)`` integer (None: one document per row).
         phi: ``(m·d, m)``; alpha: scalar tensor; bias: ``(m,)``; fusion: ``"sigmoid"`` or ``"softmax"``.
@@ -162,4 +186,4 @@ def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Ten
                            return_weights=return_weights)
 
 
-__all__ = ["BACKENDS", "FUSIONS", "MAX_K", "check_triton_supported", "msar", "msar_attn"]
+__all__ = ["BACKENDS", "BufferedSources", "FUSIONS", "MAX_K", "check_triton_supported", "msar", "msar_attn"]

@@ -61,7 +61,8 @@ from ..backend import interpreting
 @triton.jit
 def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
            M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
-    """All m views of one source tile: E (M_PAD, BT, BD) fp32,
+    """All m views of one source tile (``row0``: the element offset of its row from x, ``_src_off``):
+    E (M_PAD, BT, BD) fp32,
     E[j, t] = Σ_{τ<k_j} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)], rows past m zero.
     Per view j a (BT, BD) tile over its own k_j = KS[j] taps (constexpr: Σ_j k_j multiply-adds
     an element, not m·K_MAX), unrolled so that every shifted load of the view is in flight at once;
@@ -70,7 +71,7 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
     e = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
     # zero, but not provably: the tap loads stay in the caller's loop over sources instead of being
     # hoisted out of it (Σ_j k_j tap vectors held across that loop spill registers)
-    taps_ptr = taps_ptr + (row0 >> 62)
+    taps_ptr = taps_ptr + (tl.abs(row0) >> 62)
     if V3:  # every load in the view tile's own 3-d layout: (1, BT, BD) rows, (1, 1, BD) taps
         d3 = offs_d[None, None, :]
         md3 = mask_d[None, None, :]
@@ -78,7 +79,7 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
             ej3 = tl.zeros((1, BT, BD), dtype=tl.float32)
             for tau in tl.static_range(tl.constexpr(KS[j])):
                 ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
-                xv3 = tl.load(x_ptr + (row0 + offs_t - tau)[None, :, None] * D + d3,
+                xv3 = tl.load(x_ptr + row0 + (offs_t - tau).to(tl.int64)[None, :, None] * D + d3,
                               mask=ok[None, :, None] & md3, other=0.0).to(tl.float32)  # (1, BT, BD)
                 c3 = tl.load(taps_ptr + (j * K_MAX + tau) * D + d3, mask=md3, other=0.0)  # (1, 1, BD)
                 ej3 += c3 * xv3
@@ -88,12 +89,20 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
             ej = tl.zeros((BT, BD), dtype=tl.float32)
             for tau in tl.static_range(tl.constexpr(KS[j])):
                 ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
-                xv = tl.load(x_ptr + (row0 + offs_t - tau)[:, None] * D + offs_d[None, :],
+                xv = tl.load(x_ptr + row0 + (offs_t - tau).to(tl.int64)[:, None] * D + offs_d[None, :],
                              mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
                 c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
                 ej += c[None, :] * xv
             e = tl.where(jv[:, None, None] == j, ej[None, :, :], e)
     return e
+
+
+@triton.jit
+def _src_off(s, b, B, T, D, n_buf, p_off):
+    """Element offset from x where row b of source s starts: rows [0, n_buf) of the stacked (or buffered) x
+    (n_buf, B, T, d), then source n_buf (when there is one) the partial, a (B, T, d) tensor at element offset
+    p_off from x (``BufferedSources``: the sources are read in place, never stacked). int64, maybe negative."""
+    return tl.where(s < n_buf, (s * B + b).to(tl.int64) * T * D, p_off.to(tl.int64) + b.to(tl.int64) * T * D)
 
 
 @triton.jit
@@ -103,14 +112,14 @@ def _add2(a0, b0, a1, b1):
 
 @triton.jit
 def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, mask_d,
-              b, S, B, T, D, K_MAX,
+              b, S, n_buf, p_off, B, T, D, K_MAX,
               M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
     """Streams of one channel tile from stored logits: R[j, t] = Σ_s exp(logit - lse) E_j(x_s)[t]."""
     jv = tl.arange(0, M_PAD)
     acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
     s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
     while s < S:
-        row0 = (s * B + b).to(tl.int64) * T
+        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
         e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                    M_PAD, KS, BT, BD, V3)
         lg = tl.load(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
@@ -150,7 +159,7 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
 
 @triton.jit
 def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
-              b, S, B, T, D, K_MAX, eps,
+              b, S, n_buf, p_off, B, T, D, K_MAX, eps,
               KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
               BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
     """d in one tile: logits, online softmax over sources (fp32) and weighted sums together.
@@ -162,7 +171,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
     acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
     s = b * 0
     while s < S:
-        row0 = (s * B + b).to(tl.int64) * T
+        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
         e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
                    M_PAD, KS, BT, BD, V3)
         if KEY_NORM:  # (q ⊙ g)·E and ‖E‖² in one reduction over the channels (one round of barriers)
@@ -185,7 +194,7 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
 
 @triton.jit
 def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
-                b, S, B, T, D, K_MAX, eps, n_dt,
+                b, S, n_buf, p_off, B, T, D, K_MAX, eps, n_dt,
                 KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
                 BD: tl.constexpr, V3: tl.constexpr):
     """d over several tiles, pass 1: the logits (reductions over all channel tiles) of every source,
@@ -195,7 +204,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
     l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
     s = b * 0
     while s < S:
-        row0 = (s * B + b).to(tl.int64) * T
+        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
         dot = tl.zeros((M_PAD, BT), dtype=tl.float32)
         ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
         dt = b * 0
@@ -225,7 +234,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
 
 @triton.jit
 def _fwd_kernel(
-    x_ptr,  # sources (S, B, T, d), contiguous, any float dtype
+    x_ptr,  # sources (S, B, T, d), contiguous, any float dtype (or n_buf rows of them and the partial: _src_off)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32, zero past k_j and for padded views; view 0 Dirac
     qg_ptr,  # gain-folded queries q_j ⊙ g_j (m, d) fp32
     phi_ptr,  # mixer projection as φᵀ (m, m·d) fp32: row i is φ's column i (contiguous channel loads)
@@ -238,7 +247,7 @@ def _fwd_kernel(
     save_r_ptr,  # with SAVE (for the backward): the streams R (m, B, T, d) in x's dtype
     save_z_ptr,  # with SAVE: R·φ (m, B, T) fp32
     save_rr_ptr,  # with SAVE: ‖vec R‖² (B, T) fp32
-    S, B, T, D, M, K_MAX, eps, n_dt,
+    S, n_buf, p_off, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
     SAVE: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
     BD: tl.constexpr, V3: tl.constexpr,
@@ -260,7 +269,8 @@ def _fwd_kernel(
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
         r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT, BD, V3)
+                           mask_j, b, S, n_buf, p_off, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT,
+                           BD, V3)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
@@ -278,7 +288,7 @@ def _fwd_kernel(
                      mask=mask_t[:, None] & mask_d[None, :])
     else:
         lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
-                          b, S, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD, V3)
+                          b, S, n_buf, p_off, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD, V3)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             dt = b * 0
@@ -286,7 +296,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
+                              mask_d, b, S, n_buf, p_off, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
                 tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
                          mask=stat_mask[:, :, None] & mask_d[None, None, :])
                 dt += 1
@@ -299,7 +309,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
+                              mask_d, b, S, n_buf, p_off, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
                 rr_part, z_part = _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT)
                 rr += rr_part
                 z += z_part
@@ -314,7 +324,7 @@ def _fwd_kernel(
                 offs_d = dt * BD + tl.arange(0, BD)
                 mask_d = offs_d < D
                 r = _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d,
-                              mask_d, b, S, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
+                              mask_d, b, S, n_buf, p_off, B, T, D, K_MAX, M_PAD, KS, BT, BD, V3)
                 if SAVE:
                     tl.store(save_r_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                              r.to(save_r_ptr.dtype.element_ty), mask=stat_mask[:, :, None] & mask_d[None, None, :])
@@ -424,7 +434,7 @@ def _stats_kernel(
     dr_ptr,  # dL/dR (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
     coef_ptr,  # result: w, κ, μ, then a scratch plane (4, M_PAD, S, B, T) fp32
-    S, B, T, D, M, K_MAX, eps, n_dt, plane,
+    S, n_buf, p_off, B, T, D, M, K_MAX, eps, n_dt, plane,
     KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     V3: tl.constexpr,
 ):
@@ -447,7 +457,7 @@ def _stats_kernel(
     delta = tl.zeros((M_PAD, BT), dtype=tl.float32)  # Σ_s w a = dR_j·R_j
     s = b * 0
     while s < S:
-        row0 = (s * B + b).to(tl.int64) * T
+        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
         dot_q = tl.zeros((M_PAD, BT), dtype=tl.float32)
         ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
         dot_r = tl.zeros((M_PAD, BT), dtype=tl.float32)
@@ -501,7 +511,7 @@ def _stats_kernel(
 
 @triton.jit
 def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j, offs_d, mask_d,
-             s, b, S, B, T, D, K_MAX, plane,
+             s, b, S, n_buf, p_off, B, T, D, K_MAX, plane,
              SOFTMAX: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
              V3: tl.constexpr):
     """On the BT tokens offs_h of source s: dE = w dR + κ qg - μ E and κ E, (M_PAD, BT, BD) each.
@@ -516,7 +526,7 @@ def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j
                  mask=m_h[:, :, None] & mask_d[None, None, :], other=0.0)
     if SOFTMAX:
         near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
-        row0 = (s * B + b).to(tl.int64) * T
+        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
         e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD, V3)
         kappa = tl.load(coef_ptr + plane + cidx, mask=m_h, other=0.0)
         mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_h, other=0.0)
@@ -540,7 +550,7 @@ def _src_kernel(
     scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 ring per program (dE of one source, two halves)
     tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, BT, BD)
     # query-gradient partials, fp32
-    S, B, T, D, M, K_MAX, plane, SUB,
+    S, n_buf, p_off, B, T, D, M, K_MAX, plane, SUB,
     scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
     SOFTMAX: tl.constexpr,  # more than one source (with one, κ = μ = 0: dE = w dR, no views built for it)
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
@@ -584,7 +594,7 @@ def _src_kernel(
     # first block of a chunk also builds its own half)
     s = b * 0
     while s < S:
-        row0 = (s * B + b).to(tl.int64) * T
+        row0 = (s * B + b).to(tl.int64) * T  # dx is stacked (S, B, T, d)
         tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
         i = b * 0
         while i < SUB:
@@ -597,12 +607,14 @@ def _src_kernel(
             tl.debug_barrier()  # every thread is done reading the half overwritten below
             if i == 0:
                 de_o, ke_o = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t, mask_j, offs_d,
-                                      mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD, V3)
+                                      mask_d, s, b, S, n_buf, p_off, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD,
+                                      V3)
                 tl.store(scr + (jv[:, None, None] * (2 * BT) + own0 + loc[None, :, None]) * BD + ld[None, None, :],
                          de_o)
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_o)  # κ E, summed over tokens at the end
             de_n, ke_n = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t + BT, mask_j, offs_d,
-                                  mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD, V3)
+                                  mask_d, s, b, S, n_buf, p_off, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD,
+                                  V3)
             tl.store(scr + (jv[:, None, None] * (2 * BT) + nxt0 + loc[None, :, None]) * BD + ld[None, None, :], de_n)
             if i + 1 < SUB:  # the next block is this program's: count its κ E here, once
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_n)
@@ -612,7 +624,8 @@ def _src_kernel(
             # (t, t+τ) from the other end, Σ_t dE_j[t+τ] ⊙ x_s[t] over the block's own t, which covers
             # every pair of Σ_t' dE_j[t'] ⊙ x_s[t'-τ] once with the adjoint's mask and its shifted load
             # (instead of a load of x_s τ tokens back per tap: 6-7% faster, msar_tiles_nvidia_h200_night.md)
-            x_own = tl.load(x_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :],
+            own = _src_off(s, b, B, T, D, n_buf, p_off)  # the source's row, read in place
+            x_own = tl.load(x_ptr + own + offs_t.to(tl.int64)[:, None] * D + offs_d[None, :],
                             mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
             for j in tl.static_range(len(KS)):
                 for tau in tl.static_range(tl.constexpr(KS[j])):
@@ -804,13 +817,33 @@ def _mixer_params(phi, alpha, bias):
             bias.detach().float().contiguous())
 
 
+def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
+    """(S, n_buf, p_off) of the sources x (n_buf, B, T, d), followed, when given, by ``partial`` (B, T, d), which
+    the kernels read in place at element offset p_off from x (x may be rows of a ``SourceBuffer``: nothing is
+    stacked). The partial must have x's dtype, device and row shape and be contiguous."""
+    n = x.shape[0]
+    if partial is None:
+        return n, n, 0
+    if (partial.dtype != x.dtype or partial.device != x.device or tuple(partial.shape) != tuple(x.shape[1:])
+            or not partial.is_contiguous()):
+        raise ValueError(f"msar: the partial source must be a contiguous {x.dtype} tensor {tuple(x.shape[1:])} on "
+                         f"{x.device} like the buffered rows, got {partial.dtype} {tuple(partial.shape)} on "
+                         f"{partial.device} (contiguous: {partial.is_contiguous()})")
+    gap = partial.data_ptr() - x.data_ptr()
+    if gap % x.element_size():
+        raise ValueError(f"msar: the partial source is not aligned to x's elements ({gap} bytes apart)")
+    return n + 1, n, gap // x.element_size()
+
+
 def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
-            store_logits=False, save=False):
+            store_logits=False, save=False, partial=None):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
     logits (m, S, B, T) fp32 when ``store_logits`` (else None), and with ``save`` what the mixer's
     backward takes, (R (m, B, T, d) in x's dtype, R·φ (m, B, T), ‖vec R‖² (B, T)) (else None).
-    ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``."""
-    S, B, T, d = x.shape
+    ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``; ``partial``: a last source read in place
+    (``sources_layout``)."""
+    _, B, T, d = x.shape
+    S, n_buf, p_off = sources_layout(x, partial)
     m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
@@ -826,7 +859,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
               torch.empty(m, B, T, device=x.device, dtype=torch.float32),
               torch.empty(B, T, device=x.device, dtype=torch.float32)) if save else (lse, lse, lse))
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
-        x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, B, T, d, m, k_max, eps,
+        x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, n_buf, p_off, B, T, d, m, k_max, eps,
         triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
         SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, V3=blk.forward_views_3d(S),
         num_warps=blk.forward_warps(S), **_regs(blk.fwd_maxnreg))
@@ -871,11 +904,12 @@ def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -
     return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, npair + m_pad, bt, bd, **f32)
 
 
-def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
+def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, partial=None):
     """Gradients through the streams, given dR (m, B, T, d) fp32 and the forward's lse (m, B, T):
-    dx (S, B, T, d) in x's dtype, [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two kernels, each over
-    all sources."""
-    S, B, T, d = x.shape
+    dx (S, B, T, d) in x's dtype (the partial's gradient last), [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two
+    kernels, each over all sources."""
+    _, B, T, d = x.shape
+    S, n_buf, p_off = sources_layout(x, partial)
     m, m_pad, k_max = dr.shape[0], packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
@@ -886,7 +920,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
-            x, packed, qg, near, dr, lse, coef, S, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd), plane,
+            x, packed, qg, near, dr, lse, coef, S, n_buf, p_off, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd),
+            plane,
             KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, V3=blk.views_3d,
             num_warps=blk.stats_warps, **_regs(blk.stats_maxnreg))
     n_blocks = triton.cdiv(T, blk.src_bt)
@@ -895,13 +930,14 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps):
     k_pad = triton.next_power_of_2(k_max)
     dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
     dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
-    dx = torch.empty_like(x)
+    dx = torch.empty(S, B, T, d, device=x.device, dtype=x.dtype)
     grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
     n_prog = grid[0] * grid[1] * grid[2]
     koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
     scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
-        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, B, T, d, m, k_max, plane,
+        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, n_buf, p_off, B, T, d, m,
+        k_max, plane,
         sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
         V3=blk.views_3d, num_warps=blk.src_warps, **_regs(blk.src_maxnreg))
@@ -918,30 +954,40 @@ def _query_grads(dqg, queries, key_gains):
 
 
 class MsarFunction(torch.autograd.Function):
-    """The whole MSAR read. Inputs: n_src, queries, key_gains (or None), near, φ, α, b, flags, then the
-    sources and the taps: with n_src = 0 one stacked x (S, B, T, d), else n_src tensors (B, T, d)
-    that are stacked here and saved as they are (tensors the residual keeps anyway), so no stacked
-    copy lives from forward to backward; the backward stacks them again.
+    """The whole MSAR read. Inputs: n_src, buffer, queries, key_gains (or None), near, φ, α, b, flags, then
+    the sources and the taps: with n_src = 0 one stacked x (S, B, T, d), else n_src tensors (B, T, d).
+    Without ``buffer`` those are stacked here and saved as they are (tensors the residual keeps anyway), so
+    no stacked copy lives from forward to backward; the backward stacks them again. With ``buffer =
+    (rows, has_partial)`` (``BufferedSources``) nothing is stacked: the kernels read ``rows`` (n, B, T, d),
+    rows of a ``SourceBuffer`` written once and never changed, in place (kept on ctx, outside the saved
+    tensors, as the phase-1 op of depth attention does), and the partial (the last tensor) through its own
+    address; the n_src tensors are the rows' aliases (for their gradients) and the partial.
     Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves the inputs,
     the lse, and (when a gradient is wanted) the streams R in x's dtype with two per-token scalars of
     the mixer: the mixer's backward then reads R instead of rebuilding the views (2·m·d bytes a
     token in bf16; docs/kernel_msar.md, "Backward"); the streams' backward rebuilds them."""
 
     @staticmethod
-    def forward(ctx, n_src, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion, store_logits,
-                *tensors):
+    def forward(ctx, n_src, buffer, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion,
+                store_logits, *tensors):
         split = max(n_src, 1)
         xs, taps = tensors[:split], tensors[split:]
-        x = torch.stack(xs) if n_src else xs[0]  # (S, B, T, d)
+        x, partial = _source_tensors(xs, n_src, buffer)
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
         save = any(ctx.needs_input_grad)
         h, lse, logits, saved = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                         key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
-                                        sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save)
+                                        sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
+                                        partial=partial)
+        if buffer is not None:  # the rows stay on ctx (written once); only the partial is saved
+            ctx.rows, keep = buffer[0], (partial,)
+        else:
+            keep = xs
         ctx.save_for_backward(queries, key_gains, near, phi, alpha, bias, lse,
-                              *(saved if save else (None, None, None)), *xs, *taps)
-        ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src = key_norm, eps, fusion, n_src
+                              *(saved if save else (None, None, None)), *keep, *taps)
+        ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.buffer = key_norm, eps, fusion, n_src, buffer is not None
+        ctx.n_keep = len(keep)
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(lse, logits)
@@ -950,9 +996,11 @@ class MsarFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, _dlse, _dlogits):
         queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, *tensors = ctx.saved_tensors
-        split = max(ctx.n_src, 1)
-        xs, taps = tensors[:split], tensors[split:]
-        x = torch.stack(xs) if ctx.n_src else xs[0]  # (S, B, T, d), again
+        keep, taps = tensors[:ctx.n_keep], tensors[ctx.n_keep:]
+        if ctx.buffer:
+            x, partial = ctx.rows, keep[0]
+        else:
+            x, partial = _source_tensors(keep, ctx.n_src, None)  # (S, B, T, d), stacked again
         d = x.shape[-1]
         packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
@@ -960,11 +1008,20 @@ class MsarFunction(torch.autograd.Function):
             dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), _mixer_params(phi, alpha, bias),
                                                      eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
             dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near,
-                                              key_norm=ctx.key_norm, eps=ctx.eps)
+                                              key_norm=ctx.key_norm, eps=ctx.eps, partial=partial)
             dq, dg = _query_grads(dqg, queries, key_gains)
         dxs = dx.unbind(0) if ctx.n_src else (dx,)
-        return (None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
+        return (None, None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
                 dbias.to(bias.dtype), None, None, None, None, *dxs, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
+
+
+def _source_tensors(xs, n_src: int, buffer) -> tuple[Tensor, Tensor | None]:
+    """(x, partial) for the kernels: the stacked sources (or the one stacked tensor), or with ``buffer``
+    (rows, has_partial) the buffer's rows in place and the partial, the last of ``xs``."""
+    if buffer is None:
+        return (torch.stack(xs) if n_src else xs[0]), None
+    rows, has_partial = buffer
+    return rows, (xs[-1] if has_partial else None)
 
 
 class StreamsFunction(torch.autograd.Function):
@@ -1007,11 +1064,20 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
          eps=1e-6, return_weights=False):
     """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. ``x``: the stacked
     sources (S, B, T, d) or a sequence of S tensors (B, T, d), which are not kept stacked for the
-    backward. Weights are returned detached (diagnostics)."""
-    xs = (x.contiguous(),) if isinstance(x, Tensor) else tuple(t.contiguous() for t in x)
+    backward. ``BufferedSources``: the buffer's rows and the partial read in place (the partial in the buffer's
+    dtype). Weights are returned detached (diagnostics)."""
+    from . import BufferedSources
+
+    buffer = None
+    if isinstance(x, BufferedSources):
+        rows = x.rows
+        partial = () if x.partial is None else (x.partial.to(x.buffer.data.dtype).contiguous(),)
+        xs, buffer = (*rows, *partial), (x.buffer.data[:len(rows)], bool(partial))
+    else:
+        xs = (x.contiguous(),) if isinstance(x, Tensor) else tuple(t.contiguous() for t in x)
     n_src = 0 if isinstance(x, Tensor) else len(xs)
     taps, queries, key_gains, near = _prepare(taps, queries, key_gains, doc_ids)
-    h, lse, logits = MsarFunction.apply(n_src, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
+    h, lse, logits = MsarFunction.apply(n_src, buffer, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
                                         float(eps), fusion, bool(return_weights), *xs, *taps)
     if not return_weights:
         return h

@@ -98,6 +98,110 @@ def _with_views_3d(monkeypatch):
     monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), views_3d=True))
 
 
+# (id, rows the reader sees, buffer rows written, partial: None / "after" / "before" the buffer, partial dtype)
+BUFFERED = [
+    ("rows-and-partial-after", 3, 3, "after", torch.float32),
+    ("partial-made-before-the-buffer", 2, 2, "before", torch.float32),
+    ("rows-only", 3, 3, None, torch.float32),
+    ("reader-saw-fewer-rows", 2, 4, "after", torch.float32),
+    ("bf16-partial-cast-to-the-buffer", 2, 2, "after", torch.bfloat16),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", BUFFERED, ids=[c[0] for c in BUFFERED])
+def test_buffered_sources_are_read_in_place(case, monkeypatch):
+    """BufferedSources (a SourceBuffer's first rows, then a partial at its own address, before or after the buffer
+    in memory): the fused op equals the reference on the same S tensors, forward and every gradient (the rows'
+    gradients reach the terms stored into them, the partial's its leaf), with a random upstream gradient, and it
+    stacks nothing, in forward or backward."""
+    from kernels.depth_attn import SourceBuffer
+    from kernels.msar_attn import BufferedSources, fused
+
+    _, n, written, where, p_dtype = case
+    B, T, d, kernels = 1, 9, 12, (2, 3)
+    S = n + (where is not None)
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(max(written, S), B, T, d, kernels, True)
+    leaves = [x[i].clone().requires_grad_() for i in range(written)]
+    p_leaf = x[-1].to(p_dtype).clone().requires_grad_() if where == "before" else None
+    partial = None if p_leaf is None else p_leaf * 1.5  # a non-leaf, as in the residual
+    buffer = SourceBuffer(written, leaves[0])
+    for t in leaves:
+        buffer.append(t)
+    if where == "after":
+        p_leaf = (x[-1] * 0.5).to(p_dtype).requires_grad_()
+        partial = p_leaf * 1.5
+    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(2))
+    params = [queries, key_gains, phi, alpha, bias, *taps]
+    for t in params:
+        t.requires_grad_()
+    grads = {}
+    for backend in ("triton", "torch"):
+        if backend == "triton":
+            src = BufferedSources(buffer, buffer.rows[:n], partial)
+            monkeypatch.setattr(fused.torch, "stack", _refuse_stack)
+        else:
+            monkeypatch.undo()
+            src = [*buffer.rows[:n], *(() if partial is None else (partial.to(buffer.data.dtype),))]
+        h = msar(src, taps, queries, key_gains, doc_ids, phi, alpha, bias, backend=backend)
+        assert h.shape == (B, T, d)
+        inputs = [*leaves[:n], *(() if p_leaf is None else (p_leaf,)), *params]
+        grads[backend] = (h, *torch.autograd.grad((h * up).sum(), inputs, retain_graph=True))
+    names = ["h", *(f"row{i}" for i in range(n)), *(() if p_leaf is None else ("partial",)), "queries", "key_gains",
+             "phi", "alpha", "bias", *(f"taps[{i}]" for i in range(len(taps)))]
+    for name, a, b in zip(names, grads["triton"], grads["torch"]):
+        tol = 1e-2 if name == "partial" and p_dtype == torch.bfloat16 else 1e-4
+        assert a.dtype == b.dtype and rel_err(a, b) < tol, f"{name}: {rel_err(a, b):.2e}"
+    assert all(g.abs().max() > 0 for g in grads["torch"][1:]), "a compared gradient is zero"
+
+
+@needs_triton
+def test_a_partial_below_the_rows_in_memory():
+    """The kernels address the partial by its element offset from the rows, which is negative when it lies below
+    them: forward (h, lse, saved streams) and the streams' backward equal those of the stacked sources."""
+    from kernels.msar_attn import fused
+
+    S, B, T, d, kernels = 3, 2, 7, 8, (2, 3)
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
+    arena = torch.empty(S * B * T * d + 5)  # the partial first, then (at an odd gap) the rows
+    partial = arena[: B * T * d].view(B, T, d)
+    rows = arena[B * T * d + 5:].view(S - 1, B, T, d)
+    partial.copy_(x[-1])
+    rows.copy_(x[:-1])
+    assert fused.sources_layout(rows, partial) == (S, S - 1, -(B * T * d + 5))
+    packed, ks, _ = fused.pack_taps(taps, d, x.device)
+    qg, near, mixer = fused.folded_queries(queries, key_gains), fused.doc_window(doc_ids), fused._mixer_params(phi, alpha, bias)
+    kw = dict(key_norm=True, eps=1e-6)
+    got = fused.forward(rows, packed, ks, len(ks), qg, near, mixer=mixer, save=True, partial=partial, **kw)
+    want = fused.forward(x, packed, ks, len(ks), qg, near, mixer=mixer, save=True, **kw)
+    for a, b in zip([got[0], got[1], *got[3]], [want[0], want[1], *want[3]]):
+        assert torch.equal(a, b)
+    dr = torch.randn(len(ks), B, T, d, generator=torch.Generator().manual_seed(4))
+    got_b = fused.streams_backward(dr, want[1], rows, taps, packed, ks, qg, near, partial=partial, **kw)
+    want_b = fused.streams_backward(dr, want[1], x, taps, packed, ks, qg, near, **kw)
+    for a, b in zip([got_b[0], *got_b[1], got_b[2]], [want_b[0], *want_b[1], want_b[2]]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="the partial source must be a contiguous torch.float32 tensor"):
+        fused.sources_layout(rows, partial.double())
+
+
+def _refuse_stack(*args, **kwargs):
+    raise AssertionError("the fused op stacked its sources")
+
+
+def test_buffered_sources_must_be_the_buffers_first_rows():
+    from kernels.depth_attn import SourceBuffer
+    from kernels.msar_attn import BufferedSources
+
+    rows = torch.randn(3, 1, 4, 8)
+    buffer = SourceBuffer(3, rows[0])
+    for r in rows:
+        buffer.append(r)
+    assert len(BufferedSources(buffer, buffer.rows[:2], rows[0])) == 3
+    with pytest.raises(ValueError, match=r"must be the buffer's first rows .* got 2 rows for a buffer of 3"):
+        BufferedSources(buffer, buffer.rows[1:])
+
+
 @needs_triton
 def test_register_caps_launch_and_change_nothing(monkeypatch):
     """The kernels launch with a register cap (Blocks.*_maxnreg, Triton's ``maxnreg``) and compute exactly what they

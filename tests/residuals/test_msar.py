@@ -240,6 +240,66 @@ def test_fused_kernel_backend_matches_the_reference_in_the_backbone(name, extra)
             torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=n)
 
 
+@pytest.mark.parametrize("name", ["msar", "msar_block"])
+def test_fused_reads_take_their_sources_in_place(name, monkeypatch):
+    # The fused read (residual.backend=triton, under the interpreter) hands the op its sources as a SourceBuffer's
+    # rows plus, in an open block, the partial (BufferedSources): every read, as many sources as the variant attends
+    # over, and nothing stacked per read (the op reads the rows in place: tests/kernels/test_msar_attn.py).
+    from kernels.msar_attn import BufferedSources, fused
+    from tests.helpers import build_backbone, packed_batch
+
+    seen = []
+    inner = fused.msar
+
+    def spy(x, *args, **kwargs):
+        seen.append(x)
+        return inner(x, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "msar", spy)
+    model = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]",
+                                                                        "residual.backend=triton"))
+    tokens, docs = packed_batch(1, 9, 37, n_docs=2)
+    model(tokens, docs).float().square().mean().backward()
+    res = model.residual
+    assert [type(x) for x in seen] == [BufferedSources] * (res.n_sublayers + 1)
+    assert [len(x) for x in seen] == [res.n_sources(c) for c in range(res.n_sublayers + 1)]
+    assert all(x.buffer is seen[0].buffer for x in seen)  # one buffer per forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["msar", "msar_block"])
+def test_buffered_fused_reads_trace_under_torch_compile(name):
+    # The whole-forward compile (trainer.compile_scope=model) traces the buffered read: Dynamo (its eager backend:
+    # the tracing, not Inductor) breaks the graph only at the buffer's store and at the fused op, both
+    # torch.compiler.disable'd, and the compiled forward and backward equal the eager ones (bf16 autocast, as the
+    # compiled grouped GEMM wants on the CPU).
+    from tests.helpers import build_backbone, packed_batch
+
+    torch.manual_seed(0)
+    model = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]",
+                                                                        "residual.backend=triton"))
+    tokens, docs = packed_batch(1, 9, 37, n_docs=2)
+    upstream = torch.randn(1, 9, 37, generator=torch.Generator().manual_seed(5))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(tokens, docs)
+        out.float().backward(upstream)
+        return [out.float().detach(), *(p.grad.clone() for p in model.parameters() if p.grad is not None)]
+
+    eager = run()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model.trunk = torch.compile(model.trunk, backend="eager")
+    compiled = run()
+    reasons = list(torch._dynamo.utils.counters["graph_break"])
+    torch._dynamo.reset()
+    assert len(compiled) == len(eager) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
+    assert all("torch.compiler.disable" in r for r in reasons), reasons  # no other break
+    assert any("SourceBuffer.append" in r for r in reasons) and any("function msar" in r for r in reasons), reasons
+
+
 def test_fused_kernel_refuses_what_it_does_not_compute():
     from tests.helpers import make_cfg
     from platform.config import validate
