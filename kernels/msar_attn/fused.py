@@ -544,13 +544,14 @@ def _src_kernel(
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     dr_ptr,  # dL/dR (m, B, T, d) fp32
     coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
-    dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype
+    dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype; or the buffer's row gradients (rows added into below n_add,
+    # written from there) and the partial's gradient at element offset q_off (``streams_backward``)
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_chunks·B, M_PAD, d) fp32
     dtap_ptr,  # result: partial dL/dc (n_chunks·B, K_PAD, M_PAD, d) fp32
     scratch_ptr,  # scratch: one (M_PAD, 2·BT, BD) fp32 ring per program (dE of one source, two halves)
     tap_scratch_ptr,  # scratch per program: (NPAIR, BT, BD) tap-gradient and (M_PAD, BT, BD)
     # query-gradient partials, fp32
-    S, n_buf, p_off, B, T, D, M, K_MAX, plane, SUB,
+    S, n_buf, p_off, n_add, q_off, B, T, D, M, K_MAX, plane, SUB,
     scr_stride, tap_stride,  # elements between two programs' scratch regions (the buffers' stride(0))
     SOFTMAX: tl.constexpr,  # more than one source (with one, κ = μ = 0: dE = w dR, no views built for it)
     M_PAD: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, NPAIR: tl.constexpr, K_PAD: tl.constexpr,
@@ -594,7 +595,7 @@ def _src_kernel(
     # first block of a chunk also builds its own half)
     s = b * 0
     while s < S:
-        row0 = (s * B + b).to(tl.int64) * T  # dx is stacked (S, B, T, d)
+        row0 = (s * B + b).to(tl.int64) * T
         tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
         i = b * 0
         while i < SUB:
@@ -639,8 +640,13 @@ def _src_kernel(
                     # per-thread update of this (view, tap)'s (BT, BD) partial in the scratch
                     pair = tacc + (KOFF[j] + tau) * (BT * BD) + tile_t
                     tl.store(pair, tl.load(pair) + sh * x_own)
-            tl.store(dx_ptr + (row0 + offs_t)[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty),
-                     mask=mask_t[:, None] & mask_d[None, :])
+            # dx_s: the stacked (S, B, T, d) gradient, or the buffer's row s (added to what later readers left
+            # there when s < n_add) and, for the partial, its own tensor (_src_off with q_off)
+            dst = (dx_ptr + _src_off(s, b, B, T, D, n_buf, q_off) + offs_t.to(tl.int64)[:, None] * D
+                   + offs_d[None, :])
+            m_dst = mask_t[:, None] & mask_d[None, :]
+            acc += tl.load(dst, mask=m_dst & (s < n_add), other=0.0).to(tl.float32)
+            tl.store(dst, acc.to(dx_ptr.dtype.element_ty), mask=m_dst)
             i += 1
         s += 1
     tl.debug_barrier()  # the partials of every thread written
@@ -904,10 +910,13 @@ def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -
     return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, npair + m_pad, bt, bd, **f32)
 
 
-def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, partial=None):
+def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, partial=None, rows_grad=None):
     """Gradients through the streams, given dR (m, B, T, d) fp32 and the forward's lse (m, B, T):
     dx (S, B, T, d) in x's dtype (the partial's gradient last), [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two
-    kernels, each over all sources."""
+    kernels, each over all sources. With ``rows_grad = (grads, n_add)`` (x: rows of a buffer, ``grads`` the
+    buffer's fp32 row gradients, ``RowGradients.target``) the rows' gradients go into ``grads`` instead, added
+    to rows below n_add (what later readers left) and written above, and dx is the partial's gradient (B, T, d)
+    fp32 alone (None without a partial)."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
     m, m_pad, k_max = dr.shape[0], packed.shape[0], max(ks)
@@ -930,14 +939,20 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     k_pad = triton.next_power_of_2(k_max)
     dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
     dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
-    dx = torch.empty(S, B, T, d, device=x.device, dtype=x.dtype)
+    if rows_grad is None:
+        dx = out = torch.empty(S, B, T, d, device=x.device, dtype=x.dtype)
+        n_add, q_off = 0, n_buf * B * T * d  # the partial's gradient: the last row of the stacked dx
+    else:
+        out, n_add = rows_grad
+        dx = None if partial is None else torch.empty(B, T, d, device=x.device, dtype=out.dtype)
+        q_off = 0 if dx is None else sources_layout(out[:n_buf], dx)[2]
     grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
     n_prog = grid[0] * grid[1] * grid[2]
     koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
     scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
-        x, packed, qg, near, dr, coef, dx, dqg_part, dtap_part, scratch, tap_scratch, S, n_buf, p_off, B, T, d, m,
-        k_max, plane,
+        x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, scratch, tap_scratch, S, n_buf, p_off, n_add, q_off,
+        B, T, d, m, k_max, plane,
         sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
         V3=blk.views_3d, num_warps=blk.src_warps, **_regs(blk.src_maxnreg))
@@ -958,10 +973,12 @@ class MsarFunction(torch.autograd.Function):
     the sources and the taps: with n_src = 0 one stacked x (S, B, T, d), else n_src tensors (B, T, d).
     Without ``buffer`` those are stacked here and saved as they are (tensors the residual keeps anyway), so
     no stacked copy lives from forward to backward; the backward stacks them again. With ``buffer =
-    (rows, has_partial)`` (``BufferedSources``) nothing is stacked: the kernels read ``rows`` (n, B, T, d),
-    rows of a ``SourceBuffer`` written once and never changed, in place (kept on ctx, outside the saved
+    (rows, has_partial, grads)`` (``BufferedSources``) nothing is stacked: the kernels read ``rows`` (n, B, T,
+    d), rows of a ``SourceBuffer`` written once and never changed, in place (kept on ctx, outside the saved
     tensors, as the phase-1 op of depth attention does), and the partial (the last tensor) through its own
-    address; the n_src tensors are the rows' aliases (for their gradients) and the partial.
+    address; the n_src tensors are the rows' aliases and the partial. The rows' gradients go into the buffer's
+    ``RowGradients`` ``grads`` (added to what later readers left there), not to autograd, which would sum one
+    (B, T, d) gradient per reader: each row's store takes the finished sum (kernels/depth_attn/buffer.py).
     Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves the inputs,
     the lse, and (when a gradient is wanted) the streams R in x's dtype with two per-token scalars of
     the mixer: the mixer's backward then reads R instead of rebuilding the views (2·m·d bytes a
@@ -981,7 +998,7 @@ class MsarFunction(torch.autograd.Function):
                                         sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
                                         partial=partial)
         if buffer is not None:  # the rows stay on ctx (written once); only the partial is saved
-            ctx.rows, keep = buffer[0], (partial,)
+            ctx.rows, ctx.grads, keep = buffer[0], buffer[2], (partial,)
         else:
             keep = xs
         ctx.save_for_backward(queries, key_gains, near, phi, alpha, bias, lse,
@@ -1007,20 +1024,24 @@ class MsarFunction(torch.autograd.Function):
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), _mixer_params(phi, alpha, bias),
                                                      eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
-            dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near,
-                                              key_norm=ctx.key_norm, eps=ctx.eps, partial=partial)
+            rows_grad = ctx.grads.target(x.shape[0]) if ctx.buffer else None
+            dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=ctx.key_norm,
+                                              eps=ctx.eps, partial=partial, rows_grad=rows_grad)
             dq, dg = _query_grads(dqg, queries, key_gains)
-        dxs = dx.unbind(0) if ctx.n_src else (dx,)
+        if ctx.buffer:  # the rows' gradients are in ctx.grads; the partial's is dx
+            dxs = (None,) * x.shape[0] + (() if partial is None else (dx.to(partial.dtype),))
+        else:
+            dxs = dx.unbind(0) if ctx.n_src else (dx,)
         return (None, None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
                 dbias.to(bias.dtype), None, None, None, None, *dxs, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
 
 def _source_tensors(xs, n_src: int, buffer) -> tuple[Tensor, Tensor | None]:
     """(x, partial) for the kernels: the stacked sources (or the one stacked tensor), or with ``buffer``
-    (rows, has_partial) the buffer's rows in place and the partial, the last of ``xs``."""
+    (rows, has_partial, grads) the buffer's rows in place and the partial, the last of ``xs``."""
     if buffer is None:
         return (torch.stack(xs) if n_src else xs[0]), None
-    rows, has_partial = buffer
+    rows, has_partial, _ = buffer
     return rows, (xs[-1] if has_partial else None)
 
 
@@ -1072,7 +1093,7 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
     if isinstance(x, BufferedSources):
         rows = x.rows
         partial = () if x.partial is None else (x.partial.to(x.buffer.data.dtype).contiguous(),)
-        xs, buffer = (*rows, *partial), (x.buffer.data[:len(rows)], bool(partial))
+        xs, buffer = (*rows, *partial), (x.buffer.data[:len(rows)], bool(partial), x.buffer.grads)
     else:
         xs = (x.contiguous(),) if isinstance(x, Tensor) else tuple(t.contiguous() for t in x)
     n_src = 0 if isinstance(x, Tensor) else len(xs)

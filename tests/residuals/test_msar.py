@@ -248,14 +248,22 @@ def test_fused_reads_take_their_sources_in_place(name, monkeypatch):
     from kernels.msar_attn import BufferedSources, fused
     from tests.helpers import build_backbone, packed_batch
 
-    seen = []
-    inner = fused.msar
+    from kernels.depth_attn.buffer import RowGradients
+
+    seen, taken = [], []
+    inner, inner_take = fused.msar, RowGradients.take
 
     def spy(x, *args, **kwargs):
         seen.append(x)
         return inner(x, *args, **kwargs)
 
+    def spy_take(self, row, grad):
+        out = inner_take(self, row, grad)
+        taken.append((row, grad is None, out is not None))
+        return out
+
     monkeypatch.setattr(fused, "msar", spy)
+    monkeypatch.setattr(RowGradients, "take", spy_take)
     model = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]",
                                                                         "residual.backend=triton"))
     tokens, docs = packed_batch(1, 9, 37, n_docs=2)
@@ -264,6 +272,10 @@ def test_fused_reads_take_their_sources_in_place(name, monkeypatch):
     assert [type(x) for x in seen] == [BufferedSources] * (res.n_sublayers + 1)
     assert [len(x) for x in seen] == [res.n_sources(c) for c in range(res.n_sublayers + 1)]
     assert all(x.buffer is seen[0].buffer for x in seen)  # one buffer per forward
+    # every row's gradient arrives summed in the buffer's RowGradients, none through autograd (no sum per reader)
+    rows = len(seen[-1].rows)
+    assert sorted(row for row, _, _ in taken) == list(range(rows))
+    assert all(from_autograd_none and summed for _, from_autograd_none, summed in taken), taken
 
 
 @pytest.mark.slow
