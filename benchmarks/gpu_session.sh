@@ -96,8 +96,9 @@
 #   regs     one GPU (about 200 s with the start; ARCHIVE=$OUT/r.tgz ... regs /tmp/r): MSAR's forward, stats and
 #            source-gradient kernels with their registers capped (Blocks.*_maxnreg, benchmarks.msar_tiles --only) at
 #            REGS_SHAPES (default small medium)
-#   buffered one GPU (about 520 s with the start; ARCHIVE=$OUT/b.tgz ... buffered /tmp/b): MSAR's read over buffered
-#            sources (2026-12-01 evening, untimed): the op's and the residuals' GPU tests, the `small` table of
+#   buffered one GPU (about 570 s with the start; ARCHIVE=$OUT/b.tgz ... buffered /tmp/b): MSAR's read over buffered
+#            sources (2026-12-01 evening, untimed): the op's GPU tests and msar's GPU training tests (compiled whole
+#            against eager, the end-of-run recording, a bf16 step), the `small` table of
 #            vanilla, msar_block and msar, then the register-cap candidates at `small`
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
@@ -448,8 +449,8 @@ case "$PLAN" in
       stats_maxnreg=128 src_maxnreg=168 src_maxnreg=128 --tag _regs
     ;;
   buffered)
-    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_msar_attn.py tests/residuals/test_msar.py
+    step gpu0 gpu_tests "${TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py tests/platform/test_gpu.py -k "msar"
     step gpu0 small "${SMALL_LIMIT:-220}" python3 -m benchmarks.throughput --models small \
       --residuals ${SMALL_RESIDUALS:-vanilla msar_block msar} --compile model --graphs on \
       --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_buffered}

@@ -66,11 +66,12 @@ def test_fused_backend_run_finishes_and_records_depth_weights_on_gpu(name, tmp_p
     assert math.isfinite(result.val_loss)
 
 
-@pytest.mark.parametrize("name", ["vanilla", "attnres_block", "mhc"])
+@pytest.mark.parametrize("name", ["vanilla", "attnres_block", "mhc", "msar_block"])
 def test_training_run_compiled_whole_matches_eager_on_gpu(name, tmp_path):
     """trainer=gpu as shipped (the whole forward compiled, trainer.compile_scope=model, its Inductor settings,
-    CUDA graphs) trains to the losses of the same run uncompiled, step by step; attnres_block's and mhc's
-    fused ops are graph breaks (mhc's write compiled per layer)."""
+    CUDA graphs) trains to the losses of the same run uncompiled, step by step; attnres_block's, mhc's and
+    msar_block's fused ops are graph breaks (mhc's write compiled per layer; msar_block's sources in a buffer
+    that the op reads in place)."""
     from platform.train import train
     from tests.platform.test_train import FAST, LossRecorder
 
