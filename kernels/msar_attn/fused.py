@@ -3,6 +3,10 @@
 Same semantics as ``reference.py`` (docs/method.md §4). PyTorch only packs the taps, folds the key gains
 into the queries, and sums per-program partial gradients (deterministic: no atomics).
 
+Sources: a stacked (S, B, T, d) tensor, or (``BufferedSources``) the first rows of a ``SourceBuffer`` read in
+place plus a partial (B, T, d) at its own element offset from them (``_src_off``); then the source-gradient
+kernel adds the rows' gradients into the buffer's ``RowGradients`` instead of writing a stacked dx.
+
 Data flow of the forward, ``_fwd_kernel``: one program per (block of BT tokens, row b), all m views
 at once. Per source s and channel tile, each view j is built as its own (BT, BD) tile over its own
 k_j taps (the kernel sizes are the constexpr tuple ``KS``: unrolled tap loops, Σ_j k_j
