@@ -47,6 +47,8 @@ class BufferedSources(Sequence):
 
     def __getitem__(self, i):
         return self._items[i]
+
+
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
