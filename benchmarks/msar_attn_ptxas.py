@@ -80,7 +80,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            blk.stats_maxnreg)
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
-                tap_scratch_ptr=F32),
+                tap_scratch_ptr=F32, q_off="i64"),
            dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
                 KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common, **v3),
            blk.src_warps, blk.src_maxnreg)

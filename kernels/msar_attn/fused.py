@@ -105,8 +105,10 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
 def _src_off(s, b, B, T, D, n_buf, p_off):
     """Element offset from x where row b of source s starts: rows [0, n_buf) of the stacked (or buffered) x
     (n_buf, B, T, d), then source n_buf (when there is one) the partial, a (B, T, d) tensor at element offset
-    p_off from x (``BufferedSources``: the sources are read in place, never stacked). int64, maybe negative."""
-    return tl.where(s < n_buf, (s * B + b).to(tl.int64) * T * D, p_off.to(tl.int64) + b.to(tl.int64) * T * D)
+    p_off - 2**40 from x (``offset_arg``; ``BufferedSources``: the sources are read in place, never stacked).
+    int64, maybe negative."""
+    return tl.where(s < n_buf, (s * B + b).to(tl.int64) * T * D,
+                    p_off.to(tl.int64) - (1 << 40) + b.to(tl.int64) * T * D)
 
 
 @triton.jit
@@ -827,6 +829,20 @@ def _mixer_params(phi, alpha, bias):
             bias.detach().float().contiguous())
 
 
+OFFSET_BIAS = 1 << 40  # added to the element offsets the kernels take (``offset_arg``)
+
+
+def offset_arg(offset: int) -> int:
+    """An element offset as the kernels take it: plus 2**40. Triton specialises an integer argument on its type
+    (int32 or int64 by value) and on divisibility by 16; an offset between two allocations depends on where the
+    allocator put them, which differs between the eager warm-up and a CUDA-graph capture, and a new
+    specialisation would compile a kernel inside the capture. Biased, every offset is an int64 above 2**31, and
+    offsets between CUDA allocations (multiples of 512 bytes, so of 16 elements) keep their divisibility."""
+    if not -OFFSET_BIAS < offset < OFFSET_BIAS:
+        raise ValueError(f"msar: an element offset of {offset} is beyond the kernels' ±2**40")
+    return offset + OFFSET_BIAS
+
+
 def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
     """(S, n_buf, p_off) of the sources x (n_buf, B, T, d), followed, when given, by ``partial`` (B, T, d), which
     the kernels read in place at element offset p_off from x (x may be rows of a ``SourceBuffer``: nothing is
@@ -869,8 +885,8 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
               torch.empty(m, B, T, device=x.device, dtype=torch.float32),
               torch.empty(B, T, device=x.device, dtype=torch.float32)) if save else (lse, lse, lse))
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
-        x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, n_buf, p_off, B, T, d, m, k_max, eps,
-        triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
+        x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, n_buf, offset_arg(p_off), B, T, d, m,
+        k_max, eps, triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
         SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, V3=blk.forward_views_3d(S),
         num_warps=blk.forward_warps(S), **_regs(blk.fwd_maxnreg))
     return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
@@ -933,9 +949,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
-            x, packed, qg, near, dr, lse, coef, S, n_buf, p_off, B, T, d, m, k_max, eps, triton.cdiv(d, stats_bd),
-            plane,
-            KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, V3=blk.views_3d,
+            x, packed, qg, near, dr, lse, coef, S, n_buf, offset_arg(p_off), B, T, d, m, k_max, eps,
+            triton.cdiv(d, stats_bd), plane, KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, V3=blk.views_3d,
             num_warps=blk.stats_warps, **_regs(blk.stats_maxnreg))
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
@@ -955,9 +970,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
     scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
-        x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, scratch, tap_scratch, S, n_buf, p_off, n_add, q_off,
-        B, T, d, m, k_max, plane,
-        sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
+        x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, scratch, tap_scratch, S, n_buf, offset_arg(p_off),
+        n_add, offset_arg(q_off), B, T, d, m, k_max, plane, sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
         V3=blk.views_3d, num_warps=blk.src_warps, **_regs(blk.src_maxnreg))
     dqg = dqg_part.sum(0)[:m]

@@ -185,6 +185,21 @@ def test_a_partial_below_the_rows_in_memory():
         fused.sources_layout(rows, partial.double())
 
 
+def test_offsets_reach_the_kernels_as_one_specialisation():
+    """offset_arg: the partial's element offset from the rows (and its gradient's) depends on where the allocator put
+    them, which differs between the eager warm-up and a CUDA-graph capture. Biased by 2**40 every such offset,
+    below or above, near or far (multiples of 128 elements: 512-byte-aligned fp32 allocations), is an int64 that
+    Triton specialises the same way (beyond int32, divisible by 16, not 1), so a capture never compiles a new
+    kernel; a bias beyond the kernels' range is refused."""
+    from kernels.msar_attn import fused
+
+    for offset in (-(3 << 33), -(1 << 20), -128, 128, 1 << 20, 5 << 31, 7 << 34):
+        arg = fused.offset_arg(offset)
+        assert arg >= 2 ** 31 and arg % 16 == 0 and arg - fused.OFFSET_BIAS == offset
+    with pytest.raises(ValueError, match=r"element offset of 1099511627776 is beyond"):
+        fused.offset_arg(1 << 40)
+
+
 def _refuse_stack(*args, **kwargs):
     raise AssertionError("the fused op stacked its sources")
 
