@@ -28,7 +28,8 @@ OPS = {"block": (5, 4), "full": (17, 2)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # phase 1, per d: (tokens per program, warps, sources per load forward, sources per load backward[, backward's
 # consumers unrolled]); None: the kernels' own tiles. (1, 4, 8, 8) at d = 512 and (1, 8, 8, 8) at d = 1024 are
-# the tiles before the sweep. (1, 1, 8, 2, False): the backward's consumer loop, which spills less at d = 512.
+# the tiles before the sweep. (1, 1, 8, 2, False): the backward's consumer loop; (1, 1, 8, 1): one source a
+# backward load, the default at d <= 512 since 2026-12-01 evening (before: (1, 1, 8, 2)).
 PHASE1 = {
     512: [None, (1, 4, 8, 8), (1, 1, 8, 8), (1, 1, 4, 4), (1, 1, 2, 2), (1, 1, 4, 2), (2, 1, 4, 2), (1, 2, 8, 4),
           (2, 2, 8, 4), (1, 2, 8, 2), (1, 1, 8, 2, False), (1, 1, 8, 1)],

@@ -240,12 +240,10 @@ class DepthAttentionResidual(Residual):
 
     def _read_sources(self, state) -> list[Tensor] | BufferedSources:
         """What a read attends over: ``sources``, or with a buffer the same S tensors as ``BufferedSources``
-        (the buffer's rows written so far, then the partial of an open block) for the fused op."""
+        (here every source is a row of the buffer; the block variants add the open block's partial)."""
         if state.buffer is None:
             return self.sources(state)
-        if isinstance(state, SourceState):
-            return BufferedSources(state.buffer, state.sources)
-        return BufferedSources(state.buffer, state.summaries, state.partial)
+        return BufferedSources(state.buffer, state.sources)
 
     # --- the two-phase path over a source buffer (docs/method.md §3) ---------------------------------
     def _group_size(self) -> int:

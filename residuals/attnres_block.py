@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from torch import Tensor
 
 from kernels.depth_attn import SourceBuffer
+from kernels.msar_attn import BufferedSources
 
 from .attnres import AttnRes, FusedState
 from .base import Context
@@ -81,6 +82,11 @@ class BlockSummaries:
     def sources(self, state: BlockState) -> list[Tensor]:
         # the summaries as the buffer stores them (`_stored`); the partial is not buffered
         return [*map(self._stored, state.summaries), *([] if state.partial is None else [state.partial])]
+
+    def _read_sources(self, state) -> list[Tensor] | BufferedSources:
+        if state.buffer is None:
+            return self.sources(state)
+        return BufferedSources(state.buffer, state.summaries, state.partial)  # the partial is not buffered
 
     def write(self, state, layer: int, out: Tensor):
         if isinstance(state, FusedState):

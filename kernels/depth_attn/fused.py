@@ -9,8 +9,8 @@ sources' dtype (bf16 on the GPU). PyTorch only folds the key gains into the quer
 autograd) and sums per-program partial query gradients (deterministic, no atomics).
 
 Phase 1, ``_summaries_fwd_kernel``: one program per block of BLOCK_T tokens (one token for
-d >= 512) with all d channels, one warp per 512 channels (``tiles``). A chunk of BLOCK_S (<= 8) sources is read in one
-load, so every source of a token is in flight at once; with n <= BLOCK_S (``ONE_CHUNK``: Block
+d >= 512) with all d channels, one warp per 512 channels (``tiles``). A chunk of BLOCK_S (<= 8) sources
+is read in one load, so every source of a token is in flight at once; with n <= BLOCK_S (``ONE_CHUNK``: Block
 AttnRes up to 8 blocks at d <= 2048) the chunk is loaded once for all C consumers. Per consumer (a
 static loop): the logits (q_c ⊙ g_c)·x_s·r_s (the sums of squares r_s are shared), the softmax over
 the sources in fp32 (online across chunks when n > BLOCK_S, the later consumers then read the chunks
@@ -36,7 +36,7 @@ programs as fit on the GPU at once, read from the compiled kernel's registers an
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
 resource report (``python -m benchmarks.depth_attn_ptxas``) and a sweep on an H200
 (``python -m benchmarks.depth_attn_tiles``): 16 fp32 per thread and row, up to 8 sources per load
-forward and 2 backward.
+forward, backward 1 at one warp (d <= 512) and 2 above.
 Under the interpreter: 32 tokens per program.
 
 Sources are never stacked per read: phase 1 reads rows [0, n) of a preallocated (n_max, B, T, d)

@@ -730,8 +730,8 @@ class Blocks:
     # the views built from loads in the (m, BT, BD) view tile's own layout instead of (BT, BD) tiles and (BD,)
     # tap rows placed into it: compiled for sm_90a at `small` (`python -m benchmarks.msar_attn_ptxas
     # --views-3d`), the forward's layout conversions 51 -> 9, its shared memory 4096 -> 256 bytes and its
-    # spills 36 -> 0 bytes; the stats kernel's conversions 37 -> 7. Not timed yet (benchmarks.msar_tiles
-    # has the candidate), so off by default.
+    # spills 36 -> 0 bytes; the stats kernel's conversions 37 -> 7. Off: timed on an H200 at `small` the forward
+    # 5% faster but the streams backward 4% slower, at `medium` equal (msar_tiles_nvidia_h200_views_*.md).
     views_3d: bool = False
     # registers per thread capped at launch (Triton's ``maxnreg``; 0: the compiler's choice). The forward, stats and
     # source-gradient kernels use 255 at `small`, which holds them at 12% occupancy (two 4-warp programs an SM) and
@@ -766,7 +766,8 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of 4096
     elements; channels in one tile up to 4096 / m_pad (d <= 1024 at m = 4 runs the one-pass
     forward), else tiles of 512 channels and three passes. The mixer backward holds tiles of 4096
-    elements too; the stats kernel (2, 128) tiles on one warp, looping over channel tiles. The source-gradient kernel: 16 tokens (>= K_MAX - 1) and 32 channels a program over 4
+    elements too; the stats kernel (2, 128) tiles on one warp, looping over channel tiles. The
+    source-gradient kernel: 16 tokens (>= K_MAX - 1) and 32 channels a program over 4
     warps, 16 token blocks a program (its scratch, (4 + 0.5·(Σ_j k_j + m_pad))·BD/8 KiB a program,
     and the partial sums scale with the number of programs). Warps: measured, see below. ptxas
     (sm_90a) registers and spills: docs/kernel_msar.md. Under the interpreter each program costs
@@ -886,9 +887,9 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
               torch.empty(B, T, device=x.device, dtype=torch.float32)) if save else (lse, lse, lse))
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
         x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, n_buf, offset_arg(p_off), B, T, d, m,
-        k_max, eps, triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r, STORE_LOGITS=store_logits,
-        SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd, V3=blk.forward_views_3d(S),
-        num_warps=blk.forward_warps(S), **_regs(blk.fwd_maxnreg))
+        k_max, eps, triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r,
+        STORE_LOGITS=store_logits, SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd,
+        V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S), **_regs(blk.fwd_maxnreg))
     return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
 
 
@@ -950,8 +951,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
             x, packed, qg, near, dr, lse, coef, S, n_buf, offset_arg(p_off), B, T, d, m, k_max, eps,
-            triton.cdiv(d, stats_bd), plane, KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd, V3=blk.views_3d,
-            num_warps=blk.stats_warps, **_regs(blk.stats_maxnreg))
+            triton.cdiv(d, stats_bd), plane, KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd,
+            V3=blk.views_3d, num_warps=blk.stats_warps, **_regs(blk.stats_maxnreg))
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
@@ -971,7 +972,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
         x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, scratch, tap_scratch, S, n_buf, offset_arg(p_off),
-        n_add, offset_arg(q_off), B, T, d, m, k_max, plane, sub, scratch.stride(0), tap_scratch.stride(0), SOFTMAX=S > 1,
+        n_add, offset_arg(q_off), B, T, d, m, k_max, plane, sub, scratch.stride(0), tap_scratch.stride(0),
+        SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
         V3=blk.views_3d, num_warps=blk.src_warps, **_regs(blk.src_maxnreg))
     dqg = dqg_part.sum(0)[:m]
@@ -1015,14 +1017,12 @@ class MsarFunction(torch.autograd.Function):
                                         key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                         sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
                                         partial=partial)
-        if buffer is not None:  # the rows stay on ctx (written once); only the partial is saved
-            ctx.rows, ctx.grads, keep = buffer[0], buffer[2], (partial,)
-        else:
-            keep = xs
+        # with a buffer the rows stay on ctx (written once) and only the partial is saved
+        ctx.rows, ctx.grads = (None, None) if buffer is None else (buffer[0], buffer[2])
+        keep = xs if buffer is None else (partial,)
         ctx.save_for_backward(queries, key_gains, near, phi, alpha, bias, lse,
                               *(saved if save else (None, None, None)), *keep, *taps)
-        ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.buffer = key_norm, eps, fusion, n_src, buffer is not None
-        ctx.n_keep = len(keep)
+        ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.n_keep = key_norm, eps, fusion, n_src, len(keep)
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(lse, logits)
@@ -1032,7 +1032,7 @@ class MsarFunction(torch.autograd.Function):
     def backward(ctx, dh, _dlse, _dlogits):
         queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, *tensors = ctx.saved_tensors
         keep, taps = tensors[:ctx.n_keep], tensors[ctx.n_keep:]
-        if ctx.buffer:
+        if ctx.rows is not None:
             x, partial = ctx.rows, keep[0]
         else:
             x, partial = _source_tensors(keep, ctx.n_src, None)  # (S, B, T, d), stacked again
@@ -1042,11 +1042,11 @@ class MsarFunction(torch.autograd.Function):
         with torch.autocast(device_type=x.device.type, enabled=False):
             dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), _mixer_params(phi, alpha, bias),
                                                      eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
-            rows_grad = ctx.grads.target(x.shape[0]) if ctx.buffer else None
+            rows_grad = None if ctx.rows is None else ctx.grads.target(x.shape[0])
             dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=ctx.key_norm,
                                               eps=ctx.eps, partial=partial, rows_grad=rows_grad)
             dq, dg = _query_grads(dqg, queries, key_gains)
-        if ctx.buffer:  # the rows' gradients are in ctx.grads; the partial's is dx
+        if ctx.rows is not None:  # the rows' gradients are in ctx.grads; the partial's is dx
             dxs = (None,) * x.shape[0] + (() if partial is None else (dx.to(partial.dtype),))
         else:
             dxs = dx.unbind(0) if ctx.n_src else (dx,)

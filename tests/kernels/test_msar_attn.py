@@ -170,7 +170,8 @@ def test_a_partial_below_the_rows_in_memory():
     rows.copy_(x[:-1])
     assert fused.sources_layout(rows, partial) == (S, S - 1, -(B * T * d + 5))
     packed, ks, _ = fused.pack_taps(taps, d, x.device)
-    qg, near, mixer = fused.folded_queries(queries, key_gains), fused.doc_window(doc_ids), fused._mixer_params(phi, alpha, bias)
+    qg, near = fused.folded_queries(queries, key_gains), fused.doc_window(doc_ids)
+    mixer = fused._mixer_params(phi, alpha, bias)
     kw = dict(key_norm=True, eps=1e-6)
     got = fused.forward(rows, packed, ks, len(ks), qg, near, mixer=mixer, save=True, partial=partial, **kw)
     want = fused.forward(x, packed, ks, len(ks), qg, near, mixer=mixer, save=True, **kw)
@@ -593,8 +594,8 @@ def test_a_register_cap_reaches_the_capped_kernels_only():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     runs = {}
     for cap in ("0", "168"):
-        res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--maxnreg", cap],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small",
+                              "--maxnreg", cap], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, res.stdout + res.stderr
         runs[cap] = {line.split(" {")[0]: int(re.search(r"Used (\d+) registers", line).group(1))
                      for line in res.stdout.splitlines() if "registers" in line}
