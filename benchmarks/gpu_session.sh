@@ -100,6 +100,10 @@
 #            sources (2026-12-01 evening, untimed): the op's GPU tests and msar's GPU training tests (compiled whole
 #            against eager, the end-of-run recording, a bf16 step), the `small` table of
 #            vanilla, msar_block and msar, then the register-cap candidates at `small`
+#   fixed    one GPU (about 560 s with the start; ARCHIVE=$OUT/x.tgz ... fixed /tmp/x): MSAR's kernels with the row
+#            offsets once per source (the buffered read's per-element int64 offsets spilled the source-gradient kernel):
+#            forward, stats and source gradients at `small` (benchmarks.msar_tiles), the buffered read against a list
+#            (benchmarks.msar_buffered), the `small` table of vanilla, msar_block and msar, the op's GPU tests
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -107,7 +111,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 regs buffered"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 regs buffered fixed"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -457,6 +461,16 @@ case "$PLAN" in
     step gpu0 msar_regs "${REGS_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small \
       --kernels forward stats "source gradients" --only fwd_maxnreg=168 fwd_maxnreg=128 stats_maxnreg=168 \
       stats_maxnreg=128 src_maxnreg=168 src_maxnreg=128 --tag _regs
+    ;;
+  fixed)
+    step gpu0 tiles "${TILES_LIMIT:-70}" python3 -m benchmarks.msar_tiles --shapes small --kernels forward stats \
+      "source gradients" --only fwd_maxnreg=168 --tag _fixed
+    step gpu0 buffered "${BUFFERED_LIMIT:-90}" python3 -m benchmarks.msar_buffered --shapes small --sources 5 9
+    step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SMALL_RESIDUALS:-vanilla msar_block msar} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_fixed}
+    step gpu0 gpu_tests "${TEST_LIMIT:-130}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      --durations=5 tests/kernels/test_msar_attn.py
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

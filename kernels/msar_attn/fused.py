@@ -63,9 +63,9 @@ from ..backend import interpreting
 
 
 @triton.jit
-def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
+def _views(x_row, tap_row, near_t, offs_t, mask_t, offs_d, mask_d, D, K_MAX,
            M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
-    """All m views of one source tile (``row0``: the element offset of its row from x, ``_src_off``):
+    """All m views of one source tile (``x_row``, ``tap_row``: the source's row and the taps, ``_src_row``):
     E (M_PAD, BT, BD) fp32,
     E[j, t] = Σ_{τ<k_j} c_τ^{(j)} ⊙ x[t-τ] · [doc(t-τ) = doc(t)], rows past m zero.
     Per view j a (BT, BD) tile over its own k_j = KS[j] taps (constexpr: Σ_j k_j multiply-adds
@@ -73,9 +73,6 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
     the shifted tiles re-read the same rows (L1 hits). Then placed in row j of the view tile."""
     jv = tl.arange(0, M_PAD)
     e = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
-    # zero, but not provably: the tap loads stay in the caller's loop over sources instead of being
-    # hoisted out of it (Σ_j k_j tap vectors held across that loop spill registers)
-    taps_ptr = taps_ptr + (tl.abs(row0) >> 62)
     if V3:  # every load in the view tile's own 3-d layout: (1, BT, BD) rows, (1, 1, BD) taps
         d3 = offs_d[None, None, :]
         md3 = mask_d[None, None, :]
@@ -83,9 +80,9 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
             ej3 = tl.zeros((1, BT, BD), dtype=tl.float32)
             for tau in tl.static_range(tl.constexpr(KS[j])):
                 ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
-                xv3 = tl.load(x_ptr + row0 + (offs_t - tau).to(tl.int64)[None, :, None] * D + d3,
+                xv3 = tl.load(x_row + (offs_t - tau)[None, :, None] * D + d3,
                               mask=ok[None, :, None] & md3, other=0.0).to(tl.float32)  # (1, BT, BD)
-                c3 = tl.load(taps_ptr + (j * K_MAX + tau) * D + d3, mask=md3, other=0.0)  # (1, 1, BD)
+                c3 = tl.load(tap_row + (j * K_MAX + tau) * D + d3, mask=md3, other=0.0)  # (1, 1, BD)
                 ej3 += c3 * xv3
             e = tl.where(jv[:, None, None] == j, ej3, e)
     else:  # (BT, BD) tiles and (BD,) taps, placed into the view tile per view
@@ -93,9 +90,9 @@ def _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_M
             ej = tl.zeros((BT, BD), dtype=tl.float32)
             for tau in tl.static_range(tl.constexpr(KS[j])):
                 ok = ((near_t >> tau) & 1) != 0  # t - τ in the row and in t's document: no dependent load
-                xv = tl.load(x_ptr + row0 + (offs_t - tau).to(tl.int64)[:, None] * D + offs_d[None, :],
+                xv = tl.load(x_row + (offs_t - tau)[:, None] * D + offs_d[None, :],
                              mask=ok[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
-                c = tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
+                c = tl.load(tap_row + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0)  # (BD,)
                 ej += c[None, :] * xv
             e = tl.where(jv[:, None, None] == j, ej[None, :, :], e)
     return e
@@ -112,6 +109,16 @@ def _src_off(s, b, B, T, D, n_buf, p_off):
 
 
 @triton.jit
+def _src_row(x_ptr, taps_ptr, s, b, B, T, D, n_buf, p_off):
+    """(x_row, tap_row): where row b of source s starts (``_src_off``), once per source, so that the loads
+    inside a row take int32 offsets from it (T·d < 2**31, checked at launch); and the taps, offset by a
+    zero that is not provably zero, so that their loads stay in the caller's loop over sources instead of
+    being hoisted out of it (Σ_j k_j tap vectors held across that loop spill registers)."""
+    off = _src_off(s, b, B, T, D, n_buf, p_off)
+    return x_ptr + off, taps_ptr + (tl.abs(off) >> 62)
+
+
+@triton.jit
 def _add2(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
@@ -125,9 +132,8 @@ def _weighted(x_ptr, taps_ptr, logits_ptr, lse, near_t, offs_t, mask_t, offs_d, 
     acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
     s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
     while s < S:
-        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
-        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, KS, BT, BD, V3)
+        x_row, tap_row = _src_row(x_ptr, taps_ptr, s, b, B, T, D, n_buf, p_off)
+        e = _views(x_row, tap_row, near_t, offs_t, mask_t, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
         lg = tl.load(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
                      mask=mask_t[None, :], other=0.0)
         acc += tl.exp(lg - lse)[:, :, None] * e
@@ -177,9 +183,8 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
     acc = tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
     s = b * 0
     while s < S:
-        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
-        e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                   M_PAD, KS, BT, BD, V3)
+        x_row, tap_row = _src_row(x_ptr, taps_ptr, s, b, B, T, D, n_buf, p_off)
+        e = _views(x_row, tap_row, near_t, offs_t, mask_t, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
         if KEY_NORM:  # (q ⊙ g)·E and ‖E‖² in one reduction over the channels (one round of barriers)
             logit, ss = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (M_PAD, BT) each
             logit = logit * tl.rsqrt(ss / D + eps)
@@ -210,7 +215,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
     l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
     s = b * 0
     while s < S:
-        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
+        x_row, tap_row = _src_row(x_ptr, taps_ptr, s, b, B, T, D, n_buf, p_off)
         dot = tl.zeros((M_PAD, BT), dtype=tl.float32)
         ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
         dt = b * 0
@@ -219,8 +224,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
             mask_d = offs_d < D
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
-            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, KS, BT, BD, V3)
+            e = _views(x_row, tap_row, near_t, offs_t, mask_t, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
             dot_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)
             dot += dot_part
             ss += ss_part
@@ -238,7 +242,7 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
     return m_i + tl.log(l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
 def _fwd_kernel(
     x_ptr,  # sources (S, B, T, d), contiguous, any float dtype (or n_buf rows of them and the partial: _src_off)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32, zero past k_j and for padded views; view 0 Dirac
@@ -431,7 +435,7 @@ def _mix_bwd_kernel(
     tl.store(dzy_ptr + rows, dzy, mask=mask_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
 def _stats_kernel(
     x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
@@ -463,7 +467,7 @@ def _stats_kernel(
     delta = tl.zeros((M_PAD, BT), dtype=tl.float32)  # Σ_s w a = dR_j·R_j
     s = b * 0
     while s < S:
-        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
+        x_row, tap_row = _src_row(x_ptr, taps_ptr, s, b, B, T, D, n_buf, p_off)
         dot_q = tl.zeros((M_PAD, BT), dtype=tl.float32)
         ss = tl.zeros((M_PAD, BT), dtype=tl.float32)
         dot_r = tl.zeros((M_PAD, BT), dtype=tl.float32)
@@ -473,8 +477,7 @@ def _stats_kernel(
             mask_d = offs_d < D
             qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :],
                          other=0.0)
-            e = _views(x_ptr, taps_ptr, near_t, offs_t, mask_t, offs_d, mask_d, row0, D, K_MAX,
-                       M_PAD, KS, BT, BD, V3)
+            e = _views(x_row, tap_row, near_t, offs_t, mask_t, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
             dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
                          mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
             dq_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (three at once spill)
@@ -516,8 +519,8 @@ def _stats_kernel(
 
 
 @triton.jit
-def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j, offs_d, mask_d,
-             s, b, S, n_buf, p_off, B, T, D, K_MAX, plane,
+def _de_half(x_row, tap_row, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j, offs_d, mask_d,
+             s, b, S, B, T, D, K_MAX, plane,
              SOFTMAX: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
              V3: tl.constexpr):
     """On the BT tokens offs_h of source s: dE = w dR + κ qg - μ E and κ E, (M_PAD, BT, BD) each.
@@ -532,8 +535,7 @@ def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j
                  mask=m_h[:, :, None] & mask_d[None, None, :], other=0.0)
     if SOFTMAX:
         near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
-        row0 = _src_off(s, b, B, T, D, n_buf, p_off)
-        e = _views(x_ptr, taps_ptr, near_h, offs_h, mask_h, offs_d, mask_d, row0, D, K_MAX, M_PAD, KS, BT, BD, V3)
+        e = _views(x_row, tap_row, near_h, offs_h, mask_h, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
         kappa = tl.load(coef_ptr + plane + cidx, mask=m_h, other=0.0)
         mu = tl.load(coef_ptr + 2 * plane + cidx, mask=m_h, other=0.0)
         ke = kappa[:, :, None] * e
@@ -542,7 +544,7 @@ def _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j
         return w[:, :, None] * dr, tl.zeros((M_PAD, BT, BD), dtype=tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("S", "n_buf", "n_add"))  # counts of sources: one compile for every count
 def _src_kernel(
     x_ptr,  # sources (S, B, T, d)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
@@ -601,8 +603,8 @@ def _src_kernel(
     # first block of a chunk also builds its own half)
     s = b * 0
     while s < S:
-        row0 = (s * B + b).to(tl.int64) * T
-        tap_row = taps_ptr + (row0 >> 62)  # zero; keeps the tap loads in the loop over sources
+        x_row, tap_row = _src_row(x_ptr, taps_ptr, s, b, B, T, D, n_buf, p_off)
+        dx_row = dx_ptr + _src_off(s, b, B, T, D, n_buf, q_off)  # where dx_s goes
         i = b * 0
         while i < SUB:
             t0 = (chunk * SUB + i) * BT
@@ -613,15 +615,13 @@ def _src_kernel(
             nxt0 = BT - own0
             tl.debug_barrier()  # every thread is done reading the half overwritten below
             if i == 0:
-                de_o, ke_o = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t, mask_j, offs_d,
-                                      mask_d, s, b, S, n_buf, p_off, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD,
-                                      V3)
+                de_o, ke_o = _de_half(x_row, tap_row, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t, mask_j, offs_d,
+                                      mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD, V3)
                 tl.store(scr + (jv[:, None, None] * (2 * BT) + own0 + loc[None, :, None]) * BD + ld[None, None, :],
                          de_o)
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_o)  # κ E, summed over tokens at the end
-            de_n, ke_n = _de_half(x_ptr, taps_ptr, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t + BT, mask_j, offs_d,
-                                  mask_d, s, b, S, n_buf, p_off, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD,
-                                  V3)
+            de_n, ke_n = _de_half(x_row, tap_row, coef_ptr, dr_ptr, near_row_ptr, qg, offs_t + BT, mask_j, offs_d,
+                                  mask_d, s, b, S, B, T, D, K_MAX, plane, SOFTMAX, M_PAD, KS, BT, BD, V3)
             tl.store(scr + (jv[:, None, None] * (2 * BT) + nxt0 + loc[None, :, None]) * BD + ld[None, None, :], de_n)
             if i + 1 < SUB:  # the next block is this program's: count its κ E here, once
                 tl.store(qacc + tile_h, tl.load(qacc + tile_h) + ke_n)
@@ -631,8 +631,8 @@ def _src_kernel(
             # (t, t+τ) from the other end, Σ_t dE_j[t+τ] ⊙ x_s[t] over the block's own t, which covers
             # every pair of Σ_t' dE_j[t'] ⊙ x_s[t'-τ] once with the adjoint's mask and its shifted load
             # (instead of a load of x_s τ tokens back per tap: 6-7% faster, msar_tiles_nvidia_h200_night.md)
-            own = _src_off(s, b, B, T, D, n_buf, p_off)  # the source's row, read in place
-            x_own = tl.load(x_ptr + own + offs_t.to(tl.int64)[:, None] * D + offs_d[None, :],
+            tile = offs_t[:, None] * D + offs_d[None, :]  # (BT, BD) int32 offsets in the source's row
+            x_own = tl.load(x_row + tile,
                             mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
             for j in tl.static_range(len(KS)):
                 for tau in tl.static_range(tl.constexpr(KS[j])):
@@ -648,11 +648,10 @@ def _src_kernel(
                     tl.store(pair, tl.load(pair) + sh * x_own)
             # dx_s: the stacked (S, B, T, d) gradient, or the buffer's row s (added to what later readers left
             # there when s < n_add) and, for the partial, its own tensor (_src_off with q_off)
-            dst = (dx_ptr + _src_off(s, b, B, T, D, n_buf, q_off) + offs_t.to(tl.int64)[:, None] * D
-                   + offs_d[None, :])
             m_dst = mask_t[:, None] & mask_d[None, :]
-            acc += tl.load(dst, mask=m_dst & (s < n_add), other=0.0).to(tl.float32)
-            tl.store(dst, acc.to(dx_ptr.dtype.element_ty), mask=m_dst)
+            if s < n_add:
+                acc += tl.load(dx_row + tile, mask=m_dst, other=0.0).to(tl.float32)
+            tl.store(dx_row + tile, acc.to(dx_ptr.dtype.element_ty), mask=m_dst)
             i += 1
         s += 1
     tl.debug_barrier()  # the partials of every thread written
@@ -848,7 +847,10 @@ def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
     """(S, n_buf, p_off) of the sources x (n_buf, B, T, d), followed, when given, by ``partial`` (B, T, d), which
     the kernels read in place at element offset p_off from x (x may be rows of a ``SourceBuffer``: nothing is
     stacked). The partial must have x's dtype, device and row shape and be contiguous."""
-    n = x.shape[0]
+    n, _, T, d = x.shape
+    if (T + 64) * d >= 2**31:  # the kernels' offsets inside one source row are int32 (``_src_row``)
+        raise ValueError(f"msar: T·d = {T}·{d} is too large for the fused kernels' int32 offsets inside a row "
+                         f"(at most {2**31 // d - 64} tokens at d = {d}); use backend='torch'")
     if partial is None:
         return n, n, 0
     if (partial.dtype != x.dtype or partial.device != x.device or tuple(partial.shape) != tuple(x.shape[1:])

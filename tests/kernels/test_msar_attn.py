@@ -583,6 +583,12 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # (0.249 against 0.345 ms, msar_tiles_nvidia_h200_passes_s1.md): bounded, not exempt.
     one = spills.pop("forward, one source")
     assert max(spills.values()) <= 512 and one <= 2048, res.stdout
+    # compiled as a launch specialises them (aligned pointers, multiples of 16): the streams backward's two
+    # kernels spill a few values at most. An int64 offset kept per element, with the buffered sources'
+    # second row offset live across the block loop, spilled 376 bytes in the source-gradient kernel and
+    # made the streams backward 3.09 -> 4.30 ms at `small` on an H200 (msar_tiles_nvidia_h200_regs.md)
+    if views_3d == "default":  # (the 3-d view layout, a candidate that lost, spills 172 bytes in the stats)
+        assert spills["stats"] <= 64 and spills["source gradients"] <= 64, res.stdout
 
 
 @pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists(),
@@ -739,3 +745,18 @@ def test_views_in_the_tiles_layout_remove_the_forwards_layout_conversions():
     assert res.returncode == 0, res.stdout + res.stderr
     counts = {line.split()[-2]: int(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith("forward")}
     assert counts["True"] * 3 < counts["False"], res.stdout
+
+
+def test_buffered_benchmark_reads_agree_with_the_list_reads():
+    """benchmarks.msar_buffered's two ways of one block's reads (two readers of the same sources; a buffer's
+    rows plus the partial, read in place, against a list stacked per read) give the same gradient to every
+    leaf, for a random upstream gradient: what the benchmark checks before timing, at a small odd shape."""
+    from benchmarks.msar_attn import KERNELS
+    from benchmarks.msar_buffered import grads, make_case
+
+    case = make_case(3, 1, 29, 16, readers=2, seed=1, device="cpu")
+    ref, got = grads("list", case), grads("buffered", case)
+    assert len(ref) == len(got) == 3 + 2 * (len(KERNELS) + 5)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    assert all(g.abs().sum() > 0 for g in ref[:3])
