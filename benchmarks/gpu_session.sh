@@ -104,6 +104,9 @@
 #            offsets once per source (the buffered read's per-element int64 offsets spilled the source-gradient kernel):
 #            forward, stats and source gradients at `small` (benchmarks.msar_tiles), the buffered read against a list
 #            (benchmarks.msar_buffered), the `small` table of vanilla, msar_block and msar, the op's GPU tests
+#   parity   one GPU (about 580 s with the start; ARCHIVE=$OUT/p.tgz ... parity /tmp/p): the 60-step training parity
+#            of PARITY_RESIDUALS (default msar_block, its read over buffered sources) against the reference, seeds 0 1;
+#            then the training-path GPU tests of PARITY_TESTS (a -k expression, default msar)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -111,7 +114,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 regs buffered fixed"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 regs buffered fixed parity"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -471,6 +474,12 @@ case "$PLAN" in
       --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_fixed}
     step gpu0 gpu_tests "${TEST_LIMIT:-130}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       --durations=5 tests/kernels/test_msar_attn.py
+    ;;
+  parity)
+    step gpu0 parity "${PARITY_LIMIT:-400}" python3 -m benchmarks.backend_training --residuals ${PARITY_RESIDUALS:-msar_block} \
+      --steps 60 --seeds 0 1 --set model=small trainer=gpu --name ${PARITY_NAME:-small_buffered}
+    step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      --durations=5 tests/platform/test_gpu.py -k "${PARITY_TESTS:-msar}"
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
