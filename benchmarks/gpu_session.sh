@@ -105,7 +105,9 @@
 #            forward, stats and source gradients at `small` (benchmarks.msar_tiles), the buffered read against a list
 #            (benchmarks.msar_buffered), the `small` table of vanilla, msar_block and msar, the op's GPU tests
 #   parity   one GPU (about 580 s with the start; ARCHIVE=$OUT/p.tgz ... parity /tmp/p): the 60-step training parity
-#            of PARITY_RESIDUALS (default msar_block, its read over buffered sources) against the reference, seeds 0 1;
+#            of PARITY_RESIDUALS (default msar_block, its read over buffered sources) against the reference, seeds 0 1,
+#            with PARITY_SET overrides (trainer.compile=false: msar_block's reference compiled whole takes about 200 s
+#            a run to compile, so four runs do not fit one call);
 #            then the training-path GPU tests of PARITY_TESTS (a -k expression, default msar)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
@@ -477,7 +479,7 @@ case "$PLAN" in
     ;;
   parity)
     step gpu0 parity "${PARITY_LIMIT:-400}" python3 -m benchmarks.backend_training --residuals ${PARITY_RESIDUALS:-msar_block} \
-      --steps 60 --seeds 0 1 --set model=small trainer=gpu --name ${PARITY_NAME:-small_buffered}
+      --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-} --name ${PARITY_NAME:-small_buffered}
     step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       --durations=5 tests/platform/test_gpu.py -k "${PARITY_TESTS:-msar}"
     ;;
