@@ -93,16 +93,14 @@
 #            study residual and the `medium` table of vanilla and attnres_block with the evening's kernels
 #   evening3 one GPU (about 400 s with the start; ARCHIVE=$OUT/g.tgz ... evening3 /tmp/g): MSAR's stats kernel on
 #            one warp against its earlier tiles at `medium`, the MSAR GPU tests, and vanilla against msar_block
-#   regs     one GPU (about 200 s with the start; ARCHIVE=$OUT/r.tgz ... regs /tmp/r): MSAR's forward, stats and
-#            source-gradient kernels with their registers capped (Blocks.*_maxnreg, benchmarks.msar_tiles --only) at
-#            REGS_SHAPES (default small medium)
 #   buffered one GPU (about 570 s with the start; ARCHIVE=$OUT/b.tgz ... buffered /tmp/b): MSAR's read over buffered
 #            sources (2026-12-01 evening, untimed): the op's GPU tests and msar's GPU training tests (compiled whole
 #            against eager, the end-of-run recording, a bf16 step), the `small` table of
-#            vanilla, msar_block and msar, then the register-cap candidates at `small`
+#            vanilla, msar_block and msar (it also timed the register caps, since withdrawn)
 #   fixed    one GPU (about 560 s with the start; ARCHIVE=$OUT/x.tgz ... fixed /tmp/x): MSAR's kernels with the row
 #            offsets once per source (the buffered read's per-element int64 offsets spilled the source-gradient kernel):
-#            forward, stats and source gradients at `small` (benchmarks.msar_tiles), the buffered read against a list
+#            forward, stats and source gradients at `small` (benchmarks.msar_tiles; it was run with a register cap as
+#            the one candidate, since withdrawn), the buffered read against a list
 #            (benchmarks.msar_buffered), the `small` table of vanilla, msar_block and msar, the op's GPU tests
 #   parity   one GPU (about 580 s with the start; ARCHIVE=$OUT/p.tgz ... parity /tmp/p): the 60-step training parity
 #            of PARITY_RESIDUALS (default msar_block, its read over buffered sources) against the reference, seeds 0 1,
@@ -116,7 +114,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 regs buffered fixed parity"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -452,24 +450,16 @@ case "$PLAN" in
       --residuals ${SMALL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
       --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_stats}
     ;;
-  regs)
-    step gpu0 msar_regs "${REGS_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes ${REGS_SHAPES:-small medium} \
-      --kernels forward stats "source gradients" --only fwd_maxnreg=168 fwd_maxnreg=128 stats_maxnreg=168 \
-      stats_maxnreg=128 src_maxnreg=168 src_maxnreg=128 --tag _regs
-    ;;
   buffered)
     step gpu0 gpu_tests "${TEST_LIMIT:-200}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_msar_attn.py tests/platform/test_gpu.py -k "msar"
     step gpu0 small "${SMALL_LIMIT:-220}" python3 -m benchmarks.throughput --models small \
       --residuals ${SMALL_RESIDUALS:-vanilla msar_block msar} --compile model --graphs on \
       --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_buffered}
-    step gpu0 msar_regs "${REGS_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small \
-      --kernels forward stats "source gradients" --only fwd_maxnreg=168 fwd_maxnreg=128 stats_maxnreg=168 \
-      stats_maxnreg=128 src_maxnreg=168 src_maxnreg=128 --tag _regs
     ;;
   fixed)
     step gpu0 tiles "${TILES_LIMIT:-70}" python3 -m benchmarks.msar_tiles --shapes small --kernels forward stats \
-      "source gradients" --only fwd_maxnreg=168 --tag _fixed
+      "source gradients" --only views_3d=True --tag _fixed
     step gpu0 buffered "${BUFFERED_LIMIT:-90}" python3 -m benchmarks.msar_buffered --shapes small --sources 5 9
     step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
       --residuals ${SMALL_RESIDUALS:-vanilla msar_block msar} --compile model --graphs on \

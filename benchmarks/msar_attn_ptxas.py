@@ -1,6 +1,6 @@
 """Compile every fused MSAR kernel for an H100/H200 (sm_90a) without a GPU; print registers and spills.
 
-    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12] [--maxnreg 168]
+    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12]
 
 Uses Triton's own NVIDIA backend and the ``ptxas`` shipped in the triton wheel, so it runs on a
 CPU-only machine: a kernel that does not compile for the GPU, or a tile choice in
@@ -31,26 +31,23 @@ F32, I32 = "*fp32", "*i32"
 DIV16 = {"B", "T", "D", "p_off", "q_off", "plane", "scr_stride", "tap_stride"}
 
 
-def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int, maxnreg: int = 0) -> str:
-    """Compile ``fn`` for sm_90a (registers capped at ``maxnreg`` when given) as a launch specialises it: every
+def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
+    """Compile ``fn`` for sm_90a as a launch specialises it: every
     pointer 16-byte aligned and the integers of ``DIV16`` multiples of 16 (without those hints the compiler sees
     other address arithmetic: the source-gradient kernel's spills read 64 instead of 376 bytes while a change was
     being made that cost 1.2 ms a backward on the H200); returns ptxas's register/spill summary."""
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in constexprs and (sig[n].startswith("*") or n in DIV16)}
-    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), options)
+    kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), {"num_warps": num_warps})
     report = ptxas_report(kernel)
     info = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
     return f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | " + "; ".join(info)
 
 
-def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None,
-                maxnreg: int | None = None):
-    """(name, fn, argument types, constexprs, num_warps, register cap) of every kernel a bf16 training step
-    launches; ``views_3d``: the view builder's layout, ``maxnreg``: the forward's, stats' and source-gradient
-    kernel's register cap (None: what ``_blocks`` picks for either; a cap of 0 is none)."""
+def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None):
+    """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches;
+    ``views_3d``: the view builder's layout (None: what ``_blocks`` picks)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -60,39 +57,36 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     blk = fused._blocks(T, d, m_pad, k_max)
     if views_3d is not None:
         blk = dataclasses.replace(blk, views_3d=views_3d)
-    if maxnreg is not None:
-        blk = dataclasses.replace(blk, fwd_maxnreg=maxnreg, stats_maxnreg=maxnreg, src_maxnreg=maxnreg)
     common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
     v3 = dict(V3=blk.views_3d)
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32", p_off="i64")
     yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
-           dict(BT=fused.doc_window_block(T)), 4, 0)
+           dict(BT=fused.doc_window_block(T)), 4)
     yield ("forward (h, saving R)", fused._fwd_kernel,
            dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type, save_z_ptr=F32,
                 save_rr_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                BT=blk.bt, BD=blk.bd, **common, **v3), blk.warps, blk.fwd_maxnreg)
+                BT=blk.bt, BD=blk.bd, **common, **v3), blk.warps)
     if blk.forward_warps(1) != blk.warps:
         yield ("forward, one source", fused._fwd_kernel,
                dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type,
                     save_z_ptr=F32, save_rr_ptr=F32),
                dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                    BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1)), blk.forward_warps(1), blk.fwd_maxnreg)
+                    BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1)), blk.forward_warps(1))
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),
-           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps, 0)
+           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps)
     yield ("stats", fused._stats_kernel,
            dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
-           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3), blk.stats_warps,
-           blk.stats_maxnreg)
+           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3), blk.stats_warps)
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
                 tap_scratch_ptr=F32, q_off="i64"),
            dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
                 KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common, **v3),
-           blk.src_warps, blk.src_maxnreg)
+           blk.src_warps)
 
 
 def main(argv=None) -> int:
@@ -101,9 +95,6 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", nargs="+", type=int, default=[4, 8, 12])
     p.add_argument("--views-3d", choices=["default", "on", "off"], default="default",
                    help="the view builder's layout (fused.Blocks.views_3d); default: what _blocks picks")
-    p.add_argument("--maxnreg", type=int, default=None,
-                   help="cap the forward's, stats' and source-gradient kernel's registers per thread (fused.Blocks "
-                        "fwd_maxnreg, stats_maxnreg, src_maxnreg; 0: no cap); default: what _blocks picks")
     args = p.parse_args(argv)
     views_3d = {"default": None, "on": True, "off": False}[args.views_3d]
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile choices, not the interpreter's
@@ -111,18 +102,16 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         T, d = SHAPES[shape]
         print(f"== {shape}: T={T} d={d} kernels={args.kernels}", flush=True)
-        for name, fn, types, consts, warps, cap in kernels_for(T, d, tuple(args.kernels), views_3d=views_3d,
-                                                               maxnreg=args.maxnreg):
+        for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels), views_3d=views_3d):
             start = time.time()
             try:
-                info = compile_kernel(fn, types, consts, warps, cap)
+                info = compile_kernel(fn, types, consts, warps)
             except Exception:
                 failed += 1
                 print(f"{name}: COMPILE FAILED\n{traceback.format_exc()}", flush=True)
                 continue
             tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE", "V3")}
-            capped = f" maxnreg={cap}" if cap else ""
-            print(f"{name} {tiles} warps={warps}{capped}: {time.time() - start:.0f} s | {info}", flush=True)
+            print(f"{name} {tiles} warps={warps}: {time.time() - start:.0f} s | {info}", flush=True)
     return 1 if failed else 0
 
 

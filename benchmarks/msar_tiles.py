@@ -38,8 +38,7 @@ def candidates(blk) -> dict[str, list[dict]]:
                    # the passes over channel tiles (the wide-d forward) with narrow tiles and more tokens
                    + [dict(bd=bd, single=False, bt=bt, warps=w) for bd, bt in ((64, 16), (64, 32), (128, 8),
                                                                                (128, 16), (256, 4), (256, 8))
-                      for w in (4, 8) if bd < blk.bd or not blk.single]
-                   + [dict(fwd_maxnreg=r) for r in (168, 128)],  # registers capped: occupancy against spills
+                      for w in (4, 8) if bd < blk.bd or not blk.single],
         "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
                                   if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
         "stats": [{}] + v3 + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
@@ -49,13 +48,11 @@ def candidates(blk) -> dict[str, list[dict]]:
                  # at (1, 128) ptxas keeps the stats kernel free of spills at `small` (336 bytes at the default)
                  + [dict(stats_bt=bt, stats_bd=bd, stats_warps=1) for bt, bd in ((1, 128), (1, 256), (2, 128))]
                  + [dict(views_3d=not blk.views_3d, stats_bt=1, stats_bd=128, stats_warps=1)]
-                 + [dict(stats_bt=bt, stats_bd=min(512, blk.bd), stats_warps=4) for bt in (2, 4)]  # the tiles before
-                 + [dict(stats_maxnreg=r) for r in (168, 128)],
+                 + [dict(stats_bt=bt, stats_bd=min(512, blk.bd), stats_warps=4) for bt in (2, 4)],  # the tiles before
         "source gradients": [{}] + v3 + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (1, 2, 4, 8)
                                     if (bd, w) != (blk.src_bd, blk.src_warps)]
                             + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
-                               if (bt, sub) != (blk.src_bt, blk.sub)]
-                            + [dict(src_maxnreg=r) for r in (168, 128)],
+                               if (bt, sub) != (blk.src_bt, blk.sub)],
     }
 
 

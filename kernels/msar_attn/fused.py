@@ -732,15 +732,8 @@ class Blocks:
     # spills 36 -> 0 bytes; the stats kernel's conversions 37 -> 7. Off: timed on an H200 at `small` the forward
     # 5% faster but the streams backward 4% slower, at `medium` equal (msar_tiles_nvidia_h200_views_*.md).
     views_3d: bool = False
-    # registers per thread capped at launch (Triton's ``maxnreg``; 0: the compiler's choice). The forward, stats and
-    # source-gradient kernels use 255 at `small`, which holds them at 12% occupancy (two 4-warp programs an SM) and
-    # leaves their warps stalled on L1 loads with none other to issue (Nsight Compute, kernel_counters_h200.md).
-    # A cap trades spills for occupancy: ptxas at `small`, 168 / 128 registers, spill stores forward 248 / 672
-    # bytes, stats 900 / 1288, source gradients 384 / 896 (none uncapped). Not timed yet: candidates of
-    # benchmarks.msar_tiles, so uncapped by default.
-    fwd_maxnreg: int = 0
-    stats_maxnreg: int = 0
-    src_maxnreg: int = 0
+    # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
+    # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
     def forward_warps(self, S: int) -> int:
         return self.one_source_warps if S == 1 and self.one_source_warps else self.warps
@@ -754,11 +747,6 @@ class Blocks:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
         recomputation), so its tiles need not hold all of d (0: the mixer backward's)."""
         return self.stats_bd or self.bwd_bd, self.stats_bt or self.bwd_bt
-
-
-def _regs(cap: int) -> dict:
-    """Launch options for a register cap of ``Blocks`` (none for 0)."""
-    return {"maxnreg": cap} if cap else {}
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
@@ -891,7 +879,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
         x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, n_buf, offset_arg(p_off), B, T, d, m,
         k_max, eps, triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r,
         STORE_LOGITS=store_logits, SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd,
-        V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S), **_regs(blk.fwd_maxnreg))
+        V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S))
     return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
 
 
@@ -954,7 +942,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
             x, packed, qg, near, dr, lse, coef, S, n_buf, offset_arg(p_off), B, T, d, m, k_max, eps,
             triton.cdiv(d, stats_bd), plane, KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd,
-            V3=blk.views_3d, num_warps=blk.stats_warps, **_regs(blk.stats_maxnreg))
+            V3=blk.views_3d, num_warps=blk.stats_warps)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
@@ -977,7 +965,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         n_add, offset_arg(q_off), B, T, d, m, k_max, plane, sub, scratch.stride(0), tap_scratch.stride(0),
         SOFTMAX=S > 1,
         M_PAD=m_pad, KS=ks, KOFF=koff, NPAIR=sum(ks), K_PAD=k_pad, BT=blk.src_bt, BD=blk.src_bd,
-        V3=blk.views_3d, num_warps=blk.src_warps, **_regs(blk.src_maxnreg))
+        V3=blk.views_3d, num_warps=blk.src_warps)
     dqg = dqg_part.sum(0)[:m]
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
