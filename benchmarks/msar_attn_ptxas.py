@@ -1,21 +1,27 @@
 """Compile every fused MSAR kernel for an H100/H200 (sm_90a) without a GPU; print registers and spills.
 
-    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12]
+    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12] [--against REV]
 
 Uses Triton's own NVIDIA backend and the ``ptxas`` shipped in the triton wheel, so it runs on a
 CPU-only machine: a kernel that does not compile for the GPU, or a tile choice in
 ``kernels/msar_attn/fused._blocks`` that spills registers, shows up here before a GPU run. Prints
 one line per kernel: compile seconds, shared memory, layout conversions (TTGIR), registers per thread
 and spill bytes. Exits non-zero if a kernel fails to compile. (Not a timing: the GPU benchmark is ``benchmarks.msar_attn``.)
+``--against REV`` compiles the kernels of git revision REV the same way, after this tree's: the check to run before
+timing a kernel change (a change that spilled under the launch's specialisation cost 1.2 ms a backward on an H200).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import triton
 from triton.compiler import ASTSource
@@ -95,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", nargs="+", type=int, default=[4, 8, 12])
     p.add_argument("--views-3d", choices=["default", "on", "off"], default="default",
                    help="the view builder's layout (fused.Blocks.views_3d); default: what _blocks picks")
+    p.add_argument("--against", metavar="REV", default=None,
+                   help="also compile the kernels of git revision REV (its kernels/, this compile), after this tree's")
     args = p.parse_args(argv)
     views_3d = {"default": None, "on": True, "off": False}[args.views_3d]
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile choices, not the interpreter's
@@ -112,7 +120,32 @@ def main(argv=None) -> int:
                 continue
             tiles = {k: v for k, v in consts.items() if k in ("BT", "BD", "SINGLE", "V3")}
             print(f"{name} {tiles} warps={warps}: {time.time() - start:.0f} s | {info}", flush=True)
+    if args.against:
+        failed += against(args.against, [a for a in (argv if argv is not None else sys.argv[1:])])
     return 1 if failed else 0
+
+
+def against(rev: str, argv: list[str]) -> int:
+    """Compile REV's fused MSAR kernels with this file's compile (its launch hints): REV's kernels/ from git, this
+    file and benchmarks/ptxas.py beside them in a temporary tree; prints its lines under a header. 1 on failure."""
+    root = Path(__file__).resolve().parents[1]
+    rest, skip = [], False
+    for a in argv:  # the same shapes and options, without --against
+        if skip or a == "--against" or a.startswith("--against="):
+            skip = a == "--against"
+            continue
+        rest.append(a)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = subprocess.run(["git", "-C", str(root), "archive", rev, "kernels"], capture_output=True)
+        if files.returncode:
+            print(f"--against {rev}: not a revision of this repository ({files.stderr.decode().strip()})", flush=True)
+            return 1
+        subprocess.run(["tar", "-x", "-C", tmp], input=files.stdout, check=True)
+        (Path(tmp) / "benchmarks").mkdir()
+        for name in ("__init__.py", "ptxas.py", "msar_attn_ptxas.py"):
+            shutil.copy(root / "benchmarks" / name, Path(tmp) / "benchmarks" / name)
+        print(f"==== the kernels of {rev}", flush=True)
+        return int(subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", *rest], cwd=tmp).returncode != 0)
 
 
 if __name__ == "__main__":

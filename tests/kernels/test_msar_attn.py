@@ -713,3 +713,24 @@ def test_buffered_benchmark_reads_agree_with_the_list_reads():
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     assert all(g.abs().sum() > 0 for g in ref[:3])
+
+
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists(),
+                    reason="the triton wheel has no ptxas")
+@pytest.mark.skipif(subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", "b3446a9^{commit}"],
+                                   capture_output=True).returncode != 0, reason="a clone without commit b3446a9")
+def test_the_ptxas_report_against_a_revision_shows_its_spills():
+    """``benchmarks.msar_attn_ptxas --against REV`` compiles REV's kernels with the launch hints beside this tree's:
+    against b3446a9, whose source-gradient kernel spilled under the launch's specialisation (4.30 against 3.09 ms
+    for the streams backward at `small` on an H200), it shows those spills next to this tree's few."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--against",
+                          "b3446a9"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ours, theirs = res.stdout.split("==== the kernels of b3446a9")
+
+    def src_spills(text):
+        line = next(ln for ln in text.splitlines() if ln.startswith("source gradients"))
+        return int(re.search(r"(\d+) bytes spill stores", line).group(1))
+
+    assert src_spills(ours) <= 64 < 256 <= src_spills(theirs), res.stdout
