@@ -77,16 +77,20 @@ def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
-    signature, constexprs = {}, {}
-    for arg in kernel.arg_names:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, arg in enumerate(kernel.arg_names):
         v = values[arg]
         if isinstance(v, torch.Tensor):
             signature[arg] = "*" + TRITON_TYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # a CUDA allocation: 16-byte aligned, as a launch specialises
         elif arg in kwargs:
             signature[arg], constexprs[arg] = "constexpr", v
         else:
             signature[arg] = "fp32" if isinstance(v, float) else "i32"
-    report = ptxas_report(compile_sm90(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), options))
+            if isinstance(v, int) and v % 16 == 0:  # a launch specialises an integer multiple of 16 so
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    report = ptxas_report(compile_sm90(src, options))
     return registers(report), spill_stores(report)
 
 
