@@ -64,6 +64,10 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     if views_3d is not None:
         blk = dataclasses.replace(blk, views_3d=views_3d)
     common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
+
+    def n_dt(bd: int) -> dict:  # a launch specialises an integer argument equal to 1 as a constant
+        return {"n_dt": 1} if triton.cdiv(d, bd) == 1 else {}
+
     v3 = dict(V3=blk.views_3d)
     mixer = dict(phi_ptr=F32, alpha_ptr=F32, bias_ptr=F32)
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32", p_off="i64")
@@ -73,20 +77,21 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type, save_z_ptr=F32,
                 save_rr_ptr=F32),
            dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                BT=blk.bt, BD=blk.bd, **common, **v3), blk.warps)
+                BT=blk.bt, BD=blk.bd, **common, **v3, **n_dt(blk.bd)), blk.warps)
     if blk.forward_warps(1) != blk.warps:
         yield ("forward, one source", fused._fwd_kernel,
                dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type,
                     save_z_ptr=F32, save_rr_ptr=F32),
                dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
-                    BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1)), blk.forward_warps(1))
+                    BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1), **n_dt(blk.bd)), blk.forward_warps(1))
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),
-           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_warps)
+           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd)), blk.mix_warps)
     yield ("stats", fused._stats_kernel,
            dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
-           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3), blk.stats_warps)
+           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3,
+                **n_dt(blk.stats_tiles()[0])), blk.stats_warps)
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
                 tap_scratch_ptr=F32, q_off="i64"),
