@@ -305,6 +305,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, f"model.moe_impl={m.moe_impl} reads the expert "
                           "group sizes back to the host, which a CUDA graph cannot record",
                           "false, or model.moe_impl=grouped_mm")
+    if t.compile and m.moe_impl == "grouped_mm" and not t.precision.startswith("bf16"):
+        # torch.compile traces torch._grouped_mm with fake tensors, whose shape rule takes bf16 only: fp32 failed
+        # at the first step with "Expected inputs of BF16 type" (eager runs it in fp32)
+        raise ConfigError("trainer.compile", t.compile, f"trainer.precision={t.precision}: torch.compile traces the "
+                          "grouped GEMM (model.moe_impl=grouped_mm) in bf16 only",
+                          "false, trainer.precision=bf16-mixed / bf16-true, or model.moe_impl=sliced")
     if t.cuda_graphs and not t.precision.startswith("bf16"):
         raise ConfigError("trainer.cuda_graphs", t.cuda_graphs, f"trainer.precision={t.precision}: the grouped GEMM "
                           "outside bf16 copies its group offsets to the host, which a CUDA graph cannot record",

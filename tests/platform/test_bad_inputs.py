@@ -126,6 +126,10 @@ CASES = [
          r"trainer.cuda_graphs=True: model.moe_impl=sliced reads the expert group sizes back to the host"),
     Case("cuda-graphs-fp32", ["trainer.cuda_graphs=true", "trainer.accelerator=auto"],
          r"trainer.cuda_graphs=True: trainer.precision=32-true: the grouped GEMM outside bf16 copies"),
+    Case("compile-grouped-mm-fp32", ["trainer.compile=true"],
+         r"trainer.compile=True: trainer.precision=32-true: torch.compile traces the grouped GEMM "
+         r"\(model.moe_impl=grouped_mm\) in bf16 only; valid: false, trainer.precision=bf16-mixed / bf16-true, or "
+         r"model.moe_impl=sliced"),
     Case("ddp-comm", ["trainer.ddp_comm=fp8"], r"trainer.ddp_comm=fp8: not a known choice; valid: \[fp32, bf16\]"),
     Case("grad-sync", ["trainer.grad_sync=nccl"], r"trainer.grad_sync=nccl: not a known choice; valid: \[auto, ddp, flat\]"),
     Case("flex-fwd-length", ["model.flex_fwd=[64,64,4]"],

@@ -156,7 +156,7 @@ def test_compile_options_reach_every_torch_compile(monkeypatch, scope):
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     base = ["model=tiny", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.seq_len=24",
-            "residual=vanilla", "trainer.compile=true", f"trainer.compile_scope={scope}"]
+            "residual=vanilla", "trainer.compile=true", "trainer.precision=bf16-mixed", f"trainer.compile_scope={scope}"]
     for extra, want in ([], None), (["+trainer.compile_options.combo_kernels=true",
                                      "+trainer.compile_options.max_autotune=false"],
                                     {"combo_kernels": True, "max_autotune": False}):
