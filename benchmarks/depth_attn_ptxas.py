@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from benchmarks.ptxas import compile_sm90, layout_conversions, ptxas_report, registers
+from benchmarks.ptxas import compile_sm90, launch_attrs, layout_conversions, ptxas_report, registers
 
 # name -> (consumers C, sources n, d): the ops of benchmarks.ops_attnres at its widths, and the limits
 SHAPES = {
@@ -31,13 +31,7 @@ def compile_report(fn, types: dict, constexprs: dict, num_warps: int) -> tuple[s
     from triton.compiler import ASTSource
 
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
-    attrs = {}  # what a launch specialises: 16-byte aligned pointers, d and N divisible by 16
-    for i, name in enumerate(fn.arg_names):
-        t = sig[name]
-        if isinstance(t, tuple):
-            attrs.update({(i, j): [["tt.divisibility", 16]] for j in range(len(t))})
-        elif t.startswith("*") or name in ("D", "N"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    attrs = launch_attrs(fn.arg_names, sig, ("D", "N"))  # d and N are multiples of 16 at every shape here
     kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                           {"num_warps": num_warps})
     report = ptxas_report(kernel)

@@ -42,13 +42,13 @@ PARITY_TOL = 2e-2  # bf16 sources, fp32 math in the kernel: h and dx rounded to 
 TARGET_FWD, TARGET_FB = 0.50, 0.30
 
 
-def make_inputs(S, B, T, d, seed, x_dtype=torch.bfloat16):
+def make_inputs(S, B, T, d, seed, x_dtype=torch.bfloat16, device="cuda"):
     """Sources in x_dtype; taps, queries, gains, φ, α, b in fp32 (parameters); ~2 documents per 1024
     tokens. Taps near Dirac + noise (the default init), queries and φ non-zero (a trained state)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
 
     def rand(*shape, scale=1.0, shift=0.0):
-        return shift + scale * torch.randn(shape, device="cuda", generator=g)
+        return shift + scale * torch.randn(shape, device=device, generator=g)
 
     m = 1 + len(KERNELS)
     x = rand(S, B, T, d).to(x_dtype)
@@ -62,7 +62,7 @@ def make_inputs(S, B, T, d, seed, x_dtype=torch.bfloat16):
     phi = rand(m * d, m, scale=1 / (m * d) ** 0.5)
     alpha = rand(scale=0.0, shift=0.5)
     bias = rand(m, scale=0.1, shift=-1.0)
-    starts = torch.rand(B, T, device="cuda", generator=g) < 1 / 512
+    starts = torch.rand(B, T, device=device, generator=g) < 1 / 512
     doc_ids = torch.cumsum(starts.long(), dim=1)
     return x, taps, queries, gains, phi, alpha, bias, doc_ids
 

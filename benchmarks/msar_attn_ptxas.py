@@ -26,7 +26,7 @@ from pathlib import Path
 import triton
 from triton.compiler import ASTSource
 
-from benchmarks.ptxas import compile_sm90, layout_conversions, ptxas_report
+from benchmarks.ptxas import compile_sm90, launch_attrs, layout_conversions, ptxas_report
 
 SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d3000": (1024, 3000)}
 F32, I32 = "*fp32", "*i32"
@@ -43,8 +43,7 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
     other address arithmetic: the source-gradient kernel's spills read 64 instead of 376 bytes while a change was
     being made that cost 1.2 ms a backward on the H200); returns ptxas's register/spill summary."""
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in constexprs and (sig[n].startswith("*") or n in DIV16)}
+    attrs = launch_attrs(fn.arg_names, sig, DIV16)
     kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), {"num_warps": num_warps})
     report = ptxas_report(kernel)
     info = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]

@@ -26,31 +26,23 @@ import sys
 
 import torch
 
-from benchmarks.msar_attn import KERNELS, SHAPES, op_bytes
+from benchmarks.msar_attn import KERNELS, SHAPES, make_inputs, op_bytes
 from benchmarks.roofline import Table, bench_ms, copy_bandwidth
 
 
 def make_case(S: int, B: int, T: int, d: int, readers: int, seed: int = 0, device: str = "cuda"):
-    """Leaves: S sources (B, T, d) bf16, and per reader (taps, queries, gains, φ, α, b) fp32; doc ids; the
-    upstream gradient of every reader's h."""
-    g = torch.Generator(device=device).manual_seed(seed)
+    """Leaves: S sources (B, T, d) bf16, and per reader (taps, queries, gains, φ, α, b) fp32, each reader's from
+    ``benchmarks.msar_attn.make_inputs`` with its own seed; doc ids; the upstream gradient of every reader's h."""
+    def leaf(t):
+        return t.detach().requires_grad_()
 
-    def rand(*shape, scale=1.0, shift=0.0, grad=True):
-        t = shift + scale * torch.randn(shape, device=device, generator=g)
-        return t.requires_grad_(grad)
-
-    m = 1 + len(KERNELS)
-    sources = [rand(B, T, d).to(torch.bfloat16).detach().requires_grad_() for _ in range(S)]
+    x, *_, doc_ids = make_inputs(S, B, T, d, seed, device=device)
+    sources = [leaf(v) for v in x.unbind(0)]
     params = []
-    for _ in range(readers):
-        taps = []
-        for k in KERNELS:
-            c = 0.1 * torch.randn(k, d, device=device, generator=g)
-            c[0] += 1.0
-            taps.append(c.requires_grad_())
-        params.append((taps, rand(m, d, scale=d ** -0.5), rand(m, d, scale=0.1, shift=1.0),
-                       rand(m * d, m, scale=(m * d) ** -0.5), rand(scale=0.0, shift=0.5), rand(m, scale=0.1, shift=-1.0)))
-    doc_ids = torch.cumsum((torch.rand(B, T, device=device, generator=g) < 1 / 512).long(), dim=1)
+    for r in range(readers):
+        _, taps, *rest, _ = make_inputs(1, 1, 1, d, seed + 1 + r, device=device)
+        params.append(([leaf(c) for c in taps], *map(leaf, rest)))
+    g = torch.Generator(device=device).manual_seed(seed)
     dh = [torch.randn(B, T, d, device=device, generator=g).to(torch.bfloat16) for _ in range(readers)]
     return sources, params, doc_ids, dh
 

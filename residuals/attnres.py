@@ -203,13 +203,13 @@ class DepthAttentionResidual(Residual):
         if ctx.record:
             self.recorded = {}
         backend = self._two_phase(embedding)
-        if backend is None:
-            if self._buffers_sources(embedding):  # the sources in one buffer, which the fused read takes in place
-                buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype())
-                return replace(self.initial_state(buffer.append(embedding), ctx), buffer=buffer)
+        if backend is None and not self._buffers_sources(embedding):
             return self.initial_state(embedding, ctx)
+        # the sources in one buffer: the two-phase path's, or the one a fused one-pass read takes in place
         buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype())
-        buffer.append(embedding)  # v_0 = b_0
+        v0 = buffer.append(embedding)  # v_0 = b_0
+        if backend is None:
+            return replace(self.initial_state(v0, ctx), buffer=buffer)
         gain = self.queries.key_gain
         state = FusedState(ctx, buffer, 0, (), (), None, None, backend, embedding.dtype,
                            self.queries.weight[:, 0].unbind(0), None if gain is None else gain[:, 0].unbind(0))

@@ -983,7 +983,7 @@ class MsarFunction(torch.autograd.Function):
     the sources and the taps: with n_src = 0 one stacked x (S, B, T, d), else n_src tensors (B, T, d).
     Without ``buffer`` those are stacked here and saved as they are (tensors the residual keeps anyway), so
     no stacked copy lives from forward to backward; the backward stacks them again. With ``buffer =
-    (rows, has_partial, grads)`` (``BufferedSources``) nothing is stacked: the kernels read ``rows`` (n, B, T,
+    (rows, grads)`` (``BufferedSources``) nothing is stacked: the kernels read ``rows`` (n, B, T,
     d), rows of a ``SourceBuffer`` written once and never changed, in place (kept on ctx, outside the saved
     tensors, as the phase-1 op of depth attention does), and the partial (the last tensor) through its own
     address; the n_src tensors are the rows' aliases and the partial. The rows' gradients go into the buffer's
@@ -1008,7 +1008,7 @@ class MsarFunction(torch.autograd.Function):
                                         sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
                                         partial=partial)
         # with a buffer the rows stay on ctx (written once) and only the partial is saved
-        ctx.rows, ctx.grads = (None, None) if buffer is None else (buffer[0], buffer[2])
+        ctx.rows, ctx.grads = (None, None) if buffer is None else buffer
         keep = xs if buffer is None else (partial,)
         ctx.save_for_backward(queries, key_gains, near, phi, alpha, bias, lse,
                               *(saved if save else (None, None, None)), *keep, *taps)
@@ -1046,11 +1046,11 @@ class MsarFunction(torch.autograd.Function):
 
 def _source_tensors(xs, n_src: int, buffer) -> tuple[Tensor, Tensor | None]:
     """(x, partial) for the kernels: the stacked sources (or the one stacked tensor), or with ``buffer``
-    (rows, has_partial, grads) the buffer's rows in place and the partial, the last of ``xs``."""
+    (rows, grads) the buffer's rows in place and the partial, the last of ``xs`` when there is one more."""
     if buffer is None:
         return (torch.stack(xs) if n_src else xs[0]), None
-    rows, has_partial, _ = buffer
-    return rows, (xs[-1] if has_partial else None)
+    rows = buffer[0]
+    return rows, (xs[-1] if len(xs) > rows.shape[0] else None)
 
 
 class StreamsFunction(torch.autograd.Function):
@@ -1101,7 +1101,7 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
     if isinstance(x, BufferedSources):
         rows = x.rows
         partial = () if x.partial is None else (x.partial.to(x.buffer.data.dtype).contiguous(),)
-        xs, buffer = (*rows, *partial), (x.buffer.data[:len(rows)], bool(partial), x.buffer.grads)
+        xs, buffer = (*rows, *partial), (x.buffer.data[:len(rows)], x.buffer.grads)
     else:
         xs = (x.contiguous(),) if isinstance(x, Tensor) else tuple(t.contiguous() for t in x)
     n_src = 0 if isinstance(x, Tensor) else len(xs)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from benchmarks.ptxas import compile_sm90, ptxas_report, registers, spill_stores
+from benchmarks.ptxas import compile_sm90, launch_attrs, ptxas_report, registers, spill_stores
 
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -77,19 +77,18 @@ def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
-    signature, constexprs, attrs = {}, {}, {}
-    for i, arg in enumerate(kernel.arg_names):
+    signature, constexprs = {}, {}
+    for arg in kernel.arg_names:
         v = values[arg]
         if isinstance(v, torch.Tensor):
             signature[arg] = "*" + TRITON_TYPES[v.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # a CUDA allocation: 16-byte aligned, as a launch specialises
         elif arg in kwargs:
             signature[arg], constexprs[arg] = "constexpr", v
         else:
             signature[arg] = "fp32" if isinstance(v, float) else "i32"
-            if isinstance(v, int) and v % 16 == 0:  # a launch specialises an integer multiple of 16 so
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    div16 = {a for a in kernel.arg_names if type(values[a]) is int and a not in kwargs and values[a] % 16 == 0}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                    attrs=launch_attrs(kernel.arg_names, signature, div16))
     report = ptxas_report(compile_sm90(src, options))
     return registers(report), spill_stores(report)
 
