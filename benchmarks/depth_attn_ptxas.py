@@ -74,7 +74,7 @@ def main(argv=None) -> int:
              dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, eps="fp32"),
              dict(KEY_NORM=True, BLOCK_T=bt, BLOCK_D=bd), mw),
             ("merge backward", fused._merge_bwd_kernel,
-             dict(o_ptr=bf16, p_ptr=bf16, qg_ptr=f32, w_ptr=f32, dh_ptr=bf16, do_ptr=bf16, dp_ptr=bf16,
+             dict(h_ptr=bf16, p_ptr=bf16, qg_ptr=f32, w_ptr=f32, dh_ptr=bf16, do_ptr=bf16, dp_ptr=bf16,
                   dlse_ptr=f32, dqg_ptr=f32, eps="fp32"),
              dict(KEY_NORM=True, BLOCK_T=bt, BLOCK_D=bd), mw),
         ]

@@ -177,7 +177,7 @@ def main(argv=None) -> None:
                 lse1 = ref_lse[1].contiguous()
                 ref_h, ref_w = fused.merge_fwd(o, lse1, pp, q1, **kw)
                 dh = douts[2]
-                ref_b = fused.merge_bwd(o, pp, q1, ref_w, dh, **kw)
+                ref_b = fused.merge_bwd(ref_h, pp, q1, ref_w, dh, o_dtype=o.dtype, **kw)
                 base_f = base_b = None
                 for cand in MERGE[_bucket(d)]:
                     label = "default" if cand is None else str(cand)
@@ -188,9 +188,9 @@ def main(argv=None) -> None:
                             ms = timer(lambda: fused.merge_fwd(o, lse1, pp, q1, **kw))
                             base_f = base_f or ms
                             row("merge fwd", label, ms, base_f, 3 * N * d * e, err)
-                            got = fused.merge_bwd(o, pp, q1, ref_w, dh, **kw)
+                            got = fused.merge_bwd(ref_h, pp, q1, ref_w, dh, o_dtype=o.dtype, **kw)
                             err = max(rel(a, b) for a, b in zip(got, ref_b))
-                            ms = timer(lambda: fused.merge_bwd(o, pp, q1, ref_w, dh, **kw))
+                            ms = timer(lambda: fused.merge_bwd(ref_h, pp, q1, ref_w, dh, o_dtype=o.dtype, **kw))
                             base_b = base_b or ms
                             row("merge bwd", label, ms, base_b, 5 * N * d * e, err)
                     except Exception as exc:

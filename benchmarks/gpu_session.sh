@@ -107,6 +107,15 @@
 #            with PARITY_SET overrides (trainer.compile=false: msar_block's reference compiled whole takes about 200 s
 #            a run to compile, so four runs do not fit one call);
 #            then the training-path GPU tests of PARITY_TESTS (a -k expression, default msar)
+#   eager    one GPU (about 560 s with the start; ARCHIVE=$OUT/q.tgz ... eager /tmp/q): the fused reads and writes
+#            run as one eager call each (2026-12-01 late, counted on the CPU only): the compiled-whole training tests of
+#            EAGER_TESTS (a -k expression, default attnres_block or msar_block) with TORCH_LOGS=recompiles and their
+#            durations, then the `small` table of vanilla, attnres_block and msar_block (EAGER_RESIDUALS)
+#   memory   one GPU (about 580 s with the start; ARCHIVE=$OUT/m.tgz ... memory /tmp/m): what 2026-12-01 late changed in
+#            what the fused ops keep for backward (Block AttnRes's merges keep their output, not the group's phase-1
+#            outputs; MSAR keeps R in bf16 under autocast): the `medium` table of vanilla, attnres_block and msar_block
+#            (peak memory; MEMORY_RESIDUALS), then the 60-step training parity of msar_block and attnres_block against
+#            their references, eager (PARITY_RESIDUALS, PARITY_SET), seeds 0 1
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -114,7 +123,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -472,6 +481,21 @@ case "$PLAN" in
       --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-} --name ${PARITY_NAME:-small_buffered}
     step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       --durations=5 tests/platform/test_gpu.py -k "${PARITY_TESTS:-msar}"
+    ;;
+  eager)
+    step gpu0 gpu_tests "${TEST_LIMIT:-300}" env TORCH_LOGS=recompiles python3 -m pytest -q -rf --tb=short \
+      -p no:cacheprovider -m gpu --durations=5 tests/platform/test_gpu.py -k "compiled_whole and (${EAGER_TESTS:-attnres_block or msar_block})"
+    step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
+      --residuals ${EAGER_RESIDUALS:-vanilla attnres_block msar_block} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_eager}
+    ;;
+  memory)
+    step gpu0 medium "${MEDIUM_LIMIT:-220}" python3 -m benchmarks.throughput --models medium \
+      --residuals ${MEMORY_RESIDUALS:-vanilla attnres_block msar_block} --compile model --graphs on \
+      --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_memory}
+    step gpu0 parity "${PARITY_LIMIT:-330}" python3 -m benchmarks.backend_training \
+      --residuals ${PARITY_RESIDUALS:-msar_block attnres_block} --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_memory}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

@@ -220,8 +220,8 @@ def kernel_breakdown(n, C, B, T, d) -> list[tuple[str, float]]:
         ("phase 1 backward, adding into the rows' gradients", bench_ms(lambda: fused.summaries_bwd(
             src, n, qg, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=grads, n_add=n))),
         ("merge forward (one consumer)", bench_ms(lambda: fused.merge_fwd(o, lse1, p, q1, key_norm=True, eps=1e-6))),
-        ("merge backward (one consumer)", bench_ms(lambda: fused.merge_bwd(o, p, q1, w, dh, key_norm=True,
-                                                                           eps=1e-6))),
+        ("merge backward (one consumer)", bench_ms(lambda: fused.merge_bwd(h, p, q1, w, dh, o_dtype=o.dtype,
+                                                                           key_norm=True, eps=1e-6))),
     ]
     t = dict(times)
     times.append(("kernels of one block, fwd", t["phase 1 forward"] + (C - 1) * t["merge forward (one consumer)"]))

@@ -48,6 +48,20 @@ SOURCE_DTYPES = {"stream": None, "bfloat16": torch.bfloat16}
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
 
 
+@torch.compiler.disable
+def eager(fn, *args):
+    """``fn(*args)`` run eagerly under torch.compile: the graph breaks at this call and nothing of ``fn`` is traced.
+
+    For reads and writes whose work is fused ops (each a graph break of its own): traced into, every frame
+    between the backbone and such an op (read, _retrieve, the op's checks) was compiled once per consumer, on
+    guards of the consumer's index and the number of sources, each a graph of a few small ops (msar_block: 12
+    graphs at 4 sublayers, 20 at 12; test_model.py). Under ``trainer.compile_scope=model`` the backbone's loop
+    over sublayers holds these breaks, so Dynamo runs that loop eagerly whatever the residual does and compiles
+    each sublayer as a frame of its own (docs/gpu.md): an eager read or write loses no fusion with a sublayer.
+    """
+    return fn(*args)
+
+
 def depth_attn_flops(n_sources: int, d: int, *, views: int = 1, heads: int = 1, key_norm: bool = True) -> int:
     """Forward FLOPs per token of one consumer's depth attention over ``n_sources`` sources.
 
@@ -65,8 +79,8 @@ class DepthAttentionConfig(ResidualConfig):
     key_norm: bool = True  # RMSNorm the keys (learnable gain, init 1); False: keys are the raw sources
     query: str = "static"  # "static": learned w_l; "input": w_l + W_l·RMSNorm(latest source), W_l zero-init
     backend: str = "auto"  # "torch" (reference), "triton" (fused op), "auto" (fused on CUDA, reference on CPU)
-    # the two-phase path's merge (phase 2): "auto" (backend's op), "torch" (PyTorch ops: under
-    # trainer.compile_scope=model compiled with the sublayer around it, no graph break), "triton" (the fused merge)
+    # the two-phase path's merge (phase 2): "auto" (backend's op), "torch" (PyTorch ops: under torch.compile traced and
+    # compiled in the read's frame; the reads of the fused merge run as one eager call each), "triton" (the fused merge)
     merge_backend: str = "auto"
 
 
@@ -217,26 +231,31 @@ class DepthAttentionResidual(Residual):
 
     def read(self, state, layer: int) -> Tensor:
         if isinstance(state, FusedState):
-            return self._fused_read(state, layer)
+            if self._merge_backend(state) == "torch":  # PyTorch ops: traced, compiled with what is around them
+                return self._fused_read(state, layer)
+            return eager(self._fused_read, state, layer)  # a fused op between graph breaks: one eager call
+        if state.buffer is not None:  # a fused one-pass read (MSAR): one eager call
+            return eager(self._one_pass_read, state, layer)
         return self._retrieve(self._read_sources(state), layer, state.ctx)
 
     def write(self, state, layer: int, out: Tensor):
-        if isinstance(state, FusedState):
-            return self._fused_write(state, layer, out)
+        if isinstance(state, FusedState):  # a partial sum, or at a group's end the buffer's store and phase 1
+            return eager(self._fused_write, state, layer, out)
         if state.buffer is not None:  # written once into the buffer's next row
             return replace(state, sources=state.sources + (state.buffer.append(out),))
         return SourceState(state.ctx, state.sources + (out,))
 
     def end(self, state) -> Tensor:
-        if isinstance(state, FusedState):
-            return self._fused_read(state, self.n_sublayers)
-        return self._retrieve(self._read_sources(state), self.n_sublayers, state.ctx)
+        return self.read(state, self.n_sublayers)
 
     # --- a one-pass read over buffered sources (MSAR's fused read) -------------------------------------
     def _buffers_sources(self, x: Tensor) -> bool:
         """Whether the sources go into one ``SourceBuffer`` (outside the two-phase path): for a fused read
         that takes them in place (``BufferedSources``) instead of a stacked copy per read. None here."""
         return False
+
+    def _one_pass_read(self, state: SourceState, consumer: int) -> Tensor:
+        return self._retrieve(self._read_sources(state), consumer, state.ctx)
 
     def _read_sources(self, state) -> list[Tensor] | BufferedSources:
         """What a read attends over: ``sources``, or with a buffer the same S tensors as ``BufferedSources``
@@ -269,16 +288,22 @@ class DepthAttentionResidual(Residual):
         if state.partial is None:
             if state.ctx.record:
                 self._record(state.ctx, consumer, state.weights[c][None])
-            # in the buffer's dtype: back to the stream's (under torch.compile fused into the sublayer's first kernel)
-            return self._after_read(out.to(state.dtype), consumer, state.ctx)
-        merge_backend = state.backend if self.cfg.merge_backend == "auto" else self.cfg.merge_backend
+            h = out.to(state.dtype)  # in the buffer's dtype: back to the stream's
+            if h.untyped_storage().nbytes() > h.numel() * h.element_size():
+                # a view of the group's phase-1 outputs (C, B, T, d): the consumer's sublayer keeps its input for
+                # backward and would keep all C with it (nothing else does: the merges keep their output instead)
+                h = h.clone()
+            return self._after_read(h, consumer, state.ctx)
         h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer],
                                 None if state.gains is None else state.gains[consumer], key_norm=self.cfg.key_norm,
-                                backend=merge_backend)
+                                backend=self._merge_backend(state))
         if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
             w = w.detach()
             self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])
         return self._after_read(h.to(state.dtype), consumer, state.ctx)
+
+    def _merge_backend(self, state: FusedState) -> str:
+        return state.backend if self.cfg.merge_backend == "auto" else self.cfg.merge_backend
 
     def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
         """Every output is a source. The first output of a group is the second consumer's partial

@@ -90,7 +90,7 @@ class BlockSummaries:
 
     def write(self, state, layer: int, out: Tensor):
         if isinstance(state, FusedState):
-            return self._fused_write(state, layer, out)
+            return super().write(state, layer, out)  # the two-phase path's write: one eager call
         if state.buffer is not None and not (layer + 1) % self.cfg.block_size:  # b_n written once into the buffer
             row = state.buffer.append(*((out,) if state.partial is None else (state.partial, out)))
             return replace(state, summaries=state.summaries + (row,), partial=None)

@@ -172,3 +172,30 @@ def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):
     text = kernel_counters.summarize([str(path)], "_t").read_text()
     assert "| r | _pre_fwd_kernel | 1024 × 128 | 182.62 us | 15.26 | 89.37 | 48 | 43.93 |" in text
     assert "compute capability 9.0" in text and "--ops mhc" in text
+
+
+def test_saved_bytes_counts_each_storage_once_and_tabulates(tmp_path, monkeypatch):
+    """benchmarks.saved_bytes: a tensor that autograd saves twice counts once, parameters not at all; the table
+    has a row per residual against vanilla; an unknown residual is refused, listing the registered ones."""
+    import benchmarks.roofline as roofline
+    from benchmarks import saved_bytes
+
+    class Square(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(11, 8)
+
+        def forward(self, tokens, doc_ids):
+            x = self.emb(tokens).float() * 2  # (2, 5, 8) fp32
+            return (x * x) @ self.emb.weight.t()  # the product saves x twice; bf16 autocast casts for the matmul
+
+    # x once (320 bytes, not 640), the bf16 copies the matmul saves of x·x (160) and of the weight (176, a new
+    # storage: counted), the embedding's indices (80); the weight itself (a parameter) not
+    assert saved_bytes.saved_bytes(Square(), torch.zeros(2, 5, dtype=torch.long), None) == (736, 4)
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    saved_bytes.main(["--residuals", "vanilla", "attnres_block", "--backend", "torch", "--set", "model.seq_len=16",
+                      "--tag", "_test"])
+    text = (tmp_path / "saved_bytes_tiny_test.md").read_text()
+    assert "| vanilla |" in text and "| attnres_block |" in text and "| 1.000 |" in text
+    with pytest.raises(SystemExit, match=r"'vanila'.*vanilla"):
+        saved_bytes.main(["--residuals", "vanila"])

@@ -22,7 +22,9 @@ w = σ(z − lse) (the partial's share of the merged softmax), h = o + w·(p −
 writes h and w (N,) fp32.
 
 Backward, ``_merge_bwd_kernel`` (per consumer) then ``_summaries_bwd_kernel`` (per block):
-    merge:   do = (1−w)·dh,  dz = w(1−w)·dh·(p − o),  dlse = −dz,  dp = w·dh + dz·∂z/∂p
+    merge:   do = (1−w)·dh,  dz = w(1−w)·dh·(p − o) = w·dh·(p − h),  dlse = −dz,  dp = w·dh + dz·∂z/∂p
+             (from h, the merge's output, which the consumer's sublayer holds anyway, not from o: p − h =
+             (1−w)(p − o), so no (B, T, d) phase-1 output is kept per merge)
     phase 1: dlogit_cs = w_cs (dO_c·x_s − dO_c·o_c + dlse_c),  w_cs = exp(logit_cs − lse_c)
              dx_s = Σ_c w_cs dO_c + Σ_c dlogit_cs ∂logit_cs/∂x_s
 with ∂logit/∂x = r (qg − logit·r·x / d), r = rsqrt(mean x² + eps) for the key RMSNorm. With
@@ -318,7 +320,7 @@ def _merge_fwd_kernel(
 
 @triton.jit
 def _merge_bwd_kernel(
-    o_ptr,  # phase-1 output (N, d)
+    h_ptr,  # the merge's output (N, d)
     p_ptr,  # the partial (N, d)
     qg_ptr,  # gain-folded query (d,) fp32
     w_ptr,  # forward weight of the partial (N,) fp32
@@ -343,11 +345,11 @@ def _merge_bwd_kernel(
         mask_t = offs_t < N
         mask = mask_t[:, None] & mask_d[None, :]
         td = offs_t.to(tl.int64)[:, None] * D + offs_d[None, :]
-        o = tl.load(o_ptr + td, mask=mask, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + td, mask=mask, other=0.0).to(tl.float32)
         p = tl.load(p_ptr + td, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + td, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_t, mask=mask_t, other=0.0)
-        dz = w * (1.0 - w) * tl.sum(dh * (p - o), axis=1)  # through w = σ(z − lse)
+        dz = w * tl.sum(dh * (p - h), axis=1)  # through w = σ(z − lse): w(1−w)·dh·(p − o), as p − h = (1−w)(p − o)
         dp = w[:, None] * dh
         if KEY_NORM:
             r = tl.rsqrt(tl.sum(p * p, axis=1) / D + eps)
@@ -527,17 +529,18 @@ def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, 
     return h, w
 
 
-def merge_bwd(o: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, key_norm: bool, eps: float):
-    """-> do (o's dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32."""
-    d = o.shape[-1]
-    N = o.numel() // d
+def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtype: torch.dtype, key_norm: bool,
+              eps: float):
+    """h (the merge's output), p (B, T, d) contiguous -> do (o_dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32."""
+    d = h.shape[-1]
+    N = h.numel() // d
     block_t, block_d, warps = _row_tiles(d)
-    do, dp = torch.empty_like(o), torch.empty_like(p)
-    dlse = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
+    do, dp = torch.empty(h.shape, device=h.device, dtype=o_dtype), torch.empty_like(p)
+    dlse = torch.empty(h.shape[:-1], device=h.device, dtype=torch.float32)
     meta = dict(KEY_NORM=key_norm, BLOCK_T=block_t, BLOCK_D=block_d)
-    args = [o, p, qg, w, dh, do, dp, dlse, qg, N, d, eps]
-    programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, _cdiv(N, block_t), o.device)
-    args[8] = dqg = torch.empty(programs, d, device=o.device, dtype=torch.float32)
+    args = [h, p, qg, w, dh, do, dp, dlse, qg, N, d, eps]
+    programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, _cdiv(N, block_t), h.device)
+    args[8] = dqg = torch.empty(programs, d, device=h.device, dtype=torch.float32)
     _merge_bwd_kernel[(programs,)](*args, **meta, num_warps=warps)
     return do, dp, dlse, dqg.sum(0)
 
@@ -601,15 +604,18 @@ class MergeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, lse, p, qg, key_norm, eps):
         h, w = merge_fwd(o, lse, p, qg, key_norm=key_norm, eps=eps)
-        ctx.save_for_backward(o, p, qg, w)
-        ctx.key_norm, ctx.eps = key_norm, eps
+        # the output h, not o: the backward needs only dh·(p − o) = dh·(p − h)/(1 − w), and h is the consumer
+        # sublayer's input, which it holds for its own backward; o would be one more (B, T, d) tensor per merge
+        ctx.save_for_backward(h, p, qg, w)
+        ctx.key_norm, ctx.eps, ctx.o_dtype = key_norm, eps, o.dtype
         ctx.mark_non_differentiable(w)
         return h, w
 
     @staticmethod
     def backward(ctx, dh, _dw):
-        o, p, qg, w = ctx.saved_tensors
-        do, dp, dlse, dqg = merge_bwd(o, p, qg, w, dh.contiguous(), key_norm=ctx.key_norm, eps=ctx.eps)
+        h, p, qg, w = ctx.saved_tensors
+        do, dp, dlse, dqg = merge_bwd(h, p, qg, w, dh.contiguous(), o_dtype=ctx.o_dtype, key_norm=ctx.key_norm,
+                                      eps=ctx.eps)
         return do, dlse, dp, dqg, None, None
 
 

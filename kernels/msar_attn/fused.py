@@ -26,7 +26,8 @@ query), logit, online softmax over sources (fp32), weighted sum.
   conv arithmetic; storing R would cost 2·m·d·4 bytes a token of HBM traffic instead.
 
 ``WRITE_R`` makes the same kernel write the streams R (m, B, T, d) fp32 instead of h (the public
-``msar_attn``, streams only). ``SAVE`` (when a gradient is wanted) also writes R in x's dtype and
+``msar_attn``, streams only). ``SAVE`` (when a gradient is wanted) also writes R (in x's dtype, under
+autocast in its narrower dtype: ``saved_streams_dtype``) and
 two per-token scalars of the mixer (R·φ, ‖vec R‖²) for the backward: 2·m·d bytes a token in bf16,
 against rebuilding the views once more (the mixer backward took 3.9 ms at `small` rebuilding them,
 0.22 ms reading them).
@@ -254,7 +255,7 @@ def _fwd_kernel(
     out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
     logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
-    save_r_ptr,  # with SAVE (for the backward): the streams R (m, B, T, d) in x's dtype
+    save_r_ptr,  # with SAVE (for the backward): the streams R (m, B, T, d) (``saved_streams_dtype``)
     save_z_ptr,  # with SAVE: R·φ (m, B, T) fp32
     save_rr_ptr,  # with SAVE: ‖vec R‖² (B, T) fp32
     S, n_buf, p_off, B, T, D, M, K_MAX, eps, n_dt,
@@ -376,7 +377,7 @@ def _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, 
 
 @triton.jit
 def _mix_bwd_kernel(
-    r_ptr,  # the streams R (m, B, T, d) in x's dtype, saved by the forward
+    r_ptr,  # the streams R (m, B, T, d) as the forward saved them (``saved_streams_dtype``)
     z_ptr,  # R·φ (m, B, T) fp32, saved by the forward
     rr_ptr,  # ‖vec R‖² (B, T) fp32, saved by the forward
     phi_ptr, alpha_ptr, bias_ptr,  # the mixer's parameters, as in _fwd_kernel
@@ -853,10 +854,10 @@ def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
 
 
 def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
-            store_logits=False, save=False, partial=None):
+            store_logits=False, save=False, partial=None, save_dtype=None):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
     logits (m, S, B, T) fp32 when ``store_logits`` (else None), and with ``save`` what the mixer's
-    backward takes, (R (m, B, T, d) in x's dtype, R·φ (m, B, T), ‖vec R‖² (B, T)) (else None).
+    backward takes, (R (m, B, T, d) in ``save_dtype`` (default x's), R·φ (m, B, T), ‖vec R‖² (B, T)) (else None).
     ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``; ``partial``: a last source read in place
     (``sources_layout``)."""
     _, B, T, d = x.shape
@@ -872,7 +873,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
         logits = torch.empty(m_pad, S, B, T, device=x.device, dtype=torch.float32)
     phi, alpha, bias = (lse, lse, lse) if write_r else mixer  # unused by the kernel with WRITE_R
     save = save and not write_r
-    saved = ((torch.empty(m, B, T, d, device=x.device, dtype=x.dtype),
+    saved = ((torch.empty(m, B, T, d, device=x.device, dtype=save_dtype or x.dtype),
               torch.empty(m, B, T, device=x.device, dtype=torch.float32),
               torch.empty(B, T, device=x.device, dtype=torch.float32)) if save else (lse, lse, lse))
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
@@ -881,6 +882,20 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
         STORE_LOGITS=store_logits, SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd,
         V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S))
     return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
+
+
+def saved_streams_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the streams R are kept in for the mixer's backward: x's, or under autocast its dtype when that
+    is narrower (bf16 for fp32 sources under bf16 mixed precision, as autocast's matmuls keep their inputs for
+    backward): 2·m·d bytes a token and consumer instead of 4·m·d (msar_block at `medium`: about 8 GiB of its
+    peak). The mixer's backward reads R for dh·r_j, the RMSNorm term of dR and dφ; the softmax backward does not
+    use it (the stats kernel rebuilds the views in fp32)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        low = torch.get_autocast_dtype(dev)
+        if low.itemsize < x.dtype.itemsize:
+            return low
+    return x.dtype
 
 
 def dphi_from(r: Tensor, coef: Tensor) -> Tensor:
@@ -990,7 +1005,7 @@ class MsarFunction(torch.autograd.Function):
     ``RowGradients`` ``grads`` (added to what later readers left there), not to autograd, which would sum one
     (B, T, d) gradient per reader: each row's store takes the finished sum (kernels/depth_attn/buffer.py).
     Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves the inputs,
-    the lse, and (when a gradient is wanted) the streams R in x's dtype with two per-token scalars of
+    the lse, and (when a gradient is wanted) the streams R (``saved_streams_dtype``) with two per-token scalars of
     the mixer: the mixer's backward then reads R instead of rebuilding the views (2·m·d bytes a
     token in bf16; docs/kernel_msar.md, "Backward"); the streams' backward rebuilds them."""
 
@@ -1006,7 +1021,7 @@ class MsarFunction(torch.autograd.Function):
         h, lse, logits, saved = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                         key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                         sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
-                                        partial=partial)
+                                        partial=partial, save_dtype=saved_streams_dtype(x))
         # with a buffer the rows stay on ctx (written once) and only the partial is saved
         ctx.rows, ctx.grads = (None, None) if buffer is None else buffer
         keep = xs if buffer is None else (partial,)

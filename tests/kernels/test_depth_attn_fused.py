@@ -154,6 +154,40 @@ def test_two_phase_reference_gradcheck():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("bias", [0.0, 9.0], ids=["mixed", "partial-dominant"])
+def test_merge_keeps_only_its_partial_and_its_output(bias):
+    """The fused merge's backward needs dh·(p − o), which it takes as dh·(p − h)/(1 − w) from its output h (the
+    consumer's sublayer input, held by the sublayer anyway), so the phase-1 output o is not kept: the large
+    tensors it saves are its partial and its output, nothing else. Its gradients match the fp64 reference for a
+    random upstream gradient, also when the partial takes nearly all the weight (1 − w down to 6e-4, where
+    p − h is small). fp32 keeps dz = w·dh·(p − h) to about eps/(1 − w) relative, as it kept w(1 − w)·dh·(p − o)
+    from the fp32 w (measured at 1 − w = 6e-4: 8.7e-6 against 6.4e-6 for the log-sum-exp's gradient)."""
+    sources, partials, queries, key_gains = make_inputs(2, 4, 2, 13, 24, True, seed=3)
+    partials[1] += bias * queries[1] / queries[1].norm() * 24 ** 0.5  # aligned with the query: a large logit
+    out, lse = depth_attn_summaries(sources, queries, key_gains, backend="torch")
+    o = out[1].detach().requires_grad_()
+    lse1 = lse[1].detach().requires_grad_()
+    p = partials[1].clone().requires_grad_()
+    q = queries[1].clone().requires_grad_()
+    gain = key_gains[1].clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h, w = depth_attn_merge(o, lse1, p, q, gain, backend="triton")
+    large = {t.data_ptr() for t in saved if t.dim() == 3}
+    assert large == {p.data_ptr(), h.data_ptr()}, "the merge keeps a (B, T, d) tensor other than p and h"
+    if bias:
+        assert float(w.max()) > 0.999, float(w.max())
+    up = torch.randn(h.shape, generator=torch.Generator().manual_seed(4))
+    leaves = (o, lse1, p, q, gain)
+    grads = torch.autograd.grad((h * up).sum(), leaves)
+    wide = [t.detach().double().requires_grad_() for t in leaves]
+    ref_h, _ = reference.merge(*wide)
+    ref_grads = torch.autograd.grad((ref_h * up.double()).sum(), wide)
+    for name, a, b in zip(("o", "lse", "p", "q", "gain"), grads, ref_grads):
+        assert rel_err(a.double(), b) < (3e-5 if bias else 1e-5), f"{name}: relative error {rel_err(a.double(), b):.2e}"
+
+
+@needs_interpreter
 def test_buffer_rows_are_read_in_place_and_written_once():
     # Phase 1 reads the buffer rows written so far; a later append does not change an earlier
     # result's backward (rows are never modified), and a full buffer is an error.

@@ -413,11 +413,47 @@ def test_gpu_auto_backend_is_the_fused_op_and_matches_the_reference(name, overri
 
 
 @needs_interpreter
+@pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres_block", ("residual.block_size=4",))])
+def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overrides, monkeypatch):
+    """Phase 1 writes the C outputs of a group into one (C, B, T, d) tensor. For backward the merges keep their
+    own output, not the phase-1 output they read, and a read without a merge hands its sublayer a tensor of its
+    own, not a view: no autograd node keeps a group's phase-1 tensor, so it is freed when the next group opens
+    (before, every group's C outputs lived until the backward; `python -m benchmarks.saved_bytes`)."""
+    from kernels.depth_attn import fused
+    from tests.helpers import build_backbone, packed_batch
+
+    phase_one = []  # held here, so that no later tensor reuses their addresses
+    real = fused.summaries
+
+    def recording(*args, **kwargs):
+        res = real(*args, **kwargs)
+        if res[0].untyped_storage().nbytes() > res[0].nbytes:  # C > 1 outputs in one (C, B, T, d) storage
+            phase_one.append(res[0].detach())
+        return res
+
+    monkeypatch.setattr(fused, "summaries", recording)
+    model = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.backend=triton", *overrides))
+    tokens, docs = packed_batch(2, 11, 37)
+    kept = set()
+
+    def pack(t):
+        kept.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens, docs)
+    assert len(phase_one) == (2 if name == "attnres" else 1)  # the groups of two sublayers, or the one block
+    assert not {t.untyped_storage().data_ptr() for t in phase_one} & kept
+    logits.backward(torch.randn_like(logits))  # and the backward runs from what is kept
+    assert all(torch.isfinite(p.grad).all() for p in model.residual.parameters())
+
+
+@needs_interpreter
 @pytest.mark.parametrize("merge_backend, fused_merges", [("auto", True), ("triton", True), ("torch", False)])
 def test_merge_backend_dispatch_is_explicit(merge_backend, fused_merges, monkeypatch):
     """residual.merge_backend picks the op of phase 2 on the two-phase path, whatever phase 1 runs on: with
-    "torch" the fused merge is never called (PyTorch ops, compiled with their sublayer under
-    trainer.compile_scope=model), with "auto" (backend=triton) and "triton" it is."""
+    "torch" the fused merge is never called (PyTorch ops, traced and compiled in the read's frame under
+    torch.compile), with "auto" (backend=triton) and "triton" it is."""
     from kernels.depth_attn import fused
     from tests.helpers import build_backbone, packed_batch
 

@@ -281,10 +281,10 @@ def test_fused_reads_take_their_sources_in_place(name, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["msar", "msar_block"])
 def test_buffered_fused_reads_trace_under_torch_compile(name):
-    # The whole-forward compile (trainer.compile_scope=model) traces the buffered read: Dynamo (its eager backend:
-    # the tracing, not Inductor) breaks the graph only at the buffer's store and at the fused op, both
-    # torch.compiler.disable'd, and the compiled forward and backward equal the eager ones (bf16 autocast, as the
-    # compiled grouped GEMM wants on the CPU).
+    # The whole-forward compile (trainer.compile_scope=model) over the buffered read: Dynamo (its eager backend:
+    # the tracing, not Inductor) breaks the graph only at the buffer's store and at the read, which runs as one
+    # eager call (`residuals.attnres.eager`, both torch.compiler.disable'd: test_model.py shows why), and the compiled
+    # forward and backward equal the eager ones (bf16 autocast, as the compiled grouped GEMM wants on the CPU).
     from tests.helpers import build_backbone, packed_batch
 
     torch.manual_seed(0)
@@ -309,7 +309,7 @@ def test_buffered_fused_reads_trace_under_torch_compile(name):
     torch._dynamo.reset()
     assert len(compiled) == len(eager) and all(torch.equal(a, b) for a, b in zip(compiled, eager))
     assert all("torch.compiler.disable" in r for r in reasons), reasons  # no other break
-    assert any("SourceBuffer.append" in r for r in reasons) and any("function msar" in r for r in reasons), reasons
+    assert any("SourceBuffer.append" in r for r in reasons) and any("function eager" in r for r in reasons), reasons
 
 
 def test_fused_kernel_refuses_what_it_does_not_compute():

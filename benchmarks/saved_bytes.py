@@ -1,0 +1,93 @@
+"""What autograd keeps from a training forward for its backward, per residual, on any device.
+
+    python -m benchmarks.saved_bytes [--model tiny] [--residuals vanilla attnres_block] [--backend triton]
+                                     [--batch 2] [--set KEY=VALUE ...] [--tag NAME]
+
+One forward of the backbone (bf16 autocast, as `trainer=gpu` trains) under
+``torch.autograd.graph.saved_tensors_hooks``: every tensor an autograd node saves is counted once per storage
+(a tensor saved by two nodes, e.g. a merge's output that its consumer sublayer saves as its input, counts
+once), in bytes and in units of one (B, T, d) fp32 tensor, and against vanilla's. Not counted: what an op keeps
+on its ctx outside ``save_for_backward`` (the fused depth attention's source buffer and row gradients), the
+parameters, and the backward's temporaries: this is the activation memory a change moves, not the peak (on a
+GPU ``benchmarks.throughput`` reports the peak). Deterministic: it needs no GPU, and on the CPU
+``--backend triton`` runs the fused ops through Triton's interpreter (set here when there is no GPU).
+The table goes to benchmarks/results/saved_bytes_<model><tag>.md with the command, the device and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import weakref
+
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.roofline import Table  # noqa: E402
+from benchmarks.throughput import build, packed_batch, run_names  # noqa: E402
+
+
+def saved_bytes(model, tokens, doc_ids) -> tuple[int, int]:
+    """(bytes, tensors) of the distinct storages that one forward of ``model`` leaves saved for its backward:
+    what the graph still holds when the forward returns (a node dropped during the forward, and what it saved,
+    is not counted), each storage once, parameters excluded."""
+    saved = []
+
+    def pack(t):
+        saved.append(weakref.ref(t))  # the graph holds t while its node lives
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16):
+            logits = model(tokens, doc_ids)
+    storages = {}
+    for ref in saved:
+        t = ref()
+        if t is not None and t.device.type != "meta":
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                storages[(s.device.type, s.data_ptr())] = s.nbytes()
+    del logits
+    return sum(storages.values()), len(storages)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--residuals", nargs="+", default=["vanilla", "attnres", "attnres_block"])
+    p.add_argument("--backend", default="triton", help="residual.backend of the depth-attention residuals")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. model.seq_len=256")
+    p.add_argument("--tag", default="")
+    a = p.parse_args(argv)
+    run_names(a.residuals, [])  # an unknown name: an error listing the registered ones, before any work
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    table = Table(f"Tensors saved for backward by one training forward, `{a.model}`",
+                  ["residual", "MB saved", "tensors", "(B, T, d) fp32 units", "vs vanilla"],
+                  notes=[f"batch {a.batch}, bf16 autocast, residual.backend={a.backend} for the residuals that have "
+                         "one; distinct storages, parameters excluded (benchmarks/saved_bytes.py says what is not "
+                         "counted)"])
+    base = None
+    for name in a.residuals:
+        torch.manual_seed(0)
+        extra = [] if name == "vanilla" else [f"residual.backend={a.backend}"]
+        model, cfg = build(a.model, name, a.vocab, [*extra, *a.set], device)
+        model.train()
+        tokens, doc_ids = packed_batch(a.batch, cfg.model.seq_len, a.vocab, device)  # seq_len + 1: inputs, targets
+        nbytes, count = saved_bytes(model, tokens[:, :-1], doc_ids[:, :-1])
+        unit = a.batch * cfg.model.seq_len * cfg.model.d_model * 4
+        base = base or (nbytes if name == "vanilla" else None)
+        table.add(name, f"{nbytes / 1e6:.2f}", count, f"{nbytes / unit:.1f}",
+                  f"{nbytes / base:.3f}" if base else "-")
+        print(" | ".join(table.rows[-1]), flush=True)
+    table.write(f"saved_bytes_{a.model}{a.tag}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
