@@ -288,11 +288,12 @@ class DepthAttentionResidual(Residual):
         if state.partial is None:
             if state.ctx.record:
                 self._record(state.ctx, consumer, state.weights[c][None])
-            h = out.to(state.dtype)  # in the buffer's dtype: back to the stream's
-            if h.untyped_storage().nbytes() > h.numel() * h.element_size():
+            if out.dtype == state.dtype and len(state.outs) > 1:
                 # a view of the group's phase-1 outputs (C, B, T, d): the consumer's sublayer keeps its input for
                 # backward and would keep all C with it (nothing else does: the merges keep their output instead)
-                h = h.clone()
+                h = out.clone()
+            else:
+                h = out.to(state.dtype)  # the buffer's dtype back to the stream's (a copy), or the group's only output
             return self._after_read(h, consumer, state.ctx)
         h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer],
                                 None if state.gains is None else state.gains[consumer], key_norm=self.cfg.key_norm,
