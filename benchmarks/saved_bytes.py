@@ -30,10 +30,12 @@ from benchmarks.roofline import Table  # noqa: E402
 from benchmarks.throughput import build, packed_batch, run_names  # noqa: E402
 
 
-def saved_bytes(model, tokens, doc_ids) -> tuple[int, int]:
+def saved_bytes(model, tokens, doc_ids, by_node: dict | None = None) -> tuple[int, int]:
     """(bytes, tensors) of the distinct storages that one forward of ``model`` leaves saved for its backward:
     what the graph still holds when the forward returns (a node dropped during the forward, and what it saved,
-    is not counted), each storage once, parameters excluded."""
+    is not counted), each storage once, parameters excluded. With ``by_node`` (a dict), also which kind of
+    autograd node keeps them: bytes per node type (``MsarFunctionBackward``, ``MmBackward0``, ...), a storage
+    counted for the first kind that keeps it walking back from the output, "(not reached)" for the rest."""
     saved = []
 
     def pack(t):
@@ -51,8 +53,48 @@ def saved_bytes(model, tokens, doc_ids) -> tuple[int, int]:
             s = t.untyped_storage()
             if s.data_ptr() not in params:
                 storages[(s.device.type, s.data_ptr())] = s.nbytes()
+    if by_node is not None:
+        owner = _node_owners(logits.grad_fn)
+        for key, nbytes in storages.items():
+            kind = owner.get(key, "(not reached)")
+            by_node[kind] = by_node.get(kind, 0) + nbytes
     del logits
     return sum(storages.values()), len(storages)
+
+
+def _node_saved(node) -> list[torch.Tensor]:
+    """The tensors an autograd node keeps: a custom Function's ``saved_tensors``, a built-in node's ``_saved_*``."""
+    if hasattr(node, "saved_tensors"):  # a custom autograd.Function's node
+        try:
+            return [t for t in node.saved_tensors if isinstance(t, torch.Tensor)]
+        except RuntimeError:  # freed or never saved
+            return []
+    out = []
+    for name in dir(node):
+        if name.startswith("_saved_") and not name.endswith(("sym_sizes", "sym_strides")):
+            try:
+                value = getattr(node, name)
+            except RuntimeError:
+                continue
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+    return out
+
+
+def _node_owners(root) -> dict[tuple, str]:
+    """Storage key -> the type of the first node, walking back from ``root`` breadth first, that keeps it."""
+    owners, seen, queue = {}, set(), [root]
+    while queue:
+        node = queue.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for t in _node_saved(node):
+            s = t.untyped_storage()
+            owners.setdefault((s.device.type, s.data_ptr()), type(node).__name__)
+        queue.extend(next_node for next_node, _ in node.next_functions)
+    return owners
 
 
 def main(argv=None) -> int:
@@ -63,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. model.seq_len=256")
+    p.add_argument("--by-node", type=int, default=6, metavar="K",
+                   help="a second table: the K kinds of autograd node that keep the most, per residual (0: none)")
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     run_names(a.residuals, [])  # an unknown name: an error listing the registered ones, before any work
@@ -72,6 +116,7 @@ def main(argv=None) -> int:
                   notes=[f"batch {a.batch}, bf16 autocast, residual.backend={a.backend} for the residuals that have "
                          "one; distinct storages, parameters excluded (benchmarks/saved_bytes.py says what is not "
                          "counted)"])
+    kinds = Table("", ["residual", "kept by (autograd node)", "MB", "(B, T, d) fp32 units", "of the residual's"])
     base = None
     for name in a.residuals:
         torch.manual_seed(0)
@@ -79,13 +124,24 @@ def main(argv=None) -> int:
         model, cfg = build(a.model, name, a.vocab, [*extra, *a.set], device)
         model.train()
         tokens, doc_ids = packed_batch(a.batch, cfg.model.seq_len, a.vocab, device)  # seq_len + 1: inputs, targets
-        nbytes, count = saved_bytes(model, tokens[:, :-1], doc_ids[:, :-1])
+        nodes: dict[str, int] = {}
+        nbytes, count = saved_bytes(model, tokens[:, :-1], doc_ids[:, :-1], nodes)
         unit = a.batch * cfg.model.seq_len * cfg.model.d_model * 4
         base = base or (nbytes if name == "vanilla" else None)
         table.add(name, f"{nbytes / 1e6:.2f}", count, f"{nbytes / unit:.1f}",
                   f"{nbytes / base:.3f}" if base else "-")
         print(" | ".join(table.rows[-1]), flush=True)
-    table.write(f"saved_bytes_{a.model}{a.tag}")
+        for kind, kb in sorted(nodes.items(), key=lambda kv: -kv[1])[:a.by_node]:
+            kinds.add(name, kind, f"{kb / 1e6:.2f}", f"{kb / unit:.1f}", f"{kb / nbytes:.0%}")
+    path = table.write(f"saved_bytes_{a.model}{a.tag}")
+    if a.by_node:  # the second table, below the first in the same file
+        lines = kinds.markdown().split("\n")
+        body = "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("|")):])  # the table only
+        text = (f"\n## Who keeps it\n\nPer residual, the {a.by_node} kinds of autograd node that keep the most (a "
+                "storage kept by several counts for the first found walking back from the output).\n\n" + body)
+        with open(path, "a") as f:
+            f.write(text)
+        print(text)
     return 0
 
 

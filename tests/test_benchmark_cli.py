@@ -175,8 +175,9 @@ def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):
 
 
 def test_saved_bytes_counts_each_storage_once_and_tabulates(tmp_path, monkeypatch):
-    """benchmarks.saved_bytes: a tensor that autograd saves twice counts once, parameters not at all; the table
-    has a row per residual against vanilla; an unknown residual is refused, listing the registered ones."""
+    """benchmarks.saved_bytes: a tensor that autograd saves twice counts once, parameters not at all, and each
+    storage is attributed to the node that keeps it; the table has a row per residual against vanilla and a
+    second table of who keeps it; an unknown residual is refused, listing the registered ones."""
     import benchmarks.roofline as roofline
     from benchmarks import saved_bytes
 
@@ -191,11 +192,15 @@ def test_saved_bytes_counts_each_storage_once_and_tabulates(tmp_path, monkeypatc
 
     # x once (320 bytes, not 640), the bf16 copies the matmul saves of x·x (160) and of the weight (176, a new
     # storage: counted), the embedding's indices (80); the weight itself (a parameter) not
-    assert saved_bytes.saved_bytes(Square(), torch.zeros(2, 5, dtype=torch.long), None) == (736, 4)
+    nodes = {}
+    assert saved_bytes.saved_bytes(Square(), torch.zeros(2, 5, dtype=torch.long), None, nodes) == (736, 4)
+    # and who keeps them, each storage once: the product x, the matmul its two bf16 operands, the embedding its indices
+    assert nodes == {"MulBackward0": 320, "MmBackward0": 336, "EmbeddingBackward0": 80}, nodes
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
     saved_bytes.main(["--residuals", "vanilla", "attnres_block", "--backend", "torch", "--set", "model.seq_len=16",
                       "--tag", "_test"])
     text = (tmp_path / "saved_bytes_tiny_test.md").read_text()
     assert "| vanilla |" in text and "| attnres_block |" in text and "| 1.000 |" in text
+    assert "## Who keeps it" in text and "| attnres_block | MergeFunctionBackward |" not in text  # torch backend
     with pytest.raises(SystemExit, match=r"'vanila'.*vanilla"):
         saved_bytes.main(["--residuals", "vanila"])

@@ -144,13 +144,14 @@ def run_compare(cc: CompareConfig, base: list[str], command: str = "") -> tuple[
     curves = plot_curves(rows, out_dir / "compare.png", title)
     bars = plot_bars(rows, out_dir / "compare_bars.png", title, cc.level, reference=target)
     trained = len([c for c in codes.values() if c == 0])
+    written = time.strftime('%Y-%m-%d %H:%M %Z')  # one date for compare.md and the report (each rendered below)
 
     def document(curves_name: str | None, bars_name: str | None) -> str:
         lines = [
             f"# Comparison `{name}`",
             "",
             f"- command: `{command or 'python -m platform.compare'}`",
-            f"- date: {time.strftime('%Y-%m-%d %H:%M %Z')}; report written on: {machine_description()}; runs trained "
+            f"- date: {written}; report written on: {machine_description()}; runs trained "
             f"on: {trained_on(rows)}",
             f"- model `{cfg0.model.name}`, {t.max_steps} steps x {cfg0.data.batch_size} x {cfg0.model.seq_len} tokens "
             f"= {budgets[variants[0].name]:,} training tokens per run (every variant); data order: a function of "
