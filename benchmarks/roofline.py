@@ -95,9 +95,13 @@ class Table:
                 f"- command: `python -m {' '.join([_module_name(), *sys.argv[1:]])}`",
                 f"- GPU: {gpu}; torch {torch.__version__}; date {dt.date.today().isoformat()}",
                 *[f"- {n}" for n in self.notes], ""]
+        return "\n".join(head) + "\n" + self.rows_markdown()
+
+    def rows_markdown(self) -> str:
+        """The table alone (header row and rows), without the title and provenance lines."""
         lines = ["| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
         lines += ["| " + " | ".join(r) + " |" for r in self.rows]
-        return "\n".join(head + lines) + "\n"
+        return "\n".join(lines) + "\n"
 
     def write(self, name: str) -> Path:
         RESULTS.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                   notes=[f"batch {a.batch}, bf16 autocast, residual.backend={a.backend} for the residuals that have "
                          "one; distinct storages, parameters excluded (benchmarks/saved_bytes.py says what is not "
                          "counted)"])
-    kinds = Table("", ["residual", "kept by (autograd node)", "MB", "(B, T, d) fp32 units", "of the residual's"])
+    kinds = Table("who keeps it", ["residual", "kept by (autograd node)", "MB", "(B, T, d) fp32 units", "of the residual's"])
     base = None
     for name in a.residuals:
         torch.manual_seed(0)
@@ -135,10 +135,9 @@ def main(argv=None) -> int:
             kinds.add(name, kind, f"{kb / 1e6:.2f}", f"{kb / unit:.1f}", f"{kb / nbytes:.0%}")
     path = table.write(f"saved_bytes_{a.model}{a.tag}")
     if a.by_node:  # the second table, below the first in the same file
-        lines = kinds.markdown().split("\n")
-        body = "\n".join(lines[next(i for i, line in enumerate(lines) if line.startswith("|")):])  # the table only
         text = (f"\n## Who keeps it\n\nPer residual, the {a.by_node} kinds of autograd node that keep the most (a "
-                "storage kept by several counts for the first found walking back from the output).\n\n" + body)
+                "storage kept by several counts for the first found walking back from the output).\n\n"
+                + kinds.rows_markdown())
         with open(path, "a") as f:
             f.write(text)
         print(text)

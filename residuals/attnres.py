@@ -235,8 +235,8 @@ class DepthAttentionResidual(Residual):
                 return self._fused_read(state, layer)
             return eager(self._fused_read, state, layer)  # a fused op between graph breaks: one eager call
         if state.buffer is not None:  # a fused one-pass read (MSAR): one eager call
-            return eager(self._one_pass_read, state, layer)
-        return self._retrieve(self._read_sources(state), layer, state.ctx)
+            return eager(self._source_read, state, layer)
+        return self._source_read(state, layer)
 
     def write(self, state, layer: int, out: Tensor):
         if isinstance(state, FusedState):  # a partial sum, or at a group's end the buffer's store and phase 1
@@ -254,7 +254,8 @@ class DepthAttentionResidual(Residual):
         that takes them in place (``BufferedSources``) instead of a stacked copy per read. None here."""
         return False
 
-    def _one_pass_read(self, state: SourceState, consumer: int) -> Tensor:
+    def _source_read(self, state, consumer: int) -> Tensor:
+        """The read over a list of sources (or, with a buffer, the fused one-pass read over them)."""
         return self._retrieve(self._read_sources(state), consumer, state.ctx)
 
     def _read_sources(self, state) -> list[Tensor] | BufferedSources:
