@@ -111,7 +111,7 @@
 #            run as one eager call each (2026-12-01 late, counted on the CPU only): the compiled-whole training tests of
 #            EAGER_TESTS (a -k expression, default attnres_block or msar_block) with TORCH_LOGS=recompiles and their
 #            durations, then the `small` table of vanilla, attnres_block and msar_block (EAGER_RESIDUALS)
-#   memory   one GPU (about 580 s with the start; ARCHIVE=$OUT/m.tgz ... memory /tmp/m): what 2026-12-01 late changed in
+#   memory   one GPU (about 600 s with the start; ARCHIVE=$OUT/m.tgz ... memory /tmp/m): what 2026-12-01 late changed in
 #            what the fused ops keep for backward (Block AttnRes's merges keep their output, not the group's phase-1
 #            outputs; MSAR keeps R in bf16 under autocast): the `medium` table of vanilla, attnres_block and msar_block
 #            (peak memory; MEMORY_RESIDUALS), then the 60-step training parity of msar_block and attnres_block against
@@ -490,10 +490,10 @@ case "$PLAN" in
       --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_eager}
     ;;
   memory)
-    step gpu0 medium "${MEDIUM_LIMIT:-220}" python3 -m benchmarks.throughput --models medium \
+    step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium \
       --residuals ${MEMORY_RESIDUALS:-vanilla attnres_block msar_block} --compile model --graphs on \
       --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_memory}
-    step gpu0 parity "${PARITY_LIMIT:-330}" python3 -m benchmarks.backend_training \
+    step gpu0 parity "${PARITY_LIMIT:-260}" python3 -m benchmarks.backend_training \
       --residuals ${PARITY_RESIDUALS:-msar_block attnres_block} --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_memory}
     ;;
