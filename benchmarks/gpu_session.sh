@@ -116,6 +116,10 @@
 #            outputs; MSAR keeps R in bf16 under autocast): the `medium` table of vanilla, attnres_block and msar_block
 #            (peak memory; MEMORY_RESIDUALS), then the 60-step training parity of msar_block and attnres_block against
 #            their references, eager (PARITY_RESIDUALS, PARITY_SET), seeds 0 1
+#   serial   one GPU (about 570 s with the start; ARCHIVE=$OUT/s.tgz ... serial /tmp/s): MSAR's serial source-gradient
+#            kernel (2026-12-01 last, Blocks.src_mode): its candidates against the ring kernel at `small` and `medium`
+#            (benchmarks.msar_tiles), the op's GPU tests, the `small` table of vanilla and msar_block, and
+#            msar_block's 60-step training parity against its reference, eager, seeds 0 1
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -123,7 +127,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -496,6 +500,20 @@ case "$PLAN" in
     step gpu0 parity "${PARITY_LIMIT:-260}" python3 -m benchmarks.backend_training \
       --residuals ${PARITY_RESIDUALS:-msar_block attnres_block} --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_memory}
+    ;;
+  serial)
+    step gpu0 tiles_small "${TILES_LIMIT:-140}" python3 -m benchmarks.msar_tiles --shapes small --sources 5 \
+      --kernels "source gradients" --tag _serial
+    step gpu0 tiles_medium "${TILES_MEDIUM_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes medium --sources 9 \
+      --kernels "source gradients" --only 'src_mode="ring"' serial_ch=256 --tag _serial_medium
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py
+    step gpu0 small "${SMALL_LIMIT:-110}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_serial}
+    step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
+      --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_serial}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

@@ -91,6 +91,13 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
            dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3,
                 **n_dt(blk.stats_tiles()[0])), blk.stats_warps)
+    if getattr(blk, "src_mode", "ring") == "serial":  # (a revision before 2026-12-01 has the ring kernel only)
+        yield ("source gradients", fused._src_serial_kernel,
+               dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64"),
+               dict(SOFTMAX=True, KS=common["KS"], KOFF=tuple(sum(common["KS"][:j]) for j in range(m)),
+                    KW=k_max, NPAIR=sum(common["KS"]), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch),
+               blk.serial_warps)
+        return
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
                 tap_scratch_ptr=F32, q_off="i64"),

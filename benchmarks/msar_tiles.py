@@ -31,6 +31,16 @@ def candidates(blk) -> dict[str, list[dict]]:
         return sorted({max(1, bt // 2), bt, bt * 2})
 
     v3 = [dict(views_3d=not blk.views_3d)]  # the view builder's other layout
+    # the source-gradient kernel: the ring kernel's tiles (and its view layout), or the serial kernel's chunk and
+    # channel tiles; each mode's candidates include the other mode at its default tiles
+    ring = ([dict(src_mode="ring")] if blk.src_mode != "ring" else v3 + [dict(src_mode="serial")]) + [
+        dict(src_mode="ring", src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (1, 2, 4, 8)
+        if (bd, w) != (blk.src_bd, blk.src_warps)] + [
+        dict(src_mode="ring", src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
+        if (bt, sub) != (blk.src_bt, blk.sub)]
+    serial = [dict(src_mode="ring")] + [dict(serial_ch=ch) for ch in (32, 64, 256, 512) if ch != blk.serial_ch] + [
+        dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (256, 4))
+        if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch)]
     return {
         "forward": [{}] + v3 + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
                    + [dict(bt=bt, warps=w) for bt in around(blk.bt) for w in (2, 4, 8, 16)
@@ -49,10 +59,7 @@ def candidates(blk) -> dict[str, list[dict]]:
                  + [dict(stats_bt=bt, stats_bd=bd, stats_warps=1) for bt, bd in ((1, 128), (1, 256), (2, 128))]
                  + [dict(views_3d=not blk.views_3d, stats_bt=1, stats_bd=128, stats_warps=1)]
                  + [dict(stats_bt=bt, stats_bd=min(512, blk.bd), stats_warps=4) for bt in (2, 4)],  # the tiles before
-        "source gradients": [{}] + v3 + [dict(src_bd=bd, src_warps=w) for bd in (16, 32, 64) for w in (1, 2, 4, 8)
-                                    if (bd, w) != (blk.src_bd, blk.src_warps)]
-                            + [dict(src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
-                               if (bt, sub) != (blk.src_bt, blk.sub)],
+        "source gradients": [{}] + (serial if blk.src_mode == "serial" else ring),
     }
 
 
@@ -142,7 +149,8 @@ def parse_candidate(text: str) -> dict:
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_bt", "stats_bd", "stats_warps"),
-            "source gradients": ("src_bt", "src_bd", "src_warps", "sub")}[kernel]
+            "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch", "src_bt",
+                                 "src_bd", "src_warps", "sub")}[kernel]
 
 
 def main(argv=None) -> int:

@@ -670,6 +670,164 @@ def _src_kernel(
 
 
 @triton.jit
+def _emit_dx(dx_row, val, t, offs_d, mask_d, D, add):
+    """dx_s[t] = val, added to what the row already holds when ``add`` (a buffer row that later readers wrote)."""
+    ptr = dx_row + t * D + offs_d
+    if add:
+        val += tl.load(ptr, mask=mask_d, other=0.0).to(tl.float32)
+    tl.store(ptr, val.to(dx_row.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, ok, s, b, S, B, T, D, plane, offs_d, mask_d,
+                  SOFTMAX: tl.constexpr, KS: tl.constexpr):
+    """What one step of ``_src_serial_kernel`` loads for token t (nothing where ``ok`` is false), as one flat
+    tuple: the window bits, x[t], then per view w, κ, μ (κ = μ = 0 without SOFTMAX) and dR_j[t]."""
+    md = mask_d & ok
+    out = (tl.load(near_row + t, mask=ok, other=0),
+           tl.load(x_row + t * D + offs_d, mask=md, other=0.0).to(tl.float32))
+    for j in tl.static_range(len(KS)):
+        cidx = ((j * S + s) * B + b).to(tl.int64) * T + t
+        out = out + (tl.load(coef_ptr + cidx, mask=ok, other=0.0),)
+        if SOFTMAX:
+            out = out + (tl.load(coef_ptr + plane + cidx, mask=ok, other=0.0),
+                         tl.load(coef_ptr + 2 * plane + cidx, mask=ok, other=0.0))
+        else:
+            out = out + (0.0, 0.0)
+        out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md, other=0.0),)
+    return out
+
+
+@triton.jit(do_not_specialize=("S", "n_buf", "n_add"))  # counts of sources: one compile for every count
+def _src_serial_kernel(
+    x_ptr,  # sources (S, B, T, d)
+    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
+    qg_ptr,  # gain-folded queries (m, d) fp32
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
+    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
+    dx_ptr,  # result: dL/dx, as for ``_src_kernel`` (rows added into below n_add; the partial at q_off)
+    dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_part, m, d) fp32, one row per program
+    dtap_ptr,  # result: partial dL/dc (n_part, NPAIR, d) fp32, (view, tap) pairs view by view
+    S, n_buf, p_off, n_add, q_off, B, T, D, K_MAX, plane, CH, n_chunks,
+    SOFTMAX: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, NPAIR: tl.constexpr,
+    BD: tl.constexpr, PREFETCH: tl.constexpr,  # load token t+1 during step t
+):
+    """Gradients of one source's row on CH tokens and BD channels, walking the tokens one at a time
+    (one program per (source, channel tile), chunk, row; the sources vary fastest, so that the programs
+    that read the same dR run side by side). Each thread holds its channels' state in registers:
+    the taps c (Σ_j k_j), the last KW source values x[t-σ], the dx accumulators of the KW tokens that
+    dE[t] reaches (dx[t-τ] += c_τ^{(j)} ⊙ dE_j[t]: the conv adjoint, scattered), and the tap and query
+    gradients summed over the program's tokens. Per token t:
+        E_j[t]  = Σ_{σ<k_j} c_σ^{(j)} ⊙ x[t-σ] · [t-σ in t's document]
+        dE_j[t] = w dR_j[t] + κ qg_j - μ E_j[t]     (the stats kernel's w, κ, μ)
+        dqg_j += κ E_j[t],   dc_σ^{(j)} += dE_j[t] ⊙ x[t-σ] · [same document]
+        dx[t-τ] += Σ_j c_τ^{(j)} ⊙ dE_j[t] · [same document]
+    dx[t-KW] is final after token t-1 and is written then. The program runs KW - 1 tokens past its
+    chunk (the dE of the next tokens reaches back into it) without counting them in dqg and dc. No
+    scratch, no barriers, no shared memory: the only loads are one token of x, of dR and of the
+    stats a step, and the window bits (with PREFETCH issued one step ahead, so that their latency overlaps
+    a step's arithmetic)."""
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = tl.program_id(2)
+    s = pid % S
+    dt = pid // S
+    offs_d = dt * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    x_row = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off)
+    dx_row = dx_ptr + _src_off(s, b, B, T, D, n_buf, q_off)
+    near_row = near_ptr + b.to(tl.int64) * T
+    add = s < n_add
+    zero = tl.zeros((BD,), dtype=tl.float32)
+    c = ()  # the taps, (view, tap) pairs view by view
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
+    qg = ()
+    for j in tl.static_range(len(KS)):
+        qg = qg + (tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0),)
+    t0 = chunk * CH
+    t1 = tl.minimum(t0 + CH, T)
+    t_end = tl.minimum(t1 + KW - 1, T)
+    xw = ()  # x[t-1-σ], σ < KW, before the first step
+    dw = ()  # dx[t-1-τ] accumulators, τ < KW
+    for sg in tl.static_range(KW):
+        tt = t0 - 1 - sg
+        xw = xw + (tl.load(x_row + tt * D + offs_d, mask=mask_d & (tt >= 0), other=0.0).to(tl.float32),)
+        dw = dw + (zero,)
+    dq = ()
+    for j in tl.static_range(len(KS)):
+        dq = dq + (zero,)
+    dc = ()
+    for p in tl.static_range(NPAIR):
+        dc = dc + (zero,)
+    t = t0
+    nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d, mask_d,
+                        SOFTMAX, KS)
+    while t < t_end:
+        if PREFETCH:
+            cur = nxt
+            nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t + 1, t + 1 < t_end, s, b, S, B, T, D, plane,
+                                offs_d, mask_d, SOFTMAX, KS)
+        else:
+            cur = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d,
+                                mask_d, SOFTMAX, KS)
+        bits = cur[0]
+        xw = (cur[1],) + xw[:KW - 1]
+        xm = ()  # x[t-σ] where t-σ is in the row and in t's document, else 0
+        for sg in tl.static_range(KW):
+            xm = xm + (tl.where(((bits >> sg) & 1) != 0, xw[sg], 0.0),)
+        if t - KW >= t0:  # dx[t-KW] has every contribution (dE[t-KW .. t-1])
+            _emit_dx(dx_row, dw[KW - 1], t - KW, offs_d, mask_d, D, add)
+        own = (t < t1).to(tl.float32)  # the tokens past the chunk are the next program's for dqg and dc
+        de = ()
+        nq = ()
+        nc = ()
+        for j in tl.static_range(len(KS)):
+            w = cur[2 + 4 * j]
+            dr = cur[5 + 4 * j]
+            if SOFTMAX:
+                kappa = cur[3 + 4 * j]
+                mu = cur[4 + 4 * j]
+                e = c[KOFF[j]] * xm[0]
+                for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                    e += c[KOFF[j] + tau] * xm[tau]
+                dej = w * dr + kappa * qg[j] - mu * e
+                nq = nq + (dq[j] + (own * kappa) * e,)
+            else:  # one source: κ = μ = 0, no views
+                dej = w * dr
+                nq = nq + (dq[j],)
+            de = de + (dej,)
+            deo = own * dej
+            for tau in tl.static_range(tl.constexpr(KS[j])):
+                nc = nc + (dc[KOFF[j] + tau] + deo * xm[tau],)
+        dq = nq
+        dc = nc
+        # scatter: the window moves one token (dw[τ] is now dx[t-τ]), then dx[t-τ] += Σ_j c_τ^{(j)} ⊙ dE_j[t]
+        nw = ()
+        for tau in tl.static_range(KW):
+            g = zero
+            for j in tl.static_range(len(KS)):
+                if tau < KS[j]:
+                    g += c[KOFF[j] + tau] * de[j]
+            prev = zero if tau == 0 else dw[tau - 1]
+            nw = nw + (prev + tl.where(((bits >> tau) & 1) != 0, g, 0.0),)
+        dw = nw
+        t += 1
+    for tau in tl.static_range(KW):  # the last KW tokens' dx: dw[τ] = dx[t_end-1-τ]
+        tt = t_end - 1 - tau
+        if tt >= t0:
+            if tt < t1:
+                _emit_dx(dx_row, dw[tau], tt, offs_d, mask_d, D, add)
+    part = ((b * n_chunks + chunk) * S + s).to(tl.int64)
+    for j in tl.static_range(len(KS)):
+        tl.store(dqg_ptr + (part * len(KS) + j) * D + offs_d, dq[j], mask=mask_d)
+    for p in tl.static_range(NPAIR):
+        tl.store(dtap_ptr + (part * NPAIR + p) * D + offs_d, dc[p], mask=mask_d)
+
+
+@triton.jit
 def _doc_window_kernel(doc_ptr, near_ptr, T, BT: tl.constexpr):
     """Window bits of one block of tokens: bit τ of near[t] is [t-τ >= 0 and doc(t-τ) = doc(t)],
     bit 16 + τ is [t+τ < T and doc(t+τ) = doc(t)], for τ < 16."""
@@ -733,6 +891,14 @@ class Blocks:
     # spills 36 -> 0 bytes; the stats kernel's conversions 37 -> 7. Off: timed on an H200 at `small` the forward
     # 5% faster but the streams backward 4% slower, at `medium` equal (msar_tiles_nvidia_h200_views_*.md).
     views_3d: bool = False
+    # the source-gradient kernel: "serial" (``_src_serial_kernel``: one program per source, channel tile, chunk of
+    # serial_ch tokens and row, walking its tokens one at a time with its state in registers) or "ring"
+    # (``_src_kernel``: all sources a program, token blocks of src_bt through a scratch ring of dE)
+    src_mode: str = "serial"
+    serial_bd: int = 128  # channels per serial program (one per thread at 4 warps)
+    serial_warps: int = 4
+    serial_ch: int = 128  # tokens per serial program (it also walks K_MAX - 1 past them)
+    serial_prefetch: bool = True  # the serial kernel loads token t+1 during step t
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
@@ -958,12 +1124,6 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
             x, packed, qg, near, dr, lse, coef, S, n_buf, offset_arg(p_off), B, T, d, m, k_max, eps,
             triton.cdiv(d, stats_bd), plane, KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd,
             V3=blk.views_3d, num_warps=blk.stats_warps)
-    n_blocks = triton.cdiv(T, blk.src_bt)
-    sub = min(blk.sub, n_blocks)
-    n_chunks = triton.cdiv(n_blocks, sub)
-    k_pad = triton.next_power_of_2(k_max)
-    dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
-    dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     if rows_grad is None:
         dx = out = torch.empty(S, B, T, d, device=x.device, dtype=x.dtype)
         n_add, q_off = 0, n_buf * B * T * d  # the partial's gradient: the last row of the stacked dx
@@ -971,9 +1131,30 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         out, n_add = rows_grad
         dx = None if partial is None else torch.empty(B, T, d, device=x.device, dtype=out.dtype)
         q_off = 0 if dx is None else sources_layout(out[:n_buf], dx)[2]
+    koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
+    if blk.src_mode == "serial":
+        ch = max(1, min(blk.serial_ch, T))
+        n_chunks = triton.cdiv(T, ch)
+        n_part = B * n_chunks * S
+        dqg_part = torch.empty(n_part, m, d, **f32)
+        dtap_part = torch.empty(n_part, sum(ks), d, **f32)
+        _src_serial_kernel[(S * triton.cdiv(d, blk.serial_bd), n_chunks, B)](
+            x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, S, n_buf, offset_arg(p_off), n_add,
+            offset_arg(q_off), B, T, d, k_max, plane, ch, n_chunks, SOFTMAX=S > 1, KS=ks, KOFF=koff, KW=k_max,
+            NPAIR=sum(ks), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch, num_warps=blk.serial_warps)
+        dtaps_all = dtap_part.sum(0)  # (NPAIR, d)
+        dtaps = [dtaps_all[koff[j]: koff[j] + c.shape[0]] for j, c in enumerate(taps, start=1)]
+        return dx, dtaps, dqg_part.sum(0)
+    if blk.src_mode != "ring":
+        raise ValueError(f"msar: Blocks.src_mode {blk.src_mode!r} is not one of 'serial', 'ring'")
+    n_blocks = triton.cdiv(T, blk.src_bt)
+    sub = min(blk.sub, n_blocks)
+    n_chunks = triton.cdiv(n_blocks, sub)
+    k_pad = triton.next_power_of_2(k_max)
+    dqg_part = torch.empty(n_chunks * B, m_pad, d, **f32)
+    dtap_part = torch.empty(n_chunks * B, k_pad, m_pad, d, **f32)
     grid = (n_chunks, B, triton.cdiv(d, blk.src_bd))
     n_prog = grid[0] * grid[1] * grid[2]
-    koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
     scratch, tap_scratch = src_scratch(n_prog, m_pad, sum(ks), blk.src_bt, blk.src_bd, x.device)
     _src_kernel[grid](
         x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, scratch, tap_scratch, S, n_buf, offset_arg(p_off),

@@ -51,19 +51,31 @@ def make_inputs(S, B, T, d, kernels, gains, *, dtype=torch.float32, device="cpu"
     return x, taps, queries, key_gains, doc_ids_for(B, T, g, device), phi, alpha, bias
 
 
-def _blocks(bt, bd, sub=2, bwd_bd=None):
+def _blocks(bt, bd, sub=2, bwd_bd=None, mode="serial"):
     """A block-size override for fused._blocks: GPU-like geometry under the interpreter (several
-    channel tiles, token blocks that straddle documents, several blocks per source-gradient program).
-    ``bwd_bd``: other channel tiles for the backward than for the forward."""
+    channel tiles, token blocks that straddle documents, several blocks per source-gradient program;
+    serial source-gradient programs of bt + 1 tokens, an odd count, over bwd_bd channels).
+    ``bwd_bd``: other channel tiles for the backward than for the forward; ``mode``: Blocks.src_mode."""
     from kernels.msar_attn import fused
 
     bwd_bd = bwd_bd or bd
 
     def blocks(T, d, m_pad, k_max):
         src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
-        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub)
+        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub, src_mode=mode,
+                            serial_bd=bwd_bd, serial_ch=bt + 1)
 
     return blocks
+
+
+def _with_ring(monkeypatch):
+    """fused._blocks (as overridden so far) with the ring source-gradient kernel (Blocks.src_mode="ring")."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    inner = fused._blocks
+    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), src_mode="ring"))
 
 
 # (id, S, B, T, d, kernels, key_norm, gains, fusion, (BT, BD) override or None)
@@ -109,8 +121,9 @@ BUFFERED = [
 
 
 @needs_triton
+@pytest.mark.parametrize("mode", ["serial", "ring"])
 @pytest.mark.parametrize("case", BUFFERED, ids=[c[0] for c in BUFFERED])
-def test_buffered_sources_are_read_in_place(case, monkeypatch):
+def test_buffered_sources_are_read_in_place(case, mode, monkeypatch):
     """BufferedSources (a SourceBuffer's first rows, then a partial at its own address, before or after the buffer
     in memory): the fused op equals the reference on the same S tensors, forward and every gradient (the rows'
     gradients reach the terms stored into them, the partial's its leaf), with a random upstream gradient, and it
@@ -119,6 +132,7 @@ def test_buffered_sources_are_read_in_place(case, monkeypatch):
     from kernels.msar_attn import BufferedSources, fused
 
     _, n, written, where, p_dtype = case
+    blocks = _blocks(4, 8, mode=mode)  # several serial programs a row (5 tokens), two channel tiles
     B, T, d, kernels = 1, 9, 12, (2, 3)
     S = n + (where is not None)
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(max(written, S), B, T, d, kernels, True)
@@ -140,6 +154,7 @@ def test_buffered_sources_are_read_in_place(case, monkeypatch):
         if backend == "triton":
             src = BufferedSources(buffer, buffer.rows[:n], partial)
             monkeypatch.setattr(fused.torch, "stack", _refuse_stack)
+            monkeypatch.setattr(fused, "_blocks", blocks)
         else:
             monkeypatch.undo()
             src = [*buffer.rows[:n], *(() if partial is None else (partial.to(buffer.data.dtype),))]
@@ -219,16 +234,20 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("views_3d", [False, True], ids=["views-2d", "views-3d"])
+@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_fused_msar_matches_reference(case, views_3d, monkeypatch):
+def test_fused_msar_matches_reference(case, variant, monkeypatch):
+    """Every case with the serial source-gradient kernel (the default) and the 2-d or 3-d view layout, and with
+    the ring source-gradient kernel."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
 
         monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
-    if views_3d:
+    if variant == "views-3d":
         _with_views_3d(monkeypatch)
+    if variant == "ring":
+        _with_ring(monkeypatch)
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -303,7 +322,8 @@ def test_source_gradient_programs_keep_to_their_own_scratch(monkeypatch):
     afterwards: summed over programs and tokens, its rows must give the query and tap gradients."""
     from kernels.msar_attn import fused
 
-    monkeypatch.setattr(fused, "_blocks", _blocks(4, 8))  # 2 chunks of 2 token blocks, 2 channel tiles
+    # the ring kernel: 2 chunks of 2 token blocks, 2 channel tiles
+    monkeypatch.setattr(fused, "_blocks", _blocks(4, 8, mode="ring"))
     seen = []
 
     def spy(*args):
@@ -329,6 +349,72 @@ def test_source_gradient_programs_keep_to_their_own_scratch(monkeypatch):
     for j in range(1, m):
         first = sum(ks[:j])
         torch.testing.assert_close(per_tile[first:first + ks[j]], grads[f"taps[{j - 1}]"], rtol=1e-5, atol=1e-6)
+
+
+# (id, S, B, T, d, kernels, serial program's tokens, serial program's channels)
+SERIAL = [
+    ("one-token-programs", 3, 2, 13, 24, (2, 3), 1, 8),
+    ("programs-shorter-than-the-kernel", 2, 1, 10, 16, (4, 8, 12), 5, 16),
+    ("one-program-a-row", 2, 1, 10, 16, (4, 8, 12), 128, 128),
+    ("one-source", 1, 2, 9, 12, (2, 5), 4, 8),
+    ("T-below-k", 2, 1, 3, 8, (5,), 2, 8),
+    ("T-1", 3, 1, 1, 8, (3,), 4, 8),
+    ("identity-views", 4, 1, 7, 12, (1, 1, 1), 3, 8),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", SERIAL, ids=[c[0] for c in SERIAL])
+def test_serial_source_gradients_equal_the_ring(case):
+    """The serial source-gradient kernel (a program walks its tokens one at a time, scattering each dE into the
+    dx of the tokens it reaches, and runs K_MAX - 1 tokens past its chunk), with and without its loads issued a
+    step ahead, against the ring kernel, on the same
+    dR and stats: dx, every tap gradient and the query gradient, for programs of one token, of fewer tokens than
+    the kernel, of a whole row, over several channel tiles, with documents at odd offsets."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    _, S, B, T, d, kernels, ch, bd = case
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
+    near = fused.doc_window(doc_ids)
+    m = 1 + len(taps)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    qg = fused.folded_queries(queries, key_gains)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    h, lse, _, saved = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, key_norm=True, eps=1e-6)
+    dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(5))
+    dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
+    base = fused._blocks(T, d, m_pad, max(ks))
+    out = {}
+    for mode, prefetch in (("ring", True), ("serial", True), ("serial-no-prefetch", False)):
+        blk = dataclasses.replace(base, src_mode=mode.split("-")[0], serial_ch=ch, serial_bd=bd,
+                                  serial_prefetch=prefetch)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
+            dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=True, eps=1e-6)
+        out[mode] = (dx, *dtaps, dqg)
+    names = ["dx", *(f"taps[{i}]" for i in range(len(taps))), "dqg"]
+    for serial in ("serial", "serial-no-prefetch"):
+        for name, a, b in zip(names, out[serial], out["ring"]):
+            assert a.shape == b.shape and rel_err(a, b) < 1e-5, f"{serial} {name}: {rel_err(a, b):.2e}"
+            if name != "dqg" or S > 1:
+                assert b.abs().max() > 0, name
+
+
+def test_an_unknown_source_gradient_mode_is_an_error(monkeypatch):
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    inner = fused._blocks
+    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), src_mode="rings"))
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(2, 1, 5, 8, (2,), True)
+    packed, ks, _ = fused.pack_taps(taps, 8, x.device)
+    dr = torch.zeros(2, 1, 5, 8)
+    with pytest.raises(ValueError, match="'rings' is not one of 'serial', 'ring'"):
+        fused.streams_backward(dr, torch.zeros(2, 1, 5), x, taps, packed, ks, fused.folded_queries(queries, key_gains),
+                               torch.zeros(1, 5, dtype=torch.int32), key_norm=True, eps=1e-6)
 
 
 @needs_triton
