@@ -116,8 +116,9 @@
 #            outputs; MSAR keeps R in bf16 under autocast): the `medium` table of vanilla, attnres_block and msar_block
 #            (peak memory; MEMORY_RESIDUALS), then the 60-step training parity of msar_block and attnres_block against
 #            their references, eager (PARITY_RESIDUALS, PARITY_SET), seeds 0 1
-#   serial   one GPU (about 570 s with the start; ARCHIVE=$OUT/s.tgz ... serial /tmp/s): MSAR's serial source-gradient
-#            kernel (2026-12-01 last, Blocks.src_mode): its candidates against the ring kernel at `small` and `medium`
+#   serial   one GPU (about 580 s with the start; ARCHIVE=$OUT/s.tgz ... serial /tmp/s): MSAR's serial stats and
+#            source-gradient kernels (2026-12-01 last, Blocks.stats_mode and src_mode): their candidates against the
+#            tile and ring kernels at `small` and `medium`
 #            (benchmarks.msar_tiles), the op's GPU tests, the `small` table of vanilla and msar_block, and
 #            msar_block's 60-step training parity against its reference, eager, seeds 0 1
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
@@ -502,10 +503,14 @@ case "$PLAN" in
       --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_memory}
     ;;
   serial)
-    step gpu0 tiles_small "${TILES_LIMIT:-140}" python3 -m benchmarks.msar_tiles --shapes small --sources 5 \
-      --kernels "source gradients" --tag _serial
+    step gpu0 tiles_small "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small --sources 5 \
+      --kernels stats "source gradients" --only 'src_mode="ring"' 'stats_mode="tile"' 'src_mode="ring",stats_mode="tile"' serial_ch=64 serial_ch=256 \
+      serial_bd=64,serial_warps=2 serial_bd=256,serial_warps=4 serial_prefetch=False \
+      'stats_mode="serial",stats_serial_bd=64,stats_serial_ch=128' 'stats_mode="serial",stats_serial_bd=32,stats_serial_ch=256' \
+      --tag _serial
     step gpu0 tiles_medium "${TILES_MEDIUM_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes medium --sources 9 \
-      --kernels "source gradients" --only 'src_mode="ring"' serial_ch=256 --tag _serial_medium
+      --kernels stats "source gradients" --only 'src_mode="ring"' 'stats_mode="tile"' 'src_mode="ring",stats_mode="tile"' \
+      serial_ch=256 --tag _serial_medium
     step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_msar_attn.py
     step gpu0 small "${SMALL_LIMIT:-110}" python3 -m benchmarks.throughput --models small \

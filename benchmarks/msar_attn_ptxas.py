@@ -87,10 +87,15 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),
            dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd)), blk.mix_warps)
-    yield ("stats", fused._stats_kernel,
-           dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
-           dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3,
-                **n_dt(blk.stats_tiles()[0])), blk.stats_warps)
+    if getattr(blk, "stats_mode", "tile") == "serial":
+        yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
+               dict(KS=common["KS"], KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), KW=k_max,
+                    BD=blk.stats_serial_bd), 1)
+    else:
+        yield ("stats", fused._stats_kernel,
+               dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
+               dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3,
+                    **n_dt(blk.stats_tiles()[0])), blk.stats_warps)
     if getattr(blk, "src_mode", "ring") == "serial":  # (a revision before 2026-12-01 has the ring kernel only)
         yield ("source gradients", fused._src_serial_kernel,
                dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64"),

@@ -38,7 +38,7 @@ def candidates(blk) -> dict[str, list[dict]]:
         if (bd, w) != (blk.src_bd, blk.src_warps)] + [
         dict(src_mode="ring", src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
         if (bt, sub) != (blk.src_bt, blk.sub)]
-    serial = [dict(src_mode="ring")] + [dict(serial_ch=ch) for ch in (32, 64, 256, 512) if ch != blk.serial_ch] + [
+    serial = [dict(src_mode="ring")] + ([dict(src_mode="ring", stats_mode="tile")] if blk.stats_mode != "tile" else []) + [dict(serial_ch=ch) for ch in (32, 64, 256, 512) if ch != blk.serial_ch] + [
         dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (256, 4))
         if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch)]
     return {
@@ -58,7 +58,11 @@ def candidates(blk) -> dict[str, list[dict]]:
                  # at (1, 128) ptxas keeps the stats kernel free of spills at `small` (336 bytes at the default)
                  + [dict(stats_bt=bt, stats_bd=bd, stats_warps=1) for bt, bd in ((1, 128), (1, 256), (2, 128))]
                  + [dict(views_3d=not blk.views_3d, stats_bt=1, stats_bd=128, stats_warps=1)]
-                 + [dict(stats_bt=bt, stats_bd=min(512, blk.bd), stats_warps=4) for bt in (2, 4)],  # the tiles before
+                 + [dict(stats_bt=bt, stats_bd=min(512, blk.bd), stats_warps=4) for bt in (2, 4)]  # the tiles before
+                 # the serial stats kernel's channel tiles and chunks, or the tile kernel
+                 + [dict(stats_mode="tile" if blk.stats_mode == "serial" else "serial")]
+                 + [dict(stats_mode="serial", stats_serial_bd=bd, stats_serial_ch=ch) for bd, ch in
+                    ((32, 64), (32, 256), (64, 128), (16, 128)) if (bd, ch) != (blk.stats_serial_bd, blk.stats_serial_ch)],
         "source gradients": [{}] + (serial if blk.src_mode == "serial" else ring),
     }
 
@@ -148,7 +152,7 @@ def parse_candidate(text: str) -> dict:
 
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
-            "stats": ("stats_bt", "stats_bd", "stats_warps"),
+            "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps"),
             "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch", "src_bt",
                                  "src_bd", "src_warps", "sub")}[kernel]
 

@@ -669,6 +669,80 @@ def _src_kernel(
              dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
 
 
+@triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
+def _stats_serial_kernel(
+    x_ptr,  # sources (S, B, T, d)
+    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
+    qg_ptr,  # gain-folded queries (m, d) fp32
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
+    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    part_ptr,  # result: per channel tile, qg_j·E_j, ‖E_j‖², dR_j·E_j: (n_dt, 3, m, S, B, T) fp32
+    S, n_buf, p_off, B, T, D, K_MAX, CH,
+    KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr,
+):
+    """The stats kernel's three reductions over the channels, split by channel tile: one program per (source,
+    channel tile), chunk of CH tokens and row walks its tokens one at a time, with the taps and the last KW source
+    values in registers (each source element loaded once, not once per tap), builds E_j[t] and reduces
+    qg_j·E_j[t], ‖E_j[t]‖² and dR_j[t]·E_j[t] over its BD channels (one warp: the sums stay inside it).
+    ``stats_from_parts`` sums the tiles and finishes w, κ, μ per (view, source, token)."""
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = tl.program_id(2)
+    s = pid % S
+    dt = pid // S
+    offs_d = dt * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    x_row = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off)
+    near_row = near_ptr + b.to(tl.int64) * T
+    c = ()
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
+    qg = ()
+    for j in tl.static_range(len(KS)):
+        qg = qg + (tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0),)
+    t0 = chunk * CH
+    t1 = tl.minimum(t0 + CH, T)
+    xw = ()
+    for sg in tl.static_range(KW):
+        tt = t0 - 1 - sg
+        xw = xw + (tl.load(x_row + tt * D + offs_d, mask=mask_d & (tt >= 0), other=0.0).to(tl.float32),)
+    plane = len(KS) * S * B * T  # one statistic of every (view, source, token)
+    base = part_ptr + (dt * 3).to(tl.int64) * plane
+    t = t0
+    while t < t1:
+        bits = tl.load(near_row + t)
+        xw = (tl.load(x_row + t * D + offs_d, mask=mask_d, other=0.0).to(tl.float32),) + xw[:KW - 1]
+        xm = ()
+        for sg in tl.static_range(KW):
+            xm = xm + (tl.where(((bits >> sg) & 1) != 0, xw[sg], 0.0),)
+        for j in tl.static_range(len(KS)):
+            dr = tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=mask_d, other=0.0)
+            e = c[KOFF[j]] * xm[0]
+            for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                e += c[KOFF[j] + tau] * xm[tau]
+            idx = ((j * S + s) * B + b).to(tl.int64) * T + t
+            tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
+            tl.store(base + plane + idx, tl.sum(e * e, axis=0))
+            tl.store(base + 2 * plane + idx, tl.sum(dr * e, axis=0))
+        t += 1
+
+
+def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int) -> None:
+    """w, κ, μ into coef[0:3, :m] from the serial stats kernel's per-tile sums (n_dt, 3, m, S, B, T) and the
+    forward's lse (m, B, T), as the tile stats kernel computes them: ρ = (‖E‖²/d + eps)^-½ (1 without key norm),
+    logit = qg·E ρ, w = exp(logit - lse), a = dR·E, κ = w (a - Σ_s w a) ρ, μ = κ ρ logit / d."""
+    q, ss, a = parts.sum(0)  # (m, S, B, T) each
+    m = q.shape[0]
+    rho = torch.rsqrt(ss / d + eps) if key_norm else torch.ones_like(ss)
+    logit = q * rho
+    w = torch.exp(logit - lse[:, None])
+    kappa = w * (a - (w * a).sum(1, keepdim=True)) * rho
+    coef[0, :m] = w
+    coef[1, :m] = kappa
+    coef[2, :m] = kappa * rho * logit / d if key_norm else 0.0
+
+
 @triton.jit
 def _emit_dx(dx_row, val, t, offs_d, mask_d, D, add):
     """dx_s[t] = val, added to what the row already holds when ``add`` (a buffer row that later readers wrote)."""
@@ -899,6 +973,12 @@ class Blocks:
     serial_warps: int = 4
     serial_ch: int = 128  # tokens per serial program (it also walks K_MAX - 1 past them)
     serial_prefetch: bool = True  # the serial kernel loads token t+1 during step t
+    # the stats: "tile" (``_stats_kernel``: (stats_bt, stats_bd) tiles, all sources a program) or "serial"
+    # (``_stats_serial_kernel``: one warp a (source, channel tile, chunk, row) program walking its tokens, then
+    # ``stats_from_parts``)
+    stats_mode: str = "serial"
+    stats_serial_bd: int = 32
+    stats_serial_ch: int = 128
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
@@ -1118,6 +1198,16 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     coef = torch.zeros(4, m_pad, S, B, T, **f32)  # w, κ, μ, scratch; padded views stay zero
     if S == 1:  # one source (placement=post's view op): every weight is 1 and the softmax has no gradient
         coef[0, :m] = 1.0  # κ = μ = 0: no stats kernel
+    elif blk.stats_mode == "serial":
+        bd, ch = blk.stats_serial_bd, max(1, min(blk.stats_serial_ch, T))
+        n_dt = triton.cdiv(d, bd)
+        parts = torch.empty(n_dt, 3, m, S, B, T, **f32)
+        _stats_serial_kernel[(S * n_dt, triton.cdiv(T, ch), B)](
+            x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks,
+            KOFF=tuple(sum(ks[:j]) for j in range(len(ks))), KW=k_max, BD=bd, num_warps=1)
+        stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d)
+    elif blk.stats_mode != "tile":
+        raise ValueError(f"msar: Blocks.stats_mode {blk.stats_mode!r} is not one of 'tile', 'serial'")
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
