@@ -1003,7 +1003,10 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     elements too; the stats kernel (2, 128) tiles on one warp, looping over channel tiles. The
     source-gradient kernel: 16 tokens (>= K_MAX - 1) and 32 channels a program over 4
     warps, 16 token blocks a program (its scratch, (4 + 0.5·(Σ_j k_j + m_pad))·BD/8 KiB a program,
-    and the partial sums scale with the number of programs). Warps: measured, see below. ptxas
+    and the partial sums scale with the number of programs): the "ring" mode; by default the serial stats and
+    source-gradient kernels run instead (32 channels on one warp and 128 channels on four, 128 tokens a program:
+    streams backward 3.14 -> 1.58 ms at `small`, 22.9 -> 9.9 ms at `medium` on an H200,
+    msar_tiles_nvidia_h200_serial*.md). Warps: measured, see below. ptxas
     (sm_90a) registers and spills: docs/kernel_msar.md. Under the interpreter each program costs
     milliseconds: big blocks."""
     halo = triton.next_power_of_2(max(k_max - 1, 1))
@@ -1185,7 +1188,8 @@ def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -
 def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, partial=None, rows_grad=None):
     """Gradients through the streams, given dR (m, B, T, d) fp32 and the forward's lse (m, B, T):
     dx (S, B, T, d) in x's dtype (the partial's gradient last), [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two
-    kernels, each over all sources. With ``rows_grad = (grads, n_add)`` (x: rows of a buffer, ``grads`` the
+    kernels: the stats and the source gradients, serial (a program per source walking its tokens; the default)
+    or over all sources a program (``Blocks.stats_mode="tile"``, ``src_mode="ring"``). With ``rows_grad = (grads, n_add)`` (x: rows of a buffer, ``grads`` the
     buffer's fp32 row gradients, ``RowGradients.target``) the rows' gradients go into ``grads`` instead, added
     to rows below n_add (what later readers left) and written above, and dx is the partial's gradient (B, T, d)
     fp32 alone (None without a partial)."""
