@@ -669,6 +669,36 @@ def _src_kernel(
              dtaps, mask=mask_j[None, :, None] & mask_d[None, None, :])
 
 
+@triton.jit
+def _serial_start(x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH,
+                  KS: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr):
+    """What a serial program (grid: source and channel tile with the sources fastest, chunk of CH tokens, row)
+    holds before its first token: (s, chunk, b, offs_d, mask_d, x_row, near_row, the taps (a tuple over the
+    (view, tap) pairs, view by view), the queries (a tuple over the views), t0, t1 (its tokens), the window
+    x[t0-1-σ] for σ < KW)."""
+    pid = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = tl.program_id(2)
+    s = pid % S
+    offs_d = (pid // S) * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    x_row = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off)
+    c = ()
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
+    qg = ()
+    for j in tl.static_range(len(KS)):
+        qg = qg + (tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0),)
+    t0 = chunk * CH
+    t1 = tl.minimum(t0 + CH, T)
+    xw = ()
+    for sg in tl.static_range(KW):
+        tt = t0 - 1 - sg
+        xw = xw + (tl.load(x_row + tt * D + offs_d, mask=mask_d & (tt >= 0), other=0.0).to(tl.float32),)
+    return s, chunk, b, offs_d, mask_d, x_row, near_ptr + b.to(tl.int64) * T, c, qg, t0, t1, xw
+
+
 @triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
 def _stats_serial_kernel(
     x_ptr,  # sources (S, B, T, d)
@@ -685,30 +715,10 @@ def _stats_serial_kernel(
     values in registers (each source element loaded once, not once per tap), builds E_j[t] and reduces
     qg_j·E_j[t], ‖E_j[t]‖² and dR_j[t]·E_j[t] over its BD channels (one warp: the sums stay inside it).
     ``stats_from_parts`` sums the tiles and finishes w, κ, μ per (view, source, token)."""
-    pid = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = tl.program_id(2)
-    s = pid % S
-    dt = pid // S
-    offs_d = dt * BD + tl.arange(0, BD)
-    mask_d = offs_d < D
-    x_row = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off)
-    near_row = near_ptr + b.to(tl.int64) * T
-    c = ()
-    for j in tl.static_range(len(KS)):
-        for tau in tl.static_range(tl.constexpr(KS[j])):
-            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
-    qg = ()
-    for j in tl.static_range(len(KS)):
-        qg = qg + (tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0),)
-    t0 = chunk * CH
-    t1 = tl.minimum(t0 + CH, T)
-    xw = ()
-    for sg in tl.static_range(KW):
-        tt = t0 - 1 - sg
-        xw = xw + (tl.load(x_row + tt * D + offs_d, mask=mask_d & (tt >= 0), other=0.0).to(tl.float32),)
+    s, chunk, b, offs_d, mask_d, x_row, near_row, c, qg, t0, t1, xw = _serial_start(
+        x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH, KS, KW, BD)
     plane = len(KS) * S * B * T  # one statistic of every (view, source, token)
-    base = part_ptr + (dt * 3).to(tl.int64) * plane
+    base = part_ptr + (tl.program_id(0) // S * 3).to(tl.int64) * plane  # this channel tile's sums
     t = t0
     while t < t1:
         bits = tl.load(near_row + t)
@@ -802,33 +812,14 @@ def _src_serial_kernel(
     scratch, no barriers, no shared memory: the only loads are one token of x, of dR and of the
     stats a step, and the window bits (with PREFETCH issued one step ahead, so that their latency overlaps
     a step's arithmetic)."""
-    pid = tl.program_id(0)
-    chunk = tl.program_id(1)
-    b = tl.program_id(2)
-    s = pid % S
-    dt = pid // S
-    offs_d = dt * BD + tl.arange(0, BD)
-    mask_d = offs_d < D
-    x_row = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off)
+    s, chunk, b, offs_d, mask_d, x_row, near_row, c, qg, t0, t1, xw = _serial_start(
+        x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH, KS, KW, BD)
     dx_row = dx_ptr + _src_off(s, b, B, T, D, n_buf, q_off)
-    near_row = near_ptr + b.to(tl.int64) * T
     add = s < n_add
     zero = tl.zeros((BD,), dtype=tl.float32)
-    c = ()  # the taps, (view, tap) pairs view by view
-    for j in tl.static_range(len(KS)):
-        for tau in tl.static_range(tl.constexpr(KS[j])):
-            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
-    qg = ()
-    for j in tl.static_range(len(KS)):
-        qg = qg + (tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0),)
-    t0 = chunk * CH
-    t1 = tl.minimum(t0 + CH, T)
     t_end = tl.minimum(t1 + KW - 1, T)
-    xw = ()  # x[t-1-σ], σ < KW, before the first step
     dw = ()  # dx[t-1-τ] accumulators, τ < KW
     for sg in tl.static_range(KW):
-        tt = t0 - 1 - sg
-        xw = xw + (tl.load(x_row + tt * D + offs_d, mask=mask_d & (tt >= 0), other=0.0).to(tl.float32),)
         dw = dw + (zero,)
     dq = ()
     for j in tl.static_range(len(KS)):
