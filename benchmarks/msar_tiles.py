@@ -38,7 +38,7 @@ def candidates(blk) -> dict[str, list[dict]]:
         if (bd, w) != (blk.src_bd, blk.src_warps)] + [
         dict(src_mode="ring", src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
         if (bt, sub) != (blk.src_bt, blk.sub)]
-    serial = [dict(src_mode="ring")] + ([dict(src_mode="ring", stats_mode="tile")] if blk.stats_mode != "tile" else []) + [dict(serial_ch=ch) for ch in (32, 64, 256, 512) if ch != blk.serial_ch] + [
+    serial = [dict(src_mode="ring")] + ([dict(src_mode="ring", stats_mode="tile")] if blk.stats_mode != "tile" else []) + [dict(serial_ch=ch) for ch in (32, 64, 128, 256, 512) if ch != blk.serial_ch] + [
         dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (256, 4))
         if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch)]
     return {

@@ -1030,8 +1030,12 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     # --sources 1` (msar_tiles_nvidia_h200_passes_s1.md): `small` 0.249 against 0.345 ms with 4 warps;
     # at `medium` ((4, 2, 1024) tiles) 2 warps took 2.56 against 1.12 ms, so it keeps 4.
     one_source_warps = 2 if m_pad * bt * bd <= 4096 else 0
+    # the serial source-gradient kernel: 128 tokens a program, 256 from T = 2048 (H200, one process each,
+    # msar_tiles_nvidia_h200_serial*.md: 9.74 against 9.94 ms at `medium`, S = 9, with half the partials; 1.597
+    # against 1.582 ms at `small`)
+    serial_ch = 256 if T >= 2048 else 128
     return Blocks(bd, bd >= d, bt, 4, bd, bt, 1, max(halo, min(16, t_pow)), 32, 4, 16,
-                  stats_bd, stats_bt, 4, one_source_warps=one_source_warps)
+                  stats_bd, stats_bt, 4, one_source_warps=one_source_warps, serial_ch=serial_ch)
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
