@@ -38,7 +38,9 @@ def candidates(blk) -> dict[str, list[dict]]:
         if (bd, w) != (blk.src_bd, blk.src_warps)] + [
         dict(src_mode="ring", src_bt=bt, sub=sub) for bt, sub in ((32, 8), (32, 16), (16, 8), (16, 32))
         if (bt, sub) != (blk.src_bt, blk.sub)]
-    serial = [dict(src_mode="ring")] + ([dict(src_mode="ring", stats_mode="tile")] if blk.stats_mode != "tile" else []) + [dict(serial_ch=ch) for ch in (32, 64, 128, 256, 512) if ch != blk.serial_ch] + [
+    before = [dict(src_mode="ring", stats_mode="tile")] if blk.stats_mode != "tile" else []  # both old kernels
+    serial = [dict(src_mode="ring")] + before + [
+        dict(serial_ch=ch) for ch in (32, 64, 128, 256, 512) if ch != blk.serial_ch] + [
         dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (256, 4))
         if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch)]
     return {
@@ -61,8 +63,9 @@ def candidates(blk) -> dict[str, list[dict]]:
                  + [dict(stats_bt=bt, stats_bd=min(512, blk.bd), stats_warps=4) for bt in (2, 4)]  # the tiles before
                  # the serial stats kernel's channel tiles and chunks, or the tile kernel
                  + [dict(stats_mode="tile" if blk.stats_mode == "serial" else "serial")]
-                 + [dict(stats_mode="serial", stats_serial_bd=bd, stats_serial_ch=ch) for bd, ch in
-                    ((32, 64), (32, 256), (64, 128), (16, 128)) if (bd, ch) != (blk.stats_serial_bd, blk.stats_serial_ch)],
+                 + [dict(stats_mode="serial", stats_serial_bd=bd, stats_serial_ch=ch)
+                    for bd, ch in ((32, 64), (32, 256), (64, 128), (16, 128))
+                    if (bd, ch) != (blk.stats_serial_bd, blk.stats_serial_ch)],
         "source gradients": [{}] + (serial if blk.src_mode == "serial" else ring),
     }
 
