@@ -204,3 +204,24 @@ def test_saved_bytes_counts_each_storage_once_and_tabulates(tmp_path, monkeypatc
     assert "## Who keeps it" in text and "| attnres_block | MergeFunctionBackward |" not in text  # torch backend
     with pytest.raises(SystemExit, match=r"'vanila'.*vanilla"):
         saved_bytes.main(["--residuals", "vanila"])
+
+
+@pytest.mark.parametrize("T, d", [(1024, 512), (2048, 1024)], ids=["small", "medium"])
+def test_msar_tile_candidates_change_the_default_and_name_valid_modes(T, d):
+    """benchmarks.msar_tiles times each candidate as fused.Blocks with its fields replaced: every candidate names
+    fields of Blocks, differs from the default (else it times the default twice under another label), and names a
+    kernel mode streams_backward runs (a misspelt mode would be an error on the GPU, after the compile)."""
+    import dataclasses
+
+    from benchmarks.msar_tiles import candidates
+    from kernels.msar_attn import fused
+
+    base = fused._blocks(T, d, 4, 12)
+    for kernel, overrides in candidates(base).items():
+        assert overrides[0] == {}, kernel
+        for over in overrides[1:]:
+            blk = dataclasses.replace(base, **over)
+            assert blk != base, (kernel, over)
+            assert blk.src_mode in ("serial", "ring") and blk.stats_mode in ("serial", "tile"), (kernel, over)
+    src = candidates(base)["source gradients"]
+    assert {"src_mode": "ring", "stats_mode": "tile"} in src  # the kernels before, beside the defaults
