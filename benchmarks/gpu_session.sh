@@ -121,6 +121,9 @@
 #            tile and ring kernels at `small` and `medium`
 #            (benchmarks.msar_tiles), the op's GPU tests, the `small` table of vanilla and msar_block, and
 #            msar_block's 60-step training parity against its reference, eager, seeds 0 1
+#   serial2  one GPU (about 580 s with the start; ARCHIVE=$OUT/t.tgz ... serial2 /tmp/t): what the serial kernels left
+#            open: msar_block's `medium` peak and step beside vanilla (their per-call buffers), the serial source-
+#            gradient kernel on 256 channels at `small` and `medium`, and Nsight Compute's counters of MSAR's kernels
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -128,7 +131,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -519,6 +522,16 @@ case "$PLAN" in
     step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
       --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_serial}
+    ;;
+  serial2)
+    step gpu0 medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium \
+      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
+      --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_serial_medium}
+    step gpu0 tiles "${TILES_LIMIT:-120}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels "source gradients" --only serial_bd=256,serial_warps=4 'stats_mode="tile"' --tag _serial_bd
+    step gpu0 ncu_msar "${COUNTER_LIMIT:-150}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+      -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops msar
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
