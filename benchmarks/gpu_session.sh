@@ -123,7 +123,8 @@
 #            msar_block's 60-step training parity against its reference, eager, seeds 0 1
 #   serial2  one GPU (about 580 s with the start; ARCHIVE=$OUT/t.tgz ... serial2 /tmp/t): what the serial kernels left
 #            open: msar_block's `medium` peak and step beside vanilla (their per-call buffers), the serial source-
-#            gradient kernel on 256 channels at `small` and `medium`, and Nsight Compute's counters of MSAR's kernels
+#            gradient kernel on 256 channels and both serial kernels with serial_fast (document masks only where a
+#            boundary is in the window) at `small` and `medium`, and Nsight Compute's counters of MSAR's kernels
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -528,7 +529,7 @@ case "$PLAN" in
       --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
       --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_serial_medium}
     step gpu0 tiles "${TILES_LIMIT:-120}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels "source gradients" --only serial_bd=256,serial_warps=4 'stats_mode="tile"' --tag _serial_bd
+      --kernels "source gradients" --only serial_bd=256,serial_warps=4 serial_fast=True 'src_mode="ring"' --tag _serial_bd
     step gpu0 ncu_msar "${COUNTER_LIMIT:-150}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
       -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops msar

@@ -90,7 +90,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     if getattr(blk, "stats_mode", "tile") == "serial":
         yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
                dict(KS=common["KS"], KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), KW=k_max,
-                    BD=blk.stats_serial_bd), 1)
+                    BD=blk.stats_serial_bd, FAST=getattr(blk, "serial_fast", False)), 1)
     else:
         yield ("stats", fused._stats_kernel,
                dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
@@ -100,7 +100,8 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield ("source gradients", fused._src_serial_kernel,
                dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64"),
                dict(SOFTMAX=True, KS=common["KS"], KOFF=tuple(sum(common["KS"][:j]) for j in range(m)),
-                    KW=k_max, NPAIR=sum(common["KS"]), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch),
+                    KW=k_max, NPAIR=sum(common["KS"]), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch,
+                    FAST=getattr(blk, "serial_fast", False)),
                blk.serial_warps)
         return
     yield ("source gradients", fused._src_kernel,

@@ -42,7 +42,8 @@ def candidates(blk) -> dict[str, list[dict]]:
     serial = [dict(src_mode="ring")] + before + [
         dict(serial_ch=ch) for ch in (32, 64, 128, 256, 512) if ch != blk.serial_ch] + [
         dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (256, 4))
-        if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch)]
+        if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch),
+                                                            dict(serial_fast=not blk.serial_fast)]
     return {
         "forward": [{}] + v3 + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
                    + [dict(bt=bt, warps=w) for bt in around(blk.bt) for w in (2, 4, 8, 16)

@@ -670,6 +670,25 @@ def _src_kernel(
 
 
 @triton.jit
+def _doc_masked(vals, bits, N: tl.constexpr, FAST: tl.constexpr):
+    """vals[σ] where bit σ of ``bits`` is set (token t-σ in t's document, ``doc_window``), else 0, for σ < N. With
+    FAST the selects run only when a document boundary (or the row's start) lies in the window, a branch that is
+    the same for the whole program."""
+    out = vals
+    full = (1 << N) - 1
+    if FAST:
+        if (bits & full) != full:
+            out = ()
+            for sg in tl.static_range(N):
+                out = out + (tl.where(((bits >> sg) & 1) != 0, vals[sg], 0.0),)
+    else:
+        out = ()
+        for sg in tl.static_range(N):
+            out = out + (tl.where(((bits >> sg) & 1) != 0, vals[sg], 0.0),)
+    return out
+
+
+@triton.jit
 def _serial_start(x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH,
                   KS: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr):
     """What a serial program (grid: source and channel tile with the sources fastest, chunk of CH tokens, row)
@@ -709,6 +728,7 @@ def _stats_serial_kernel(
     part_ptr,  # result: per channel tile, qg_j·E_j, ‖E_j‖², dR_j·E_j: (n_dt, 3, m, S, B, T) fp32
     S, n_buf, p_off, B, T, D, K_MAX, CH,
     KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr,
+    FAST: tl.constexpr,  # the document masks only where a boundary lies in the window (``_doc_masked``)
 ):
     """The stats kernel's three reductions over the channels, split by channel tile: one program per (source,
     channel tile), chunk of CH tokens and row walks its tokens one at a time, with the taps and the last KW source
@@ -723,9 +743,7 @@ def _stats_serial_kernel(
     while t < t1:
         bits = tl.load(near_row + t)
         xw = (tl.load(x_row + t * D + offs_d, mask=mask_d, other=0.0).to(tl.float32),) + xw[:KW - 1]
-        xm = ()
-        for sg in tl.static_range(KW):
-            xm = xm + (tl.where(((bits >> sg) & 1) != 0, xw[sg], 0.0),)
+        xm = _doc_masked(xw, bits, KW, FAST)
         for j in tl.static_range(len(KS)):
             dr = tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=mask_d, other=0.0)
             e = c[KOFF[j]] * xm[0]
@@ -796,6 +814,7 @@ def _src_serial_kernel(
     S, n_buf, p_off, n_add, q_off, B, T, D, K_MAX, plane, CH, n_chunks,
     SOFTMAX: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, NPAIR: tl.constexpr,
     BD: tl.constexpr, PREFETCH: tl.constexpr,  # load token t+1 during step t
+    FAST: tl.constexpr,  # the document masks only where a boundary lies in the window (``_doc_masked``)
 ):
     """Gradients of one source's row on CH tokens and BD channels, walking the tokens one at a time
     (one program per (source, channel tile), chunk, row; the sources vary fastest, so that the programs
@@ -840,9 +859,7 @@ def _src_serial_kernel(
                                 mask_d, SOFTMAX, KS)
         bits = cur[0]
         xw = (cur[1],) + xw[:KW - 1]
-        xm = ()  # x[t-σ] where t-σ is in the row and in t's document, else 0
-        for sg in tl.static_range(KW):
-            xm = xm + (tl.where(((bits >> sg) & 1) != 0, xw[sg], 0.0),)
+        xm = _doc_masked(xw, bits, KW, FAST)  # x[t-σ] where t-σ is in the row and in t's document, else 0
         if t - KW >= t0:  # dx[t-KW] has every contribution (dE[t-KW .. t-1])
             _emit_dx(dx_row, dw[KW - 1], t - KW, offs_d, mask_d, D, add)
         own = (t < t1).to(tl.float32)  # the tokens past the chunk are the next program's for dqg and dc
@@ -870,14 +887,17 @@ def _src_serial_kernel(
         dq = nq
         dc = nc
         # scatter: the window moves one token (dw[τ] is now dx[t-τ]), then dx[t-τ] += Σ_j c_τ^{(j)} ⊙ dE_j[t]
-        nw = ()
+        g = ()  # Σ_j c_τ^{(j)} ⊙ dE_j[t], τ < KW
         for tau in tl.static_range(KW):
-            g = zero
+            gt = zero
             for j in tl.static_range(len(KS)):
                 if tau < KS[j]:
-                    g += c[KOFF[j] + tau] * de[j]
-            prev = zero if tau == 0 else dw[tau - 1]
-            nw = nw + (prev + tl.where(((bits >> tau) & 1) != 0, g, 0.0),)
+                    gt += c[KOFF[j] + tau] * de[j]
+            g = g + (gt,)
+        g = _doc_masked(g, bits, KW, FAST)  # only into dx of t's document
+        nw = (g[0],)
+        for tau in tl.static_range(1, KW):
+            nw = nw + (dw[tau - 1] + g[tau],)
         dw = nw
         t += 1
     for tau in tl.static_range(KW):  # the last KW tokens' dx: dw[τ] = dx[t_end-1-τ]
@@ -964,6 +984,9 @@ class Blocks:
     serial_warps: int = 4
     serial_ch: int = 128  # tokens per serial program (it also walks K_MAX - 1 past them)
     serial_prefetch: bool = True  # the serial kernel loads token t+1 during step t
+    # both serial kernels: the document masks of the window (a select a tap a step) only in the steps whose window
+    # holds a document boundary or the row's start, a branch the whole program takes alike (not yet timed)
+    serial_fast: bool = False
     # the stats: "tile" (``_stats_kernel``: (stats_bt, stats_bd) tiles, all sources a program) or "serial"
     # (``_stats_serial_kernel``: one warp a (source, channel tile, chunk, row) program walking its tokens, then
     # ``stats_from_parts``)
@@ -1203,7 +1226,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         parts = torch.empty(n_dt, 3, m, S, B, T, **f32)
         _stats_serial_kernel[(S * n_dt, triton.cdiv(T, ch), B)](
             x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks,
-            KOFF=tuple(sum(ks[:j]) for j in range(len(ks))), KW=k_max, BD=bd, num_warps=1)
+            KOFF=tuple(sum(ks[:j]) for j in range(len(ks))), KW=k_max, BD=bd, FAST=blk.serial_fast, num_warps=1)
         stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d)
     elif blk.stats_mode != "tile":
         raise ValueError(f"msar: Blocks.stats_mode {blk.stats_mode!r} is not one of 'tile', 'serial'")
@@ -1230,7 +1253,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         _src_serial_kernel[(S * triton.cdiv(d, blk.serial_bd), n_chunks, B)](
             x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, S, n_buf, offset_arg(p_off), n_add,
             offset_arg(q_off), B, T, d, k_max, plane, ch, n_chunks, SOFTMAX=S > 1, KS=ks, KOFF=koff, KW=k_max,
-            NPAIR=sum(ks), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch, num_warps=blk.serial_warps)
+            NPAIR=sum(ks), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch, FAST=blk.serial_fast,
+            num_warps=blk.serial_warps)
         dtaps_all = dtap_part.sum(0)  # (NPAIR, d)
         dtaps = [dtaps_all[koff[j]: koff[j] + c.shape[0]] for j, c in enumerate(taps, start=1)]
         return dx, dtaps, dqg_part.sum(0)

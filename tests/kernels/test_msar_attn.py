@@ -360,6 +360,7 @@ SERIAL = [
     ("T-below-k-rawkeys", 2, 1, 3, 8, (5,), 2, 8, False),
     ("T-1", 3, 1, 1, 8, (3,), 4, 8, True),
     ("identity-views-rawkeys", 4, 1, 7, 12, (1, 1, 1), 3, 8, False),
+    ("both-window-kinds", 2, 2, 30, 8, (2, 3), 7, 8, True),  # windows with and without a boundary (serial_fast)
 ]
 
 
@@ -368,7 +369,8 @@ SERIAL = [
 def test_serial_source_gradients_equal_the_ring(case):
     """The serial source-gradient kernel (a program walks its tokens one at a time, scattering each dE into the
     dx of the tokens it reaches, and runs K_MAX - 1 tokens past its chunk), with and without its loads issued a
-    step ahead, and with the serial stats kernel (per-channel-tile sums, finished by ``stats_from_parts``),
+    step ahead, and with the serial stats kernel (per-channel-tile sums, finished by ``stats_from_parts``), also
+    with the document masks applied only in steps whose window holds a boundary (``serial_fast``),
     against the ring and tile kernels, on the same
     dR and stats: dx, every tap gradient and the query gradient, for programs of one token, of fewer tokens than
     the kernel, of a whole row, over several channel tiles, with documents at odd offsets."""
@@ -379,6 +381,9 @@ def test_serial_source_gradients_equal_the_ring(case):
     _, S, B, T, d, kernels, ch, bd, key_norm = case
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
     near = fused.doc_window(doc_ids)
+    if case[0] == "both-window-kinds":  # serial_fast's branch both ways: no boundary in the window, and one
+        full = (1 << max(kernels)) - 1
+        assert {True, False} == set(((near & full) == full).flatten().tolist())
     m = 1 + len(taps)
     packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
     qg = fused.folded_queries(queries, key_gains)
@@ -390,20 +395,22 @@ def test_serial_source_gradients_equal_the_ring(case):
     base = fused._blocks(T, d, m_pad, max(ks))
     out = {}
     for mode, prefetch, stats in (("ring", True, "tile"), ("serial", True, "tile"),
-                                  ("serial-no-prefetch", False, "tile"), ("serial-stats", True, "serial")):
+                                  ("serial-no-prefetch", False, "tile"), ("serial-stats", True, "serial"),
+                                  ("serial-fast", True, "serial")):
         blk = dataclasses.replace(base, src_mode=mode.split("-")[0], serial_ch=ch, serial_bd=bd,
-                                  serial_prefetch=prefetch, stats_mode=stats, stats_serial_ch=ch, stats_serial_bd=bd)
+                                  serial_prefetch=prefetch, stats_mode=stats, stats_serial_ch=ch, stats_serial_bd=bd,
+                                  serial_fast=mode == "serial-fast")
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
             dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=key_norm,
                                                     eps=1e-6)
         out[mode] = (dx, *dtaps, dqg)
     names = ["dx", *(f"taps[{i}]" for i in range(len(taps))), "dqg"]
-    for serial in ("serial", "serial-no-prefetch", "serial-stats"):
+    for serial in ("serial", "serial-no-prefetch", "serial-stats", "serial-fast"):
         # the stats summed in another order: fp32 round-off of a query gradient near zero (one view of raw keys
         # whose softmax is nearly one-hot, T-below-k-rawkeys) moves by 1.5e-5 of the tensor's norm; against an fp64
         # reference there the serial stats are off by 4.5e-6, the tile stats by 1.8e-5
-        tol = 1e-4 if serial == "serial-stats" else 1e-5
+        tol = 1e-4 if serial in ("serial-stats", "serial-fast") else 1e-5
         for name, a, b in zip(names, out[serial], out["ring"]):
             assert a.shape == b.shape and rel_err(a, b) < tol, f"{serial} {name}: {rel_err(a, b):.2e}"
             if name != "dqg" or S > 1:
