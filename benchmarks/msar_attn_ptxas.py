@@ -63,6 +63,9 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     if views_3d is not None:
         blk = dataclasses.replace(blk, views_3d=views_3d)
     common = dict(M_PAD=m_pad, KS=(1, *kernel_sizes))
+    # where each view's (view, tap) pairs start (fused.pair_offsets; computed here, since --against compiles
+    # revisions that predate it)
+    koff = tuple(sum(common["KS"][:j]) for j in range(m))
 
     def n_dt(bd: int) -> dict:  # a launch specialises an integer argument equal to 1 as a constant
         return {"n_dt": 1} if triton.cdiv(d, bd) == 1 else {}
@@ -89,7 +92,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd)), blk.mix_warps)
     if getattr(blk, "stats_mode", "tile") == "serial":
         yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
-               dict(KS=common["KS"], KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), KW=k_max,
+               dict(KS=common["KS"], KOFF=koff, KW=k_max,
                     BD=blk.stats_serial_bd, FAST=getattr(blk, "serial_fast", False)), 1)
     else:
         yield ("stats", fused._stats_kernel,
@@ -99,7 +102,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     if getattr(blk, "src_mode", "ring") == "serial":  # (a revision before 2026-12-01 has the ring kernel only)
         yield ("source gradients", fused._src_serial_kernel,
                dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64"),
-               dict(SOFTMAX=True, KS=common["KS"], KOFF=tuple(sum(common["KS"][:j]) for j in range(m)),
+               dict(SOFTMAX=True, KS=common["KS"], KOFF=koff,
                     KW=k_max, NPAIR=sum(common["KS"]), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch,
                     FAST=getattr(blk, "serial_fast", False)),
                blk.serial_warps)
@@ -108,7 +111,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,
                 tap_scratch_ptr=F32, q_off="i64"),
            dict(SOFTMAX=True, K_PAD=triton.next_power_of_2(k_max), BT=blk.src_bt, BD=blk.src_bd,
-                KOFF=tuple(sum(common["KS"][:j]) for j in range(m)), NPAIR=sum(common["KS"]), **common, **v3),
+                KOFF=koff, NPAIR=sum(common["KS"]), **common, **v3),
            blk.src_warps)
 
 

@@ -670,21 +670,34 @@ def _src_kernel(
 
 
 @triton.jit
+def _doc_select(vals, bits, N: tl.constexpr):
+    """vals[σ] where bit σ of ``bits`` is set (token t-σ in t's document, ``doc_window``), else 0, for σ < N."""
+    out = ()
+    for sg in tl.static_range(N):
+        out = out + (tl.where(((bits >> sg) & 1) != 0, vals[sg], 0.0),)
+    return out
+
+
+@triton.jit
 def _doc_masked(vals, bits, N: tl.constexpr, FAST: tl.constexpr):
-    """vals[σ] where bit σ of ``bits`` is set (token t-σ in t's document, ``doc_window``), else 0, for σ < N. With
-    FAST the selects run only when a document boundary (or the row's start) lies in the window, a branch that is
-    the same for the whole program."""
+    """``_doc_select``; with FAST only when a document boundary (or the row's start) lies in the window, a branch
+    that is the same for the whole program (else every bit is set and the selects change nothing)."""
     out = vals
-    full = (1 << N) - 1
     if FAST:
+        full = (1 << N) - 1
         if (bits & full) != full:
-            out = ()
-            for sg in tl.static_range(N):
-                out = out + (tl.where(((bits >> sg) & 1) != 0, vals[sg], 0.0),)
+            out = _doc_select(vals, bits, N)
     else:
-        out = ()
-        for sg in tl.static_range(N):
-            out = out + (tl.where(((bits >> sg) & 1) != 0, vals[sg], 0.0),)
+        out = _doc_select(vals, bits, N)
+    return out
+
+
+@triton.jit
+def _zeros(N: tl.constexpr, BD: tl.constexpr):
+    """A tuple of N (BD,) fp32 zeros: accumulators held in registers."""
+    out = ()
+    for _ in tl.static_range(N):
+        out = out + (tl.zeros((BD,), dtype=tl.float32),)
     return out
 
 
@@ -837,15 +850,9 @@ def _src_serial_kernel(
     add = s < n_add
     zero = tl.zeros((BD,), dtype=tl.float32)
     t_end = tl.minimum(t1 + KW - 1, T)
-    dw = ()  # dx[t-1-τ] accumulators, τ < KW
-    for sg in tl.static_range(KW):
-        dw = dw + (zero,)
-    dq = ()
-    for j in tl.static_range(len(KS)):
-        dq = dq + (zero,)
-    dc = ()
-    for p in tl.static_range(NPAIR):
-        dc = dc + (zero,)
+    dw = _zeros(KW, BD)  # dx[t-1-τ] accumulators, τ < KW
+    dq = _zeros(len(KS), BD)  # the query gradients, summed over the program's tokens
+    dc = _zeros(NPAIR, BD)  # the tap gradients, (view, tap) pairs view by view
     t = t0
     nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d, mask_d,
                         SOFTMAX, KS)
@@ -996,6 +1003,12 @@ class Blocks:
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
+    def __post_init__(self):  # a misspelt mode fails where the tiles are chosen, before any kernel runs
+        for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial"))):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
+                                 + ", ".join(map(repr, choices)))
+
     def forward_warps(self, S: int) -> int:
         return self.one_source_warps if S == 1 and self.one_source_warps else self.warps
 
@@ -1059,6 +1072,11 @@ def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     serial_ch = 256 if T >= 2048 else 128
     return Blocks(bd, bd >= d, bt, 4, bd, bt, 1, max(halo, min(16, t_pow)), 32, 4, 16,
                   stats_bd, stats_bt, 4, one_source_warps=one_source_warps, serial_ch=serial_ch)
+
+
+def pair_offsets(ks: Sequence[int]) -> tuple[int, ...]:
+    """Where each view's taps start when the (view, tap) pairs are numbered view by view (the kernels' KOFF)."""
+    return tuple(sum(ks[:j]) for j in range(len(ks)))
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
@@ -1208,9 +1226,10 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     dx (S, B, T, d) in x's dtype (the partial's gradient last), [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two
     kernels: the stats and the source gradients, serial (a program per source walking its tokens; the default)
     or over all sources a program (``Blocks.stats_mode="tile"``, ``src_mode="ring"``). With
-    ``rows_grad = (grads, n_add)`` (x: rows of a buffer, ``grads`` the buffer's fp32 row gradients, ``RowGradients.target``) the rows' gradients go into ``grads`` instead, added
-    to rows below n_add (what later readers left) and written above, and dx is the partial's gradient (B, T, d)
-    fp32 alone (None without a partial)."""
+    ``rows_grad = (grads, n_add)`` (x: rows of a buffer, ``grads`` the buffer's fp32 row gradients,
+    ``RowGradients.target``) the rows' gradients go into ``grads`` instead, added to rows below n_add (what later
+    readers left) and written above, and dx is the partial's gradient (B, T, d) fp32 alone (None without a
+    partial)."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
     m, m_pad, k_max = dr.shape[0], packed.shape[0], max(ks)
@@ -1218,6 +1237,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
     coef = torch.zeros(4, m_pad, S, B, T, **f32)  # w, κ, μ, scratch; padded views stay zero
+    koff = pair_offsets(ks)
     if S == 1:  # one source (placement=post's view op): every weight is 1 and the softmax has no gradient
         coef[0, :m] = 1.0  # κ = μ = 0: no stats kernel
     elif blk.stats_mode == "serial":
@@ -1225,11 +1245,9 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         n_dt = triton.cdiv(d, bd)
         parts = torch.empty(n_dt, 3, m, S, B, T, **f32)
         _stats_serial_kernel[(S * n_dt, triton.cdiv(T, ch), B)](
-            x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks,
-            KOFF=tuple(sum(ks[:j]) for j in range(len(ks))), KW=k_max, BD=bd, FAST=blk.serial_fast, num_warps=1)
+            x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
+            KW=k_max, BD=bd, FAST=blk.serial_fast, num_warps=1)
         stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d)
-    elif blk.stats_mode != "tile":
-        raise ValueError(f"msar: Blocks.stats_mode {blk.stats_mode!r} is not one of 'tile', 'serial'")
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
@@ -1243,7 +1261,6 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         out, n_add = rows_grad
         dx = None if partial is None else torch.empty(B, T, d, device=x.device, dtype=out.dtype)
         q_off = 0 if dx is None else sources_layout(out[:n_buf], dx)[2]
-    koff = tuple(sum(ks[:j]) for j in range(len(ks)))  # (view, tap) pairs numbered view by view
     if blk.src_mode == "serial":
         ch = max(1, min(blk.serial_ch, T))
         n_chunks = triton.cdiv(T, ch)
@@ -1258,8 +1275,6 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         dtaps_all = dtap_part.sum(0)  # (NPAIR, d)
         dtaps = [dtaps_all[koff[j]: koff[j] + c.shape[0]] for j, c in enumerate(taps, start=1)]
         return dx, dtaps, dqg_part.sum(0)
-    if blk.src_mode != "ring":
-        raise ValueError(f"msar: Blocks.src_mode {blk.src_mode!r} is not one of 'serial', 'ring'")
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)

@@ -370,10 +370,10 @@ def test_serial_source_gradients_equal_the_ring(case):
     """The serial source-gradient kernel (a program walks its tokens one at a time, scattering each dE into the
     dx of the tokens it reaches, and runs K_MAX - 1 tokens past its chunk), with and without its loads issued a
     step ahead, and with the serial stats kernel (per-channel-tile sums, finished by ``stats_from_parts``), also
-    with the document masks applied only in steps whose window holds a boundary (``serial_fast``),
-    against the ring and tile kernels, on the same
-    dR and stats: dx, every tap gradient and the query gradient, for programs of one token, of fewer tokens than
-    the kernel, of a whole row, over several channel tiles, with documents at odd offsets."""
+    with the document masks applied only in steps whose window holds a boundary (``serial_fast``), against the
+    ring and tile kernels, on the same dR and stats: dx, every tap gradient and the query gradient, for programs
+    of one token, of fewer tokens than the kernel, of a whole row, over several channel tiles, with documents at
+    odd offsets."""
     import dataclasses
 
     from kernels.msar_attn import fused
