@@ -125,6 +125,10 @@
 #            open: msar_block's `medium` peak and step beside vanilla (their per-call buffers), the serial source-
 #            gradient kernel on 256 channels and both serial kernels with serial_fast (document masks only where a
 #            boundary is in the window) at `small` and `medium`, and Nsight Compute's counters of MSAR's kernels
+#   saved    one GPU (about 560 s with the start; ARCHIVE=$OUT/t.tgz ... saved /tmp/t): the serial stats kernel reducing
+#            dR·E alone from the forward's saved logits and ρ, against recomputing them and with its loads a step ahead,
+#            the source-gradient kernel on 256 channels against 128, the forward that saves them, at `small` and
+#            `medium`; the op's GPU tests, msar_block's `small` step beside vanilla and its 60-step training parity
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -132,7 +136,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -533,6 +537,19 @@ case "$PLAN" in
     step gpu0 ncu_msar "${COUNTER_LIMIT:-150}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
       -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops msar
+    ;;
+  saved)
+    step gpu0 tiles "${TILES_LIMIT:-100}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward stats "source gradients" --only stats_saved=False stats_prefetch=True \
+      stats_prefetch=True,stats_serial_bd=64 serial_bd=128,serial_warps=4 --tag _saved
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py
+    step gpu0 small "${SMALL_LIMIT:-160}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_saved}
+    step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
+      --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_saved}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

@@ -157,12 +157,14 @@ def fused_breakdown(S, B, T, d, seed) -> dict[str, float]:
     mixer = fused._mixer_params(phi, alpha, bias)
     dh = torch.randn(B, T, d, device="cuda", dtype=x.dtype)
     kw = dict(key_norm=True, eps=1e-6)
-    _, lse, _, saved = fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, **kw)
+    _, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, save_stats=True, **kw)
     dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=kw["eps"], sigmoid=True)
-    return {
-        "forward": bench_ms(lambda: fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, **kw)),
+    return {  # as training runs them: the forward saves what the backward reads
+        "forward": bench_ms(lambda: fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, save_stats=True,
+                                                  **kw)),
         "mixer bwd": bench_ms(lambda: fused.mixer_backward(dh, saved, mixer, eps=kw["eps"], sigmoid=True)),
-        "streams bwd": bench_ms(lambda: fused.streams_backward(dr, lse, x, taps, packed, ks, qg, doc, **kw)),
+        "streams bwd": bench_ms(lambda: fused.streams_backward(dr, lse, x, taps, packed, ks, qg, doc, stats=stats,
+                                                               **kw)),
     }
 
 

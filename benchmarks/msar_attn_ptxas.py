@@ -42,6 +42,7 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
     pointer 16-byte aligned and the integers of ``DIV16`` multiples of 16 (without those hints the compiler sees
     other address arithmetic: the source-gradient kernel's spills read 64 instead of 376 bytes while a change was
     being made that cost 1.2 ms a backward on the H200); returns ptxas's register/spill summary."""
+    constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}  # (--against: older kernels lack some)
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
     attrs = launch_attrs(fn.arg_names, sig, DIV16)
     kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), {"num_warps": num_warps})
@@ -75,16 +76,18 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     views = dict(x_ptr=x_type, taps_ptr=F32, qg_ptr=F32, near_ptr=I32, eps="fp32", p_off="i64")
     yield ("document window bits", fused._doc_window_kernel, dict(doc_ptr="*i64", near_ptr=I32),
            dict(BT=fused.doc_window_block(T)), 4)
+    # a training step's forward saves R and (since 2026-12-02) the logits and ρ for the backward's stats
+    saving = dict(STORE_LOGITS="rho_ptr" in fused._fwd_kernel.arg_names, STORE_RHO=True)
     yield ("forward (h, saving R)", fused._fwd_kernel,
-           dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type, save_z_ptr=F32,
-                save_rr_ptr=F32),
-           dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
+           dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, rho_ptr=F32, save_r_ptr=x_type,
+                save_z_ptr=F32, save_rr_ptr=F32),
+           dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, **saving, SAVE=True, SINGLE=blk.single,
                 BT=blk.bt, BD=blk.bd, **common, **v3, **n_dt(blk.bd)), blk.warps)
     if blk.forward_warps(1) != blk.warps:
         yield ("forward, one source", fused._fwd_kernel,
-               dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, save_r_ptr=x_type,
+               dict(**views, **mixer, out_ptr=x_type, lse_ptr=F32, logits_ptr=F32, rho_ptr=F32, save_r_ptr=x_type,
                     save_z_ptr=F32, save_rr_ptr=F32),
-               dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, STORE_LOGITS=False, SAVE=True, SINGLE=blk.single,
+               dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, **saving, SAVE=True, SINGLE=blk.single,
                     BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1), **n_dt(blk.bd)), blk.forward_warps(1))
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
@@ -92,8 +95,9 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
            dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd)), blk.mix_warps)
     if getattr(blk, "stats_mode", "tile") == "serial":
         yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
-               dict(KS=common["KS"], KOFF=koff, KW=k_max,
-                    BD=blk.stats_serial_bd, FAST=getattr(blk, "serial_fast", False)), 1)
+               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,
+                    FAST=getattr(blk, "serial_fast", False), SAVED=getattr(blk, "stats_saved", False),
+                    PREFETCH=getattr(blk, "stats_prefetch", False)), 1)
     else:
         yield ("stats", fused._stats_kernel,
                dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),

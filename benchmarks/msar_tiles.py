@@ -41,7 +41,7 @@ def candidates(blk) -> dict[str, list[dict]]:
     before = [dict(src_mode="ring", stats_mode="tile")] if blk.stats_mode != "tile" else []  # both old kernels
     serial = [dict(src_mode="ring")] + before + [
         dict(serial_ch=ch) for ch in (32, 64, 128, 256, 512) if ch != blk.serial_ch] + [
-        dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (256, 4))
+        dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (128, 4), (256, 4))
         if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch),
                                                             dict(serial_fast=not blk.serial_fast)]
     return {
@@ -66,7 +66,11 @@ def candidates(blk) -> dict[str, list[dict]]:
                  + [dict(stats_mode="tile" if blk.stats_mode == "serial" else "serial")]
                  + [dict(stats_mode="serial", stats_serial_bd=bd, stats_serial_ch=ch)
                     for bd, ch in ((32, 64), (32, 256), (64, 128), (16, 128))
-                    if (bd, ch) != (blk.stats_serial_bd, blk.stats_serial_ch)],
+                    if (bd, ch) != (blk.stats_serial_bd, blk.stats_serial_ch)]
+                 # the serial stats kernel recomputing the forward's logits and ρ, and its loads a step ahead
+                 + [dict(stats_mode="serial", stats_saved=not blk.stats_saved),
+                    dict(stats_mode="serial", stats_prefetch=not blk.stats_prefetch),
+                    dict(stats_mode="serial", stats_prefetch=not blk.stats_prefetch, stats_serial_bd=64)],
         "source gradients": [{}] + (serial if blk.src_mode == "serial" else ring),
     }
 
@@ -88,17 +92,18 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
     base = default_blocks(T, d, m_pad, max(ks))
 
     def pieces():
-        h, lse, _, saved = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, **kw)
+        h, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, save_stats=True,
+                                                **kw)
         dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
-        dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, **kw)
-        return h, lse, saved, dr, (dx, *dtaps, dqg)
+        dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, stats=stats, **kw)
+        return h, lse, saved, dr, (dx, *dtaps, dqg), stats
 
-    ref_h, ref_lse, ref_saved, ref_dr, ref_grads = pieces()
+    ref_h, ref_lse, ref_saved, ref_dr, ref_grads, ref_stats = pieces()
     def streams():  # the stats and source-gradient kernels run together (streams backward)
-        return fused.streams_backward(ref_dr, ref_lse, x, taps, packed, ks, qg, near, **kw)
+        return fused.streams_backward(ref_dr, ref_lse, x, taps, packed, ks, qg, near, stats=ref_stats, **kw)
 
-    timed = {
-        "forward": lambda: fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, **kw),
+    timed = {  # as training runs them: the forward saves what the backward reads
+        "forward": lambda: fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, save_stats=True, **kw),
         "mixer backward": lambda: fused.mixer_backward(dh, ref_saved, mixer, eps=1e-6, sigmoid=True),
         "stats": streams,
         "source gradients": streams,
@@ -119,7 +124,7 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
                                                                            "default, timed again last: ") + ", ".join(
                     f"{k}={getattr(base, k)}" for k in _fields(kernel))
                 try:
-                    h, _, _, dr, grads = pieces()
+                    h, _, _, dr, grads, _ = pieces()
                     err = max(rel_err(h, ref_h), rel_err(dr, ref_dr), *(rel_err(a, b) for a, b in zip(grads, ref_grads)))
                 except Exception as exc:  # a tile that does not compile (shared memory, registers)
                     table.add(name, S, kernel, label, f"FAILED: {type(exc).__name__}", "", "")

@@ -171,12 +171,13 @@ def _mixer_stats(r, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD: tl.constexpr, 
 
 
 @triton.jit
-def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
+def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, rho_ptr, near_t, offs_t, mask_t, offs_d, mask_d, mask_j,
               b, S, n_buf, p_off, B, T, D, K_MAX, eps,
-              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
-              BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
+              KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, STORE_RHO: tl.constexpr, M_PAD: tl.constexpr,
+              KS: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
     """d in one tile: logits, online softmax over sources (fp32) and weighted sums together.
-    Returns the streams r (M_PAD, BT, BD) and the lse (M_PAD, BT)."""
+    Returns the streams r (M_PAD, BT, BD) and the lse (M_PAD, BT). With STORE_RHO (and KEY_NORM) also the keys'
+    ρ = (‖E‖²/d + eps)^-½ per (view, source, token), which the backward's stats then need not recompute."""
     jv = tl.arange(0, M_PAD)
     qg = tl.load(qg_ptr + jv[:, None] * D + offs_d[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0)
     m_i = tl.full((M_PAD, BT), float("-inf"), dtype=tl.float32)
@@ -186,14 +187,17 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
     while s < S:
         x_row, tap_row = _src_row(x_ptr, taps_ptr, s, b, B, T, D, n_buf, p_off)
         e = _views(x_row, tap_row, near_t, offs_t, mask_t, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
+        stat = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :]  # (M_PAD, BT) into (m, S, B, T)
         if KEY_NORM:  # (q ⊙ g)·E and ‖E‖² in one reduction over the channels (one round of barriers)
             logit, ss = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (M_PAD, BT) each
-            logit = logit * tl.rsqrt(ss / D + eps)
+            rho = tl.rsqrt(ss / D + eps)
+            logit = logit * rho
+            if STORE_RHO:
+                tl.store(rho_ptr + stat, rho, mask=mask_j[:, None] & mask_t[None, :])
         else:
             logit = tl.sum(e * qg[:, None, :], axis=2)
         if STORE_LOGITS:
-            tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
-                     logit, mask=mask_j[:, None] & mask_t[None, :])
+            tl.store(logits_ptr + stat, logit, mask=mask_j[:, None] & mask_t[None, :])
         m_new = tl.maximum(m_i, logit)
         scale = tl.exp(m_i - m_new)
         p = tl.exp(logit - m_new)
@@ -205,12 +209,13 @@ def _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_
 
 
 @triton.jit
-def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
+def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, rho_ptr, near_t, offs_t, mask_t, mask_j,
                 b, S, n_buf, p_off, B, T, D, K_MAX, eps, n_dt,
-                KEY_NORM: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
-                BD: tl.constexpr, V3: tl.constexpr):
+                KEY_NORM: tl.constexpr, STORE_RHO: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
+                BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr):
     """d over several tiles, pass 1: the logits (reductions over all channel tiles) of every source,
-    written to logits (M_PAD, S, B, T) for the next passes; returns their lse (M_PAD, BT)."""
+    written to logits (M_PAD, S, B, T) for the next passes (with STORE_RHO the keys' ρ to rho (m, S, B, T));
+    returns their lse (M_PAD, BT)."""
     jv = tl.arange(0, M_PAD)
     m_i = tl.full((M_PAD, BT), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((M_PAD, BT), dtype=tl.float32)
@@ -231,10 +236,13 @@ def _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mas
             ss += ss_part
             dt += 1
         logit = dot
+        stat = ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :]  # (M_PAD, BT) into (m, S, B, T)
         if KEY_NORM:
-            logit = dot * tl.rsqrt(ss / D + eps)
-        tl.store(logits_ptr + ((jv[:, None] * S + s) * B + b).to(tl.int64) * T + offs_t[None, :],
-                 logit, mask=mask_t[None, :])  # padded views too: the next passes read them back
+            rho = tl.rsqrt(ss / D + eps)
+            logit = dot * rho
+            if STORE_RHO:
+                tl.store(rho_ptr + stat, rho, mask=mask_j[:, None] & mask_t[None, :])
+        tl.store(logits_ptr + stat, logit, mask=mask_t[None, :])  # padded views too: the next passes read them back
         m_new = tl.maximum(m_i, logit)
         l_i = l_i * tl.exp(m_i - m_new) + tl.exp(logit - m_new)
         m_i = m_new
@@ -255,13 +263,14 @@ def _fwd_kernel(
     out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
     logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
+    rho_ptr,  # with STORE_RHO: the keys' ρ (m, S, B, T) fp32, for the backward's stats (``streams_backward``)
     save_r_ptr,  # with SAVE (for the backward): the streams R (m, B, T, d) (``saved_streams_dtype``)
     save_z_ptr,  # with SAVE: R·φ (m, B, T) fp32
     save_rr_ptr,  # with SAVE: ‖vec R‖² (B, T) fp32
     S, n_buf, p_off, B, T, D, M, K_MAX, eps, n_dt,
     KEY_NORM: tl.constexpr, SIGMOID: tl.constexpr, WRITE_R: tl.constexpr, STORE_LOGITS: tl.constexpr,
-    SAVE: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr, BT: tl.constexpr,
-    BD: tl.constexpr, V3: tl.constexpr,
+    STORE_RHO: tl.constexpr, SAVE: tl.constexpr, SINGLE: tl.constexpr, M_PAD: tl.constexpr, KS: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, V3: tl.constexpr,
 ):
     tb = tl.program_id(0)
     b = tl.program_id(1)
@@ -279,9 +288,9 @@ def _fwd_kernel(
     if SINGLE:  # one pass; R stays in registers
         offs_d = tl.arange(0, BD)
         mask_d = offs_d < D
-        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
-                           mask_j, b, S, n_buf, p_off, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, M_PAD, KS, BT,
-                           BD, V3)
+        r, lse = _one_pass(x_ptr, taps_ptr, qg_ptr, logits_ptr, rho_ptr, near_t, offs_t, mask_t, offs_d, mask_d,
+                           mask_j, b, S, n_buf, p_off, B, T, D, K_MAX, eps, KEY_NORM, STORE_LOGITS, STORE_RHO, M_PAD,
+                           KS, BT, BD, V3)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             tl.store(out_ptr + stat[:, :, None] * D + offs_d[None, None, :], r,
@@ -298,8 +307,8 @@ def _fwd_kernel(
             tl.store(out_ptr + rows[:, None] * D + offs_d[None, :], h.to(out_ptr.dtype.element_ty),
                      mask=mask_t[:, None] & mask_d[None, :])
     else:
-        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, near_t, offs_t, mask_t, mask_j,
-                          b, S, n_buf, p_off, B, T, D, K_MAX, eps, n_dt, KEY_NORM, M_PAD, KS, BT, BD, V3)
+        lse = _logits_lse(x_ptr, taps_ptr, qg_ptr, logits_ptr, rho_ptr, near_t, offs_t, mask_t, mask_j,
+                          b, S, n_buf, p_off, B, T, D, K_MAX, eps, n_dt, KEY_NORM, STORE_RHO, M_PAD, KS, BT, BD, V3)
         tl.store(lse_ptr + stat, lse, mask=stat_mask)
         if WRITE_R:
             dt = b * 0
@@ -731,6 +740,18 @@ def _serial_start(x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K
     return s, chunk, b, offs_d, mask_d, x_row, near_ptr + b.to(tl.int64) * T, c, qg, t0, t1, xw
 
 
+@triton.jit
+def _stats_loads(x_row, near_row, dr_ptr, t, ok, b, B, T, D, offs_d, mask_d, KS: tl.constexpr):
+    """What one step of ``_stats_serial_kernel`` loads for token t (nothing where ``ok`` is false), as one flat
+    tuple: the window bits, x[t], then dR_j[t] per view."""
+    md = mask_d & ok
+    out = (tl.load(near_row + t, mask=ok, other=0),
+           tl.load(x_row + t * D + offs_d, mask=md, other=0.0).to(tl.float32))
+    for j in tl.static_range(len(KS)):
+        out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md, other=0.0),)
+    return out
+
+
 @triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
 def _stats_serial_kernel(
     x_ptr,  # sources (S, B, T, d)
@@ -738,45 +759,68 @@ def _stats_serial_kernel(
     qg_ptr,  # gain-folded queries (m, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
     dr_ptr,  # dL/dR (m, B, T, d) fp32
-    part_ptr,  # result: per channel tile, qg_j·E_j, ‖E_j‖², dR_j·E_j: (n_dt, 3, m, S, B, T) fp32
+    part_ptr,  # result: per channel tile, qg_j·E_j, ‖E_j‖², dR_j·E_j: (n_dt, 3, m, S, B, T) fp32; SAVED: dR_j·E_j
     S, n_buf, p_off, B, T, D, K_MAX, CH,
     KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr,
     FAST: tl.constexpr,  # the document masks only where a boundary lies in the window (``_doc_masked``)
+    SAVED: tl.constexpr,  # the forward saved the logits and ρ: reduce dR_j·E_j alone, (n_dt, 1, m, S, B, T)
+    PREFETCH: tl.constexpr,  # load token t+1 during step t
 ):
-    """The stats kernel's three reductions over the channels, split by channel tile: one program per (source,
+    """The stats kernel's reductions over the channels, split by channel tile: one program per (source,
     channel tile), chunk of CH tokens and row walks its tokens one at a time, with the taps and the last KW source
     values in registers (each source element loaded once, not once per tap), builds E_j[t] and reduces
-    qg_j·E_j[t], ‖E_j[t]‖² and dR_j[t]·E_j[t] over its BD channels (one warp: the sums stay inside it).
-    ``stats_from_parts`` sums the tiles and finishes w, κ, μ per (view, source, token)."""
+    qg_j·E_j[t], ‖E_j[t]‖² and dR_j[t]·E_j[t] over its BD channels (one warp: the sums stay inside it); with SAVED
+    only dR_j[t]·E_j[t] (the forward's saved logits and ρ give the rest). ``stats_from_parts`` sums the tiles and
+    finishes w, κ, μ per (view, source, token)."""
     s, chunk, b, offs_d, mask_d, x_row, near_row, c, qg, t0, t1, xw = _serial_start(
         x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH, KS, KW, BD)
     plane = len(KS) * S * B * T  # one statistic of every (view, source, token)
-    base = part_ptr + (tl.program_id(0) // S * 3).to(tl.int64) * plane  # this channel tile's sums
+    tile = (tl.program_id(0) // S).to(tl.int64)
+    if SAVED:  # this channel tile's sums: one statistic, or three
+        base = part_ptr + tile * plane
+    else:
+        base = part_ptr + tile * 3 * plane
     t = t0
+    nxt = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS)
     while t < t1:
-        bits = tl.load(near_row + t)
-        xw = (tl.load(x_row + t * D + offs_d, mask=mask_d, other=0.0).to(tl.float32),) + xw[:KW - 1]
-        xm = _doc_masked(xw, bits, KW, FAST)
+        if PREFETCH:
+            cur = nxt
+            nxt = _stats_loads(x_row, near_row, dr_ptr, t + 1, t + 1 < t1, b, B, T, D, offs_d, mask_d, KS)
+        else:
+            cur = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS)
+        xw = (cur[1],) + xw[:KW - 1]
+        xm = _doc_masked(xw, cur[0], KW, FAST)
         for j in tl.static_range(len(KS)):
-            dr = tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=mask_d, other=0.0)
+            dr = cur[2 + j]
             e = c[KOFF[j]] * xm[0]
             for tau in tl.static_range(1, tl.constexpr(KS[j])):
                 e += c[KOFF[j] + tau] * xm[tau]
             idx = ((j * S + s) * B + b).to(tl.int64) * T + t
-            tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
-            tl.store(base + plane + idx, tl.sum(e * e, axis=0))
-            tl.store(base + 2 * plane + idx, tl.sum(dr * e, axis=0))
+            if SAVED:
+                tl.store(base + idx, tl.sum(dr * e, axis=0))
+            else:
+                tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
+                tl.store(base + plane + idx, tl.sum(e * e, axis=0))
+                tl.store(base + 2 * plane + idx, tl.sum(dr * e, axis=0))
         t += 1
 
 
-def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int) -> None:
+def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int,
+                     saved: tuple[Tensor, Tensor | None] | None = None) -> None:
     """w, κ, μ into coef[0:3, :m] from the serial stats kernel's per-tile sums (n_dt, 3, m, S, B, T) and the
     forward's lse (m, B, T), as the tile stats kernel computes them: ρ = (‖E‖²/d + eps)^-½ (1 without key norm),
-    logit = qg·E ρ, w = exp(logit - lse), a = dR·E, κ = w (a - Σ_s w a) ρ, μ = κ ρ logit / d."""
-    q, ss, a = parts.sum(0)  # (m, S, B, T) each
-    m = q.shape[0]
-    rho = torch.rsqrt(ss / d + eps) if key_norm else torch.ones_like(ss)
-    logit = q * rho
+    logit = qg·E ρ, w = exp(logit - lse), a = dR·E, κ = w (a - Σ_s w a) ρ, μ = κ ρ logit / d. With ``saved``, the
+    forward's (logits, ρ) (m, S, B, T) (``forward(save_stats=True)``), the parts hold a alone (n_dt, 1, m, S, B, T)."""
+    if saved is None:
+        q, ss, a = parts.sum(0)  # (m, S, B, T) each
+        rho = torch.rsqrt(ss / d + eps) if key_norm else torch.ones_like(ss)
+        logit = q * rho
+    else:
+        a = parts.sum(0)[0]
+        logit, rho = saved
+        if rho is None:
+            rho = torch.ones_like(logit)
+    m = a.shape[0]
     w = torch.exp(logit - lse[:, None])
     kappa = w * (a - (w * a).sum(1, keepdim=True)) * rho
     coef[0, :m] = w
@@ -987,7 +1031,10 @@ class Blocks:
     # serial_ch tokens and row, walking its tokens one at a time with its state in registers) or "ring"
     # (``_src_kernel``: all sources a program, token blocks of src_bt through a scratch ring of dE)
     src_mode: str = "serial"
-    serial_bd: int = 128  # channels per serial program (one per thread at 4 warps)
+    # channels per serial program, two a thread at 4 warps: H200, one process, 1.584 -> 1.399 ms at `small` and
+    # 5.711 -> 5.068 ms at `medium` against 128 (S = 5, msar_tiles_nvidia_h200_serial_bd.md; ptxas: 255 registers,
+    # 32 bytes spilled)
+    serial_bd: int = 256
     serial_warps: int = 4
     serial_ch: int = 128  # tokens per serial program (it also walks K_MAX - 1 past them)
     serial_prefetch: bool = True  # the serial kernel loads token t+1 during step t
@@ -1000,6 +1047,11 @@ class Blocks:
     stats_mode: str = "serial"
     stats_serial_bd: int = 32
     stats_serial_ch: int = 128
+    # the serial stats kernel reduces dR_j·E_j alone when the forward saved its logits and ρ (``forward(save_stats=
+    # True)``, what the autograd functions do), instead of recomputing qg_j·E_j and ‖E_j‖² too (12 warp reductions
+    # and stores a token, 4 with them)
+    stats_saved: bool = True
+    stats_prefetch: bool = False  # the serial stats kernel loads token t+1 during step t
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
@@ -1139,10 +1191,12 @@ def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
 
 
 def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
-            store_logits=False, save=False, partial=None, save_dtype=None):
+            store_logits=False, save=False, partial=None, save_dtype=None, save_stats=False):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
-    logits (m, S, B, T) fp32 when ``store_logits`` (else None), and with ``save`` what the mixer's
-    backward takes, (R (m, B, T, d) in ``save_dtype`` (default x's), R·φ (m, B, T), ‖vec R‖² (B, T)) (else None).
+    logits (m, S, B, T) fp32 when ``store_logits`` (else None), with ``save`` what the mixer's
+    backward takes, (R (m, B, T, d) in ``save_dtype`` (default x's), R·φ (m, B, T), ‖vec R‖² (B, T)) (else None),
+    and with ``save_stats`` the softmax's statistics for the backward, (logits, ρ) (m, S, B, T) fp32 each (ρ None
+    without ``key_norm``; else None): ``streams_backward(stats=...)``, whose stats kernel then reduces dR·E alone.
     ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``; ``partial``: a last source read in place
     (``sources_layout``)."""
     _, B, T, d = x.shape
@@ -1152,21 +1206,26 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
            else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
     lse = torch.empty(m, B, T, device=x.device, dtype=torch.float32)
+    store_logits = store_logits or save_stats
     if blk.single:
         logits = torch.empty(m, S, B, T, device=x.device, dtype=torch.float32) if store_logits else lse
     else:  # the passes over channel tiles keep the logits of every (padded) view
         logits = torch.empty(m_pad, S, B, T, device=x.device, dtype=torch.float32)
+    store_rho = save_stats and key_norm
+    rho = torch.empty(m, S, B, T, device=x.device, dtype=torch.float32) if store_rho else lse
     phi, alpha, bias = (lse, lse, lse) if write_r else mixer  # unused by the kernel with WRITE_R
     save = save and not write_r
     saved = ((torch.empty(m, B, T, d, device=x.device, dtype=save_dtype or x.dtype),
               torch.empty(m, B, T, device=x.device, dtype=torch.float32),
               torch.empty(B, T, device=x.device, dtype=torch.float32)) if save else (lse, lse, lse))
     _fwd_kernel[(triton.cdiv(T, blk.bt), B)](
-        x, packed, qg, phi, alpha, bias, near, out, lse, logits, *saved, S, n_buf, offset_arg(p_off), B, T, d, m,
-        k_max, eps, triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r,
-        STORE_LOGITS=store_logits, SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt, BD=blk.bd,
-        V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S))
-    return out, lse, (logits[:m] if store_logits else None), (saved if save else None)
+        x, packed, qg, phi, alpha, bias, near, out, lse, logits, rho, *saved, S, n_buf, offset_arg(p_off), B, T, d,
+        m, k_max, eps, triton.cdiv(d, blk.bd), KEY_NORM=key_norm, SIGMOID=sigmoid, WRITE_R=write_r,
+        STORE_LOGITS=store_logits, STORE_RHO=store_rho, SAVE=save, SINGLE=blk.single, M_PAD=m_pad, KS=ks, BT=blk.bt,
+        BD=blk.bd, V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S))
+    logits = logits[:m] if store_logits else None
+    stats = (logits, rho if store_rho else None) if save_stats else None
+    return out, lse, logits, (saved if save else None), stats
 
 
 def saved_streams_dtype(x: Tensor) -> torch.dtype:
@@ -1221,8 +1280,11 @@ def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -
     return torch.empty(n_prog, m_pad, 2 * bt, bd, **f32), torch.empty(n_prog, npair + m_pad, bt, bd, **f32)
 
 
-def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, partial=None, rows_grad=None):
-    """Gradients through the streams, given dR (m, B, T, d) fp32 and the forward's lse (m, B, T):
+def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, partial=None, rows_grad=None,
+                     stats=None):
+    """Gradients through the streams, given dR (m, B, T, d) fp32 and the forward's lse (m, B, T) (and, when it saved
+    them, ``stats``: its (logits, ρ), ``forward(save_stats=True)``, which the serial stats kernel then need not
+    recompute):
     dx (S, B, T, d) in x's dtype (the partial's gradient last), [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two
     kernels: the stats and the source gradients, serial (a program per source walking its tokens; the default)
     or over all sources a program (``Blocks.stats_mode="tile"``, ``src_mode="ring"``). With
@@ -1243,11 +1305,12 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     elif blk.stats_mode == "serial":
         bd, ch = blk.stats_serial_bd, max(1, min(blk.stats_serial_ch, T))
         n_dt = triton.cdiv(d, bd)
-        parts = torch.empty(n_dt, 3, m, S, B, T, **f32)
+        saved = stats if blk.stats_saved else None
+        parts = torch.empty(n_dt, 1 if saved else 3, m, S, B, T, **f32)
         _stats_serial_kernel[(S * n_dt, triton.cdiv(T, ch), B)](
             x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
-            KW=k_max, BD=bd, FAST=blk.serial_fast, num_warps=1)
-        stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d)
+            KW=k_max, BD=bd, FAST=blk.serial_fast, SAVED=saved is not None, PREFETCH=blk.stats_prefetch, num_warps=1)
+        stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved)
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
@@ -1316,7 +1379,9 @@ class MsarFunction(torch.autograd.Function):
     Outputs: h (differentiable), lse and logits (diagnostics, not differentiable). Saves the inputs,
     the lse, and (when a gradient is wanted) the streams R (``saved_streams_dtype``) with two per-token scalars of
     the mixer: the mixer's backward then reads R instead of rebuilding the views (2·m·d bytes a
-    token in bf16; docs/kernel_msar.md, "Backward"); the streams' backward rebuilds them."""
+    token in bf16; docs/kernel_msar.md, "Backward"); the streams' backward rebuilds them. Also the logits and
+    the keys' ρ of every (view, source, token) (8·m·S bytes a token), so that the backward's stats kernel reduces
+    dR·E alone."""
 
     @staticmethod
     def forward(ctx, n_src, buffer, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion,
@@ -1327,15 +1392,16 @@ class MsarFunction(torch.autograd.Function):
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
         save = any(ctx.needs_input_grad)
-        h, lse, logits, saved = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
-                                        key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
-                                        sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
-                                        partial=partial, save_dtype=saved_streams_dtype(x))
+        h, lse, logits, saved, stats = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
+                                               key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
+                                               sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
+                                               partial=partial, save_dtype=saved_streams_dtype(x), save_stats=save)
         # with a buffer the rows stay on ctx (written once) and only the partial is saved
         ctx.rows, ctx.grads = (None, None) if buffer is None else buffer
         keep = xs if buffer is None else (partial,)
         ctx.save_for_backward(queries, key_gains, near, phi, alpha, bias, lse,
-                              *(saved if save else (None, None, None)), *keep, *taps)
+                              *(saved if save else (None, None, None)), *(stats if save else (None, None)),
+                              *keep, *taps)
         ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.n_keep = key_norm, eps, fusion, n_src, len(keep)
         if logits is None:
             logits = lse.new_empty(0)
@@ -1344,7 +1410,7 @@ class MsarFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dh, _dlse, _dlogits):
-        queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, *tensors = ctx.saved_tensors
+        queries, key_gains, near, phi, alpha, bias, lse, r, z, rr, logits, rho, *tensors = ctx.saved_tensors
         keep, taps = tensors[:ctx.n_keep], tensors[ctx.n_keep:]
         if ctx.rows is not None:
             x, partial = ctx.rows, keep[0]
@@ -1358,7 +1424,7 @@ class MsarFunction(torch.autograd.Function):
                                                      eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
             rows_grad = None if ctx.rows is None else ctx.grads.target(x.shape[0])
             dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=ctx.key_norm,
-                                              eps=ctx.eps, partial=partial, rows_grad=rows_grad)
+                                              eps=ctx.eps, partial=partial, rows_grad=rows_grad, stats=(logits, rho))
             dq, dg = _query_grads(dqg, queries, key_gains)
         if ctx.rows is not None:  # the rows' gradients are in ctx.grads; the partial's is dx
             dxs = (None,) * x.shape[0] + (() if partial is None else (dx.to(partial.dtype),))
@@ -1379,15 +1445,18 @@ def _source_tensors(xs, n_src: int, buffer) -> tuple[Tensor, Tensor | None]:
 
 class StreamsFunction(torch.autograd.Function):
     """The streams R (m, B, T, d) without the mixer (``msar_attn``). Inputs: x, queries, key_gains,
-    near, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves the inputs and the lse."""
+    near, flags, *taps. Outputs: R in x's dtype, lse, logits. Saves the inputs, the lse and (when a gradient is
+    wanted) the logits and ρ for the backward's stats."""
 
     @staticmethod
     def forward(ctx, x, queries, key_gains, near, key_norm, eps, store_logits, *taps):
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
-        r, lse, logits, _ = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
-                                    key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits)
-        ctx.save_for_backward(x, queries, key_gains, near, lse, *taps)
+        save = any(ctx.needs_input_grad)
+        r, lse, logits, _, stats = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
+                                           key_norm=key_norm, eps=eps, write_r=True, store_logits=store_logits,
+                                           save_stats=save)
+        ctx.save_for_backward(x, queries, key_gains, near, lse, *(stats if save else (None, None)), *taps)
         ctx.key_norm, ctx.eps = key_norm, eps
         if logits is None:
             logits = lse.new_empty(0)
@@ -1396,13 +1465,13 @@ class StreamsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dr, _dlse, _dlogits):
-        x, queries, key_gains, near, lse, *taps = ctx.saved_tensors
+        x, queries, key_gains, near, lse, logits, rho, *taps = ctx.saved_tensors
         d = x.shape[-1]
         packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             dx, dtaps, dqg = streams_backward(dr.float().contiguous(), lse, x, taps, packed, ks, qg, near,
-                                              key_norm=ctx.key_norm, eps=ctx.eps)
+                                              key_norm=ctx.key_norm, eps=ctx.eps, stats=(logits, rho))
             dq, dg = _query_grads(dqg, queries, key_gains)
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 

@@ -188,13 +188,15 @@ def test_a_partial_below_the_rows_in_memory():
     qg, near = fused.folded_queries(queries, key_gains), fused.doc_window(doc_ids)
     mixer = fused._mixer_params(phi, alpha, bias)
     kw = dict(key_norm=True, eps=1e-6)
-    got = fused.forward(rows, packed, ks, len(ks), qg, near, mixer=mixer, save=True, partial=partial, **kw)
-    want = fused.forward(x, packed, ks, len(ks), qg, near, mixer=mixer, save=True, **kw)
-    for a, b in zip([got[0], got[1], *got[3]], [want[0], want[1], *want[3]]):
+    got = fused.forward(rows, packed, ks, len(ks), qg, near, mixer=mixer, save=True, partial=partial,
+                        save_stats=True, **kw)
+    want = fused.forward(x, packed, ks, len(ks), qg, near, mixer=mixer, save=True, save_stats=True, **kw)
+    for a, b in zip([got[0], got[1], *got[3], *got[4]], [want[0], want[1], *want[3], *want[4]]):
         assert torch.equal(a, b)
     dr = torch.randn(len(ks), B, T, d, generator=torch.Generator().manual_seed(4))
-    got_b = fused.streams_backward(dr, want[1], rows, taps, packed, ks, qg, near, partial=partial, **kw)
-    want_b = fused.streams_backward(dr, want[1], x, taps, packed, ks, qg, near, **kw)
+    got_b = fused.streams_backward(dr, want[1], rows, taps, packed, ks, qg, near, partial=partial, stats=got[4],
+                                   **kw)
+    want_b = fused.streams_backward(dr, want[1], x, taps, packed, ks, qg, near, stats=want[4], **kw)
     for a, b in zip([got_b[0], *got_b[1], got_b[2]], [want_b[0], *want_b[1], want_b[2]]):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="the partial source must be a contiguous torch.float32 tensor"):
@@ -370,7 +372,8 @@ def test_serial_source_gradients_equal_the_ring(case):
     """The serial source-gradient kernel (a program walks its tokens one at a time, scattering each dE into the
     dx of the tokens it reaches, and runs K_MAX - 1 tokens past its chunk), with and without its loads issued a
     step ahead, and with the serial stats kernel (per-channel-tile sums, finished by ``stats_from_parts``), also
-    with the document masks applied only in steps whose window holds a boundary (``serial_fast``), against the
+    with the document masks applied only in steps whose window holds a boundary (``serial_fast``), and reducing
+    dR·E alone from the forward's saved logits and ρ (with and without its loads a step ahead), against the
     ring and tile kernels, on the same dR and stats: dx, every tap gradient and the query gradient, for programs
     of one token, of fewer tokens than the kernel, of a whole row, over several channel tiles, with documents at
     odd offsets."""
@@ -388,29 +391,33 @@ def test_serial_source_gradients_equal_the_ring(case):
     packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
     qg = fused.folded_queries(queries, key_gains)
     mixer = fused._mixer_params(phi, alpha, bias)
-    h, lse, _, saved = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, key_norm=key_norm,
-                                     eps=1e-6)
+    h, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, key_norm=key_norm,
+                                            eps=1e-6, save_stats=True)
     dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(5))
     dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
     base = fused._blocks(T, d, m_pad, max(ks))
     out = {}
-    for mode, prefetch, stats in (("ring", True, "tile"), ("serial", True, "tile"),
-                                  ("serial-no-prefetch", False, "tile"), ("serial-stats", True, "serial"),
-                                  ("serial-fast", True, "serial")):
+    serials = ("serial", "serial-no-prefetch", "serial-stats", "serial-fast", "serial-saved", "serial-saved-prefetch")
+    for mode, prefetch, stats_mode in (("ring", True, "tile"), ("serial", True, "tile"),
+                                       ("serial-no-prefetch", False, "tile"), ("serial-stats", True, "serial"),
+                                       ("serial-fast", True, "serial"), ("serial-saved", True, "serial"),
+                                       ("serial-saved-prefetch", True, "serial")):
         blk = dataclasses.replace(base, src_mode=mode.split("-")[0], serial_ch=ch, serial_bd=bd,
-                                  serial_prefetch=prefetch, stats_mode=stats, stats_serial_ch=ch, stats_serial_bd=bd,
-                                  serial_fast=mode == "serial-fast")
+                                  serial_prefetch=prefetch, stats_mode=stats_mode, stats_serial_ch=ch,
+                                  stats_serial_bd=bd, serial_fast=mode == "serial-fast",
+                                  stats_prefetch=mode in ("serial-saved-prefetch", "serial-fast"))
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
+            # the forward's saved logits and ρ only for the saved modes: the others recompute them
             dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=key_norm,
-                                                    eps=1e-6)
+                                                    eps=1e-6, stats=stats if "saved" in mode else None)
         out[mode] = (dx, *dtaps, dqg)
     names = ["dx", *(f"taps[{i}]" for i in range(len(taps))), "dqg"]
-    for serial in ("serial", "serial-no-prefetch", "serial-stats", "serial-fast"):
+    for serial in serials:
         # the stats summed in another order: fp32 round-off of a query gradient near zero (one view of raw keys
         # whose softmax is nearly one-hot, T-below-k-rawkeys) moves by 1.5e-5 of the tensor's norm; against an fp64
         # reference there the serial stats are off by 4.5e-6, the tile stats by 1.8e-5
-        tol = 1e-4 if serial in ("serial-stats", "serial-fast") else 1e-5
+        tol = 1e-4 if serial in ("serial-stats", "serial-fast") or "saved" in serial else 1e-5
         for name, a, b in zip(names, out[serial], out["ring"]):
             assert a.shape == b.shape and rel_err(a, b) < tol, f"{serial} {name}: {rel_err(a, b):.2e}"
             if name != "dqg" or S > 1:
