@@ -129,6 +129,8 @@
 #            dR·E alone from the forward's saved logits and ρ, against recomputing them and with its loads a step ahead,
 #            the source-gradient kernel on 256 channels against 128, the forward that saves them, at `small` and
 #            `medium`; the op's GPU tests, msar_block's `small` step beside vanilla and its 60-step training parity
+#   split    one GPU (about 300 s with the start): the split forward (two passes over channel tiles) against the tile
+#            forward and its tiles, at `small` and `medium` (S = 5), and at `medium` with 17 sources
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -136,7 +138,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -550,6 +552,16 @@ case "$PLAN" in
     step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
       --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_saved}
+    ;;
+  split)
+    step gpu0 tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward --only 'fwd_mode="split"' 'fwd_mode="split",split_bd=64,split_warps=1' \
+      'fwd_mode="split",split_bd=128,split_warps=2' 'fwd_mode="split",split_bd=256,split_warps=2' \
+      'fwd_mode="split",split_bd=256,split_warps=4' 'fwd_mode="split",split_logit_bd=32' \
+      'fwd_mode="split",split_logit_bd=128' 'fwd_mode="split",split_ch=32' 'fwd_mode="split",split_ch=128' \
+      'fwd_mode="split",split_ch=256' --tag _split
+    step gpu0 tiles17 "${TILES17_LIMIT:-60}" python3 -m benchmarks.msar_tiles --shapes medium --sources 17 \
+      --kernels forward --only 'fwd_mode="split"' --tag _split_s17
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

@@ -89,6 +89,18 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                     save_z_ptr=F32, save_rr_ptr=F32),
                dict(KEY_NORM=True, SIGMOID=True, WRITE_R=False, **saving, SAVE=True, SINGLE=blk.single,
                     BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1), **n_dt(blk.bd)), blk.forward_warps(1))
+    if hasattr(fused, "_streams_split_kernel"):  # the split forward (Blocks.fwd_mode="split"), since 2026-12-02
+        split = getattr(blk, "fwd_mode", "tile") == "split"
+        yield (f"split forward, pass 1{'' if split else ' (candidate)'}", fused._stats_serial_kernel,
+               dict(**views, dr_ptr=F32, part_ptr=F32),
+               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_logit_bd, FAST=blk.serial_fast, QS=True,
+                    DR=False, PREFETCH=blk.stats_prefetch), 1)
+        yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
+               dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type, mpart_ptr=F32,
+                    p_off="i64"),
+               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True), blk.split_warps)
+        yield ("split forward, h", fused._combine_kernel, dict(r_ptr=x_type, g_ptr=F32, h_ptr=x_type),
+               dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d))), 4)
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),
@@ -96,7 +108,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     if getattr(blk, "stats_mode", "tile") == "serial":
         yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
                dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,
-                    FAST=getattr(blk, "serial_fast", False), SAVED=getattr(blk, "stats_saved", False),
+                    FAST=getattr(blk, "serial_fast", False), QS=not getattr(blk, "stats_saved", False), DR=True,
                     PREFETCH=getattr(blk, "stats_prefetch", False)), 1)
     else:
         yield ("stats", fused._stats_kernel,

@@ -44,8 +44,16 @@ def candidates(blk) -> dict[str, list[dict]]:
         dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (128, 4), (256, 4))
         if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch),
                                                             dict(serial_fast=not blk.serial_fast)]
+    # the split forward (two passes over channel tiles) against the tile forward, and its tiles
+    other_fwd = "tile" if blk.fwd_mode == "split" else "split"
+    split = [dict(fwd_mode=other_fwd)] + [
+        dict(fwd_mode="split", split_bd=bd, split_warps=w) for bd, w in ((64, 1), (128, 1), (128, 2), (256, 2), (256, 4))
+        if (bd, w) != (blk.split_bd, blk.split_warps)] + [
+        dict(fwd_mode="split", split_logit_bd=bd) for bd in (32, 64, 128) if bd != blk.split_logit_bd] + [
+        dict(fwd_mode="split", split_ch=ch) for ch in (32, 64, 128, 256) if ch != blk.split_ch]
     return {
-        "forward": [{}] + v3 + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
+        "forward": [{}] + split + v3
+                   + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
                    + [dict(bt=bt, warps=w) for bt in around(blk.bt) for w in (2, 4, 8, 16)
                       if (bt, w) != (blk.bt, blk.warps)]
                    # the passes over channel tiles (the wide-d forward) with narrow tiles and more tokens

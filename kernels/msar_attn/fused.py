@@ -741,14 +741,15 @@ def _serial_start(x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K
 
 
 @triton.jit
-def _stats_loads(x_row, near_row, dr_ptr, t, ok, b, B, T, D, offs_d, mask_d, KS: tl.constexpr):
+def _stats_loads(x_row, near_row, dr_ptr, t, ok, b, B, T, D, offs_d, mask_d, KS: tl.constexpr, DR: tl.constexpr):
     """What one step of ``_stats_serial_kernel`` loads for token t (nothing where ``ok`` is false), as one flat
-    tuple: the window bits, x[t], then dR_j[t] per view."""
+    tuple: the window bits, x[t], then (with DR) dR_j[t] per view."""
     md = mask_d & ok
     out = (tl.load(near_row + t, mask=ok, other=0),
            tl.load(x_row + t * D + offs_d, mask=md, other=0.0).to(tl.float32))
-    for j in tl.static_range(len(KS)):
-        out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md, other=0.0),)
+    if DR:
+        for j in tl.static_range(len(KS)):
+            out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md, other=0.0),)
     return out
 
 
@@ -758,50 +759,55 @@ def _stats_serial_kernel(
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    dr_ptr,  # dL/dR (m, B, T, d) fp32
-    part_ptr,  # result: per channel tile, qg_j·E_j, ‖E_j‖², dR_j·E_j: (n_dt, 3, m, S, B, T) fp32; SAVED: dR_j·E_j
+    dr_ptr,  # dL/dR (m, B, T, d) fp32 (with DR)
+    part_ptr,  # result: per channel tile, with QS qg_j·E_j and ‖E_j‖², with DR dR_j·E_j: (n_dt, 2·QS + DR, m, S, B, T)
     S, n_buf, p_off, B, T, D, K_MAX, CH,
     KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr,
     FAST: tl.constexpr,  # the document masks only where a boundary lies in the window (``_doc_masked``)
-    SAVED: tl.constexpr,  # the forward saved the logits and ρ: reduce dR_j·E_j alone, (n_dt, 1, m, S, B, T)
+    QS: tl.constexpr,  # reduce qg_j·E_j and ‖E_j‖² (the logits; the backward can take them from the forward)
+    DR: tl.constexpr,  # reduce dR_j·E_j (the backward; the forward's split pass 1 has no dR)
     PREFETCH: tl.constexpr,  # load token t+1 during step t
 ):
     """The stats kernel's reductions over the channels, split by channel tile: one program per (source,
     channel tile), chunk of CH tokens and row walks its tokens one at a time, with the taps and the last KW source
     values in registers (each source element loaded once, not once per tap), builds E_j[t] and reduces
-    qg_j·E_j[t], ‖E_j[t]‖² and dR_j[t]·E_j[t] over its BD channels (one warp: the sums stay inside it); with SAVED
-    only dR_j[t]·E_j[t] (the forward's saved logits and ρ give the rest). ``stats_from_parts`` sums the tiles and
-    finishes w, κ, μ per (view, source, token)."""
+    qg_j·E_j[t] and ‖E_j[t]‖² (QS) and dR_j[t]·E_j[t] (DR) over its BD channels (one warp: the sums stay inside it).
+    The backward runs it with DR, and with QS unless the forward saved its logits and ρ; ``stats_from_parts`` sums
+    the tiles and finishes w, κ, μ per (view, source, token). The split forward runs it with QS alone (its
+    pass 1, ``forward``)."""
     s, chunk, b, offs_d, mask_d, x_row, near_row, c, qg, t0, t1, xw = _serial_start(
         x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH, KS, KW, BD)
     plane = len(KS) * S * B * T  # one statistic of every (view, source, token)
     tile = (tl.program_id(0) // S).to(tl.int64)
-    if SAVED:  # this channel tile's sums: one statistic, or three
-        base = part_ptr + tile * plane
+    if QS:  # this channel tile's sums: 2·QS + DR statistics
+        if DR:
+            base = part_ptr + tile * 3 * plane
+        else:
+            base = part_ptr + tile * 2 * plane
     else:
-        base = part_ptr + tile * 3 * plane
+        base = part_ptr + tile * plane
     t = t0
-    nxt = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS)
+    nxt = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS, DR)
     while t < t1:
         if PREFETCH:
             cur = nxt
-            nxt = _stats_loads(x_row, near_row, dr_ptr, t + 1, t + 1 < t1, b, B, T, D, offs_d, mask_d, KS)
+            nxt = _stats_loads(x_row, near_row, dr_ptr, t + 1, t + 1 < t1, b, B, T, D, offs_d, mask_d, KS, DR)
         else:
-            cur = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS)
+            cur = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS, DR)
         xw = (cur[1],) + xw[:KW - 1]
         xm = _doc_masked(xw, cur[0], KW, FAST)
         for j in tl.static_range(len(KS)):
-            dr = cur[2 + j]
             e = c[KOFF[j]] * xm[0]
             for tau in tl.static_range(1, tl.constexpr(KS[j])):
                 e += c[KOFF[j] + tau] * xm[tau]
             idx = ((j * S + s) * B + b).to(tl.int64) * T + t
-            if SAVED:
-                tl.store(base + idx, tl.sum(dr * e, axis=0))
-            else:
+            if QS:
                 tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
                 tl.store(base + plane + idx, tl.sum(e * e, axis=0))
-                tl.store(base + 2 * plane + idx, tl.sum(dr * e, axis=0))
+                if DR:
+                    tl.store(base + 2 * plane + idx, tl.sum(cur[2 + j] * e, axis=0))
+            else:
+                tl.store(base + idx, tl.sum(cur[2 + j] * e, axis=0))
         t += 1
 
 
@@ -826,6 +832,89 @@ def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool
     coef[0, :m] = w
     coef[1, :m] = kappa
     coef[2, :m] = kappa * rho * logit / d if key_norm else 0.0
+
+
+@triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
+def _streams_split_kernel(
+    x_ptr,  # sources (S, B, T, d) (or n_buf rows of them and the partial: _src_off)
+    taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
+    near_ptr,  # document window bits (B, T) int32 (``doc_window``)
+    w_ptr,  # softmax weights over the sources (m, S, B, T) fp32 (pass 1)
+    phi_ptr,  # mixer projection as φᵀ (m, m·d) fp32 (with MIXER)
+    r_ptr,  # result: the streams R (m, B, T, d) in its own dtype
+    mpart_ptr,  # result with MIXER: per channel tile ‖R‖² and R·φ_i, (n_dt, 1 + m, B, T) fp32
+    S, n_buf, p_off, B, T, D, K_MAX, CH,
+    KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, MIXER: tl.constexpr,
+):
+    """The split forward's pass 2: R_j[t] = Σ_s w_js[t] E_j(x_s)[t] on BD channels, one program per (channel tile,
+    chunk of CH tokens, row), the taps in registers for the whole program, tokens outer and sources inner. A source's
+    views at token t come from its KW shifted loads x_s[t-σ] (each masked by bit σ of t's window: the document mask
+    costs no select), shared by the views (Σ_j k_j multiply-adds an element). No reduction over the sources or the
+    channels until the epilogue of a token: R_j[t] is stored, and with MIXER its channel tile's ‖R[t]‖² and
+    R[t]·φ_i, which PyTorch sums over the tiles for the gate."""
+    dt = tl.program_id(0)
+    chunk = tl.program_id(1)
+    b = tl.program_id(2)
+    offs_d = dt * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    c = ()
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
+    near_row = near_ptr + b.to(tl.int64) * T
+    t = chunk * CH
+    t1 = tl.minimum(t + CH, T)
+    while t < t1:
+        bits = tl.load(near_row + t)
+        acc = _zeros(len(KS), BD)
+        s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
+        while s < S:
+            x_tok = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off) + t * D + offs_d
+            xs = ()
+            for sg in tl.static_range(KW):  # x_s[t-σ] where t-σ is in the row and in t's document, else 0
+                xs = xs + (tl.load(x_tok - sg * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
+                           .to(tl.float32),)
+            nacc = ()
+            for j in tl.static_range(len(KS)):
+                e = c[KOFF[j]] * xs[0]
+                for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                    e += c[KOFF[j] + tau] * xs[tau]
+                wj = tl.load(w_ptr + ((j * S + s) * B + b).to(tl.int64) * T + t)
+                nacc = nacc + (acc[j] + wj * e,)
+            acc = nacc
+            s += 1
+        rr = 0.0
+        for j in tl.static_range(len(KS)):
+            tl.store(r_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, acc[j].to(r_ptr.dtype.element_ty),
+                     mask=mask_d)
+            if MIXER:
+                rr += tl.sum(acc[j] * acc[j], axis=0)
+        if MIXER:
+            plane = B * T
+            base = mpart_ptr + (dt * (1 + len(KS))).to(tl.int64) * plane + b * T + t
+            tl.store(base, rr)
+            for i in tl.static_range(len(KS)):
+                zi = 0.0
+                for j in tl.static_range(len(KS)):
+                    ph = tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)  # φ[j·d + c, i]
+                    zi += tl.sum(acc[j] * ph, axis=0)
+                tl.store(base + (1 + i) * plane, zi)
+        t += 1
+
+
+@triton.jit
+def _combine_kernel(r_ptr, g_ptr, h_ptr, N, D, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+    """h[n] = Σ_j g_j[n] R_j[n] over tokens n < N = B·T: R (m, N, d), g (m, N) fp32, h (N, d) in its own dtype."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask_n = offs_n < N
+    mask = mask_n[:, None] & (offs_d < D)[None, :]
+    h = tl.zeros((BN, BD), dtype=tl.float32)
+    for j in tl.static_range(M):
+        g = tl.load(g_ptr + j * N + offs_n, mask=mask_n, other=0.0)
+        r = tl.load(r_ptr + (j * N + offs_n.to(tl.int64))[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        h += g[:, None] * r.to(tl.float32)
+    tl.store(h_ptr + offs_n.to(tl.int64)[:, None] * D + offs_d[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -1045,18 +1134,34 @@ class Blocks:
     # (``_stats_serial_kernel``: one warp a (source, channel tile, chunk, row) program walking its tokens, then
     # ``stats_from_parts``)
     stats_mode: str = "serial"
-    stats_serial_bd: int = 32
+    # 64 channels (two a lane) with the loads a step ahead: H200, one process, streams backward 0.920 -> 0.911 ms at
+    # `small` and 3.131 -> 3.016 ms at `medium` (S = 5) against 32 channels without (msar_tiles_nvidia_h200_saved.md;
+    # the prefetch alone at 32 channels 0.953 and 3.301: slower); ptxas 143 registers, no spills
+    stats_serial_bd: int = 64
     stats_serial_ch: int = 128
     # the serial stats kernel reduces dR_j·E_j alone when the forward saved its logits and ρ (``forward(save_stats=
     # True)``, what the autograd functions do), instead of recomputing qg_j·E_j and ‖E_j‖² too (12 warp reductions
     # and stores a token, 4 with them)
+    # (H200, one process, streams backward (stats + source gradients) 1.210 -> 0.919 ms at `small` and 4.308 ->
+    # 3.133 ms at `medium`, S = 5, msar_tiles_nvidia_h200_saved.md)
     stats_saved: bool = True
-    stats_prefetch: bool = False  # the serial stats kernel loads token t+1 during step t
+    stats_prefetch: bool = True  # the serial stats kernel loads token t+1 during step t
+    # the forward: "tile" (``_fwd_kernel``: (m, bt, bd) tiles, all sources a program, the views rebuilt from
+    # shifted loads of the source tile for every view and tap) or "split" (pass 1: ``_stats_serial_kernel`` reduces
+    # qg_j·E_j and ‖E_j‖² per channel tile of split_logit_bd channels, PyTorch finishes the logits, their lse and
+    # the weights; pass 2: ``_streams_split_kernel`` accumulates R_j = Σ_s w E_j(x_s) per channel tile of
+    # split_bd channels on split_warps warps with the mixer's per-tile sums, writes R; ``_combine_kernel`` h)
+    fwd_mode: str = "tile"
+    split_logit_bd: int = 64
+    split_bd: int = 128
+    split_warps: int = 1
+    split_ch: int = 64  # tokens a program of both passes
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
     def __post_init__(self):  # a misspelt mode fails where the tiles are chosen, before any kernel runs
-        for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial"))):
+        for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial")),
+                               ("fwd_mode", ("tile", "split"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -1203,6 +1308,10 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     S, n_buf, p_off = sources_layout(x, partial)
     m_pad, k_max = packed.shape[0], max(ks)
     blk = _blocks(T, d, m_pad, k_max)
+    if blk.fwd_mode == "split":
+        return _forward_split(x, packed, ks, m, qg, near, blk, key_norm=key_norm, eps=eps, mixer=mixer,
+                              sigmoid=sigmoid, write_r=write_r, store_logits=store_logits, save=save, partial=partial,
+                              save_dtype=save_dtype, save_stats=save_stats)
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
            else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
     lse = torch.empty(m, B, T, device=x.device, dtype=torch.float32)
@@ -1226,6 +1335,53 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     logits = logits[:m] if store_logits else None
     stats = (logits, rho if store_rho else None) if save_stats else None
     return out, lse, logits, (saved if save else None), stats
+
+
+def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sigmoid, write_r, store_logits, save,
+                   partial, save_dtype, save_stats):
+    """``forward`` as two passes over channel tiles (``Blocks.fwd_mode="split"``), any d, same results. Pass 1
+    (``_stats_serial_kernel``, QS alone): qg_j·E_j and ‖E_j‖² per channel tile; PyTorch sums the tiles into the
+    logits, ρ, their lse over the sources and the weights w (m, S, B, T), a few small tensors. Pass 2
+    (``_streams_split_kernel``): R (m, B, T, d), in fp32 with ``write_r``, else in ``save_dtype`` (x's): R is what
+    the mixer's backward keeps, and h is combined from it), with the mixer's per-tile sums; PyTorch finishes
+    ‖vec R‖², R·φ and the gate g (m, B, T); ``_combine_kernel`` writes h = Σ_j g_j R_j."""
+    _, B, T, d = x.shape
+    S, n_buf, p_off = sources_layout(x, partial)
+    k_max = max(ks)
+    koff = pair_offsets(ks)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    bd1, ch = blk.split_logit_bd, max(1, min(blk.split_ch, T))
+    n_dt1 = triton.cdiv(d, bd1)
+    parts = torch.empty(n_dt1, 2, m, S, B, T, **f32)
+    _stats_serial_kernel[(S * n_dt1, triton.cdiv(T, ch), B)](
+        x, packed, qg, near, parts, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
+        KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch, num_warps=1)
+    q, ss = parts.sum(0)  # (m, S, B, T) each
+    rho = torch.rsqrt(ss / d + eps) if key_norm else None
+    logits = q * rho if key_norm else q
+    lse = torch.logsumexp(logits, dim=1)  # (m, B, T)
+    w = torch.exp(logits - lse[:, None]).contiguous()
+    r = torch.empty(m, B, T, d, device=x.device,
+                    dtype=torch.float32 if write_r else (save_dtype or x.dtype) if save else x.dtype)
+    n_dt2 = triton.cdiv(d, blk.split_bd)
+    mparts = lse if write_r else torch.empty(n_dt2, 1 + m, B, T, **f32)
+    phi = lse if write_r else mixer[0]
+    _streams_split_kernel[(n_dt2, triton.cdiv(T, ch), B)](
+        x, packed, near, w, phi, r, mparts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
+        KW=k_max, BD=blk.split_bd, MIXER=not write_r, num_warps=blk.split_warps)
+    stats = (logits, rho) if save_stats else None
+    logits = logits if store_logits else None
+    if write_r:
+        return r, lse, logits, None, stats
+    _, alpha, bias = mixer
+    sums = mparts.sum(0)  # (1 + m, B, T)
+    rr, z = sums[0], sums[1:]
+    zz = alpha * z * torch.rsqrt(rr / (m * d) + eps) + bias[:, None, None]
+    g = (torch.sigmoid(zz) if sigmoid else torch.softmax(zz, dim=0)).contiguous()
+    h = torch.empty(B, T, d, device=x.device, dtype=x.dtype)
+    bn, bdc = 16, min(256, triton.next_power_of_2(d))
+    _combine_kernel[(triton.cdiv(B * T, bn), triton.cdiv(d, bdc))](r, g, h, B * T, d, M=m, BN=bn, BD=bdc)
+    return h, lse, logits, ((r, z.contiguous(), rr.contiguous()) if save else None), stats
 
 
 def saved_streams_dtype(x: Tensor) -> torch.dtype:
@@ -1309,7 +1465,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         parts = torch.empty(n_dt, 1 if saved else 3, m, S, B, T, **f32)
         _stats_serial_kernel[(S * n_dt, triton.cdiv(T, ch), B)](
             x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
-            KW=k_max, BD=bd, FAST=blk.serial_fast, SAVED=saved is not None, PREFETCH=blk.stats_prefetch, num_warps=1)
+            KW=k_max, BD=bd, FAST=blk.serial_fast, QS=saved is None, DR=True, PREFETCH=blk.stats_prefetch,
+            num_warps=1)
         stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved)
     else:
         stats_bd, stats_bt = blk.stats_tiles()

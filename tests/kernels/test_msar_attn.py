@@ -55,17 +55,37 @@ def _blocks(bt, bd, sub=2, bwd_bd=None, mode="serial"):
     """A block-size override for fused._blocks: GPU-like geometry under the interpreter (several
     channel tiles, token blocks that straddle documents, several blocks per source-gradient program;
     serial source-gradient programs of bt + 1 tokens, an odd count, over bwd_bd channels).
-    ``bwd_bd``: other channel tiles for the backward than for the forward; ``mode``: Blocks.src_mode."""
+    ``bwd_bd``: other channel tiles for the backward than for the forward; ``mode``: Blocks.src_mode, or "split":
+    the serial source gradients and the split forward (on bd channels, chunks of bt + 1 tokens)."""
     from kernels.msar_attn import fused
 
     bwd_bd = bwd_bd or bd
+    split = dict(fwd_mode="split", split_logit_bd=bd, split_bd=bd, split_ch=bt + 1) if mode == "split" else {}
 
     def blocks(T, d, m_pad, k_max):
         src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
-        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub, src_mode=mode,
-                            serial_bd=bwd_bd, serial_ch=bt + 1)
+        return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub,
+                            src_mode="serial" if mode == "split" else mode, serial_bd=bwd_bd, serial_ch=bt + 1,
+                            **split)
 
     return blocks
+
+
+def _with_split(monkeypatch):
+    """fused._blocks (as overridden so far) with the split forward (Blocks.fwd_mode="split"): several channel tiles
+    of both passes and several chunks a row (5 tokens) where d is small, 512 channels where it is wide."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    inner = fused._blocks
+
+    def blocks(T, d, m_pad, k_max):
+        bd = 8 if d <= 32 else 512
+        return dataclasses.replace(inner(T, d, m_pad, k_max), fwd_mode="split", split_logit_bd=bd, split_bd=bd,
+                                   split_ch=5)
+
+    monkeypatch.setattr(fused, "_blocks", blocks)
 
 
 def _with_ring(monkeypatch):
@@ -121,7 +141,7 @@ BUFFERED = [
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["serial", "ring"])
+@pytest.mark.parametrize("mode", ["serial", "ring", "split"])
 @pytest.mark.parametrize("case", BUFFERED, ids=[c[0] for c in BUFFERED])
 def test_buffered_sources_are_read_in_place(case, mode, monkeypatch):
     """BufferedSources (a SourceBuffer's first rows, then a partial at its own address, before or after the buffer
@@ -236,11 +256,11 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring"])
+@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
-    """Every case with the serial source-gradient kernel (the default) and the 2-d or 3-d view layout, and with
-    the ring source-gradient kernel."""
+    """Every case with the serial source-gradient kernel (the default) and the 2-d or 3-d view layout, with
+    the ring source-gradient kernel, and with the split forward."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -250,6 +270,8 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_views_3d(monkeypatch)
     if variant == "ring":
         _with_ring(monkeypatch)
+    if variant == "split":
+        _with_split(monkeypatch)
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -290,13 +312,16 @@ STREAM_CASES = [
 
 @needs_triton
 @pytest.mark.parametrize("case", STREAM_CASES, ids=[c[0] for c in STREAM_CASES])
-def test_fused_streams_match_reference(case, monkeypatch):
-    """``msar_attn`` (the m streams, no mixer) on the fused kernels."""
+@pytest.mark.parametrize("forward", ["tile", "split"])
+def test_fused_streams_match_reference(case, forward, monkeypatch):
+    """``msar_attn`` (the m streams, no mixer) on the fused kernels, with the tile and the split forward."""
     _, S, B, T, d, kernels, key_norm, gains, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
 
         monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
+    if forward == "split":
+        _with_split(monkeypatch)
     x, taps, queries, key_gains, doc_ids, *_ = make_inputs(S, B, T, d, kernels, gains)
     named = [(n, t.requires_grad_()) for n, t in [("x", x), ("queries", queries), ("key_gains", key_gains),
                                                    *((f"taps[{i}]", c) for i, c in enumerate(taps))]
@@ -425,7 +450,8 @@ def test_serial_source_gradients_equal_the_ring(case):
 
 
 @pytest.mark.parametrize("field, value, choices", [("src_mode", "rings", "'serial', 'ring'"),
-                                                    ("stats_mode", "tiles", "'tile', 'serial'")])
+                                                    ("stats_mode", "tiles", "'tile', 'serial'"),
+                                                    ("fwd_mode", "splits", "'tile', 'split'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
     import dataclasses
 
