@@ -99,8 +99,8 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type, mpart_ptr=F32,
                     p_off="i64"),
                dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True), blk.split_warps)
-        yield ("split forward, h", fused._combine_kernel, dict(r_ptr=x_type, g_ptr=F32, h_ptr=x_type),
-               dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d))), 4)
+        yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
+               dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=True), 4)
     yield ("mixer backward", fused._mix_bwd_kernel,
            dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
                 dzy_ptr=F32, eps="fp32"),

@@ -903,8 +903,11 @@ def _streams_split_kernel(
 
 
 @triton.jit
-def _combine_kernel(r_ptr, g_ptr, h_ptr, N, D, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
-    """h[n] = Σ_j g_j[n] R_j[n] over tokens n < N = B·T: R (m, N, d), g (m, N) fp32, h (N, d) in its own dtype."""
+def _combine_kernel(r_ptr, g_ptr, h_ptr, rs_ptr, N, D, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                    COPY: tl.constexpr):
+    """h[n] = Σ_j g_j[n] R_j[n] over tokens n < N = B·T from the fp32 streams R (m, N, d) and g (m, N) fp32, h (N, d)
+    in its own dtype (R in fp32, so that h is rounded once, as the tile forward's); with COPY also R into rs, the
+    copy the mixer's backward keeps (``saved_streams_dtype``, e.g. bf16)."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask_n = offs_n < N
@@ -912,8 +915,11 @@ def _combine_kernel(r_ptr, g_ptr, h_ptr, N, D, M: tl.constexpr, BN: tl.constexpr
     h = tl.zeros((BN, BD), dtype=tl.float32)
     for j in tl.static_range(M):
         g = tl.load(g_ptr + j * N + offs_n, mask=mask_n, other=0.0)
-        r = tl.load(r_ptr + (j * N + offs_n.to(tl.int64))[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-        h += g[:, None] * r.to(tl.float32)
+        at = (j * N + offs_n.to(tl.int64))[:, None] * D + offs_d[None, :]
+        r = tl.load(r_ptr + at, mask=mask, other=0.0)
+        if COPY:
+            tl.store(rs_ptr + at, r.to(rs_ptr.dtype.element_ty), mask=mask)
+        h += g[:, None] * r
     tl.store(h_ptr + offs_n.to(tl.int64)[:, None] * D + offs_d[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -1315,7 +1321,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
            else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
     lse = torch.empty(m, B, T, device=x.device, dtype=torch.float32)
-    store_logits = store_logits or save_stats
+    want_logits, store_logits = store_logits, store_logits or save_stats
     if blk.single:
         logits = torch.empty(m, S, B, T, device=x.device, dtype=torch.float32) if store_logits else lse
     else:  # the passes over channel tiles keep the logits of every (padded) view
@@ -1334,7 +1340,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
         BD=blk.bd, V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S))
     logits = logits[:m] if store_logits else None
     stats = (logits, rho if store_rho else None) if save_stats else None
-    return out, lse, logits, (saved if save else None), stats
+    return out, lse, (logits if want_logits else None), (saved if save else None), stats
 
 
 def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sigmoid, write_r, store_logits, save,
@@ -1342,9 +1348,10 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     """``forward`` as two passes over channel tiles (``Blocks.fwd_mode="split"``), any d, same results. Pass 1
     (``_stats_serial_kernel``, QS alone): qg_j·E_j and ‖E_j‖² per channel tile; PyTorch sums the tiles into the
     logits, ρ, their lse over the sources and the weights w (m, S, B, T), a few small tensors. Pass 2
-    (``_streams_split_kernel``): R (m, B, T, d), in fp32 with ``write_r``, else in ``save_dtype`` (x's): R is what
-    the mixer's backward keeps, and h is combined from it), with the mixer's per-tile sums; PyTorch finishes
-    ‖vec R‖², R·φ and the gate g (m, B, T); ``_combine_kernel`` writes h = Σ_j g_j R_j."""
+    (``_streams_split_kernel``): R (m, B, T, d) fp32 with the mixer's per-tile sums; PyTorch finishes ‖vec R‖², R·φ
+    and the gate g (m, B, T); ``_combine_kernel`` writes h = Σ_j g_j R_j (rounded once, from fp32 R: from a bf16 R,
+    h differed from the tile forward's by 2.2e-3 relative on an H200) and the copy of R the mixer's backward keeps
+    (``save_dtype``)."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
     k_max = max(ks)
@@ -1361,8 +1368,7 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     logits = q * rho if key_norm else q
     lse = torch.logsumexp(logits, dim=1)  # (m, B, T)
     w = torch.exp(logits - lse[:, None]).contiguous()
-    r = torch.empty(m, B, T, d, device=x.device,
-                    dtype=torch.float32 if write_r else (save_dtype or x.dtype) if save else x.dtype)
+    r = torch.empty(m, B, T, d, **f32)
     n_dt2 = triton.cdiv(d, blk.split_bd)
     mparts = lse if write_r else torch.empty(n_dt2, 1 + m, B, T, **f32)
     phi = lse if write_r else mixer[0]
@@ -1379,9 +1385,12 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     zz = alpha * z * torch.rsqrt(rr / (m * d) + eps) + bias[:, None, None]
     g = (torch.sigmoid(zz) if sigmoid else torch.softmax(zz, dim=0)).contiguous()
     h = torch.empty(B, T, d, device=x.device, dtype=x.dtype)
+    kept = save_dtype or x.dtype
+    r_saved = torch.empty(m, B, T, d, device=x.device, dtype=kept) if save and kept != torch.float32 else r
     bn, bdc = 16, min(256, triton.next_power_of_2(d))
-    _combine_kernel[(triton.cdiv(B * T, bn), triton.cdiv(d, bdc))](r, g, h, B * T, d, M=m, BN=bn, BD=bdc)
-    return h, lse, logits, ((r, z.contiguous(), rr.contiguous()) if save else None), stats
+    _combine_kernel[(triton.cdiv(B * T, bn), triton.cdiv(d, bdc))](
+        r, g, h, r_saved, B * T, d, M=m, BN=bn, BD=bdc, COPY=r_saved is not r)
+    return h, lse, logits, ((r_saved, z.contiguous(), rr.contiguous()) if save else None), stats
 
 
 def saved_streams_dtype(x: Tensor) -> torch.dtype:

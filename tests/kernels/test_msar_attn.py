@@ -899,3 +899,38 @@ def test_the_ptxas_report_against_a_revision_shows_its_spills():
         return int(re.search(r"(\d+) bytes spill stores", line).group(1))
 
     assert src_spills(ours) <= 64 < 256 <= src_spills(theirs), res.stdout
+
+
+@needs_triton
+@pytest.mark.parametrize("key_norm", [True, False], ids=["keynorm", "rawkeys"])
+def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, monkeypatch):
+    """The split forward's pieces against the tile forward's on the same inputs, with the streams kept for the
+    mixer's backward in bf16 (as under bf16 autocast): h, the lse, the logits and ρ saved for the backward's stats,
+    R·φ, ‖vec R‖², and the kept R (the fp32 streams rounded once: h is combined from the fp32 streams, not from the
+    bf16 copy), over several channel tiles and chunks, documents at odd offsets."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    S, B, T, d, kernels = 3, 2, 11, 24, (2, 5)
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    qg, near = fused.folded_queries(queries, key_gains), fused.doc_window(doc_ids)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    kw = dict(key_norm=key_norm, eps=1e-6, mixer=mixer, save=True, save_stats=True, save_dtype=torch.bfloat16)
+    base = fused._blocks(T, d, m_pad, max(ks))
+    out = {}
+    for mode in ("tile", "split"):
+        blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4)
+        monkeypatch.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
+        out[mode] = fused.forward(x, packed, ks, len(ks), qg, near, **kw)
+    (h, lse, logits, (r, z, rr), (lg, rho)), (h0, lse0, logits0, (r0, z0, rr0), (lg0, rho0)) = out["split"], out["tile"]
+    assert r.dtype == r0.dtype == torch.bfloat16 and h.dtype == x.dtype
+    for name, a, b in (("h", h, h0), ("lse", lse, lse0), ("logits", lg, lg0), ("R·φ", z, z0), ("‖R‖²", rr, rr0)):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
+    assert logits is None and logits0 is None  # stored for the backward, not returned unless asked for
+    assert (rho is None) == (rho0 is None) == (not key_norm)
+    if key_norm:
+        assert rel_err(rho, rho0) < 1e-5
+    assert (r.float() - r0.float()).abs().max() <= 2 ** -7 * r0.float().abs().max()  # one bf16 rounding apart
+    assert rel_err(r.float(), r0.float()) < 1e-2 and r.float().abs().max() > 0
