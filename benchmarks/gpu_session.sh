@@ -131,6 +131,8 @@
 #            `medium`; the op's GPU tests, msar_block's `small` step beside vanilla and its 60-step training parity
 #   split    one GPU (about 300 s with the start): the split forward (two passes over channel tiles) against the tile
 #            forward and its tiles, at `small` and `medium` (S = 5), and at `medium` with 17 sources
+#   split2   one GPU (about 620 s with the start): with the split forward the default, the op's GPU tests, msar_block's
+#            `small` and `medium` steps beside vanilla and its 60-step training parity
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -138,7 +140,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -562,6 +564,19 @@ case "$PLAN" in
       'fwd_mode="split",split_ch=256' --tag _split
     step gpu0 tiles17 "${TILES17_LIMIT:-60}" python3 -m benchmarks.msar_tiles --shapes medium --sources 17 \
       --kernels forward --only 'fwd_mode="split"' --tag _split_s17
+    ;;
+  split2)
+    step gpu0 gpu_tests "${TEST_LIMIT:-80}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py
+    step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_split}
+    step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
+      --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_split}
+    step gpu0 medium "${MEDIUM_LIMIT:-190}" python3 -m benchmarks.throughput --models medium \
+      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
+      --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_split_medium}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

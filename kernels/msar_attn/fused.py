@@ -1157,11 +1157,13 @@ class Blocks:
     # qg_j·E_j and ‖E_j‖² per channel tile of split_logit_bd channels, PyTorch finishes the logits, their lse and
     # the weights; pass 2: ``_streams_split_kernel`` accumulates R_j = Σ_s w E_j(x_s) per channel tile of
     # split_bd channels on split_warps warps with the mixer's per-tile sums, writes R; ``_combine_kernel`` h)
-    fwd_mode: str = "tile"
-    split_logit_bd: int = 64
-    split_bd: int = 128
+    # H200, one process each (msar_tiles_nvidia_h200_split*.md): at `small` (S = 5) 0.842 -> 0.656 ms, at `medium`
+    # 4.70 -> 2.32 ms (S = 5) and 12.05 -> 7.79 ms (S = 17, pass 1 on 64 channels)
+    fwd_mode: str = "split"
+    split_logit_bd: int = 128  # pass 1 on one warp, four channels a lane (0.676 -> 0.656 ms against 64 at `small`)
+    split_bd: int = 128  # pass 2 on split_warps warps (64, 256 channels and 2 or 4 warps: slower)
     split_warps: int = 1
-    split_ch: int = 64  # tokens a program of both passes
+    split_ch: int = 64  # tokens a program of both passes (32: 0.730 ms, 128: 0.885 at `small`; `medium` within 3%)
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
