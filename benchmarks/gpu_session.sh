@@ -133,6 +133,8 @@
 #            forward and its tiles, at `small` and `medium` (S = 5), and at `medium` with 17 sources
 #   split2   one GPU (about 620 s with the start): with the split forward the default, the op's GPU tests, msar_block's
 #            `small` and `medium` steps beside vanilla and its 60-step training parity
+#   split3   one GPU (about 200 s with the start): Nsight Compute's counters of MSAR's kernels with the split forward,
+#            and msar's `small` step beside vanilla
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -140,7 +142,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -577,6 +579,14 @@ case "$PLAN" in
     step gpu0 medium "${MEDIUM_LIMIT:-190}" python3 -m benchmarks.throughput --models medium \
       --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
       --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_split_medium}
+    ;;
+  split3)
+    step gpu0 ncu_msar "${COUNTER_LIMIT:-40}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+      -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops msar
+    step gpu0 small "${SMALL_LIMIT:-120}" python3 -m benchmarks.throughput --models small \
+      --residuals ${SPLIT_RESIDUALS:-vanilla msar} --compile model --graphs on \
+      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_split_msar}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
