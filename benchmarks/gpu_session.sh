@@ -181,6 +181,20 @@ throughput() {
     --residuals ${THROUGHPUT_RESIDUALS:-vanilla attnres attnres_block mhc msar_block attnres_mhc_sum} \
     --ablations ${THROUGHPUT_ABLATIONS:-wo_conv attnres_conv} --compile on --steps 8 --tag _session
 }
+# the MSAR plans' shared steps: the op's GPU tests, msar_block's step beside vanilla (small, medium), its 60-step
+# training parity against the reference backends, Nsight Compute's counters of one op's kernels
+msar_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+  tests/kernels/test_msar_attn.py; }
+msar_step() {  # MODEL TAG LIMIT STEPS
+  step gpu0 "$1" "$3" python3 -m benchmarks.throughput --models "$1" --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} \
+    --compile model --graphs on --steps "$4" --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-$2}
+}
+msar_parity() { step gpu0 parity "$2" python3 -m benchmarks.backend_training --residuals ${PARITY_RESIDUALS:-msar_block} \
+  --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-$1}; }
+counters_of() { step gpu0 "ncu_$1" "$2" ncu --clock-control none --section SpeedOfLight --section Occupancy \
+  --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+  -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops "$1"; }
+
 case "$PLAN" in
   check)
     # GPU_TESTS, MSAR_SHAPES, TILE_SHAPES, TRAIN_RESIDUALS narrow or widen a step (defaults below)
@@ -525,37 +539,23 @@ case "$PLAN" in
     step gpu0 tiles_medium "${TILES_MEDIUM_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes medium --sources 9 \
       --kernels stats "source gradients" --only 'src_mode="ring"' 'stats_mode="tile"' 'src_mode="ring",stats_mode="tile"' \
       serial_ch=256 --tag _serial_medium
-    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_msar_attn.py
-    step gpu0 small "${SMALL_LIMIT:-160}" python3 -m benchmarks.throughput --models small \
-      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
-      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_serial}
-    step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
-      --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
-      --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_serial}
+    msar_tests "${TEST_LIMIT:-90}"
+    msar_step small _serial "${SMALL_LIMIT:-160}" 8
+    msar_parity small_serial "${PARITY_LIMIT:-150}"
     ;;
   serial2)
-    step gpu0 medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium \
-      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
-      --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_serial_medium}
+    msar_step medium _serial_medium "${MEDIUM_LIMIT:-240}" 6
     step gpu0 tiles "${TILES_LIMIT:-120}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
       --kernels "source gradients" --only serial_bd=256,serial_warps=4 serial_fast=True 'src_mode="ring"' --tag _serial_bd
-    step gpu0 ncu_msar "${COUNTER_LIMIT:-150}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-      -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops msar
+    counters_of msar "${COUNTER_LIMIT:-150}"
     ;;
   saved)
     step gpu0 tiles "${TILES_LIMIT:-100}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
       --kernels forward stats "source gradients" --only stats_saved=False stats_prefetch=True \
       stats_prefetch=True,stats_serial_bd=64 serial_bd=128,serial_warps=4 --tag _saved
-    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_msar_attn.py
-    step gpu0 small "${SMALL_LIMIT:-160}" python3 -m benchmarks.throughput --models small \
-      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
-      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_saved}
-    step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
-      --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
-      --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_saved}
+    msar_tests "${TEST_LIMIT:-90}"
+    msar_step small _saved "${SMALL_LIMIT:-160}" 8
+    msar_parity small_saved "${PARITY_LIMIT:-150}"
     ;;
   split)
     step gpu0 tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
@@ -568,34 +568,21 @@ case "$PLAN" in
       --kernels forward --only 'fwd_mode="split"' --tag _split_s17
     ;;
   split2)
-    step gpu0 gpu_tests "${TEST_LIMIT:-80}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_msar_attn.py
-    step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small \
-      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
-      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_split}
-    step gpu0 parity "${PARITY_LIMIT:-150}" python3 -m benchmarks.backend_training \
-      --residuals ${PARITY_RESIDUALS:-msar_block} --steps 60 --seeds 0 1 \
-      --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_split}
-    step gpu0 medium "${MEDIUM_LIMIT:-190}" python3 -m benchmarks.throughput --models medium \
-      --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} --compile model --graphs on \
-      --steps 6 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_split_medium}
+    msar_tests "${TEST_LIMIT:-80}"
+    msar_step small _split "${SMALL_LIMIT:-150}" 8
+    msar_parity small_split "${PARITY_LIMIT:-150}"
+    msar_step medium _split_medium "${MEDIUM_LIMIT:-190}" 6
     ;;
   split3)
-    step gpu0 ncu_msar "${COUNTER_LIMIT:-40}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
-      --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-      -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops msar
-    step gpu0 small "${SMALL_LIMIT:-120}" python3 -m benchmarks.throughput --models small \
-      --residuals ${SPLIT_RESIDUALS:-vanilla msar} --compile model --graphs on \
-      --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_split_msar}
+    counters_of msar "${COUNTER_LIMIT:-40}"
+    SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar} msar_step small _split_msar "${SMALL_LIMIT:-120}" 8
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
     ;;
   counters)
     for op in ${COUNTER_OPS:-mhc msar attnres}; do
-      step gpu0 "ncu_$op" "${COUNTER_LIMIT:-90}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
-        -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops "$op"
+      counters_of "$op" "${COUNTER_LIMIT:-90}"
     done
     ;;
   scope)

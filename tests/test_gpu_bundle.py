@@ -1,5 +1,7 @@
 """make gpu-bundle: the version check catches the silent resolution that breaks an offline host."""
 
+import pytest
+
 from benchmarks.gpu_bundle import WANTED, check, requirement_lines
 from tests.helpers import ROOT
 
@@ -69,3 +71,26 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
     assert [line.split()[1] for line in summary] == ["parity", "ref_loop_order", "ops_attnres"]
     assert all("skipped (limit 0)" in line for line in summary)
     assert not list((tmp_path / "o").glob("gpu0.*.txt")) and (tmp_path / "a.tgz").exists()
+
+
+@pytest.mark.parametrize("plan, steps", [("split2", ["gpu_tests", "small", "parity", "medium"]),
+                                         ("serial2", ["medium", "tiles", "ncu_msar"]),
+                                         ("split3", ["ncu_msar", "small"])])
+def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
+    """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
+    run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "gpu_session.sh", repo / "benchmarks" / "gpu_session.sh")
+    limits = ("TEST", "SMALL", "PARITY", "MEDIUM", "TILES", "COUNTER")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ARCHIVE": str(tmp_path / "a.tgz"),
+           **{f"{name}_LIMIT": "0" for name in limits}}
+    out = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_session.sh"), plan, str(tmp_path / "o")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    summary = (tmp_path / "o" / "summary.txt").read_text().splitlines()
+    assert [line.split()[1] for line in summary] == steps
+    assert all("skipped (limit 0)" in line for line in summary)

@@ -1189,7 +1189,9 @@ class Blocks:
 
 
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
-    """Tile sizes. GPU: the forward holds two (m, BT, BD) fp32 tiles (views, accumulator) of 4096
+    """Tile sizes. GPU: the split forward (the default, ``Blocks.fwd_mode``) runs its two passes on channel tiles
+    of 128 channels and chunks of 64 tokens (fields of ``Blocks``, timed on an H200). The tile forward holds two
+    (m, BT, BD) fp32 tiles (views, accumulator) of 4096
     elements; channels in one tile up to 4096 / m_pad (d <= 1024 at m = 4 runs the one-pass
     forward), else tiles of 512 channels and three passes. The mixer backward holds tiles of 4096
     elements too; the stats kernel (2, 128) tiles on one warp, looping over channel tiles. The
@@ -1311,7 +1313,8 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     and with ``save_stats`` the softmax's statistics for the backward, (logits, ρ) (m, S, B, T) fp32 each (ρ None
     without ``key_norm``; else None): ``streams_backward(stats=...)``, whose stats kernel then reduces dR·E alone.
     ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``; ``partial``: a last source read in place
-    (``sources_layout``)."""
+    (``sources_layout``). ``_blocks(...).fwd_mode`` picks the kernels: "split" (``_forward_split``, the default) or
+    "tile" (``_fwd_kernel``); both return the same."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
     m_pad, k_max = packed.shape[0], max(ks)
