@@ -1,6 +1,6 @@
 """Compile every fused MSAR kernel for an H100/H200 (sm_90a) without a GPU; print registers and spills.
 
-    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12] [--against REV]
+    python -m benchmarks.msar_attn_ptxas [--shapes small medium wide d3000] [--kernels 4 8 12] [--against REV] [--sass]
 
 Uses Triton's own NVIDIA backend and the ``ptxas`` shipped in the triton wheel, so it runs on a
 CPU-only machine: a kernel that does not compile for the GPU, or a tile choice in
@@ -9,6 +9,9 @@ one line per kernel: compile seconds, shared memory, layout conversions (TTGIR),
 and spill bytes. Exits non-zero if a kernel fails to compile. (Not a timing: the GPU benchmark is ``benchmarks.msar_attn``.)
 ``--against REV`` compiles the kernels of git revision REV the same way, after this tree's: the check to run before
 timing a kernel change (a change that spilled under the launch's specialisation cost 1.2 ms a backward on an H200).
+``--sass`` also prints each kernel's loops from its SASS, innermost first, with their instructions by class
+(fp32 arithmetic, loads, stores, conversions, integer/predicate work): the static count of an inner loop's body
+is what an instruction-bound kernel pays per trip (``benchmarks.ptxas.sass_loops``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 import triton
 from triton.compiler import ASTSource
 
-from benchmarks.ptxas import compile_sm90, launch_attrs, layout_conversions, ptxas_report
+from benchmarks.ptxas import compile_sm90, launch_attrs, layout_conversions, loop_summary, ptxas_report
 
 SHAPES = {"small": (1024, 512), "medium": (2048, 1024), "wide": (1024, 2048), "d3000": (1024, 3000)}
 F32, I32 = "*fp32", "*i32"
@@ -37,18 +40,22 @@ F32, I32 = "*fp32", "*i32"
 DIV16 = {"B", "T", "D", "p_off", "q_off", "plane", "scr_stride", "tap_stride"}
 
 
-def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int) -> str:
+def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int, loops: bool = False) -> str:
     """Compile ``fn`` for sm_90a as a launch specialises it: every
     pointer 16-byte aligned and the integers of ``DIV16`` multiples of 16 (without those hints the compiler sees
     other address arithmetic: the source-gradient kernel's spills read 64 instead of 376 bytes while a change was
-    being made that cost 1.2 ms a backward on the H200); returns ptxas's register/spill summary."""
+    being made that cost 1.2 ms a backward on the H200); returns ptxas's register/spill summary (with ``loops``,
+    and the SASS loops' instruction counts on the lines after it)."""
     constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}  # (--against: older kernels lack some)
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
     attrs = launch_attrs(fn.arg_names, sig, DIV16)
     kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), {"num_warps": num_warps})
     report = ptxas_report(kernel)
     info = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
-    return f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | " + "; ".join(info)
+    out = f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | " + "; ".join(info)
+    if loops:
+        out += "\n" + "\n".join("    " + line for line in loop_summary(kernel).splitlines())
+    return out
 
 
 def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None):
@@ -98,7 +105,15 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
                dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type, mpart_ptr=F32,
                     p_off="i64"),
-               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True), blk.split_warps)
+               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=False, DK=0),
+               blk.split_warps)
+        if "LEAN" in fused._streams_split_kernel.arg_names:  # Blocks.split_lean (2026-12-02)
+            lean = getattr(blk, "split_lean", False)
+            yield (f"split forward, pass 2 lean{'' if lean else ' (candidate)'}", fused._streams_split_kernel,
+                   dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
+                        mpart_ptr=F32, p_off="i64"),
+                   dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d),
+                   blk.split_warps)
         yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
                dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=True), 4)
     yield ("mixer backward", fused._mix_bwd_kernel,
@@ -139,6 +154,7 @@ def main(argv=None) -> int:
                    help="the view builder's layout (fused.Blocks.views_3d); default: what _blocks picks")
     p.add_argument("--against", metavar="REV", default=None,
                    help="also compile the kernels of git revision REV (its kernels/, this compile), after this tree's")
+    p.add_argument("--sass", action="store_true", help="also print each kernel's SASS loops by instruction class")
     args = p.parse_args(argv)
     views_3d = {"default": None, "on": True, "off": False}[args.views_3d]
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU tile choices, not the interpreter's
@@ -149,7 +165,7 @@ def main(argv=None) -> int:
         for name, fn, types, consts, warps in kernels_for(T, d, tuple(args.kernels), views_3d=views_3d):
             start = time.time()
             try:
-                info = compile_kernel(fn, types, consts, warps)
+                info = compile_kernel(fn, types, consts, warps, loops=args.sass)
             except Exception:
                 failed += 1
                 print(f"{name}: COMPILE FAILED\n{traceback.format_exc()}", flush=True)

@@ -65,3 +65,87 @@ def registers(report: str) -> int:
 def spill_stores(report: str) -> int:
     """Spill store bytes from a ptxas report."""
     return int(re.search(r"(\d+) bytes spill stores", report).group(1))
+
+
+# opcode classes of a loop profile: the arithmetic a kernel is for, its memory instructions, and the rest
+# (address and index arithmetic, predicates, conversions, moves), which an instruction-bound kernel pays for
+SASS_CLASSES = {
+    "fp32": ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "MUFU", "FSETP"),
+    "load": ("LDG", "LDS", "LDC", "LDSM", "LD"),
+    "store": ("STG", "STS", "ST", "RED", "ATOM", "ATOMG"),
+    "convert": ("PRMT", "F2F", "F2FP", "I2F", "F2I"),
+    "integer": ("IMAD", "IADD3", "LEA", "SHF", "LOP3", "IABS", "IMNMX", "SEL", "ISETP", "P2R", "R2P", "PLOP3",
+                "CS2R", "MOV", "S2R", "S2UR", "UMOV", "UIADD3", "ULEA", "UIMAD", "ULDC", "USHF", "ULOP3"),
+}
+
+
+def sass(compiled) -> str:
+    """The SASS of a compiled kernel (``nvdisasm`` of its cubin, both shipped in the triton wheel)."""
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass_loops(text: str) -> list[dict]:
+    """The loops of a kernel's SASS, innermost first: every backward branch closes one, from its target label to
+    the branch. Each: ``start``/``end`` (instruction indices), ``depth`` (loops it lies inside), ``ops`` (opcode →
+    count, predicates and suffixes dropped: ``@P0 LDG.E.64`` counts as LDG) and ``total``. The static count of an
+    inner loop's body is what an instruction-bound kernel pays per trip (branches inside a body, e.g. a masked
+    path, are counted once each)."""
+    labels, instrs = {}, []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.endswith(":") and stripped.startswith(".L"):
+            labels[stripped[:-1]] = len(instrs)
+            continue
+        m = _SASS_LINE.search(line)
+        if m:
+            instrs.append(m.group(2))
+    loops = []
+    for i, ins in enumerate(instrs):
+        words = ins.split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if not words or words[0] != "BRA":
+            continue
+        target = re.search(r"\((\.L\w+)\)", ins)
+        if target and target.group(1) in labels and labels[target.group(1)] <= i:
+            start = labels[target.group(1)]
+            if start == i:  # the trap loop at a kernel's end (BRA to itself)
+                continue
+            ops: dict = {}
+            for body in instrs[start:i + 1]:
+                w = body.split()
+                op = (w[1] if w[0].startswith("@") else w[0]).split(".")[0]
+                ops[op] = ops.get(op, 0) + 1
+            loops.append(dict(start=start, end=i, ops=ops, total=i + 1 - start))
+    for lp in loops:
+        lp["depth"] = sum(o["start"] <= lp["start"] and lp["end"] <= o["end"] and o is not lp for o in loops)
+    return sorted(loops, key=lambda lp: (-lp["depth"], lp["start"]))
+
+
+def sass_classes(ops: dict) -> dict:
+    """An opcode histogram summed by ``SASS_CLASSES`` (plus "other")."""
+    out = {name: 0 for name in (*SASS_CLASSES, "other")}
+    for op, n in ops.items():
+        cls = next((name for name, members in SASS_CLASSES.items() if op in members), "other")
+        out[cls] += n
+    return out
+
+
+def loop_summary(compiled) -> str:
+    """One line per loop of a compiled kernel, innermost first: its instruction count by class."""
+    lines = []
+    for lp in sass_loops(sass(compiled)):
+        cls = sass_classes(lp["ops"])
+        lines.append(f"loop depth {lp['depth']}: {lp['total']} instructions ("
+                     + ", ".join(f"{k} {v}" for k, v in cls.items() if v) + ")")
+    return "\n".join(lines) or "no loops"

@@ -834,24 +834,70 @@ def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool
     coef[2, :m] = kappa * rho * logit / d if key_norm else 0.0
 
 
+@triton.jit
+def _split_sources(x_src, x_step, w_tok, c, acc, s, s_end, D, mask_d, bits,
+                   KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FULL: tl.constexpr,
+                   EVEN: tl.constexpr):
+    """The lean pass 2's loop over sources s < s_end of one token, adding w_js E_j(x_s) into acc (a tuple of m (BD,)
+    fp32) in the plain loop's order. x_src: where source s's BD channels of the token start (a scalar: a loop-carried
+    tensor of pointers loses its contiguity, and Triton then moves it through shared memory), x_step from one source
+    to the next (buffer rows: one address increment a source, no select); w_tok: the token's weights, (S, m) side by
+    side. FULL (the token's window holds no document boundary): the shifted loads carry no document mask, and no
+    mask at all when EVEN (BD divides d); with d a constant their offsets from x_src are immediates."""
+    while s < s_end:
+        x_tok = x_src + tl.arange(0, BD)
+        xs = ()
+        for sg in tl.static_range(KW):
+            if FULL:
+                if EVEN:
+                    xs = xs + (tl.load(x_tok - sg * D).to(tl.float32),)
+                else:
+                    xs = xs + (tl.load(x_tok - sg * D, mask=mask_d, other=0.0).to(tl.float32),)
+            else:
+                xs = xs + (tl.load(x_tok - sg * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
+                           .to(tl.float32),)
+        w_s = w_tok + s * len(KS)
+        nacc = ()
+        for j in tl.static_range(len(KS)):
+            e = c[KOFF[j]] * xs[0]
+            for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                e += c[KOFF[j] + tau] * xs[tau]
+            nacc = nacc + (acc[j] + tl.load(w_s + j) * e,)
+        acc = nacc
+        x_src += x_step
+        s += 1
+    return acc
+
+
 @triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
 def _streams_split_kernel(
     x_ptr,  # sources (S, B, T, d) (or n_buf rows of them and the partial: _src_off)
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    w_ptr,  # softmax weights over the sources (m, S, B, T) fp32 (pass 1)
+    w_ptr,  # softmax weights over the sources (m, S, B, T) fp32 (pass 1); with LEAN (B, T, S, m)
     phi_ptr,  # mixer projection as φᵀ (m, m·d) fp32 (with MIXER)
     r_ptr,  # result: the streams R (m, B, T, d) in its own dtype
     mpart_ptr,  # result with MIXER: per channel tile ‖R‖² and R·φ_i, (n_dt, 1 + m, B, T) fp32
     S, n_buf, p_off, B, T, D, K_MAX, CH,
     KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, MIXER: tl.constexpr,
+    LEAN: tl.constexpr = False,  # fewer instructions a (token, source), below (``Blocks.split_lean``)
+    DK: tl.constexpr = 0,  # with LEAN: d as a compile-time constant (one compile per model width)
 ):
     """The split forward's pass 2: R_j[t] = Σ_s w_js[t] E_j(x_s)[t] on BD channels, one program per (channel tile,
     chunk of CH tokens, row), the taps in registers for the whole program, tokens outer and sources inner. A source's
     views at token t come from its KW shifted loads x_s[t-σ] (each masked by bit σ of t's window: the document mask
     costs no select), shared by the views (Σ_j k_j multiply-adds an element). No reduction over the sources or the
     channels until the epilogue of a token: R_j[t] is stored, and with MIXER its channel tile's ‖R[t]‖² and
-    R[t]·φ_i, which PyTorch sums over the tiles for the gate."""
+    R[t]·φ_i, which PyTorch sums over the tiles for the gate.
+
+    LEAN computes the same sums (up to fp32 rounding in the mixer's) with fewer instructions: d a constant, so the
+    shifted loads' offsets are immediates; the weights of a (token, source) side by side ((B, T, S, m): one address
+    a source instead of m int64 index computations); a token whose window holds no document boundary (nearly every
+    token) takes a loop over the sources without masks or predicates; the mixer's sums add each lane's m views
+    first, so a token costs 1 + m cross-lane reductions instead of m + m². The instruction counts of both, compiled
+    for sm_90a: ``python -m benchmarks.msar_attn_ptxas --sass`` (docs/kernel_msar.md, "The lean pass 2")."""
+    if LEAN:
+        D = DK
     dt = tl.program_id(0)
     chunk = tl.program_id(1)
     b = tl.program_id(2)
@@ -867,38 +913,67 @@ def _streams_split_kernel(
     while t < t1:
         bits = tl.load(near_row + t)
         acc = _zeros(len(KS), BD)
-        s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
-        while s < S:
-            x_tok = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off) + t * D + offs_d
-            xs = ()
-            for sg in tl.static_range(KW):  # x_s[t-σ] where t-σ is in the row and in t's document, else 0
-                xs = xs + (tl.load(x_tok - sg * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
-                           .to(tl.float32),)
-            nacc = ()
-            for j in tl.static_range(len(KS)):
-                e = c[KOFF[j]] * xs[0]
-                for tau in tl.static_range(1, tl.constexpr(KS[j])):
-                    e += c[KOFF[j] + tau] * xs[tau]
-                wj = tl.load(w_ptr + ((j * S + s) * B + b).to(tl.int64) * T + t)
-                nacc = nacc + (acc[j] + wj * e,)
-            acc = nacc
-            s += 1
-        rr = 0.0
+        if LEAN:
+            w_tok = w_ptr + (b * T + t).to(tl.int64) * S * len(KS)
+            full = (bits & ((1 << KW) - 1)) == (1 << KW) - 1  # bits 0..KW-1: the earlier tokens
+            n_rows = tl.minimum(S, n_buf)
+            row0 = x_ptr + b.to(tl.int64) * T * D + t * D + dt * BD  # source 0 (a buffer row) at token t
+            part = x_ptr + (p_off.to(tl.int64) - (1 << 40) + b.to(tl.int64) * T * D) + t * D + dt * BD  # the partial
+            step = B.to(tl.int64) * T * D
+            # rows, then the partial (when S > n_buf), each without masks or with them: of the two loops over the
+            # same sources one runs and the other not at all (no branch that yields a tuple)
+            acc = _split_sources(row0, step, w_tok, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d, bits,
+                                 KS, KOFF, KW, BD, True, DK % BD == 0)
+            acc = _split_sources(row0, step, w_tok, c, acc, tl.where(full, n_rows, 0), n_rows, D, mask_d, bits,
+                                 KS, KOFF, KW, BD, False, DK % BD == 0)
+            acc = _split_sources(part, 0, w_tok, c, acc, tl.where(full, n_rows, S), S, D, mask_d, bits,
+                                 KS, KOFF, KW, BD, True, DK % BD == 0)
+            acc = _split_sources(part, 0, w_tok, c, acc, tl.where(full, S, n_rows), S, D, mask_d, bits,
+                                 KS, KOFF, KW, BD, False, DK % BD == 0)
+        else:
+            s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
+            while s < S:
+                x_tok = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off) + t * D + offs_d
+                xs = ()
+                for sg in tl.static_range(KW):  # x_s[t-σ] where t-σ is in the row and in t's document, else 0
+                    xs = xs + (tl.load(x_tok - sg * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
+                               .to(tl.float32),)
+                nacc = ()
+                for j in tl.static_range(len(KS)):
+                    e = c[KOFF[j]] * xs[0]
+                    for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                        e += c[KOFF[j] + tau] * xs[tau]
+                    wj = tl.load(w_ptr + ((j * S + s) * B + b).to(tl.int64) * T + t)
+                    nacc = nacc + (acc[j] + wj * e,)
+                acc = nacc
+                s += 1
         for j in tl.static_range(len(KS)):
             tl.store(r_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, acc[j].to(r_ptr.dtype.element_ty),
                      mask=mask_d)
-            if MIXER:
-                rr += tl.sum(acc[j] * acc[j], axis=0)
         if MIXER:
             plane = B * T
             base = mpart_ptr + (dt * (1 + len(KS))).to(tl.int64) * plane + b * T + t
-            tl.store(base, rr)
-            for i in tl.static_range(len(KS)):
-                zi = 0.0
+            if LEAN:  # each lane's views summed first: 1 + m cross-lane reductions a token
+                sq = acc[0] * acc[0]
+                for j in tl.static_range(1, len(KS)):
+                    sq += acc[j] * acc[j]
+                tl.store(base, tl.sum(sq, axis=0))
+                for i in tl.static_range(len(KS)):
+                    zv = acc[0] * tl.load(phi_ptr + i * (len(KS) * D) + offs_d, mask=mask_d, other=0.0)
+                    for j in tl.static_range(1, len(KS)):
+                        zv += acc[j] * tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)
+                    tl.store(base + (1 + i) * plane, tl.sum(zv, axis=0))
+            else:
+                rr = 0.0
                 for j in tl.static_range(len(KS)):
-                    ph = tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)  # φ[j·d + c, i]
-                    zi += tl.sum(acc[j] * ph, axis=0)
-                tl.store(base + (1 + i) * plane, zi)
+                    rr += tl.sum(acc[j] * acc[j], axis=0)
+                tl.store(base, rr)
+                for i in tl.static_range(len(KS)):
+                    zi = 0.0
+                    for j in tl.static_range(len(KS)):
+                        ph = tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)  # φ[j·d + c, i]
+                        zi += tl.sum(acc[j] * ph, axis=0)
+                    tl.store(base + (1 + i) * plane, zi)
         t += 1
 
 
@@ -1163,6 +1238,11 @@ class Blocks:
     split_logit_bd: int = 128  # pass 1 on one warp, four channels a lane (0.676 -> 0.656 ms against 64 at `small`)
     split_bd: int = 128  # pass 2 on split_warps warps (64, 256 channels and 2 or 4 warps: slower)
     split_warps: int = 1
+    # pass 2 with fewer instructions a (token, source) (``_streams_split_kernel``'s LEAN: d a compile-time constant,
+    # the weights in (B, T, S, m), no masks where a token's window holds no document boundary, the mixer's sums
+    # reduced once a view set): built and checked on the CPU (sm_90a SASS: benchmarks.msar_attn_ptxas --sass),
+    # not yet timed on a GPU, so not the default
+    split_lean: bool = False
     split_ch: int = 64  # tokens a program of both passes (32: 0.730 ms, 128: 0.885 at `small`; `medium` within 3%)
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
@@ -1372,14 +1452,19 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     rho = torch.rsqrt(ss / d + eps) if key_norm else None
     logits = q * rho if key_norm else q
     lse = torch.logsumexp(logits, dim=1)  # (m, B, T)
-    w = torch.exp(logits - lse[:, None]).contiguous()
+    if blk.split_lean:  # the weights of a (token, source) side by side: (B, T, S, m), written in place
+        w = torch.empty(B, T, S, m, **f32)
+        torch.exp(logits - lse[:, None], out=w.permute(3, 2, 0, 1))
+    else:
+        w = torch.exp(logits - lse[:, None]).contiguous()
     r = torch.empty(m, B, T, d, **f32)
     n_dt2 = triton.cdiv(d, blk.split_bd)
     mparts = lse if write_r else torch.empty(n_dt2, 1 + m, B, T, **f32)
     phi = lse if write_r else mixer[0]
     _streams_split_kernel[(n_dt2, triton.cdiv(T, ch), B)](
         x, packed, near, w, phi, r, mparts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
-        KW=k_max, BD=blk.split_bd, MIXER=not write_r, num_warps=blk.split_warps)
+        KW=k_max, BD=blk.split_bd, MIXER=not write_r, LEAN=blk.split_lean, DK=d if blk.split_lean else 0,
+        num_warps=blk.split_warps)
     stats = (logits, rho) if save_stats else None
     logits = logits if store_logits else None
     if write_r:

@@ -56,25 +56,28 @@ def _blocks(bt, bd, sub=2, bwd_bd=None, mode="serial"):
     channel tiles, token blocks that straddle documents, several blocks per source-gradient program;
     serial source-gradient programs of bt + 1 tokens, an odd count, over bwd_bd channels).
     ``bwd_bd``: other channel tiles for the backward than for the forward; ``mode``: Blocks.src_mode, or "split":
-    the serial source gradients and the split forward (on bd channels, chunks of bt + 1 tokens)."""
+    the serial source gradients and the split forward (on bd channels, chunks of bt + 1 tokens), or "lean": the
+    split forward with its lean pass 2 (Blocks.split_lean)."""
     from kernels.msar_attn import fused
 
     bwd_bd = bwd_bd or bd
-    split = (dict(fwd_mode="split", split_logit_bd=bd, split_bd=bd, split_ch=bt + 1) if mode == "split"
-             else dict(fwd_mode="tile"))
+    split = (dict(fwd_mode="split", split_logit_bd=bd, split_bd=bd, split_ch=bt + 1, split_lean=mode == "lean")
+             if mode in ("split", "lean") else dict(fwd_mode="tile"))
 
     def blocks(T, d, m_pad, k_max):
         src_bt = max(bt, 1 << max(k_max - 2, 0).bit_length())  # >= k_max - 1
         return fused.Blocks(bd, bd >= d, bt, 4, bwd_bd, bt, 4, src_bt, bwd_bd, 4, sub,
-                            src_mode="serial" if mode == "split" else mode, serial_bd=bwd_bd, serial_ch=bt + 1,
+                            src_mode="serial" if mode in ("split", "lean") else mode, serial_bd=bwd_bd,
+                            serial_ch=bt + 1,
                             **split)
 
     return blocks
 
 
-def _with_split(monkeypatch):
+def _with_split(monkeypatch, lean=False):
     """fused._blocks (as overridden so far) with the split forward (Blocks.fwd_mode="split"): several channel tiles
-    of both passes and several chunks a row (5 tokens) where d is small, 512 channels where it is wide."""
+    of both passes and several chunks a row (5 tokens) where d is small, 512 channels where it is wide; ``lean``:
+    its lean pass 2 (Blocks.split_lean)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -84,7 +87,7 @@ def _with_split(monkeypatch):
     def blocks(T, d, m_pad, k_max):
         bd = 8 if d <= 32 else 512
         return dataclasses.replace(inner(T, d, m_pad, k_max), fwd_mode="split", split_logit_bd=bd, split_bd=bd,
-                                   split_ch=5)
+                                   split_ch=5, split_lean=lean)
 
     monkeypatch.setattr(fused, "_blocks", blocks)
 
@@ -152,7 +155,7 @@ BUFFERED = [
 
 
 @needs_triton
-@pytest.mark.parametrize("mode", ["serial", "ring", "split"])
+@pytest.mark.parametrize("mode", ["serial", "ring", "split", "lean"])
 @pytest.mark.parametrize("case", BUFFERED, ids=[c[0] for c in BUFFERED])
 def test_buffered_sources_are_read_in_place(case, mode, monkeypatch):
     """BufferedSources (a SourceBuffer's first rows, then a partial at its own address, before or after the buffer
@@ -267,12 +270,12 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split"])
+@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
     layout, with the ring source-gradient kernel (and the default forward), and with the split forward (the
-    default) on several channel tiles and chunks."""
+    default) on several channel tiles and chunks, plain and with its lean pass 2."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -284,8 +287,8 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_views_3d(monkeypatch)
     if variant == "ring":
         _with_ring(monkeypatch)
-    if variant == "split":
-        _with_split(monkeypatch)
+    if variant in ("split", "lean"):
+        _with_split(monkeypatch, lean=variant == "lean")
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -326,16 +329,17 @@ STREAM_CASES = [
 
 @needs_triton
 @pytest.mark.parametrize("case", STREAM_CASES, ids=[c[0] for c in STREAM_CASES])
-@pytest.mark.parametrize("forward", ["tile", "split"])
+@pytest.mark.parametrize("forward", ["tile", "split", "lean"])
 def test_fused_streams_match_reference(case, forward, monkeypatch):
-    """``msar_attn`` (the m streams, no mixer) on the fused kernels, with the tile and the split forward."""
+    """``msar_attn`` (the m streams, no mixer) on the fused kernels, with the tile and the split forward (plain and
+    lean)."""
     _, S, B, T, d, kernels, key_norm, gains, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
 
         monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
-    if forward == "split":
-        _with_split(monkeypatch)
+    if forward in ("split", "lean"):
+        _with_split(monkeypatch, lean=forward == "lean")
     else:
         _with_tile_forward(monkeypatch)
     x, taps, queries, key_gains, doc_ids, *_ = make_inputs(S, B, T, d, kernels, gains)
@@ -733,9 +737,9 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
                           views_3d], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    # window bits, the tile forward, the tile forward over one source, the split forward's two passes and its h,
-    # the mixer, the stats, the sources
-    assert len(lines) == 9, res.stdout
+    # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 2
+    # plain and lean) and its h, the mixer, the stats, the sources
+    assert len(lines) == 10, res.stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -863,6 +867,67 @@ def test_dphi_split_over_tokens_matches_one_product(B, T):
     assert rel_err(got, want) < 1e-6
 
 
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/nvdisasm").exists(),
+                    reason="the triton wheel has no nvdisasm")
+def test_lean_pass_2_takes_fewer_instructions_a_source():
+    """What Blocks.split_lean is for, read from the sm_90a SASS at model=small with kernels 4 8 12: the body of the
+    lean pass 2's unmasked loop over the sources (the one nearly every token takes) has at most 75% of the plain
+    loop's instructions, the same fp32 arithmetic (the same sums), fewer integer instructions by half, and no
+    trip through shared memory (a loop-carried tensor of pointers once cost a layout conversion and a barrier).
+    Equal sums: test_split_forward_equals_the_tile_forward_and_keeps_r_narrow[...-lean]."""
+    code = (
+        "import json\n"
+        "from benchmarks.msar_attn_ptxas import kernels_for, DIV16\n"
+        "from benchmarks.ptxas import compile_sm90, launch_attrs, sass, sass_loops, sass_classes\n"
+        "from triton.compiler import ASTSource\n"
+        "out = {}\n"
+        "for name, fn, types, consts, warps in kernels_for(1024, 512, (4, 8, 12)):\n"
+        "    if not name.startswith('split forward, pass 2'):\n"
+        "        continue\n"
+        "    sig = {n: ('constexpr' if n in consts else types.get(n, 'i32')) for n in fn.arg_names}\n"
+        "    k = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=consts,\n"
+        "                               attrs=launch_attrs(fn.arg_names, sig, DIV16)), {'num_warps': warps})\n"
+        "    loops = [lp for lp in sass_loops(sass(k)) if lp['depth'] > 0]\n"
+        "    out['lean' if 'lean' in name else 'plain'] = dict(\n"
+        "        loops=[dict(total=lp['total'], **sass_classes(lp['ops'])) for lp in loops],\n"
+        "        shared=k.metadata.shared)\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    import json
+
+    out = json.loads(res.stdout.splitlines()[-1])
+    (plain,) = out["plain"]["loops"]  # one loop over the sources, masked
+    # the lean kernel: unmasked and masked loops over the buffer rows and over the partial
+    assert len(out["lean"]["loops"]) == 4, out
+    fast = min(out["lean"]["loops"], key=lambda lp: lp["total"] if lp["load"] > 4 else 10 ** 9)
+    assert fast["fp32"] == plain["fp32"] > 0, (fast, plain)
+    assert fast["total"] <= 0.75 * plain["total"] and 2 * fast["integer"] <= plain["integer"], (fast, plain)
+    assert out["lean"]["shared"] == 0, out
+
+
+def test_sass_loops_finds_nested_loops_and_counts_their_bodies():
+    """``benchmarks.ptxas.sass_loops`` on a hand-written SASS listing: every backward branch closes a loop from its
+    label, nested loops get their depth, predicated and suffixed opcodes count under their base name, and the
+    branch to itself at a kernel's end is not a loop."""
+    from benchmarks.ptxas import sass_classes, sass_loops
+
+    lines = ["        /*0000*/                   MOV R1, c[0x0][0x28] ;", ".L_x_0:",
+             "        /*0010*/                   IMAD R2, R3, R4, RZ ;", ".L_x_1:",
+             "        /*0020*/              @P0 LDG.E.64 R4, desc[UR4][R2.64] ;",
+             "        /*0030*/                   FFMA R5, R4, R4, R5 ;",
+             "        /*0040*/              @P1 BRA `(.L_x_1) ;",
+             "        /*0050*/                   ISETP.NE.AND P2, PT, R6, RZ, PT ;",
+             "        /*0060*/              @P2 BRA `(.L_x_0) ;",
+             "        /*0070*/                   EXIT ;", ".L_x_2:",
+             "        /*0080*/                   BRA `(.L_x_2);"]
+    inner, outer = sass_loops("\n".join(lines))
+    assert (inner["depth"], inner["total"], inner["ops"]) == (1, 3, {"LDG": 1, "FFMA": 1, "BRA": 1})
+    assert (outer["depth"], outer["total"]) == (0, 6)
+    assert sass_classes(outer["ops"]) == dict(fp32=1, load=1, store=0, convert=0, integer=2, other=2)
+
+
 @pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists(),
                     reason="the triton wheel has no ptxas")
 def test_views_in_the_tiles_layout_remove_the_forwards_layout_conversions():
@@ -922,12 +987,15 @@ def test_the_ptxas_report_against_a_revision_shows_its_spills():
 
 
 @needs_triton
+@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
 @pytest.mark.parametrize("key_norm", [True, False], ids=["keynorm", "rawkeys"])
-def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, monkeypatch):
-    """The split forward's pieces against the tile forward's on the same inputs, with the streams kept for the
-    mixer's backward in bf16 (as under bf16 autocast): h, the lse, the logits and ρ saved for the backward's stats,
-    R·φ, ‖vec R‖², and the kept R (the fp32 streams rounded once: h is combined from the fp32 streams, not from the
-    bf16 copy), over several channel tiles and chunks, documents at odd offsets."""
+def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean, monkeypatch):
+    """The split forward's pieces (with the plain or the lean pass 2) against the tile forward's on the same inputs,
+    with the streams kept for the mixer's backward in bf16 (as under bf16 autocast): h, the lse, the logits and ρ
+    saved for the backward's stats, R·φ, ‖vec R‖², and the kept R (the fp32 streams rounded once: h is combined
+    from the fp32 streams, not from the bf16 copy), over several channel tiles (d = 24: 16 does not divide it, the
+    lean pass 2's masked tail tile) and chunks, documents at odd offsets (tokens whose window holds a boundary, the
+    lean pass's masked loop, and tokens whose window does not)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -936,12 +1004,14 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, monk
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
     packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
     qg, near = fused.folded_queries(queries, key_gains), fused.doc_window(doc_ids)
+    full = (near & ((1 << max(ks)) - 1)) == (1 << max(ks)) - 1  # no boundary among t-σ, σ < k_max
+    assert full.any() and not full.all()  # both of the lean pass's loops run
     mixer = fused._mixer_params(phi, alpha, bias)
     kw = dict(key_norm=key_norm, eps=1e-6, mixer=mixer, save=True, save_stats=True, save_dtype=torch.bfloat16)
     base = fused._blocks(T, d, m_pad, max(ks))
     out = {}
     for mode in ("tile", "split"):
-        blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4)
+        blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4, split_lean=lean)
         monkeypatch.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
         out[mode] = fused.forward(x, packed, ks, len(ks), qg, near, **kw)
     (h, lse, logits, (r, z, rr), (lg, rho)), (h0, lse0, logits0, (r0, z0, rr0), (lg0, rho0)) = out["split"], out["tile"]
