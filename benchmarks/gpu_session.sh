@@ -135,6 +135,8 @@
 #            `small` and `medium` steps beside vanilla and its 60-step training parity
 #   split3   one GPU (about 200 s with the start): Nsight Compute's counters of MSAR's kernels with the split forward,
 #            and msar's `small` step beside vanilla
+#   lean     one GPU (about 330 s with the start): the split forward's lean pass 2 (Blocks.split_lean) against the
+#            plain one at `small` and `medium` (S = 5) and at `medium` with 17 sources, then the op's GPU tests (both)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -142,7 +144,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -576,6 +578,15 @@ case "$PLAN" in
   split3)
     counters_of msar "${COUNTER_LIMIT:-40}"
     SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar} msar_step small _split_msar "${SMALL_LIMIT:-120}" 8
+    ;;
+  lean)
+    # the split forward's lean pass 2 (Blocks.split_lean, built on the CPU on 2026-12-02) against the plain one, in
+    # one process, at S = 5 (small, medium) and S = 17 (medium); then the op's GPU tests, which run both
+    step gpu0 tiles "${TILES_LIMIT:-110}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward --only 'fwd_mode="split",split_lean=True' --tag _lean
+    step gpu0 tiles17 "${TILES17_LIMIT:-60}" python3 -m benchmarks.msar_tiles --shapes medium --sources 17 \
+      --kernels forward --only 'fwd_mode="split",split_lean=True' --tag _lean_s17
+    msar_tests "${TEST_LIMIT:-100}"
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

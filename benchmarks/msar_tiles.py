@@ -50,7 +50,8 @@ def candidates(blk) -> dict[str, list[dict]]:
         dict(fwd_mode="split", split_bd=bd, split_warps=w) for bd, w in ((64, 1), (128, 1), (128, 2), (256, 2), (256, 4))
         if (bd, w) != (blk.split_bd, blk.split_warps)] + [
         dict(fwd_mode="split", split_logit_bd=bd) for bd in (32, 64, 128) if bd != blk.split_logit_bd] + [
-        dict(fwd_mode="split", split_ch=ch) for ch in (32, 64, 128, 256) if ch != blk.split_ch]
+        dict(fwd_mode="split", split_ch=ch) for ch in (32, 64, 128, 256) if ch != blk.split_ch] + [
+        dict(fwd_mode="split", split_lean=not blk.split_lean)]  # pass 2 lean (or plain, once lean is the default)
     return {
         "forward": [{}] + split + v3
                    + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]

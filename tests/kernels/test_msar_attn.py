@@ -92,6 +92,17 @@ def _with_split(monkeypatch, lean=False):
     monkeypatch.setattr(fused, "_blocks", blocks)
 
 
+def _with_lean(monkeypatch):
+    """fused._blocks (as overridden so far) with the split forward's lean pass 2 (Blocks.split_lean), its tiles
+    otherwise as they were."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    inner = fused._blocks
+    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), fwd_mode="split", split_lean=True))
+
+
 def _with_ring(monkeypatch):
     """fused._blocks (as overridden so far) with the ring source-gradient kernel (Blocks.src_mode="ring")."""
     import dataclasses
@@ -826,8 +837,13 @@ def check_fp32_matches_reference(case, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pass2", ["plain", "lean"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gpu_bf16_matches_fp32_reference(case):
+def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
+    """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
+    3000 are the lean pass's unmasked and masked channel tiles)."""
+    if pass2 == "lean":
+        _with_lean(monkeypatch)
     check_bf16_matches_fp32_reference(case, "cuda")
 
 
@@ -839,16 +855,18 @@ def test_gpu_fp32_matches_reference(d):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean"])
 @pytest.mark.parametrize("case, blocks", CPU_TWIN_CASES, ids=[c[0][0] for c in CPU_TWIN_CASES])
 def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
-    """The two GPU tests' checks, under the interpreter at small shapes (one tile, and tiled channels):
-    the comparison logic itself runs in CI."""
+    """The two GPU tests' checks, under the interpreter at small shapes (one tile, and tiled channels; bf16 also
+    with the lean pass 2, whose unmasked loads read bf16 sources): the comparison logic itself runs in CI."""
     if blocks is not None:
         from kernels.msar_attn import fused
 
-        monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
-    (check_bf16_matches_fp32_reference if dtype == "bf16" else check_fp32_matches_reference)(case, "cpu")
+        monkeypatch.setattr(fused, "_blocks", _blocks(*blocks, mode="lean" if dtype == "bf16-lean" else "serial"))
+    elif dtype == "bf16-lean":
+        _with_lean(monkeypatch)
+    (check_fp32_matches_reference if dtype == "fp32" else check_bf16_matches_fp32_reference)(case, "cpu")
 
 
 @pytest.mark.parametrize("B,T", [(2, 96), (1, 13), (3, 64)], ids=["split-64", "one-product", "split-64-odd-B"])
