@@ -582,10 +582,17 @@ case "$PLAN" in
   lean)
     # the split forward's lean pass 2 (Blocks.split_lean, built on the CPU on 2026-12-02) against the plain one, in
     # one process, at S = 5 (small, medium) and S = 17 (medium); then the op's GPU tests, which run both
-    step gpu0 tiles "${TILES_LIMIT:-110}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels forward --only 'fwd_mode="split",split_lean=True' --tag _lean
+    # and its tiles (fewer registers a lane: more warps to hide the loads' latency)
+    step gpu0 tiles "${TILES_LIMIT:-130}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward --only 'fwd_mode="split",split_lean=True' \
+      'fwd_mode="split",split_lean=True,split_bd=64,split_warps=1' \
+      'fwd_mode="split",split_lean=True,split_bd=128,split_warps=2' \
+      'fwd_mode="split",split_lean=True,split_bd=256,split_warps=2' \
+      'fwd_mode="split",split_lean=True,split_bd=64,split_ch=32' \
+      'fwd_mode="split",split_lean=True,split_bd=64,split_ch=128' --tag _lean
     step gpu0 tiles17 "${TILES17_LIMIT:-60}" python3 -m benchmarks.msar_tiles --shapes medium --sources 17 \
-      --kernels forward --only 'fwd_mode="split",split_lean=True' --tag _lean_s17
+      --kernels forward --only 'fwd_mode="split",split_lean=True' \
+      'fwd_mode="split",split_lean=True,split_bd=64,split_warps=1' --tag _lean_s17
     msar_tests "${TEST_LIMIT:-100}"
     ;;
   dtiles)

@@ -51,7 +51,13 @@ def candidates(blk) -> dict[str, list[dict]]:
         if (bd, w) != (blk.split_bd, blk.split_warps)] + [
         dict(fwd_mode="split", split_logit_bd=bd) for bd in (32, 64, 128) if bd != blk.split_logit_bd] + [
         dict(fwd_mode="split", split_ch=ch) for ch in (32, 64, 128, 256) if ch != blk.split_ch] + [
-        dict(fwd_mode="split", split_lean=not blk.split_lean)]  # pass 2 lean (or plain, once lean is the default)
+        dict(fwd_mode="split", split_lean=not blk.split_lean)] + [  # pass 2 lean (or plain, once lean is the default)
+        # the lean pass 2's tiles: fewer registers a lane (sm_90a at `small`: 102 at 64 channels on one warp, 107 at
+        # 128 on two, against 190 at 128 on one) let more warps hide its load latency (pass 2 had 1.9 warps a
+        # scheduler and waited on L1 for 41% of its cycles: kernel_counters_h200_split.md)
+        dict(fwd_mode="split", split_lean=True, split_bd=bd, split_warps=w) for bd, w in ((64, 1), (128, 2), (256, 2))
+        if not (blk.split_lean and (bd, w) == (blk.split_bd, blk.split_warps))] + [
+        dict(fwd_mode="split", split_lean=True, split_bd=64, split_ch=ch) for ch in (32, 128)]
     return {
         "forward": [{}] + split + v3
                    + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]

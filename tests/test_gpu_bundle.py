@@ -95,3 +95,30 @@ def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     summary = (tmp_path / "o" / "summary.txt").read_text().splitlines()
     assert [line.split()[1] for line in summary] == steps
     assert all("skipped (limit 0)" in line for line in summary)
+
+
+@pytest.mark.parametrize("T, d", [(1024, 512), (2048, 1024)], ids=["small", "medium"])
+def test_gpu_session_lean_plan_times_only_candidates(T, d):
+    """Every ``--only`` of the ``lean`` plan's msar_tiles steps is a candidate of benchmarks.msar_tiles at the shapes
+    it runs (one that is not is skipped on the GPU with a message, and its device time is lost)."""
+    import dataclasses
+    import re
+    import shlex
+
+    from benchmarks.msar_tiles import candidates, parse_candidate
+    from kernels.msar_attn import fused
+
+    text = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
+    plan = re.search(r"^  lean\)\n(.*?)^    ;;", text, re.M | re.S).group(1)
+    words = shlex.split(plan.replace("\\\n", " "), comments=True)
+    asked, taking = [], False
+    for word in words:  # the words after each --only, up to the next option
+        if word.startswith("--") or word == "step":
+            taking = word == "--only"
+        elif taking:
+            asked.append(parse_candidate(word))
+    assert len(asked) >= 8, (plan, asked)
+    base = fused._blocks(T, d, 4, 12)
+    offered = [dataclasses.replace(base, **o) for o in candidates(base)["forward"][1:]]
+    for o in asked:
+        assert dataclasses.replace(base, **o) in offered, o
