@@ -1,13 +1,14 @@
 """Compile the fused depth-attention kernels for an H100/H200 (sm_90a) without a GPU; print resources.
 
-    python -m benchmarks.depth_attn_ptxas [--shapes block-small block-medium ...]
+    python -m benchmarks.depth_attn_ptxas [--shapes block-small block-medium ...] [--sass]
 
 Uses Triton's NVIDIA backend and the ``ptxas`` shipped in the triton wheel, with the tiles that
 ``kernels/depth_attn/fused.tiles`` picks and the argument specialisation of a real launch (pointers
 and d, N divisible by 16), so it runs on a CPU-only machine. One line per kernel: shared memory,
 layout conversions (TTGIR), registers per thread, spill bytes, and the programs per SM those allow (the persistent backward
 grids are sized from the same numbers at run time). Not a timing: the GPU benchmark is
-``benchmarks.ops_attnres``.
+``benchmarks.ops_attnres``. ``--sass`` also prints each kernel's loops from its SASS, innermost first, with their
+instructions by class (``benchmarks.ptxas.loop_summary``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import argparse
 import os
 import sys
 
-from benchmarks.ptxas import compile_sm90, launch_attrs, layout_conversions, ptxas_report, registers
+from benchmarks.ptxas import compile_sm90, launch_attrs, layout_conversions, loop_summary, ptxas_report, registers
 
 # name -> (consumers C, sources n, d): the ops of benchmarks.ops_attnres at its widths, and the limits
 SHAPES = {
@@ -26,8 +27,9 @@ SHAPES = {
 }
 
 
-def compile_report(fn, types: dict, constexprs: dict, num_warps: int) -> tuple[str, int]:
-    """Compile ``fn`` for sm_90a -> (ptxas's register/spill summary, registers per thread)."""
+def compile_report(fn, types: dict, constexprs: dict, num_warps: int, loops: bool = False) -> tuple[str, int]:
+    """Compile ``fn`` for sm_90a -> (ptxas's register/spill summary, registers per thread); with ``loops`` the
+    summary ends with one line per SASS loop."""
     from triton.compiler import ASTSource
 
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
@@ -37,8 +39,10 @@ def compile_report(fn, types: dict, constexprs: dict, num_warps: int) -> tuple[s
     report = ptxas_report(kernel)
     info = [ln.split(":", 1)[-1].strip() for ln in report.splitlines() if "registers" in ln or "spill" in ln]
     regs = registers(report)
-    return (f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | "
-            + "; ".join(info)), regs
+    out = f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | " + "; ".join(info)
+    if loops:
+        out += "\n" + "\n".join("    " + line for line in loop_summary(kernel).splitlines())
+    return out, regs
 
 
 def per_sm(regs: int, warps: int, smem: int) -> int:
@@ -49,6 +53,7 @@ def per_sm(regs: int, warps: int, smem: int) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--sass", action="store_true", help="also print each kernel's SASS loops by instruction class")
     args = p.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)  # the GPU tiles, not the interpreter's
     from kernels.depth_attn import fused
@@ -81,14 +86,17 @@ def main(argv=None) -> int:
         print(f"== {shape}: C={C} n={n} d={d} tiles {t}", flush=True)
         for name, fn, types, consts, warps in runs:
             try:
-                info, regs = compile_report(fn, types, consts, warps)
+                info, regs = compile_report(fn, types, consts, warps, loops=args.sass)
             except Exception as exc:
                 failed += 1
                 print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {exc}", flush=True)
                 continue
             smem = int(info.split("shared ", 1)[1].split(" ", 1)[0])
             tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C")}
-            print(f"{name} {tiles} warps={warps}: {info} | {per_sm(regs, warps, smem)} programs/SM", flush=True)
+            head, _, loops = info.partition("\n")
+            print(f"{name} {tiles} warps={warps}: {head} | {per_sm(regs, warps, smem)} programs/SM", flush=True)
+            if loops:
+                print(loops, flush=True)
     return 1 if failed else 0
 
 

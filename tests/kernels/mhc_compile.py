@@ -1,12 +1,13 @@
 """Compile the fused mHC kernels for sm_90 (H100 / H200) on a machine without a GPU.
 
-    python -m tests.kernels.mhc_compile [--precision tf32x3|ieee] [n,d ...]   # default: 4,512 4,1024 4,2048 2,1000
+    python -m tests.kernels.mhc_compile [--sass] [--precision tf32x3|ieee] [n,d ...]   # default: 4,512 4,1024 4,2048 2,1000
 
 Runs every launcher in kernels/mhc/fused.py with the GPU launch configuration (``fused.GPU_BLOCKS``,
 not the interpreter's), captures each kernel launch instead of running it, compiles it with Triton's
 compiler to PTX and a cubin for sm_90, and prints ptxas's registers per thread and spill bytes.
 Must run WITHOUT ``TRITON_INTERPRET=1``. Used by tests/kernels/test_mhc_fused.py; also the quick
-way to check a change of ``GPU_BLOCKS`` or of a kernel before a GPU run.
+way to check a change of ``GPU_BLOCKS`` or of a kernel before a GPU run. ``--sass`` also prints each kernel's loops
+from its SASS with their instructions by class (``benchmarks.ptxas.loop_summary``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-from benchmarks.ptxas import compile_sm90, launch_attrs, ptxas_report, registers, spill_stores
+from benchmarks.ptxas import compile_sm90, launch_attrs, loop_summary, ptxas_report, registers, spill_stores
 
 TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -70,8 +71,9 @@ def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
     return launches
 
 
-def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
-    """Compile one captured launch for sm_90; (registers per thread, spill store bytes) from ptxas."""
+def compile_launch(kernel, args, kwargs, loops: list | None = None) -> tuple[int, int]:
+    """Compile one captured launch for sm_90; (registers per thread, spill store bytes) from ptxas. ``loops``: a list
+    that gets the kernel's SASS loop summary (``loop_summary``) appended."""
     from triton.compiler import ASTSource
 
     kwargs = dict(kwargs)
@@ -89,7 +91,10 @@ def compile_launch(kernel, args, kwargs) -> tuple[int, int]:
     div16 = {a for a in kernel.arg_names if type(values[a]) is int and a not in kwargs and values[a] % 16 == 0}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                     attrs=launch_attrs(kernel.arg_names, signature, div16))
-    report = ptxas_report(compile_sm90(src, options))
+    compiled = compile_sm90(src, options)
+    report = ptxas_report(compiled)
+    if loops is not None:
+        loops.append(loop_summary(compiled))
     return registers(report), spill_stores(report)
 
 
@@ -98,6 +103,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit("tests.kernels.mhc_compile must run without TRITON_INTERPRET=1")
     from kernels.mhc import fused
 
+    sass = "--sass" in argv
+    argv = [a for a in argv if a != "--sass"]
     if argv[:1] == ["--precision"]:
         if argv[1] not in fused.DOT_PRECISIONS:
             raise SystemExit(f"--precision {argv[1]!r}: choose one of {', '.join(fused.DOT_PRECISIONS)}")
@@ -105,9 +112,12 @@ def main(argv: list[str]) -> int:
     shapes = [tuple(map(int, a.split(","))) for a in (argv or ["4,512", "4,1024", "4,2048", "2,1000"])]
     for n, d in shapes:
         for kernel, args, kwargs in capture_launches(n, d):
-            regs, spills = compile_launch(kernel, args, kwargs)
+            loops = [] if sass else None
+            regs, spills = compile_launch(kernel, args, kwargs, loops)
             flags = {k: v for k, v in kwargs.items() if k.isupper() and k not in ("D", "N_STREAMS", "NP", "KP", "K")}
             print(f"{kernel.__name__} n={n} d={d} registers {regs} spills {spills} {flags}", flush=True)
+            for line in (loops[0].splitlines() if loops else []):
+                print("    " + line, flush=True)
     return 0
 
 

@@ -382,11 +382,14 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-m", "benchmarks.depth_attn_ptxas", "--shapes", "block-small", "full-small",
-                          "block-medium"], cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True,
-                         text=True, timeout=900)
+                          "block-medium", "--sass"], cwd=Path(__file__).resolve().parents[2], env=env,
+                         capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
     assert len(lines) == 12, res.stdout  # 3 shapes x (phase 1 fwd, bwd, merge fwd, bwd)
+    # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
+    after = res.stdout.split("phase 1 backward", 1)[1].split("merge forward", 1)[0]
+    assert re.search(r"loop depth \d+: \d+ instructions \(fp32 \d+", after), res.stdout
     assert max(int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines) <= 512, res.stdout
     small_phase1 = [line for line in lines[:2] + lines[4:6]]  # block-small and full-small, phase 1
     assert all("shared 0 B" in line and "warps=1" in line for line in small_phase1), res.stdout
