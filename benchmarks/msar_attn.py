@@ -112,9 +112,9 @@ def op_bytes(S, B, T, d, m, elt=2) -> tuple[float, float]:
     return fwd, fwd + bwd
 
 
-def op_flops(S, B, T, d, m) -> tuple[float, float]:
-    """(forward, forward+backward) CUDA-core FLOPs, each multiply-add counted as 2."""
-    per_source = sum(2 * k * d for k in KERNELS) + 4 * m * d + 2 * m * d  # convs, key RMS + logit, Σ w E
+def op_flops(S, B, T, d, m, kernels=KERNELS) -> tuple[float, float]:
+    """(forward, forward+backward) CUDA-core FLOPs, each multiply-add counted as 2 (``kernels``: the views' k_j)."""
+    per_source = sum(2 * k * d for k in kernels) + 4 * m * d + 2 * m * d  # convs, key RMS + logit, Σ w E
     mixer = 4 * m * d + 2 * m * m * d  # ‖R‖² and Σ g r, R·φ
     fwd = B * T * (S * per_source + mixer)
     return fwd, 3 * fwd

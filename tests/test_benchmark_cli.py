@@ -225,3 +225,34 @@ def test_msar_tile_candidates_change_the_default_and_name_valid_modes(T, d):
             assert blk.src_mode in ("serial", "ring") and blk.stats_mode in ("serial", "tile"), (kernel, over)
     src = candidates(base)["source gradients"]
     assert {"src_mode": "ring", "stats_mode": "tile"} in src  # the kernels before, beside the defaults
+
+
+def test_residual_floor_counts_every_fused_call_of_a_step():
+    """benchmarks.residual_floor takes a step's fused calls from the residual itself: msar_block at `small` reads
+    over b_0, the completed summaries and the partial (S = 1, then 2 to 5 as blocks of 4 sublayers complete), Block
+    AttnRes runs one phase 1 a block of consumers, mHC one write + read a sublayer; each call's floor is the larger
+    of its byte and arithmetic times, and the step's is their sum."""
+    from benchmarks import residual_floor
+    from platform.config import compose, residual_config
+    from platform.model import Backbone
+
+    def calls(name):
+        cfg = compose("model=small", f"residual={name}")
+        with torch.device("meta"):
+            net = Backbone(cfg.model, 4096, residual_config(cfg))
+        return residual_floor.step_calls(net.residual, 16 * cfg.model.seq_len, cfg.model.d_model)
+
+    msar = calls("msar_block")
+    sources = [int(c[0].split("S=")[1].rstrip(")")) for c in msar]
+    assert sources == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5]  # 16 sublayers and the output
+    by_s = {s: (b, fl) for s, (_, b, fl) in zip(sources, msar)}
+    assert all(by_s[s + 1][0] > by_s[s][0] and by_s[s + 1][1] > by_s[s][1] for s in range(1, 5))  # more sources
+    assert len(calls("attnres_block")) == 5 and len(calls("mhc")) == 16
+    f = residual_floor.floor("small", "msar_block", 51.2, 4.25)
+    per_call = sum(max(b / 4.25e12, fl / 51.2e12) * 1e3 for _, b, fl in msar)
+    assert abs(f["floor_ms"] - per_call) < 1e-9 and f["calls"] == 17
+    assert f["floor_ms"] >= max(f["bytes_ms"], f["flops_ms"])
+    with pytest.raises(SystemExit, match=r"'vanila'.*vanilla"):
+        residual_floor.main(["--residuals", "vanila"])
+    with pytest.raises(SystemExit, match=r"'vanilla' has no fused-op cost model.*msar_block"):
+        residual_floor.floor("small", "vanilla", 51.2, 4.25)

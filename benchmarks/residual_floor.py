@@ -1,0 +1,160 @@
+"""How fast a residual could be at best: its fused ops at their roofline over a training step, against vanilla's.
+
+    python -m benchmarks.residual_floor [--models small medium] [--residuals attnres_block mhc msar_block msar]
+        [--vanilla-ms small=15.5 medium=154.0] [--fp32-tflops 51.2] [--copy-tbs 4.25] [--tag _dec2]
+
+Every fused call of one training step (16 rows, as ``benchmarks.throughput`` times it), forward and backward, with
+the minimal bytes and the CUDA-core FLOPs its own benchmark counts: MSAR's read per consumer over its S sources
+(``benchmarks.msar_attn.op_bytes`` / ``op_flops`` with the residual's kernels), Block AttnRes's phase 1 and merges
+per block of consumers (``benchmarks.ops_attnres``), mHC's fused write and read per sublayer
+(``benchmarks.ops_mhc.counts``). The sources per consumer come from the residual itself (``n_sources``, on a
+meta-device model: sizes only, no memory). A call's floor is the larger of bytes / copy bandwidth and FLOPs / fp32
+rate; the step's floor is their sum: the residual's extra time if every kernel ran at its roofline and nothing else
+changed. Against vanilla's measured step that gives the best tokens/s ratio these ops can reach,
+``vanilla / (vanilla + floor)``, and for each speed target of the fused-ops issue the share of the roofline the
+target needs in aggregate, ``floor / (vanilla / target − vanilla)``: above 100% no tile of these kernels reaches it
+(fewer bytes or fewer FLOPs would: another formulation, narrower streams, fusion into the sublayer's own kernels).
+
+Defaults: the ceilings measured on an H200 host (``msar_attn_nvidia_h200.md``: copy 4.25 TB/s, fp32 CUDA cores
+51.2 TFLOP/s) and vanilla's steps there on 2026-12-02 (``throughput_small_split.md``: 15.5 ms,
+``throughput_medium_split_medium.md``: 154.0 ms). Runs on a CPU. Writes ``benchmarks/results/residual_floor{tag}.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH = 16  # rows a step, as benchmarks.throughput times it
+# the speed targets of the fused-ops issue, as fractions of vanilla's tokens/s
+TARGETS = {
+    ("small", "attnres_block"): 0.93, ("small", "msar_block"): 0.80, ("small", "mhc"): 0.85,
+    ("medium", "attnres_block"): 0.97, ("medium", "msar_block"): 0.92, ("medium", "mhc"): 0.93,
+    ("medium", "msar"): 0.85,
+}
+VANILLA_MS = {"small": 15.5, "medium": 154.0}  # H200, 2026-12-02, beside msar_block in one process
+
+
+def step_calls(res, tokens: int, d: int) -> list[tuple[str, float, float]]:
+    """(call, minimal bytes, CUDA-core FLOPs) of every fused call of one step, forward + backward."""
+    from residuals.attnres_block import AttnResBlock
+    from residuals.mhc import MHC
+    from residuals.msar import Msar
+
+    if isinstance(res, Msar):  # msar, msar_block: one fused read (views, softmax, mixer) per consumer
+        from benchmarks.msar_attn import op_bytes, op_flops
+
+        m, kernels = res.n_views, tuple(res.cfg.kernels)
+        return [(f"read {c} (S={res.n_sources(c)})", op_bytes(res.n_sources(c), 1, tokens, d, m)[1],
+                 op_flops(res.n_sources(c), 1, tokens, d, m, kernels)[1]) for c in range(res.n_consumers)]
+    if isinstance(res, AttnResBlock):  # one phase 1 + merges per block of consumers, over the completed summaries
+        from benchmarks.ops_attnres import flops, minimal_bytes
+
+        size, out = res.cfg.block_size, []
+        for first in range(0, res.n_consumers, size):
+            consumers = min(size, res.n_consumers - first)
+            n = res.n_sources(first)  # b_0 and the completed summaries (the partial is merged, not attended)
+            out.append((f"block {first // size} (n={n}, C={consumers})", minimal_bytes(n, consumers, tokens, d)[1],
+                        flops(n, consumers, tokens, d)[1]))
+        return out
+    if isinstance(res, MHC):  # the write fused with the next read, per sublayer
+        from benchmarks.ops_mhc import counts
+
+        nbytes, nflops = counts(tokens, res.cfg.n, d)["post+pre fwd+bwd"]
+        return [(f"sublayer {i}", nbytes, nflops) for i in range(res.n_sublayers)]
+    raise SystemExit(f"error: residual {res.cfg.name!r} has no fused-op cost model here; supported: msar, "
+                     "msar_block, attnres_block, mhc")
+
+
+def floor(model: str, residual: str, fp32_tflops: float, copy_tbs: float) -> dict:
+    """The step's fused calls at their roofline (see the module docstring)."""
+    import torch
+
+    from platform.config import compose, residual_config
+    from platform.model import Backbone
+
+    cfg = compose(f"model={model}", f"residual={residual}")
+    with torch.device("meta"):  # sizes only
+        net = Backbone(cfg.model, 4096, residual_config(cfg))
+    tokens = BATCH * cfg.model.seq_len
+    calls = step_calls(net.residual, tokens, cfg.model.d_model)
+    byte_ms = [b / (copy_tbs * 1e12) * 1e3 for _, b, _ in calls]
+    flop_ms = [f / (fp32_tflops * 1e12) * 1e3 for _, _, f in calls]
+    arith_bound = sum(f >= b for b, f in zip(byte_ms, flop_ms))
+    return {"sublayers": 2 * cfg.model.n_blocks, "calls": len(calls), "gb": sum(b for _, b, _ in calls) / 1e9,
+            "gflop": sum(f for _, _, f in calls) / 1e9, "bytes_ms": sum(byte_ms), "flops_ms": sum(flop_ms),
+            "floor_ms": sum(max(b, f) for b, f in zip(byte_ms, flop_ms)),
+            "binds": f"arithmetic {arith_bound} / bytes {len(calls) - arith_bound}"}
+
+
+def parse_ms(items: list[str]) -> dict[str, float]:
+    out = dict(VANILLA_MS)
+    for item in items:
+        name, _, value = item.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise SystemExit(f"error: --vanilla-ms {item!r}: expected MODEL=MS, e.g. small=15.5") from None
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["small", "medium"])
+    p.add_argument("--residuals", nargs="+", default=["attnres_block", "mhc", "msar_block", "msar"])
+    p.add_argument("--vanilla-ms", nargs="*", default=[], metavar="MODEL=MS",
+                   help="vanilla's measured step per model (defaults: "
+                        + ", ".join(f"{k}={v}" for k, v in VANILLA_MS.items()) + ")")
+    p.add_argument("--fp32-tflops", type=float, default=51.2)
+    p.add_argument("--copy-tbs", type=float, default=4.25)
+    p.add_argument("--tag", default="")
+    args = p.parse_args(argv)
+    import residuals
+
+    unknown = [r for r in args.residuals if r not in residuals.names()]
+    if unknown:
+        raise SystemExit(f"error: unknown residual(s) {unknown}; registered: {', '.join(residuals.names())}")
+    vanilla = parse_ms(args.vanilla_ms)
+    missing = [m for m in args.models if m not in vanilla]
+    if missing:
+        raise SystemExit(f"error: no vanilla step for model(s) {missing}: pass --vanilla-ms MODEL=MS")
+
+    rows = ["| model | residual | fused calls | GB | GFLOP | at copy bandwidth ms | at fp32 rate ms | calls bound by | "
+            "floor ms | vanilla ms | best ratio | target | share of the roofline the target needs |",
+            "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for model in args.models:
+        for residual in args.residuals:
+            f = floor(model, residual, args.fp32_tflops, args.copy_tbs)
+            v = vanilla[model]
+            target = TARGETS.get((model, residual))
+            need = "" if target is None else f"**{100 * f['floor_ms'] / (v / target - v):.0f}%**"
+            rows.append(f"| {model} (L={f['sublayers']}) | {residual} | {f['calls']} | {f['gb']:.2f} | "
+                        f"{f['gflop']:.1f} | {f['bytes_ms']:.2f} | {f['flops_ms']:.2f} | {f['binds']} | "
+                        f"{f['floor_ms']:.2f} | {v:g} | {v / (v + f['floor_ms']):.3f} | "
+                        f"{'' if target is None else f'{target:.2f}'} | {need} |")
+    shown = " ".join(argv if argv is not None else sys.argv[1:])
+    text = "\n".join([
+        "# The residuals' fused ops at their roofline, over a training step",
+        "",
+        f"- command: `python -m benchmarks.residual_floor {shown}`".replace(" `", " `"),
+        f"- date {datetime.date.today()}; counted, not timed (no GPU): every fused call of a step of {BATCH} rows, "
+        "forward + backward, with the minimal bytes and CUDA-core FLOPs of its op benchmark; ceilings "
+        f"{args.copy_tbs} TB/s copy and {args.fp32_tflops} TFLOP/s fp32, measured on an H200 host "
+        "(msar_attn_nvidia_h200.md); vanilla's step measured there",
+        "- floor = Σ over calls of max(bytes / copy bandwidth, FLOPs / fp32 rate); best ratio = vanilla / (vanilla + "
+        "floor); share needed = floor / (vanilla / target − vanilla): above 100% no tile of these kernels reaches the "
+        "target",
+        "", *rows, ""])
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"residual_floor{args.tag}.md"
+    out.write_text(text)
+    print(f"written: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
