@@ -90,6 +90,29 @@ def floor(model: str, residual: str, fp32_tflops: float, copy_tbs: float) -> dic
             "binds": f"arithmetic {arith_bound} / bytes {len(calls) - arith_bound}"}
 
 
+def packed_bf16_view_error(k: int, d: int = 512, T: int = 4096, seed: int = 0) -> dict[str, float]:
+    """Relative error (against fp64) of one MSAR view E = Σ_τ c_τ ⊙ x[t-τ] over bf16 sources when every
+    multiply-add is a packed bf16 one (taps in bf16, each step rounded to bf16: what would double the CUDA cores'
+    rate), against fp32 accumulation and against one bf16 rounding of the exact view."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T + k, d, generator=g).bfloat16().double()
+    c = torch.randn(k, d, generator=g).double() * 0.5
+    exact = sum(c[t] * x[k - t: k - t + T] for t in range(k))
+    fp32 = torch.zeros(T, d)
+    packed = torch.zeros(T, d)
+    cb = c.float().bfloat16().float()
+    for t in range(k):
+        fp32 = fp32 + c[t].float() * x[k - t: k - t + T].float()
+        packed = torch.addcmul(packed, cb[t].expand(T, d), x[k - t: k - t + T].float()).bfloat16().float()
+
+    def rel(a):
+        return ((a.double() - exact).norm() / exact.norm()).item()
+
+    return {"fp32": rel(fp32), "packed bf16": rel(packed), "one bf16 rounding": rel(exact.float().bfloat16())}
+
+
 def parse_ms(items: list[str]) -> dict[str, float]:
     out = dict(VANILLA_MS)
     for item in items:
@@ -110,6 +133,9 @@ def main(argv=None) -> int:
                         + ", ".join(f"{k}={v}" for k, v in VANILLA_MS.items()) + ")")
     p.add_argument("--fp32-tflops", type=float, default=51.2)
     p.add_argument("--copy-tbs", type=float, default=4.25)
+    p.add_argument("--bf16-views", action="store_true",
+                   help="also the error of MSAR's views with packed bf16 multiply-adds (twice the fp32 rate) and the "
+                        "floors at that rate")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     import residuals
@@ -135,6 +161,23 @@ def main(argv=None) -> int:
                         f"{f['gflop']:.1f} | {f['bytes_ms']:.2f} | {f['flops_ms']:.2f} | {f['binds']} | "
                         f"{f['floor_ms']:.2f} | {v:g} | {v / (v + f['floor_ms']):.3f} | "
                         f"{'' if target is None else f'{target:.2f}'} | {need} |")
+    if args.bf16_views:
+        rows += ["", "Views with packed bf16 multiply-adds (relative error against fp64 of one view over bf16 sources, "
+                 "d = 512, 4096 tokens), and the MSAR floors at twice the fp32 rate:", "",
+                 "| kernel size k | fp32 accumulation | packed bf16 | one bf16 rounding of the exact view |",
+                 "|---:|---:|---:|---:|"]
+        for k in (4, 8, 12):
+            e = packed_bf16_view_error(k)
+            rows.append(f"| {k} | {e['fp32']:.1e} | {e['packed bf16']:.1e} | {e['one bf16 rounding']:.1e} |")
+        rows += ["", "| model | residual | floor ms at twice the rate | best ratio | target | share needed |",
+                 "|---|---|---:|---:|---:|---:|"]
+        for model in args.models:
+            for residual in (r for r in args.residuals if r.startswith("msar")):
+                f = floor(model, residual, 2 * args.fp32_tflops, args.copy_tbs)
+                v, target = vanilla[model], TARGETS.get((model, residual))
+                need = "" if target is None else f"{100 * f['floor_ms'] / (v / target - v):.0f}%"
+                rows.append(f"| {model} | {residual} | {f['floor_ms']:.2f} | {v / (v + f['floor_ms']):.3f} | "
+                            f"{'' if target is None else f'{target:.2f}'} | {need} |")
     shown = " ".join(argv if argv is not None else sys.argv[1:])
     text = "\n".join([
         "# The residuals' fused ops at their roofline, over a training step",

@@ -256,3 +256,6 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
         residual_floor.main(["--residuals", "vanila"])
     with pytest.raises(SystemExit, match=r"'vanilla' has no fused-op cost model.*msar_block"):
         residual_floor.floor("small", "vanilla", 51.2, 4.25)
+    # a view with packed bf16 multiply-adds: about a bf16 rounding per step, against fp32's round-off
+    err = residual_floor.packed_bf16_view_error(8, d=64, T=256)
+    assert err["fp32"] < 1e-6 < 1e-3 < err["one bf16 rounding"] < err["packed bf16"] < 1e-2, err
