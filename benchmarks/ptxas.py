@@ -37,17 +37,23 @@ def launch_attrs(arg_names, signature: dict, div16) -> dict:
     return attrs
 
 
-def ptxas_report(compiled) -> str:
-    """``ptxas -arch=sm_90a -v`` on a compiled kernel's PTX: its stderr (registers, spills, stack)."""
+def _wheel_tool(tool: str, data: bytes, name: str, *args: str) -> subprocess.CompletedProcess:
+    """Run one of the NVIDIA tools shipped in the triton wheel on ``data`` written to a temporary file ``name``
+    (the file's path goes first, then ``args``)."""
     import triton
 
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        return subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.devnull], capture_output=True, text=True,
-                              check=True).stderr
+        path = os.path.join(tmp, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        return subprocess.run([exe, path, *args], capture_output=True, text=True, check=True)
+
+
+def ptxas_report(compiled) -> str:
+    """``ptxas -arch=sm_90a -v`` on a compiled kernel's PTX: its stderr (registers, spills, stack)."""
+    return _wheel_tool("ptxas", compiled.asm["ptx"].encode(), "kernel.ptx", "-arch=sm_90a", "-v", "-o",
+                       os.devnull).stderr
 
 
 def layout_conversions(compiled) -> int:
@@ -80,15 +86,8 @@ SASS_CLASSES = {
 
 
 def sass(compiled) -> str:
-    """The SASS of a compiled kernel (``nvdisasm`` of its cubin, both shipped in the triton wheel)."""
-    import triton
-
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "kernel.cubin")
-        with open(cubin, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        return subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, check=True).stdout
+    """The SASS of a compiled kernel (``nvdisasm -c`` of its cubin, both shipped in the triton wheel)."""
+    return _wheel_tool("nvdisasm", compiled.asm["cubin"], "kernel.cubin", "-c").stdout
 
 
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")

@@ -736,6 +736,15 @@ def test_auto_is_torch_on_cpu():
     assert torch.equal(a, b)
 
 
+def _run_compiled(*args: str) -> str:
+    """``python ARGS`` from the repo root without TRITON_INTERPRET (a compile for sm_90a needs Triton's real
+    backend); its stdout, after asserting it succeeded."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
 @pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/ptxas").exists(),
                     reason="the triton wheel has no ptxas")
 @pytest.mark.parametrize("views_3d", ["default", "on"])
@@ -743,29 +752,26 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     """Every fused kernel compiles for an H100/H200 (Triton's NVIDIA backend and ptxas, no GPU needed),
     with the tile sizes ``_blocks`` picks at model=small, and with the view builder's 3-d layout (a candidate
     of benchmarks.msar_tiles): catches GPU-only compile errors on CPU CI."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d",
-                          views_3d], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    lines = [line for line in res.stdout.splitlines() if "registers" in line]
+    stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
+    lines = [line for line in stdout.splitlines() if "registers" in line]
     # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 2
     # plain and lean) and its h, the mixer, the stats, the sources
-    assert len(lines) == 10, res.stdout
+    assert len(lines) == 10, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
     # The one-source forward at 2 warps spills about 1.2 KB and was timed faster than at 4 warps
     # (0.249 against 0.345 ms, msar_tiles_nvidia_h200_passes_s1.md): bounded, not exempt.
     one = spills.pop("forward, one source")
-    assert max(spills.values()) <= 512 and one <= 2048, res.stdout
+    assert max(spills.values()) <= 512 and one <= 2048, stdout
     # compiled as a launch specialises them (aligned pointers, multiples of 16): the streams backward's two
     # kernels spill a few values at most. An int64 offset kept per element, with the buffered sources'
     # second row offset live across the block loop, spilled 376 bytes in the source-gradient kernel and
     # made the streams backward 3.09 -> 4.30 ms at `small` on an H200 (msar_tiles_nvidia_h200_regs.md)
     if views_3d == "default":  # (the 3-d view layout, a candidate that lost, spills 172 bytes in the stats)
-        assert spills["stats"] <= 64 and spills["source gradients"] <= 64, res.stdout
+        assert spills["stats"] <= 64 and spills["source gradients"] <= 64, stdout
         # the split forward's kernels (the default forward) are serial like the stats: none spill at their tiles
-        assert all(spills[k] == 0 for k in spills if k.startswith("split forward")), res.stdout
+        assert all(spills[k] == 0 for k in spills if k.startswith("split forward")), stdout
 
 
 # --- GPU, and the same checks on CPU at small shapes ------------------------------------------------
@@ -910,12 +916,9 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
         "        loops=[dict(total=lp['total'], **sass_classes(lp['ops'])) for lp in loops],\n"
         "        shared=k.metadata.shared)\n"
         "print(json.dumps(out))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
     import json
 
-    out = json.loads(res.stdout.splitlines()[-1])
+    out = json.loads(_run_compiled("-c", code).splitlines()[-1])
     (plain,) = out["plain"]["loops"]  # one loop over the sources, masked
     # the lean kernel: unmasked and masked loops over the buffer rows and over the partial
     assert len(out["lean"]["loops"]) == 4, out
@@ -961,11 +964,9 @@ def test_views_in_the_tiles_layout_remove_the_forwards_layout_conversions():
         "    sig = {n: ('constexpr' if n in consts else types.get(n, 'i32')) for n in fn.arg_names}\n"
         "    k = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=consts), {'num_warps': warps})\n"
         "    print(name, v3, layout_conversions(k))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    counts = {line.split()[-2]: int(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith("forward")}
-    assert counts["True"] * 3 < counts["False"], res.stdout
+    stdout = _run_compiled("-c", code)
+    counts = {line.split()[-2]: int(line.split()[-1]) for line in stdout.splitlines() if line.startswith("forward")}
+    assert counts["True"] * 3 < counts["False"], stdout
 
 
 def test_buffered_benchmark_reads_agree_with_the_list_reads():
@@ -991,17 +992,14 @@ def test_the_ptxas_report_against_a_revision_shows_its_spills():
     """``benchmarks.msar_attn_ptxas --against REV`` compiles REV's kernels with the launch hints beside this tree's:
     against b3446a9, whose source-gradient kernel spilled under the launch's specialisation (4.30 against 3.09 ms
     for the streams backward at `small` on an H200), it shows those spills next to this tree's few."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--against",
-                          "b3446a9"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    ours, theirs = res.stdout.split("==== the kernels of b3446a9")
+    stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--against", "b3446a9")
+    ours, theirs = stdout.split("==== the kernels of b3446a9")
 
     def src_spills(text):
         line = next(ln for ln in text.splitlines() if ln.startswith("source gradients"))
         return int(re.search(r"(\d+) bytes spill stores", line).group(1))
 
-    assert src_spills(ours) <= 64 < 256 <= src_spills(theirs), res.stdout
+    assert src_spills(ours) <= 64 < 256 <= src_spills(theirs), stdout
 
 
 @needs_triton
