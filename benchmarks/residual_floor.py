@@ -36,6 +36,16 @@ TARGETS = {
     ("medium", "msar"): 0.85,
 }
 VANILLA_MS = {"small": 15.5, "medium": 154.0}  # H200, 2026-12-02, beside msar_block in one process
+# the latest measured tokens/s ratios to vanilla on the H200 (same process), for the plot: (ratio, results file)
+MEASURED = {
+    ("small", "attnres_block"): (0.862, "throughput_small_eager.md"),
+    ("small", "mhc"): (0.555, "throughput_small_evening.md"),
+    ("small", "msar_block"): (0.372, "throughput_small_split.md"),
+    ("small", "msar"): (0.206, "throughput_small_split_msar.md"),
+    ("medium", "attnres_block"): (0.876, "throughput_medium_memory.md"),
+    ("medium", "mhc"): (0.656, "throughput_medium_dec1b.md"),
+    ("medium", "msar_block"): (0.386, "throughput_medium_split_medium.md"),
+}
 
 
 def step_calls(res, tokens: int, d: int) -> list[tuple[str, float, float]]:
@@ -113,6 +123,34 @@ def packed_bf16_view_error(k: int, d: int = 512, T: int = 4096, seed: int = 0) -
     return {"fp32": rel(fp32), "packed bf16": rel(packed), "one bf16 rounding": rel(exact.float().bfloat16())}
 
 
+def plot(points: list[dict], path: Path) -> None:
+    """Bars per (model, residual): the latest measured ratio to vanilla, the best ratio at the floor, and the
+    target as a tick: where a target sits above the floor's bar, no tile reaches it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width = 0.38
+    for i, p in enumerate(points):
+        if p["measured"] is not None:
+            ax.bar(i - width / 2, p["measured"], width, color="#4c72b0", label="measured" if i == 0 else None)
+        ax.bar(i + width / 2, p["best"], width, color="#bbbbbb", label="at the roofline (floor)" if i == 0 else None)
+        if p["target"] is not None:
+            ax.hlines(p["target"], i - 0.45, i + 0.45, colors="#c44e52", linewidth=2.5,
+                      label="target" if not any(q["target"] for q in points[:i]) else None)
+    ax.set_xticks(range(len(points)), [f"{p['residual']}\n{p['model']}" for p in points], fontsize=8)
+    ax.set_ylim(0, 1.05)
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_ylabel("tokens/s vs vanilla")
+    ax.set_title("Residuals on an H200: measured, best possible with these ops, and the targets")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def parse_ms(items: list[str]) -> dict[str, float]:
     out = dict(VANILLA_MS)
     for item in items:
@@ -136,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--bf16-views", action="store_true",
                    help="also the error of MSAR's views with packed bf16 multiply-adds (twice the fp32 rate) and the "
                         "floors at that rate")
+    p.add_argument("--plot", action="store_true", help="also draw residual_floor{tag}.png: measured (the latest "
+                   "H200 ratios, MEASURED), at the floor, and the targets")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     import residuals
@@ -151,11 +191,14 @@ def main(argv=None) -> int:
     rows = ["| model | residual | fused calls | GB | GFLOP | at copy bandwidth ms | at fp32 rate ms | calls bound by | "
             "floor ms | vanilla ms | best ratio | target | share of the roofline the target needs |",
             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    points = []
     for model in args.models:
         for residual in args.residuals:
             f = floor(model, residual, args.fp32_tflops, args.copy_tbs)
             v = vanilla[model]
             target = TARGETS.get((model, residual))
+            points.append({"model": model, "residual": residual, "best": v / (v + f["floor_ms"]), "target": target,
+                           "measured": MEASURED.get((model, residual), (None,))[0]})
             need = "" if target is None else f"**{100 * f['floor_ms'] / (v / target - v):.0f}%**"
             rows.append(f"| {model} (L={f['sublayers']}) | {residual} | {f['calls']} | {f['gb']:.2f} | "
                         f"{f['gflop']:.1f} | {f['bytes_ms']:.2f} | {f['flops_ms']:.2f} | {f['binds']} | "
@@ -196,6 +239,11 @@ def main(argv=None) -> int:
     out = RESULTS / f"residual_floor{args.tag}.md"
     out.write_text(text)
     print(f"written: {out}")
+    if args.plot:
+        png = RESULTS / f"residual_floor{args.tag}.png"
+        plot(points, png)
+        print(f"written: {png} (measured: " + "; ".join(f"{m} {r} {v} {src}" for (m, r), (v, src) in MEASURED.items())
+              + ")")
     return 0
 
 

@@ -259,3 +259,19 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
     # a view with packed bf16 multiply-adds: about a bf16 rounding per step, against fp32's round-off
     err = residual_floor.packed_bf16_view_error(8, d=64, T=256)
     assert err["fp32"] < 1e-6 < 1e-3 < err["one bf16 rounding"] < err["packed bf16"] < 1e-2, err
+
+
+def test_residual_floor_writes_its_table_and_plot(tmp_path, monkeypatch):
+    """The command writes its table (with the command that made it) and, with --plot, the bar chart."""
+    from benchmarks import residual_floor
+
+    monkeypatch.setattr(residual_floor, "RESULTS", tmp_path)
+    assert residual_floor.main(["--models", "small", "--residuals", "msar_block", "--plot", "--tag", "_t"]) == 0
+    table = (tmp_path / "residual_floor_t.md").read_text()
+    assert "python -m benchmarks.residual_floor --models small --residuals msar_block --plot --tag _t" in table
+    row = next(line for line in table.splitlines() if line.startswith("| small (L=16) | msar_block |"))
+    assert row.split("|")[-3].strip() == "0.80"  # the target
+    png = (tmp_path / "residual_floor_t.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    with pytest.raises(SystemExit, match=r"--vanilla-ms 'small=fast'.*MODEL=MS"):
+        residual_floor.main(["--vanilla-ms", "small=fast"])
