@@ -135,8 +135,9 @@
 #            `small` and `medium` steps beside vanilla and its 60-step training parity
 #   split3   one GPU (about 200 s with the start): Nsight Compute's counters of MSAR's kernels with the split forward,
 #            and msar's `small` step beside vanilla
-#   lean     one GPU (about 330 s with the start): the split forward's lean pass 2 (Blocks.split_lean) against the
-#            plain one at `small` and `medium` (S = 5) and at `medium` with 17 sources, then the op's GPU tests (both)
+#   lean     one GPU (about 350 s with the start): the split forward's lean pass 2 (Blocks.split_lean) against the
+#            plain one and the glue kernels (Blocks.glue) at `small` and `medium` (S = 5) and at `medium` with 17
+#            sources, then the op's GPU tests (both)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -580,11 +581,13 @@ case "$PLAN" in
     SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar} msar_step small _split_msar "${SMALL_LIMIT:-120}" 8
     ;;
   lean)
-    # the split forward's lean pass 2 (Blocks.split_lean, built on the CPU on 2026-12-02) against the plain one, in
-    # one process, at S = 5 (small, medium) and S = 17 (medium); then the op's GPU tests, which run both
+    # the split forward's lean pass 2 (Blocks.split_lean, built on the CPU on 2026-12-02) against the plain one, and
+    # the steps between the kernels as kernels (Blocks.glue="triton": the forward's and the stats'), in one process,
+    # at S = 5 (small, medium) and S = 17 (medium); then the op's GPU tests, which run both
     # and its tiles (fewer registers a lane: more warps to hide the loads' latency)
-    step gpu0 tiles "${TILES_LIMIT:-130}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels forward --only 'fwd_mode="split",split_lean=True' \
+    step gpu0 tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward stats --only 'fwd_mode="split",split_lean=True' 'glue="triton"' \
+      'fwd_mode="split",split_lean=True,split_bd=64,glue="triton"' \
       'fwd_mode="split",split_lean=True,split_bd=64,split_warps=1' \
       'fwd_mode="split",split_lean=True,split_bd=128,split_warps=2' \
       'fwd_mode="split",split_lean=True,split_bd=256,split_warps=2' \

@@ -114,6 +114,17 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                         mpart_ptr=F32, p_off="i64"),
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d),
                    blk.split_warps)
+        if hasattr(fused, "_softmax_parts_kernel"):  # Blocks.glue="triton" (2026-12-02): the steps between kernels
+            tag = "" if getattr(blk, "glue", "torch") == "triton" else " (candidate)"
+            yield (f"glue: softmax over the sources{tag}", fused._softmax_parts_kernel,
+                   dict(parts_ptr=F32, logits_ptr=F32, rho_ptr=F32, lse_ptr=F32, w_ptr=F32, eps="fp32"),
+                   dict(M=m, KEY_NORM=True, LEAN=blk.split_lean, BN=fused.GLUE_BN), 4)
+            yield (f"glue: gate{tag}", fused._gate_kernel,
+                   dict(mparts_ptr=F32, alpha_ptr=F32, bias_ptr=F32, g_ptr=F32, z_ptr=F32, rr_ptr=F32, eps="fp32"),
+                   dict(M=m, M_PAD=m_pad, SIGMOID=True, BN=fused.GLUE_BN), 4)
+            yield (f"glue: w, κ, μ{tag}", fused._stats_finish_kernel,
+                   dict(parts_ptr=F32, lse_ptr=F32, logits_ptr=F32, rho_ptr=F32, coef_ptr=F32, eps="fp32"),
+                   dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN), 4)
         yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
                dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=True), 4)
     yield ("mixer backward", fused._mix_bwd_kernel,

@@ -275,3 +275,19 @@ def test_residual_floor_writes_its_table_and_plot(tmp_path, monkeypatch):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     with pytest.raises(SystemExit, match=r"--vanilla-ms 'small=fast'.*MODEL=MS"):
         residual_floor.main(["--vanilla-ms", "small=fast"])
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="counts under Triton's interpreter, set before the kernels are imported (a CPU run)")
+def test_glue_kernels_take_the_small_steps_off_pytorch():
+    """benchmarks.msar_glue_ops counts the PyTorch operations that do work around one fused read: with the glue
+    kernels (Blocks.glue="triton") the forward's softmax over the sources and gate, and the backward's w, κ, μ, are
+    no longer a dozen PyTorch operations each (on a GPU, each a kernel launch of a few microseconds)."""
+    from benchmarks import msar_glue_ops
+
+    (f_torch, b_torch), (f_triton, b_triton) = (msar_glue_ops.count(glue, S=2) for glue in ("torch", "triton"))
+    assert {"logsumexp", "sigmoid", "rsqrt", "exp"} <= set(f_torch) and not {"logsumexp", "sigmoid", "rsqrt",
+                                                                            "exp"} & set(f_triton)
+    assert sum(f_triton.values()) <= 5 < 15 <= sum(f_torch.values())
+    assert "exp" in b_torch and "exp" not in b_triton and sum(b_triton.values()) + 8 <= sum(b_torch.values())
+    assert not msar_glue_ops.NOT_WORK & (set(f_torch) | set(b_torch))  # views, allocations, copies not counted

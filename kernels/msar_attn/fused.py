@@ -811,6 +811,202 @@ def _stats_serial_kernel(
         t += 1
 
 
+# --- the small steps between the kernels, fused (``Blocks.glue="triton"``; PyTorch's twins are the spec) -------------
+GLUE_BN = 128  # tokens a program of the glue kernels
+
+
+@triton.jit
+def _softmax_parts_kernel(parts_ptr, logits_ptr, rho_ptr, lse_ptr, w_ptr, n_dt, S, N, d, eps,
+                          M: tl.constexpr, KEY_NORM: tl.constexpr, LEAN: tl.constexpr, BN: tl.constexpr):
+    """The split forward between its passes, for BN of the N = B·T tokens: from pass 1's per-tile sums parts
+    (n_dt, 2, m, S, N) (qg·E, ‖E‖²): ρ = (‖E‖²/d + eps)^-½ (KEY_NORM), logits = qg·E ρ (m, S, N), their lse over
+    the sources (m, N) by a running maximum, and the weights w = exp(logits - lse), (m, S, N) or with LEAN
+    (N, S, m). ``_softmax_parts_torch`` is its twin."""
+    offs = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = offs < N
+    plane = S * N  # one view's (S, N) block
+    for j in tl.static_range(M):
+        mx = tl.full((BN,), float("-inf"), tl.float32)
+        se = tl.zeros((BN,), dtype=tl.float32)
+        s = 0
+        while s < S:
+            q = tl.zeros((BN,), dtype=tl.float32)
+            ss = tl.zeros((BN,), dtype=tl.float32)
+            tile = 0
+            while tile < n_dt:
+                at = ((tile * 2 * M + j) * S + s).to(tl.int64) * N + offs
+                q += tl.load(parts_ptr + at, mask=mask, other=0.0)
+                ss += tl.load(parts_ptr + at + M * plane, mask=mask, other=0.0)
+                tile += 1
+            if KEY_NORM:
+                rho = tl.rsqrt(ss / d + eps)
+                tl.store(rho_ptr + (j * S + s).to(tl.int64) * N + offs, rho, mask=mask)
+                logit = q * rho
+            else:
+                logit = q
+            tl.store(logits_ptr + (j * S + s).to(tl.int64) * N + offs, logit, mask=mask)
+            top = tl.maximum(mx, logit)
+            se = se * tl.exp(mx - top) + tl.exp(logit - top)
+            mx = top
+            s += 1
+        lse = mx + tl.log(se)
+        tl.store(lse_ptr + j * N + offs, lse, mask=mask)
+        s = 0
+        while s < S:
+            w = tl.exp(tl.load(logits_ptr + (j * S + s).to(tl.int64) * N + offs, mask=mask, other=0.0) - lse)
+            if LEAN:
+                tl.store(w_ptr + (offs.to(tl.int64) * S + s) * M + j, w, mask=mask)
+            else:
+                tl.store(w_ptr + (j * S + s).to(tl.int64) * N + offs, w, mask=mask)
+            s += 1
+
+
+def _softmax_parts_torch(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bool):
+    """(logits, ρ or None, lse, w) from pass 1's parts (n_dt, 2, m, S, B, T), in PyTorch: the spec of
+    ``_softmax_parts_kernel``. w: (m, S, B, T), or with ``lean`` (B, T, S, m) (written through a permuted view)."""
+    q, ss = parts.sum(0)  # (m, S, B, T) each
+    rho = torch.rsqrt(ss / d + eps) if key_norm else None
+    logits = q * rho if key_norm else q
+    lse = torch.logsumexp(logits, dim=1)  # (m, B, T)
+    if lean:  # the weights of a (token, source) side by side: (B, T, S, m), written in place
+        m, S, B, T = logits.shape
+        w = torch.empty(B, T, S, m, device=parts.device, dtype=torch.float32)
+        torch.exp(logits - lse[:, None], out=w.permute(3, 2, 0, 1))
+    else:
+        w = torch.exp(logits - lse[:, None]).contiguous()
+    return logits, rho, lse, w
+
+
+def softmax_parts(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bool, glue: str):
+    """``_softmax_parts_torch`` (glue "torch") or its kernel (glue "triton"): same results, one launch."""
+    if glue == "torch":
+        return _softmax_parts_torch(parts, key_norm=key_norm, eps=eps, d=d, lean=lean)
+    n_dt, _, m, S, B, T = parts.shape
+    f32 = dict(device=parts.device, dtype=torch.float32)
+    logits, lse = torch.empty(m, S, B, T, **f32), torch.empty(m, B, T, **f32)
+    rho = torch.empty(m, S, B, T, **f32) if key_norm else None
+    w = torch.empty(B, T, S, m, **f32) if lean else torch.empty(m, S, B, T, **f32)
+    _softmax_parts_kernel[(triton.cdiv(B * T, GLUE_BN),)](
+        parts, logits, logits if rho is None else rho, lse, w, n_dt, S, B * T, d, eps, M=m, KEY_NORM=key_norm,
+        LEAN=lean, BN=GLUE_BN)
+    return logits, rho, lse, w
+
+
+@triton.jit
+def _gate_kernel(mparts_ptr, alpha_ptr, bias_ptr, g_ptr, z_ptr, rr_ptr, n_dt, N, md, eps,
+                 M: tl.constexpr, M_PAD: tl.constexpr, SIGMOID: tl.constexpr, BN: tl.constexpr):
+    """The mixer's gate for BN of the N tokens, from pass 2's per-tile sums mparts (n_dt, 1 + m, N) (‖R‖², R·φ_i):
+    rr = ‖vec R‖² (N), z = R·φ (m, N), zz = α z (rr/(m·d) + eps)^-½ + b, g = σ(zz) or the softmax over the views
+    (m, N). ``_gate_torch`` is its twin."""
+    offs = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = offs < N
+    views = tl.arange(0, M_PAD)
+    vmask = views < M
+    m2 = vmask[:, None] & mask[None, :]
+    rr = tl.zeros((BN,), dtype=tl.float32)
+    z = tl.zeros((M_PAD, BN), dtype=tl.float32)
+    tile = 0
+    while tile < n_dt:
+        base = (tile * (1 + M)).to(tl.int64) * N
+        rr += tl.load(mparts_ptr + base + offs, mask=mask, other=0.0)
+        z += tl.load(mparts_ptr + base + (1 + views[:, None]) * N + offs[None, :], mask=m2, other=0.0)
+        tile += 1
+    zz = tl.load(alpha_ptr) * z * tl.rsqrt(rr / md + eps)[None, :] \
+        + tl.load(bias_ptr + views, mask=vmask, other=0.0)[:, None]
+    if SIGMOID:
+        g = tl.sigmoid(zz)
+    else:
+        zz = tl.where(vmask[:, None], zz, float("-inf"))  # padded views out (not tokens: a lane's column stays finite)
+        e = tl.exp(zz - tl.max(zz, axis=0)[None, :])
+        g = e / tl.sum(e, axis=0)[None, :]
+    tl.store(rr_ptr + offs, rr, mask=mask)
+    tl.store(z_ptr + views[:, None] * N + offs[None, :], z, mask=m2)
+    tl.store(g_ptr + views[:, None] * N + offs[None, :], g, mask=m2)
+
+
+def _gate_torch(mparts: Tensor, alpha: Tensor, bias: Tensor, *, m: int, d: int, eps: float, sigmoid: bool):
+    """(g (m, B, T), z (m, B, T), rr (B, T)) fp32 from pass 2's per-tile sums (n_dt, 1 + m, B, T), in PyTorch: the
+    spec of ``_gate_kernel``."""
+    sums = mparts.sum(0)  # (1 + m, B, T)
+    rr, z = sums[0], sums[1:]
+    zz = alpha * z * torch.rsqrt(rr / (m * d) + eps) + bias[:, None, None]
+    g = (torch.sigmoid(zz) if sigmoid else torch.softmax(zz, dim=0)).contiguous()
+    return g, z.contiguous(), rr.contiguous()
+
+
+def gate(mparts: Tensor, alpha: Tensor, bias: Tensor, *, m: int, d: int, eps: float, sigmoid: bool, glue: str):
+    """``_gate_torch`` (glue "torch") or its kernel (glue "triton"): same results, one launch."""
+    if glue == "torch":
+        return _gate_torch(mparts, alpha, bias, m=m, d=d, eps=eps, sigmoid=sigmoid)
+    n_dt, _, B, T = mparts.shape
+    f32 = dict(device=mparts.device, dtype=torch.float32)
+    g, z, rr = torch.empty(m, B, T, **f32), torch.empty(m, B, T, **f32), torch.empty(B, T, **f32)
+    _gate_kernel[(triton.cdiv(B * T, GLUE_BN),)](
+        mparts, alpha, bias, g, z, rr, n_dt, B * T, m * d, eps, M=m, M_PAD=triton.next_power_of_2(m),
+        SIGMOID=sigmoid, BN=GLUE_BN)
+    return g, z, rr
+
+
+@triton.jit
+def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt, S, N, d, eps,
+                         M: tl.constexpr, M_PAD: tl.constexpr, KEY_NORM: tl.constexpr, SAVED: tl.constexpr,
+                         BN: tl.constexpr):
+    """``stats_from_parts`` for BN of the N tokens: from the serial stats kernel's per-tile sums parts (n_dt, K, m,
+    S, N) (K = 1 with SAVED: dR·E alone, the forward's logits and ρ (m, S, N) given; else K = 3: qg·E, ‖E‖², dR·E)
+    and the forward's lse (m, N), w, κ, μ into coef (3 of 4 planes of (M_PAD, S, N)): w = exp(logit - lse),
+    κ = w (a - Σ_s w a) ρ, μ = κ ρ logit / d (0 without KEY_NORM)."""
+    offs = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = offs < N
+    K: tl.constexpr = 1 if SAVED else 3
+    plane = S * N  # one view's (S, N) block
+    cplane = M_PAD * plane  # one of coef's planes
+    for j in tl.static_range(M):
+        lse = tl.load(lse_ptr + j * N + offs, mask=mask, other=0.0)
+        wa = tl.zeros((BN,), dtype=tl.float32)
+        for sweep in tl.static_range(2):  # Σ_s w a first, then κ and μ
+            s = 0
+            while s < S:
+                a = tl.zeros((BN,), dtype=tl.float32)
+                q = tl.zeros((BN,), dtype=tl.float32)
+                ss = tl.zeros((BN,), dtype=tl.float32)
+                tile = 0
+                while tile < n_dt:
+                    at = ((tile * K * M + j) * S + s).to(tl.int64) * N + offs
+                    if SAVED:
+                        a += tl.load(parts_ptr + at, mask=mask, other=0.0)
+                    else:
+                        q += tl.load(parts_ptr + at, mask=mask, other=0.0)
+                        ss += tl.load(parts_ptr + at + M * plane, mask=mask, other=0.0)
+                        a += tl.load(parts_ptr + at + 2 * M * plane, mask=mask, other=0.0)
+                    tile += 1
+                at = (j * S + s).to(tl.int64) * N + offs
+                if SAVED:
+                    logit = tl.load(logits_ptr + at, mask=mask, other=0.0)
+                    if KEY_NORM:
+                        rho = tl.load(rho_ptr + at, mask=mask, other=0.0)
+                    else:
+                        rho = tl.full((BN,), 1.0, tl.float32)
+                else:
+                    if KEY_NORM:
+                        rho = tl.rsqrt(ss / d + eps)
+                    else:
+                        rho = tl.full((BN,), 1.0, tl.float32)
+                    logit = q * rho
+                w = tl.exp(logit - lse)
+                if sweep == 0:
+                    wa += w * a
+                else:
+                    kappa = w * (a - wa) * rho
+                    out = coef_ptr + (j * S + s).to(tl.int64) * N + offs
+                    tl.store(out, w, mask=mask)
+                    tl.store(out + cplane, kappa, mask=mask)
+                    if KEY_NORM:
+                        tl.store(out + 2 * cplane, kappa * rho * logit / d, mask=mask)
+                    else:
+                        tl.store(out + 2 * cplane, tl.zeros((BN,), dtype=tl.float32), mask=mask)
+                s += 1
+
+
 def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int,
                      saved: tuple[Tensor, Tensor | None] | None = None) -> None:
     """w, κ, μ into coef[0:3, :m] from the serial stats kernel's per-tile sums (n_dt, 3, m, S, B, T) and the
@@ -832,6 +1028,18 @@ def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool
     coef[0, :m] = w
     coef[1, :m] = kappa
     coef[2, :m] = kappa * rho * logit / d if key_norm else 0.0
+
+
+def finish_stats(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int,
+                 saved: tuple[Tensor, Tensor | None] | None, glue: str) -> None:
+    """``stats_from_parts`` (glue "torch", the spec) or ``_stats_finish_kernel`` (glue "triton": one launch)."""
+    if glue == "torch":
+        return stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved)
+    n_dt, _, m, S, B, T = parts.shape
+    logits, rho = saved if saved is not None else (lse, None)
+    _stats_finish_kernel[(triton.cdiv(B * T, GLUE_BN),)](
+        parts, lse, logits, lse if rho is None else rho, coef, n_dt, S, B * T, d, eps, M=m, M_PAD=coef.shape[1],
+        KEY_NORM=key_norm, SAVED=saved is not None, BN=GLUE_BN)
 
 
 @triton.jit
@@ -1243,13 +1451,18 @@ class Blocks:
     # reduced once a view set): built and checked on the CPU (sm_90a SASS: benchmarks.msar_attn_ptxas --sass),
     # not yet timed on a GPU, so not the default
     split_lean: bool = False
+    # the small steps between the kernels (the split forward's softmax over the sources and its gate, the backward's
+    # w, κ, μ from the stats' per-tile sums): "torch" (PyTorch operations, about 20 launches a forward and 12 a
+    # backward; the spec) or "triton" (one kernel each: ``softmax_parts``, ``gate``, ``finish_stats``). Built and
+    # checked on the CPU, not yet timed on a GPU, so not the default
+    glue: str = "torch"
     split_ch: int = 64  # tokens a program of both passes (32: 0.730 ms, 128: 0.885 at `small`; `medium` within 3%)
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
     def __post_init__(self):  # a misspelt mode fails where the tiles are chosen, before any kernel runs
         for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial")),
-                               ("fwd_mode", ("tile", "split"))):
+                               ("fwd_mode", ("tile", "split")), ("glue", ("torch", "triton"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -1448,15 +1661,7 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     _stats_serial_kernel[(S * n_dt1, triton.cdiv(T, ch), B)](
         x, packed, qg, near, parts, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
         KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch, num_warps=1)
-    q, ss = parts.sum(0)  # (m, S, B, T) each
-    rho = torch.rsqrt(ss / d + eps) if key_norm else None
-    logits = q * rho if key_norm else q
-    lse = torch.logsumexp(logits, dim=1)  # (m, B, T)
-    if blk.split_lean:  # the weights of a (token, source) side by side: (B, T, S, m), written in place
-        w = torch.empty(B, T, S, m, **f32)
-        torch.exp(logits - lse[:, None], out=w.permute(3, 2, 0, 1))
-    else:
-        w = torch.exp(logits - lse[:, None]).contiguous()
+    logits, rho, lse, w = softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=blk.split_lean, glue=blk.glue)
     r = torch.empty(m, B, T, d, **f32)
     n_dt2 = triton.cdiv(d, blk.split_bd)
     mparts = lse if write_r else torch.empty(n_dt2, 1 + m, B, T, **f32)
@@ -1470,17 +1675,14 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     if write_r:
         return r, lse, logits, None, stats
     _, alpha, bias = mixer
-    sums = mparts.sum(0)  # (1 + m, B, T)
-    rr, z = sums[0], sums[1:]
-    zz = alpha * z * torch.rsqrt(rr / (m * d) + eps) + bias[:, None, None]
-    g = (torch.sigmoid(zz) if sigmoid else torch.softmax(zz, dim=0)).contiguous()
+    g, z, rr = gate(mparts, alpha, bias, m=m, d=d, eps=eps, sigmoid=sigmoid, glue=blk.glue)
     h = torch.empty(B, T, d, device=x.device, dtype=x.dtype)
     kept = save_dtype or x.dtype
     r_saved = torch.empty(m, B, T, d, device=x.device, dtype=kept) if save and kept != torch.float32 else r
     bn, bdc = 16, min(256, triton.next_power_of_2(d))
     _combine_kernel[(triton.cdiv(B * T, bn), triton.cdiv(d, bdc))](
         r, g, h, r_saved, B * T, d, M=m, BN=bn, BD=bdc, COPY=r_saved is not r)
-    return h, lse, logits, ((r_saved, z.contiguous(), rr.contiguous()) if save else None), stats
+    return h, lse, logits, ((r_saved, z, rr) if save else None), stats
 
 
 def saved_streams_dtype(x: Tensor) -> torch.dtype:
@@ -1566,7 +1768,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
             x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
             KW=k_max, BD=bd, FAST=blk.serial_fast, QS=saved is None, DR=True, PREFETCH=blk.stats_prefetch,
             num_warps=1)
-        stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved)
+        finish_stats(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved, glue=blk.glue)
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](

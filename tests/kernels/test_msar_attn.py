@@ -74,10 +74,10 @@ def _blocks(bt, bd, sub=2, bwd_bd=None, mode="serial"):
     return blocks
 
 
-def _with_split(monkeypatch, lean=False):
+def _with_split(monkeypatch, lean=False, glue="torch"):
     """fused._blocks (as overridden so far) with the split forward (Blocks.fwd_mode="split"): several channel tiles
     of both passes and several chunks a row (5 tokens) where d is small, 512 channels where it is wide; ``lean``:
-    its lean pass 2 (Blocks.split_lean)."""
+    its lean pass 2 (Blocks.split_lean); ``glue``: Blocks.glue."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -87,7 +87,7 @@ def _with_split(monkeypatch, lean=False):
     def blocks(T, d, m_pad, k_max):
         bd = 8 if d <= 32 else 512
         return dataclasses.replace(inner(T, d, m_pad, k_max), fwd_mode="split", split_logit_bd=bd, split_bd=bd,
-                                   split_ch=5, split_lean=lean)
+                                   split_ch=5, split_lean=lean, glue=glue)
 
     monkeypatch.setattr(fused, "_blocks", blocks)
 
@@ -281,12 +281,13 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean"])
+@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
     layout, with the ring source-gradient kernel (and the default forward), and with the split forward (the
-    default) on several channel tiles and chunks, plain and with its lean pass 2."""
+    default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
+    as kernels too, Blocks.glue="triton")."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -298,8 +299,8 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_views_3d(monkeypatch)
     if variant == "ring":
         _with_ring(monkeypatch)
-    if variant in ("split", "lean"):
-        _with_split(monkeypatch, lean=variant == "lean")
+    if variant in ("split", "lean", "lean-glue"):
+        _with_split(monkeypatch, lean=variant != "split", glue="triton" if variant == "lean-glue" else "torch")
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -755,8 +756,8 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
     lines = [line for line in stdout.splitlines() if "registers" in line]
     # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 2
-    # plain and lean) and its h, the mixer, the stats, the sources
-    assert len(lines) == 10, stdout
+    # plain and lean), the three glue kernels and its h, the mixer, the stats, the sources
+    assert len(lines) == 13, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -1000,6 +1001,57 @@ def test_the_ptxas_report_against_a_revision_shows_its_spills():
         return int(re.search(r"(\d+) bytes spill stores", line).group(1))
 
     assert src_spills(ours) <= 64 < 256 <= src_spills(theirs), stdout
+
+
+@needs_triton
+@pytest.mark.parametrize("S", [1, 2, 5])
+@pytest.mark.parametrize("key_norm, lean", [(True, False), (False, True), (True, True)])
+def test_glue_kernels_equal_their_pytorch_twins(S, key_norm, lean):
+    """The split forward's softmax over the sources, its gate (sigmoid and softmax fusion) and the backward's w, κ, μ
+    (from recomputed or saved logits) as one kernel each (Blocks.glue="triton") against the PyTorch they replace, on
+    random per-tile sums: several channel tiles, a token count that is not a multiple of the programs' 128, large
+    logits (a softmax without its maximum subtracted would overflow)."""
+    from kernels.msar_attn import fused
+
+    g = torch.Generator().manual_seed(S)
+    n_dt, m, B, T, d, eps = 3, 4, 2, 75, 40, 1e-6
+
+    def rand(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=g)
+
+    parts = torch.stack([rand(n_dt, m, S, B, T, scale=30.0), rand(n_dt, m, S, B, T).abs() * 20],
+                        dim=1)  # (n_dt, 2, m, S, B, T): qg·E, ‖E‖² ≥ 0
+    got = fused.softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=lean, glue="triton")
+    want = fused.softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=lean, glue="torch")
+    for name, a, b in zip(("logits", "rho", "lse", "w"), got, want):
+        assert (a is None) == (b is None) == (name == "rho" and not key_norm), name
+        if a is not None:
+            assert a.shape == b.shape and rel_err(a, b) < 1e-6, f"{name}: {rel_err(a, b):.1e}"
+    assert got[3].shape == ((B, T, S, m) if lean else (m, S, B, T))
+
+    mparts = torch.cat([rand(n_dt, 1, B, T).abs() * 50, rand(n_dt, m, B, T, scale=5.0)], dim=1)
+    alpha, bias = torch.tensor([0.7]), rand(m)
+    for sigmoid in (True, False):
+        got = fused.gate(mparts, alpha, bias, m=m, d=d, eps=eps, sigmoid=sigmoid, glue="triton")
+        want = fused.gate(mparts, alpha, bias, m=m, d=d, eps=eps, sigmoid=sigmoid, glue="torch")
+        for name, a, b in zip(("g", "z", "rr"), got, want):
+            assert a.shape == b.shape and rel_err(a, b) < 1e-6, f"{name} (sigmoid={sigmoid}): {rel_err(a, b):.1e}"
+
+    logits, rho, lse, _ = want_fwd = fused.softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=False,
+                                                         glue="torch")
+    for saved in (None, (logits, rho)):
+        k = 1 if saved else 3
+        stats_parts = torch.cat([parts, rand(n_dt, 1, m, S, B, T, scale=3.0)], dim=1) if not saved else \
+            rand(n_dt, 1, m, S, B, T, scale=3.0)
+        assert stats_parts.shape[1] == k
+        coef = {glue: torch.zeros(4, 4, S, B, T) for glue in ("torch", "triton")}
+        for glue in coef:
+            fused.finish_stats(stats_parts, lse, coef[glue], key_norm=key_norm, eps=eps, d=d, saved=saved, glue=glue)
+        for plane, name in enumerate(("w", "κ", "μ")):
+            a, b = coef["triton"][plane], coef["torch"][plane]
+            assert rel_err(a, b) < 1e-5 or (b.abs().max() == 0 and a.abs().max() == 0), f"{name}: {rel_err(a, b):.1e}"
+        assert coef["torch"][1].abs().max() > 0 or S == 1  # κ is not trivially zero (one source: w = 1, κ = 0)
+    del want_fwd
 
 
 @needs_triton
