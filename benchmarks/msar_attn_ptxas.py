@@ -40,16 +40,21 @@ F32, I32 = "*fp32", "*i32"
 DIV16 = {"B", "T", "D", "p_off", "q_off", "plane", "scr_stride", "tap_stride"}
 
 
-def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int, loops: bool = False) -> str:
-    """Compile ``fn`` for sm_90a as a launch specialises it: every
-    pointer 16-byte aligned and the integers of ``DIV16`` multiples of 16 (without those hints the compiler sees
-    other address arithmetic: the source-gradient kernel's spills read 64 instead of 376 bytes while a change was
-    being made that cost 1.2 ms a backward on the H200); returns ptxas's register/spill summary (with ``loops``,
-    and the SASS loops' instruction counts on the lines after it)."""
+def compile_launch(fn, types: dict, constexprs: dict, num_warps: int):
+    """``fn`` compiled for sm_90a as a launch specialises it: every pointer 16-byte aligned and the integers of
+    ``DIV16`` multiples of 16 (without those hints the compiler sees other address arithmetic: the source-gradient
+    kernel's spills read 64 instead of 376 bytes while a change was being made that cost 1.2 ms a backward on the
+    H200)."""
     constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}  # (--against: older kernels lack some)
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
     attrs = launch_attrs(fn.arg_names, sig, DIV16)
-    kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), {"num_warps": num_warps})
+    return compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), {"num_warps": num_warps})
+
+
+def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int, loops: bool = False) -> str:
+    """``compile_launch``, then ptxas's register/spill summary (with ``loops``, and the SASS loops' instruction
+    counts on the lines after it)."""
+    kernel = compile_launch(fn, types, constexprs, num_warps)
     report = ptxas_report(kernel)
     info = [line.split(":", 1)[-1].strip() for line in report.splitlines() if "registers" in line or "spill" in line]
     out = f"shared {kernel.metadata.shared} B, {layout_conversions(kernel)} layout conversions | " + "; ".join(info)

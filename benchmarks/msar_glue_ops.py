@@ -33,6 +33,7 @@ def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, co
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from benchmarks.msar_attn import flat, make_inputs
     from kernels.msar_attn import fused, msar
 
     class Counting(TorchDispatchMode):
@@ -49,18 +50,10 @@ def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, co
     inner = fused._blocks
     fused._blocks = lambda *a: dataclasses.replace(inner(*a), fwd_mode="split", glue=glue)
     try:
-        g = torch.Generator().manual_seed(seed)
-        B, T, d, kernels = 1, 16, 32, (4, 8, 12)
-        m = 1 + len(kernels)
-        x = torch.randn(S, B, T, d, generator=g, requires_grad=True)
-        taps = [torch.randn(k, d, generator=g, requires_grad=True) for k in kernels]
-        q = (0.2 * torch.randn(m, d, generator=g)).requires_grad_()
-        gains = (1 + 0.1 * torch.randn(m, d, generator=g)).requires_grad_()
-        phi = (0.1 * torch.randn(m * d, m, generator=g)).requires_grad_()
-        alpha, bias = torch.tensor(0.7, requires_grad=True), torch.zeros(m, requires_grad=True)
-        doc = torch.zeros(B, T, dtype=torch.long)
-        leaves = [x, *taps, q, gains, phi, alpha, bias]
-        up = torch.randn(B, T, d, generator=g)
+        *inputs, doc = make_inputs(S, 1, 16, 32, seed, x_dtype=torch.float32, device="cpu")
+        x, taps, q, gains, phi, alpha, bias = inputs
+        leaves = [t.requires_grad_() for t in flat(inputs)]
+        up = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(seed))
         for _ in range(2):  # the first read warms the caches; the second is counted
             with Counting() as fwd:
                 h = msar(x, taps, q, gains, doc, phi, alpha, bias, backend="triton")

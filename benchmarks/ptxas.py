@@ -93,6 +93,12 @@ def sass(compiled) -> str:
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 
 
+def _opcode(instruction: str) -> str:
+    """An instruction's opcode without its predicate and suffixes: ``@P0 LDG.E.64 R2, ...`` -> LDG."""
+    words = instruction.split()
+    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+
+
 def sass_loops(text: str) -> list[dict]:
     """The loops of a kernel's SASS, innermost first: every backward branch closes one, from its target label to
     the branch. Each: ``start``/``end`` (instruction indices), ``depth`` (loops it lies inside), ``ops`` (opcode →
@@ -108,24 +114,17 @@ def sass_loops(text: str) -> list[dict]:
         m = _SASS_LINE.search(line)
         if m:
             instrs.append(m.group(2))
+    ops = [_opcode(ins) for ins in instrs]
     loops = []
     for i, ins in enumerate(instrs):
-        words = ins.split()
-        if words and words[0].startswith("@"):
-            words = words[1:]
-        if not words or words[0] != "BRA":
+        target = re.search(r"\((\.L\w+)\)", ins) if ops[i] == "BRA" else None
+        start = labels.get(target.group(1)) if target else None
+        if start is None or start >= i:  # not a backward branch (or the trap loop at a kernel's end: BRA to itself)
             continue
-        target = re.search(r"\((\.L\w+)\)", ins)
-        if target and target.group(1) in labels and labels[target.group(1)] <= i:
-            start = labels[target.group(1)]
-            if start == i:  # the trap loop at a kernel's end (BRA to itself)
-                continue
-            ops: dict = {}
-            for body in instrs[start:i + 1]:
-                w = body.split()
-                op = (w[1] if w[0].startswith("@") else w[0]).split(".")[0]
-                ops[op] = ops.get(op, 0) + 1
-            loops.append(dict(start=start, end=i, ops=ops, total=i + 1 - start))
+        counts: dict = {}
+        for op in ops[start:i + 1]:
+            counts[op] = counts.get(op, 0) + 1
+        loops.append(dict(start=start, end=i, ops=counts, total=i + 1 - start))
     for lp in loops:
         lp["depth"] = sum(o["start"] <= lp["start"] and lp["end"] <= o["end"] and o is not lp for o in loops)
     return sorted(loops, key=lambda lp: (-lp["depth"], lp["start"]))

@@ -81,14 +81,9 @@ def step_calls(res, tokens: int, d: int) -> list[tuple[str, float, float]]:
 
 def floor(model: str, residual: str, fp32_tflops: float, copy_tbs: float) -> dict:
     """The step's fused calls at their roofline (see the module docstring)."""
-    import torch
+    from platform.accounting import meta_model
 
-    from platform.config import compose, residual_config
-    from platform.model import Backbone
-
-    cfg = compose(f"model={model}", f"residual={residual}")
-    with torch.device("meta"):  # sizes only
-        net = Backbone(cfg.model, 4096, residual_config(cfg))
+    net, cfg = meta_model(model, residual)
     tokens = BATCH * cfg.model.seq_len
     calls = step_calls(net.residual, tokens, cfg.model.d_model)
     byte_ms = [b / (copy_tbs * 1e12) * 1e3 for _, b, _ in calls]

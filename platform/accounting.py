@@ -118,14 +118,20 @@ def run_params(model, m, vocab: int) -> dict:
             "state/per_token_d": c["state_d"], "io/per_sublayer_d": round(c["io_d"], 3)}
 
 
-def account(model_name: str, residual: str, vocab: int = 4096, extra_overrides: tuple = ()) -> dict:
-    """`residual_cost` of a composed config, on a meta-device model (sizes only, no memory)."""
+def meta_model(model_name: str, residual: str, vocab: int = 4096, extra_overrides: tuple = ()):
+    """(model, config) of a composed config, the model on the meta device (sizes only: no memory, no init cost)."""
     from .config import compose, residual_config
     from .model import Backbone
 
     cfg = compose(f"model={model_name}", f"residual={residual}", *extra_overrides)
-    with torch.device("meta"):  # sizes only: no memory, no init cost
+    with torch.device("meta"):
         model = Backbone(cfg.model, vocab, residual_config(cfg))
+    return model, cfg
+
+
+def account(model_name: str, residual: str, vocab: int = 4096, extra_overrides: tuple = ()) -> dict:
+    """`residual_cost` of a composed config, on a meta-device model (``meta_model``)."""
+    model, cfg = meta_model(model_name, residual, vocab, extra_overrides)
     return {"model": model_name, "residual": residual, **residual_cost(model, cfg.model, vocab)}
 
 

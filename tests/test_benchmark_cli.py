@@ -233,13 +233,10 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
     AttnRes runs one phase 1 a block of consumers, mHC one write + read a sublayer; each call's floor is the larger
     of its byte and arithmetic times, and the step's is their sum."""
     from benchmarks import residual_floor
-    from platform.config import compose, residual_config
-    from platform.model import Backbone
+    from platform.accounting import meta_model
 
     def calls(name):
-        cfg = compose("model=small", f"residual={name}")
-        with torch.device("meta"):
-            net = Backbone(cfg.model, 4096, residual_config(cfg))
+        net, cfg = meta_model("small", name)
         return residual_floor.step_calls(net.residual, 16 * cfg.model.seq_len, cfg.model.d_model)
 
     msar = calls("msar_block")

@@ -1125,8 +1125,8 @@ def _streams_split_kernel(
             w_tok = w_ptr + (b * T + t).to(tl.int64) * S * len(KS)
             full = (bits & ((1 << KW) - 1)) == (1 << KW) - 1  # bits 0..KW-1: the earlier tokens
             n_rows = tl.minimum(S, n_buf)
-            row0 = x_ptr + b.to(tl.int64) * T * D + t * D + dt * BD  # source 0 (a buffer row) at token t
-            part = x_ptr + (p_off.to(tl.int64) - (1 << 40) + b.to(tl.int64) * T * D) + t * D + dt * BD  # the partial
+            row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + t * D + dt * BD  # source 0 (a buffer row) at t
+            part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + t * D + dt * BD  # the partial at t
             step = B.to(tl.int64) * T * D
             # rows, then the partial (when S > n_buf), each without masks or with them: of the two loops over the
             # same sources one runs and the other not at all (no branch that yields a tuple)

@@ -92,25 +92,24 @@ def _with_split(monkeypatch, lean=False, glue="torch"):
     monkeypatch.setattr(fused, "_blocks", blocks)
 
 
-def _with_lean(monkeypatch):
-    """fused._blocks (as overridden so far) with the split forward's lean pass 2 (Blocks.split_lean), its tiles
-    otherwise as they were."""
+def _with_fields(monkeypatch, **fields):
+    """fused._blocks (as overridden so far) with these fields of Blocks replaced, its tiles otherwise as they were."""
     import dataclasses
 
     from kernels.msar_attn import fused
 
     inner = fused._blocks
-    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), fwd_mode="split", split_lean=True))
+    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), **fields))
+
+
+def _with_lean(monkeypatch):
+    """The split forward's lean pass 2 (Blocks.split_lean)."""
+    _with_fields(monkeypatch, fwd_mode="split", split_lean=True)
 
 
 def _with_ring(monkeypatch):
-    """fused._blocks (as overridden so far) with the ring source-gradient kernel (Blocks.src_mode="ring")."""
-    import dataclasses
-
-    from kernels.msar_attn import fused
-
-    inner = fused._blocks
-    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), src_mode="ring"))
+    """The ring source-gradient kernel (Blocks.src_mode="ring")."""
+    _with_fields(monkeypatch, src_mode="ring")
 
 
 # (id, S, B, T, d, kernels, key_norm, gains, fusion, (BT, BD) override or None)
@@ -136,23 +135,13 @@ def _leaves(x, taps, queries, key_gains, phi, alpha, bias):
 
 # --- the fused op against the reference -----------------------------------------------------------
 def _with_views_3d(monkeypatch):
-    """fused._blocks (as overridden so far) with the view builder's 3-d layout (Blocks.views_3d)."""
-    import dataclasses
-
-    from kernels.msar_attn import fused
-
-    inner = fused._blocks
-    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), views_3d=True, fwd_mode="tile"))
+    """The tile forward with the view builder's 3-d layout (Blocks.views_3d)."""
+    _with_fields(monkeypatch, views_3d=True, fwd_mode="tile")
 
 
 def _with_tile_forward(monkeypatch):
-    """fused._blocks (as overridden so far) with the tile forward (Blocks.fwd_mode="tile")."""
-    import dataclasses
-
-    from kernels.msar_attn import fused
-
-    inner = fused._blocks
-    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), fwd_mode="tile"))
+    """The tile forward (Blocks.fwd_mode="tile")."""
+    _with_fields(monkeypatch, fwd_mode="tile")
 
 
 # (id, rows the reader sees, buffer rows written, partial: None / "after" / "before" the buffer, partial dtype)
@@ -483,14 +472,12 @@ def test_serial_source_gradients_equal_the_ring(case):
 
 @pytest.mark.parametrize("field, value, choices", [("src_mode", "rings", "'serial', 'ring'"),
                                                     ("stats_mode", "tiles", "'tile', 'serial'"),
-                                                    ("fwd_mode", "splits", "'tile', 'split'")])
+                                                    ("fwd_mode", "splits", "'tile', 'split'"),
+                                                    ("glue", "pytorch", "'torch', 'triton'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
-    import dataclasses
-
     from kernels.msar_attn import fused
 
-    inner = fused._blocks
-    monkeypatch.setattr(fused, "_blocks", lambda *a: dataclasses.replace(inner(*a), **{field: value}))
+    _with_fields(monkeypatch, **{field: value})
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(2, 1, 5, 8, (2,), True)
     packed, ks, _ = fused.pack_taps(taps, 8, x.device)
     dr = torch.zeros(2, 1, 5, 8)
@@ -902,16 +889,13 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     Equal sums: test_split_forward_equals_the_tile_forward_and_keeps_r_narrow[...-lean]."""
     code = (
         "import json\n"
-        "from benchmarks.msar_attn_ptxas import kernels_for, DIV16\n"
-        "from benchmarks.ptxas import compile_sm90, launch_attrs, sass, sass_loops, sass_classes\n"
-        "from triton.compiler import ASTSource\n"
+        "from benchmarks.msar_attn_ptxas import compile_launch, kernels_for\n"
+        "from benchmarks.ptxas import sass, sass_loops, sass_classes\n"
         "out = {}\n"
         "for name, fn, types, consts, warps in kernels_for(1024, 512, (4, 8, 12)):\n"
         "    if not name.startswith('split forward, pass 2'):\n"
         "        continue\n"
-        "    sig = {n: ('constexpr' if n in consts else types.get(n, 'i32')) for n in fn.arg_names}\n"
-        "    k = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=consts,\n"
-        "                               attrs=launch_attrs(fn.arg_names, sig, DIV16)), {'num_warps': warps})\n"
+        "    k = compile_launch(fn, types, consts, warps)\n"
         "    loops = [lp for lp in sass_loops(sass(k)) if lp['depth'] > 0]\n"
         "    out['lean' if 'lean' in name else 'plain'] = dict(\n"
         "        loops=[dict(total=lp['total'], **sass_classes(lp['ops'])) for lp in loops],\n"
