@@ -135,9 +135,11 @@
 #            `small` and `medium` steps beside vanilla and its 60-step training parity
 #   split3   one GPU (about 200 s with the start): Nsight Compute's counters of MSAR's kernels with the split forward,
 #            and msar's `small` step beside vanilla
-#   lean     one GPU (about 350 s with the start): the split forward's lean pass 2 (Blocks.split_lean) against the
-#            plain one and the glue kernels (Blocks.glue) at `small` and `medium` (S = 5) and at `medium` with 17
-#            sources, then the op's GPU tests (both)
+#   lean2    one GPU (about 620 s with the start): with the lean pass 2 and the forward's glue kernels the defaults
+#            (the `lean` plan timed them on 2026-12-02, msar_tiles_nvidia_h200_lean*.md), the forward as first timed
+#            and each change alone, the backward's glue kernel (Blocks.stats_glue) at `small` and `medium`; the op's
+#            GPU tests; msar_block's and msar's `small` steps beside vanilla; msar_block's 60-step parity. Its
+#            `medium` step: TEST_LIMIT=0 SMALL_LIMIT=0 PARITY_LIMIT=0 TAG=_lean2_medium ... split2
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -145,7 +147,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -580,23 +582,17 @@ case "$PLAN" in
     counters_of msar "${COUNTER_LIMIT:-40}"
     SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar} msar_step small _split_msar "${SMALL_LIMIT:-120}" 8
     ;;
-  lean)
-    # the split forward's lean pass 2 (Blocks.split_lean, built on the CPU on 2026-12-02) against the plain one, and
-    # the steps between the kernels as kernels (Blocks.glue="triton": the forward's and the stats'), in one process,
-    # at S = 5 (small, medium) and S = 17 (medium); then the op's GPU tests, which run both
-    # and its tiles (fewer registers a lane: more warps to hide the loads' latency)
-    step gpu0 tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels forward stats --only 'fwd_mode="split",split_lean=True' 'glue="triton"' \
-      'fwd_mode="split",split_lean=True,split_bd=64,glue="triton"' \
-      'fwd_mode="split",split_lean=True,split_bd=64,split_warps=1' \
-      'fwd_mode="split",split_lean=True,split_bd=128,split_warps=2' \
-      'fwd_mode="split",split_lean=True,split_bd=256,split_warps=2' \
-      'fwd_mode="split",split_lean=True,split_bd=64,split_ch=32' \
-      'fwd_mode="split",split_lean=True,split_bd=64,split_ch=128' --tag _lean
-    step gpu0 tiles17 "${TILES17_LIMIT:-60}" python3 -m benchmarks.msar_tiles --shapes medium --sources 17 \
-      --kernels forward --only 'fwd_mode="split",split_lean=True' \
-      'fwd_mode="split",split_lean=True,split_bd=64,split_warps=1' --tag _lean_s17
-    msar_tests "${TEST_LIMIT:-100}"
+  lean2)
+    # the lean pass 2 and the forward's glue kernels as the defaults (timed on 2026-12-02 by the `lean` plan, since
+    # replaced by this one: msar_tiles_nvidia_h200_lean*.md): the forward as first timed, each change alone, and the
+    # backward's glue kernel on a grid over views, in one process; the op's GPU tests; msar_block's and msar's
+    # `small` steps beside vanilla; msar_block's 60-step training parity
+    step gpu0 tiles "${TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward stats --only 'fwd_mode="split",split_lean=False,glue="torch"' \
+      'fwd_mode="split",split_lean=False' 'fwd_mode="split",glue="torch"' 'stats_glue="triton"' --tag _lean2
+    msar_tests "${TEST_LIMIT:-90}"
+    SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar_block msar} msar_step small _lean2 "${SMALL_LIMIT:-200}" 8
+    msar_parity small_lean2 "${PARITY_LIMIT:-150}"
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

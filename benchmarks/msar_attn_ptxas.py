@@ -127,7 +127,8 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
             yield (f"glue: gate{tag}", fused._gate_kernel,
                    dict(mparts_ptr=F32, alpha_ptr=F32, bias_ptr=F32, g_ptr=F32, z_ptr=F32, rr_ptr=F32, eps="fp32"),
                    dict(M=m, M_PAD=m_pad, SIGMOID=True, BN=fused.GLUE_BN), 4)
-            yield (f"glue: w, κ, μ{tag}", fused._stats_finish_kernel,
+            stats_tag = "" if getattr(blk, "stats_glue", "torch") == "triton" else " (candidate)"
+            yield (f"glue: w, κ, μ{stats_tag}", fused._stats_finish_kernel,
                    dict(parts_ptr=F32, lse_ptr=F32, logits_ptr=F32, rho_ptr=F32, coef_ptr=F32, eps="fp32"),
                    dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN), 4)
         yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),

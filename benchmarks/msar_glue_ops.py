@@ -4,7 +4,7 @@
 
 Runs one fused read (``kernels.msar_attn.msar``, Triton backend, the split forward) forward and backward under
 Triton's interpreter on the CPU, with a dispatch mode that counts the ATen operations that do work (views, empty
-allocations and the interpreter's own copies left out), for ``Blocks.glue`` "torch" and "triton" (the steps between
+allocations and the interpreter's own copies left out), for ``Blocks.glue`` and ``stats_glue`` "torch" and "triton" (the steps between
 the kernels as one kernel each). On the GPU each counted operation is at least one kernel of a few microseconds
 beside the op's own Triton kernels (graphed or not), and a `small` msar_block step makes 17 reads. Writes
 ``benchmarks/results/msar_glue_ops{tag}.md``.
@@ -48,7 +48,7 @@ def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, co
             return func(*args, **(kwargs or {}))
 
     inner = fused._blocks
-    fused._blocks = lambda *a: dataclasses.replace(inner(*a), fwd_mode="split", glue=glue)
+    fused._blocks = lambda *a: dataclasses.replace(inner(*a), fwd_mode="split", glue=glue, stats_glue=glue)
     try:
         *inputs, doc = make_inputs(S, 1, 16, 32, seed, x_dtype=torch.float32, device="cpu")
         x, taps, q, gains, phi, alpha, bias = inputs

@@ -47,6 +47,7 @@ def candidates(blk) -> dict[str, list[dict]]:
     # the split forward (two passes over channel tiles) against the tile forward, and its tiles
     other_fwd = "tile" if blk.fwd_mode == "split" else "split"
     other_glue = "torch" if blk.glue == "triton" else "triton"
+    other_stats_glue = "torch" if blk.stats_glue == "triton" else "triton"
     split = [dict(fwd_mode=other_fwd)] + [
         dict(fwd_mode="split", split_bd=bd, split_warps=w) for bd, w in ((64, 1), (128, 1), (128, 2), (256, 2), (256, 4))
         if (bd, w) != (blk.split_bd, blk.split_warps)] + [
@@ -60,7 +61,8 @@ def candidates(blk) -> dict[str, list[dict]]:
         if not (blk.split_lean and (bd, w) == (blk.split_bd, blk.split_warps))] + [
         dict(fwd_mode="split", split_lean=True, split_bd=64, split_ch=ch) for ch in (32, 128)] + [
         # the steps between the kernels as one kernel each (or as PyTorch, once the kernels are the default)
-        dict(fwd_mode="split", glue=other_glue), dict(fwd_mode="split", split_lean=True, split_bd=64, glue="triton")]
+        dict(fwd_mode="split", glue=other_glue), dict(fwd_mode="split", split_lean=True, split_bd=64, glue="triton"),
+        dict(fwd_mode="split", split_lean=False, glue="torch")]  # the split forward as first timed (2026-12-02)
     return {
         "forward": [{}] + split + v3
                    + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
@@ -72,7 +74,7 @@ def candidates(blk) -> dict[str, list[dict]]:
                       for w in (4, 8) if bd < blk.bd or not blk.single],
         "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
                                   if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
-        "stats": [{}] + v3 + [dict(glue=other_glue)]
+        "stats": [{}] + v3 + [dict(stats_glue=other_stats_glue)]
                  + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
                          if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)]

@@ -818,47 +818,48 @@ GLUE_BN = 128  # tokens a program of the glue kernels
 @triton.jit
 def _softmax_parts_kernel(parts_ptr, logits_ptr, rho_ptr, lse_ptr, w_ptr, n_dt, S, N, d, eps,
                           M: tl.constexpr, KEY_NORM: tl.constexpr, LEAN: tl.constexpr, BN: tl.constexpr):
-    """The split forward between its passes, for BN of the N = B·T tokens: from pass 1's per-tile sums parts
-    (n_dt, 2, m, S, N) (qg·E, ‖E‖²): ρ = (‖E‖²/d + eps)^-½ (KEY_NORM), logits = qg·E ρ (m, S, N), their lse over
-    the sources (m, N) by a running maximum, and the weights w = exp(logits - lse), (m, S, N) or with LEAN
-    (N, S, m). ``_softmax_parts_torch`` is its twin."""
+    """The split forward between its passes, for BN of the N = B·T tokens and one view j: from pass 1's per-tile
+    sums parts (n_dt, 2, m, S, N) (qg·E, ‖E‖²): ρ = (‖E‖²/d + eps)^-½ (KEY_NORM), logits = qg·E ρ (m, S, N), their
+    lse over the sources (m, N) by a running maximum, and the weights w = exp(logits - lse), (m, S, N) or with LEAN
+    (N, S, m). One program a (token block, view): the views are independent, and a grid over the tokens alone (the
+    views a loop) ran 128 programs at `small`, too few to fill the GPU. ``_softmax_parts_torch`` is its twin."""
     offs = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = offs < N
+    j = tl.program_id(1)
     plane = S * N  # one view's (S, N) block
-    for j in tl.static_range(M):
-        mx = tl.full((BN,), float("-inf"), tl.float32)
-        se = tl.zeros((BN,), dtype=tl.float32)
-        s = 0
-        while s < S:
-            q = tl.zeros((BN,), dtype=tl.float32)
-            ss = tl.zeros((BN,), dtype=tl.float32)
-            tile = 0
-            while tile < n_dt:
-                at = ((tile * 2 * M + j) * S + s).to(tl.int64) * N + offs
-                q += tl.load(parts_ptr + at, mask=mask, other=0.0)
-                ss += tl.load(parts_ptr + at + M * plane, mask=mask, other=0.0)
-                tile += 1
-            if KEY_NORM:
-                rho = tl.rsqrt(ss / d + eps)
-                tl.store(rho_ptr + (j * S + s).to(tl.int64) * N + offs, rho, mask=mask)
-                logit = q * rho
-            else:
-                logit = q
-            tl.store(logits_ptr + (j * S + s).to(tl.int64) * N + offs, logit, mask=mask)
-            top = tl.maximum(mx, logit)
-            se = se * tl.exp(mx - top) + tl.exp(logit - top)
-            mx = top
-            s += 1
-        lse = mx + tl.log(se)
-        tl.store(lse_ptr + j * N + offs, lse, mask=mask)
-        s = 0
-        while s < S:
-            w = tl.exp(tl.load(logits_ptr + (j * S + s).to(tl.int64) * N + offs, mask=mask, other=0.0) - lse)
-            if LEAN:
-                tl.store(w_ptr + (offs.to(tl.int64) * S + s) * M + j, w, mask=mask)
-            else:
-                tl.store(w_ptr + (j * S + s).to(tl.int64) * N + offs, w, mask=mask)
-            s += 1
+    mx = tl.full((BN,), float("-inf"), tl.float32)
+    se = tl.zeros((BN,), dtype=tl.float32)
+    s = 0
+    while s < S:
+        q = tl.zeros((BN,), dtype=tl.float32)
+        ss = tl.zeros((BN,), dtype=tl.float32)
+        tile = 0
+        while tile < n_dt:
+            at = ((tile * 2 * M + j) * S + s).to(tl.int64) * N + offs
+            q += tl.load(parts_ptr + at, mask=mask, other=0.0)
+            ss += tl.load(parts_ptr + at + M * plane, mask=mask, other=0.0)
+            tile += 1
+        if KEY_NORM:
+            rho = tl.rsqrt(ss / d + eps)
+            tl.store(rho_ptr + (j * S + s).to(tl.int64) * N + offs, rho, mask=mask)
+            logit = q * rho
+        else:
+            logit = q
+        tl.store(logits_ptr + (j * S + s).to(tl.int64) * N + offs, logit, mask=mask)
+        top = tl.maximum(mx, logit)
+        se = se * tl.exp(mx - top) + tl.exp(logit - top)
+        mx = top
+        s += 1
+    lse = mx + tl.log(se)
+    tl.store(lse_ptr + j * N + offs, lse, mask=mask)
+    s = 0
+    while s < S:  # each lane reads back only what it stored above
+        w = tl.exp(tl.load(logits_ptr + (j * S + s).to(tl.int64) * N + offs, mask=mask, other=0.0) - lse)
+        if LEAN:
+            tl.store(w_ptr + (offs.to(tl.int64) * S + s) * M + j, w, mask=mask)
+        else:
+            tl.store(w_ptr + (j * S + s).to(tl.int64) * N + offs, w, mask=mask)
+        s += 1
 
 
 def _softmax_parts_torch(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bool):
@@ -886,7 +887,7 @@ def softmax_parts(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bo
     logits, lse = torch.empty(m, S, B, T, **f32), torch.empty(m, B, T, **f32)
     rho = torch.empty(m, S, B, T, **f32) if key_norm else None
     w = torch.empty(B, T, S, m, **f32) if lean else torch.empty(m, S, B, T, **f32)
-    _softmax_parts_kernel[(triton.cdiv(B * T, GLUE_BN),)](
+    _softmax_parts_kernel[(triton.cdiv(B * T, GLUE_BN), m)](
         parts, logits, logits if rho is None else rho, lse, w, n_dt, S, B * T, d, eps, M=m, KEY_NORM=key_norm,
         LEAN=lean, BN=GLUE_BN)
     return logits, rho, lse, w
@@ -951,60 +952,72 @@ def gate(mparts: Tensor, alpha: Tensor, bias: Tensor, *, m: int, d: int, eps: fl
 def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt, S, N, d, eps,
                          M: tl.constexpr, M_PAD: tl.constexpr, KEY_NORM: tl.constexpr, SAVED: tl.constexpr,
                          BN: tl.constexpr):
-    """``stats_from_parts`` for BN of the N tokens: from the serial stats kernel's per-tile sums parts (n_dt, K, m,
-    S, N) (K = 1 with SAVED: dR·E alone, the forward's logits and ρ (m, S, N) given; else K = 3: qg·E, ‖E‖², dR·E)
-    and the forward's lse (m, N), w, κ, μ into coef (3 of 4 planes of (M_PAD, S, N)): w = exp(logit - lse),
-    κ = w (a - Σ_s w a) ρ, μ = κ ρ logit / d (0 without KEY_NORM)."""
+    """``stats_from_parts`` for BN of the N tokens and one view j (a program each, as ``_softmax_parts_kernel``):
+    from the serial stats kernel's per-tile sums parts (n_dt, K, m, S, N) (K = 1 with SAVED: dR·E alone, the
+    forward's logits and ρ (m, S, N) given; else K = 3: qg·E, ‖E‖², dR·E) and the forward's lse (m, N), w, κ, μ into
+    coef (3 of 4 planes of (M_PAD, S, N)): w = exp(logit - lse), κ = w (a - Σ_s w a) ρ, μ = κ ρ logit / d (0
+    without KEY_NORM). The first sweep over the sources sums a over the tiles, keeps it in coef's κ plane (each
+    lane reads back only what it wrote) and accumulates Σ_s w a; the second reads a once instead of n_dt times."""
     offs = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = offs < N
+    j = tl.program_id(1)
     K: tl.constexpr = 1 if SAVED else 3
     plane = S * N  # one view's (S, N) block
     cplane = M_PAD * plane  # one of coef's planes
-    for j in tl.static_range(M):
-        lse = tl.load(lse_ptr + j * N + offs, mask=mask, other=0.0)
-        wa = tl.zeros((BN,), dtype=tl.float32)
-        for sweep in tl.static_range(2):  # Σ_s w a first, then κ and μ
-            s = 0
-            while s < S:
+    lse = tl.load(lse_ptr + j * N + offs, mask=mask, other=0.0)
+    wa = tl.zeros((BN,), dtype=tl.float32)
+    for sweep in tl.static_range(2):  # Σ_s w a first, then κ and μ
+        s = 0
+        while s < S:
+            at = (j * S + s).to(tl.int64) * N + offs
+            out = coef_ptr + at
+            q = tl.zeros((BN,), dtype=tl.float32)
+            ss = tl.zeros((BN,), dtype=tl.float32)
+            if sweep == 0:
                 a = tl.zeros((BN,), dtype=tl.float32)
-                q = tl.zeros((BN,), dtype=tl.float32)
-                ss = tl.zeros((BN,), dtype=tl.float32)
                 tile = 0
                 while tile < n_dt:
-                    at = ((tile * K * M + j) * S + s).to(tl.int64) * N + offs
+                    pt = ((tile * K * M + j) * S + s).to(tl.int64) * N + offs
                     if SAVED:
-                        a += tl.load(parts_ptr + at, mask=mask, other=0.0)
+                        a += tl.load(parts_ptr + pt, mask=mask, other=0.0)
                     else:
-                        q += tl.load(parts_ptr + at, mask=mask, other=0.0)
-                        ss += tl.load(parts_ptr + at + M * plane, mask=mask, other=0.0)
-                        a += tl.load(parts_ptr + at + 2 * M * plane, mask=mask, other=0.0)
+                        q += tl.load(parts_ptr + pt, mask=mask, other=0.0)
+                        ss += tl.load(parts_ptr + pt + M * plane, mask=mask, other=0.0)
+                        a += tl.load(parts_ptr + pt + 2 * M * plane, mask=mask, other=0.0)
                     tile += 1
-                at = (j * S + s).to(tl.int64) * N + offs
-                if SAVED:
-                    logit = tl.load(logits_ptr + at, mask=mask, other=0.0)
-                    if KEY_NORM:
-                        rho = tl.load(rho_ptr + at, mask=mask, other=0.0)
-                    else:
-                        rho = tl.full((BN,), 1.0, tl.float32)
+                tl.store(out + cplane, a, mask=mask)
+                if not SAVED:  # ρ and the logit kept too, in the planes w and μ
+                    tl.store(out, q, mask=mask)
+                    tl.store(out + 2 * cplane, ss, mask=mask)
+            else:
+                a = tl.load(out + cplane, mask=mask, other=0.0)
+                if not SAVED:
+                    q = tl.load(out, mask=mask, other=0.0)
+                    ss = tl.load(out + 2 * cplane, mask=mask, other=0.0)
+            if SAVED:
+                logit = tl.load(logits_ptr + at, mask=mask, other=0.0)
+                if KEY_NORM:
+                    rho = tl.load(rho_ptr + at, mask=mask, other=0.0)
                 else:
-                    if KEY_NORM:
-                        rho = tl.rsqrt(ss / d + eps)
-                    else:
-                        rho = tl.full((BN,), 1.0, tl.float32)
-                    logit = q * rho
-                w = tl.exp(logit - lse)
-                if sweep == 0:
-                    wa += w * a
+                    rho = tl.full((BN,), 1.0, tl.float32)
+            else:
+                if KEY_NORM:
+                    rho = tl.rsqrt(ss / d + eps)
                 else:
-                    kappa = w * (a - wa) * rho
-                    out = coef_ptr + (j * S + s).to(tl.int64) * N + offs
-                    tl.store(out, w, mask=mask)
-                    tl.store(out + cplane, kappa, mask=mask)
-                    if KEY_NORM:
-                        tl.store(out + 2 * cplane, kappa * rho * logit / d, mask=mask)
-                    else:
-                        tl.store(out + 2 * cplane, tl.zeros((BN,), dtype=tl.float32), mask=mask)
-                s += 1
+                    rho = tl.full((BN,), 1.0, tl.float32)
+                logit = q * rho
+            w = tl.exp(logit - lse)
+            if sweep == 0:
+                wa += w * a
+            else:
+                kappa = w * (a - wa) * rho
+                tl.store(out, w, mask=mask)
+                tl.store(out + cplane, kappa, mask=mask)
+                if KEY_NORM:
+                    tl.store(out + 2 * cplane, kappa * rho * logit / d, mask=mask)
+                else:
+                    tl.store(out + 2 * cplane, tl.zeros((BN,), dtype=tl.float32), mask=mask)
+            s += 1
 
 
 def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int,
@@ -1037,7 +1050,7 @@ def finish_stats(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, ep
         return stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved)
     n_dt, _, m, S, B, T = parts.shape
     logits, rho = saved if saved is not None else (lse, None)
-    _stats_finish_kernel[(triton.cdiv(B * T, GLUE_BN),)](
+    _stats_finish_kernel[(triton.cdiv(B * T, GLUE_BN), m)](
         parts, lse, logits, lse if rho is None else rho, coef, n_dt, S, B * T, d, eps, M=m, M_PAD=coef.shape[1],
         KEY_NORM=key_norm, SAVED=saved is not None, BN=GLUE_BN)
 
@@ -1448,21 +1461,28 @@ class Blocks:
     split_warps: int = 1
     # pass 2 with fewer instructions a (token, source) (``_streams_split_kernel``'s LEAN: d a compile-time constant,
     # the weights in (B, T, S, m), no masks where a token's window holds no document boundary, the mixer's sums
-    # reduced once a view set): built and checked on the CPU (sm_90a SASS: benchmarks.msar_attn_ptxas --sass),
-    # not yet timed on a GPU, so not the default
-    split_lean: bool = False
-    # the small steps between the kernels (the split forward's softmax over the sources and its gate, the backward's
-    # w, κ, μ from the stats' per-tile sums): "torch" (PyTorch operations, about 20 launches a forward and 12 a
-    # backward; the spec) or "triton" (one kernel each: ``softmax_parts``, ``gate``, ``finish_stats``). Built and
-    # checked on the CPU, not yet timed on a GPU, so not the default
-    glue: str = "torch"
+    # reduced once a view set; sm_90a SASS of its loop 310 -> 216 instructions, benchmarks.msar_attn_ptxas --sass).
+    # H200, one process (msar_tiles_nvidia_h200_lean.md): forward 0.657 -> 0.613 ms at `small`, 2.314 -> 2.145 ms at
+    # `medium` (S = 5); on 64 or 256 channels, 2 warps or 32 / 128 tokens a program: slower
+    split_lean: bool = True
+    # the split forward's small steps between its kernels (the softmax over the sources, the gate): "torch"
+    # (PyTorch operations, about 20 launches a forward; the spec) or "triton" (one kernel each: ``softmax_parts``,
+    # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean.md, before the lean pass 2 was the default): forward
+    # 0.657 -> 0.620 ms at `small`, 2.314 -> 2.296 ms at `medium`
+    glue: str = "triton"
+    # the backward's step between the stats and the source-gradient kernels (w, κ, μ from the stats' per-tile
+    # sums): "torch" (about 12 launches; the spec) or "triton" (``finish_stats``' one kernel). Its first version (the
+    # views a loop inside one program per 128 tokens) timed 1% slower than PyTorch (streams backward 0.906 ->
+    # 0.916 ms at `small`, 3.015 -> 3.049 at `medium`); now one program a (token block, view), not yet timed
+    stats_glue: str = "torch"
     split_ch: int = 64  # tokens a program of both passes (32: 0.730 ms, 128: 0.885 at `small`; `medium` within 3%)
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
     def __post_init__(self):  # a misspelt mode fails where the tiles are chosen, before any kernel runs
         for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial")),
-                               ("fwd_mode", ("tile", "split")), ("glue", ("torch", "triton"))):
+                               ("fwd_mode", ("tile", "split")), ("glue", ("torch", "triton")),
+                               ("stats_glue", ("torch", "triton"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -1768,7 +1788,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
             x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
             KW=k_max, BD=bd, FAST=blk.serial_fast, QS=saved is None, DR=True, PREFETCH=blk.stats_prefetch,
             num_warps=1)
-        finish_stats(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved, glue=blk.glue)
+        finish_stats(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved, glue=blk.stats_glue)
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](

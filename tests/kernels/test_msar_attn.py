@@ -77,7 +77,7 @@ def _blocks(bt, bd, sub=2, bwd_bd=None, mode="serial"):
 def _with_split(monkeypatch, lean=False, glue="torch"):
     """fused._blocks (as overridden so far) with the split forward (Blocks.fwd_mode="split"): several channel tiles
     of both passes and several chunks a row (5 tokens) where d is small, 512 channels where it is wide; ``lean``:
-    its lean pass 2 (Blocks.split_lean); ``glue``: Blocks.glue."""
+    its lean pass 2 (Blocks.split_lean); ``glue``: Blocks.glue and Blocks.stats_glue."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -87,7 +87,7 @@ def _with_split(monkeypatch, lean=False, glue="torch"):
     def blocks(T, d, m_pad, k_max):
         bd = 8 if d <= 32 else 512
         return dataclasses.replace(inner(T, d, m_pad, k_max), fwd_mode="split", split_logit_bd=bd, split_bd=bd,
-                                   split_ch=5, split_lean=lean, glue=glue)
+                                   split_ch=5, split_lean=lean, glue=glue, stats_glue=glue)
 
     monkeypatch.setattr(fused, "_blocks", blocks)
 
@@ -473,7 +473,8 @@ def test_serial_source_gradients_equal_the_ring(case):
 @pytest.mark.parametrize("field, value, choices", [("src_mode", "rings", "'serial', 'ring'"),
                                                     ("stats_mode", "tiles", "'tile', 'serial'"),
                                                     ("fwd_mode", "splits", "'tile', 'split'"),
-                                                    ("glue", "pytorch", "'torch', 'triton'")])
+                                                    ("glue", "pytorch", "'torch', 'triton'"),
+                                                    ("stats_glue", "pytorch", "'torch', 'triton'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
     from kernels.msar_attn import fused
 
