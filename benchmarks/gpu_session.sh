@@ -140,6 +140,8 @@
 #            and each change alone, the backward's glue kernel (Blocks.stats_glue) at `small` and `medium`; the op's
 #            GPU tests; msar_block's and msar's `small` steps beside vanilla; msar_block's 60-step parity. Its
 #            `medium` step: TEST_LIMIT=0 SMALL_LIMIT=0 PARITY_LIMIT=0 TAG=_lean2_medium ... split2
+#   lean3    one GPU (about 600 s with the start): with every glue kernel the default too, msar_block's `medium` step
+#            beside vanilla, the `small` table of every study residual and ablation, the counters of MSAR's kernels
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -147,7 +149,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -585,14 +587,25 @@ case "$PLAN" in
   lean2)
     # the lean pass 2 and the forward's glue kernels as the defaults (timed on 2026-12-02 by the `lean` plan, since
     # replaced by this one: msar_tiles_nvidia_h200_lean*.md): the forward as first timed, each change alone, and the
-    # backward's glue kernel on a grid over views, in one process; the op's GPU tests; msar_block's and msar's
-    # `small` steps beside vanilla; msar_block's 60-step training parity
+    # backward's glue kernel (on a grid over views; when this plan first ran, the candidate against PyTorch, since
+    # the default) against PyTorch, in one process; the op's GPU tests; msar_block's and msar's `small` steps beside
+    # vanilla; msar_block's 60-step training parity
     step gpu0 tiles "${TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
       --kernels forward stats --only 'fwd_mode="split",split_lean=False,glue="torch"' \
-      'fwd_mode="split",split_lean=False' 'fwd_mode="split",glue="torch"' 'stats_glue="triton"' --tag _lean2
+      'fwd_mode="split",split_lean=False' 'fwd_mode="split",glue="torch"' 'stats_glue="torch"' --tag _lean2
     msar_tests "${TEST_LIMIT:-90}"
     SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar_block msar} msar_step small _lean2 "${SMALL_LIMIT:-200}" 8
     msar_parity small_lean2 "${PARITY_LIMIT:-150}"
+    ;;
+  lean3)
+    # with the lean pass 2 and every glue kernel the defaults (msar_tiles_nvidia_h200_lean2.md): msar_block's `medium`
+    # step beside vanilla, the `small` table of every study residual and ablation (combo kernels, as msar_step), and
+    # Nsight Compute's counters of MSAR's kernels
+    SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar_block} msar_step medium _lean3_medium "${MEDIUM_LIMIT:-190}" 6
+    step gpu0 small_all "${SMALL_LIMIT:-270}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      attnres attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile model \
+      --graphs on --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_lean3}
+    counters_of msar "${COUNTER_LIMIT:-50}"
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

@@ -1467,14 +1467,16 @@ class Blocks:
     split_lean: bool = True
     # the split forward's small steps between its kernels (the softmax over the sources, the gate): "torch"
     # (PyTorch operations, about 20 launches a forward; the spec) or "triton" (one kernel each: ``softmax_parts``,
-    # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean.md, before the lean pass 2 was the default): forward
-    # 0.657 -> 0.620 ms at `small`, 2.314 -> 2.296 ms at `medium`
+    # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean2.md), the forward with both switches at once and each
+    # alone: `small` (S = 5) 0.655 ms (plain pass 2, PyTorch glue) -> 0.612 (lean) / 0.592 (glue) -> 0.550 (both);
+    # `medium` 2.314 -> 2.142 / 2.247 -> 2.079
     glue: str = "triton"
     # the backward's step between the stats and the source-gradient kernels (w, κ, μ from the stats' per-tile
-    # sums): "torch" (about 12 launches; the spec) or "triton" (``finish_stats``' one kernel). Its first version (the
-    # views a loop inside one program per 128 tokens) timed 1% slower than PyTorch (streams backward 0.906 ->
-    # 0.916 ms at `small`, 3.015 -> 3.049 at `medium`); now one program a (token block, view), not yet timed
-    stats_glue: str = "torch"
+    # sums): "torch" (about 12 launches; the spec) or "triton" (``finish_stats``' one kernel, a program a (token
+    # block, view)). H200, one process (msar_tiles_nvidia_h200_lean2.md): streams backward 0.904 -> 0.876 ms at
+    # `small`, 3.015 -> 2.972 at `medium`; its first version, the views a loop in a program per 128 tokens, was 1%
+    # slower than PyTorch (msar_tiles_nvidia_h200_lean.md)
+    stats_glue: str = "triton"
     split_ch: int = 64  # tokens a program of both passes (32: 0.730 ms, 128: 0.885 at `small`; `medium` within 3%)
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
