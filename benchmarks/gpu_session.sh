@@ -140,6 +140,8 @@
 #            and each change alone, the backward's glue kernel (Blocks.stats_glue) at `small` and `medium`; the op's
 #            GPU tests; msar_block's and msar's `small` steps beside vanilla; msar_block's 60-step parity. Its
 #            `medium` step: TEST_LIMIT=0 SMALL_LIMIT=0 PARITY_LIMIT=0 TAG=_lean2_medium ... split2
+#   medium_all one GPU (about 400 s with the start): the `medium` table of MEDIUM_RESIDUALS (default vanilla
+#            attnres_block mhc msar) in one process
 #   lean3    one GPU (about 600 s with the start): with every glue kernel the default too, msar_block's `medium` step
 #            beside vanilla, the `small` table of every study residual and ablation, the counters of MSAR's kernels
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
@@ -149,7 +151,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -606,6 +608,12 @@ case "$PLAN" in
       attnres attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile model \
       --graphs on --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_lean3}
     counters_of msar "${COUNTER_LIMIT:-50}"
+    ;;
+  medium_all)
+    # the `medium` table of MEDIUM_RESIDUALS beside vanilla in one process (combo kernels, as msar_step)
+    step gpu0 medium_all "${MEDIUM_LIMIT:-330}" python3 -m benchmarks.throughput --models medium --residuals \
+      ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar} --compile model --graphs on --steps 6 \
+      --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_medium_all}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
