@@ -48,7 +48,7 @@ def test_gpu_session_script_parses_and_names_its_plans(tmp_path):
 
     text = script.read_text()
     listed = set(re.search(r'^PLANS="([^"]+)"', text, re.M).group(1).split())
-    arms = set(re.findall(r"^  ([a-z0-9]+)\)$", text, re.M))
+    arms = set(re.findall(r"^  ([a-z0-9_]+)\)$", text, re.M))
     assert listed == arms, (listed ^ arms)
     for plan in sorted(listed):
         assert plan in out.stderr, plan
