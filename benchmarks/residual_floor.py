@@ -38,13 +38,14 @@ TARGETS = {
 VANILLA_MS = {"small": 15.5, "medium": 154.0}  # H200, 2026-12-02, beside msar_block in one process
 # the latest measured tokens/s ratios to vanilla on the H200 (same process), for the plot: (ratio, results file)
 MEASURED = {
-    ("small", "attnres_block"): (0.862, "throughput_small_eager.md"),
-    ("small", "mhc"): (0.555, "throughput_small_evening.md"),
-    ("small", "msar_block"): (0.372, "throughput_small_split.md"),
-    ("small", "msar"): (0.206, "throughput_small_split_msar.md"),
-    ("medium", "attnres_block"): (0.876, "throughput_medium_memory.md"),
-    ("medium", "mhc"): (0.656, "throughput_medium_dec1b.md"),
-    ("medium", "msar_block"): (0.386, "throughput_medium_split_medium.md"),
+    ("small", "attnres_block"): (0.857, "throughput_small_lean3.md"),
+    ("small", "mhc"): (0.549, "throughput_small_lean3.md"),
+    ("small", "msar_block"): (0.388, "throughput_small_lean3.md"),
+    ("small", "msar"): (0.213, "throughput_small_lean3.md"),
+    ("medium", "attnres_block"): (0.874, "throughput_medium_medium_all.md"),
+    ("medium", "mhc"): (0.650, "throughput_medium_medium_all.md"),
+    ("medium", "msar_block"): (0.396, "throughput_medium_lean3_medium.md"),
+    ("medium", "msar"): (0.168, "throughput_medium_medium_all.md"),
 }
 
 

@@ -1450,8 +1450,8 @@ class Blocks:
     stats_prefetch: bool = True  # the serial stats kernel loads token t+1 during step t
     # the forward: "tile" (``_fwd_kernel``: (m, bt, bd) tiles, all sources a program, the views rebuilt from
     # shifted loads of the source tile for every view and tap) or "split" (pass 1: ``_stats_serial_kernel`` reduces
-    # qg_j·E_j and ‖E_j‖² per channel tile of split_logit_bd channels, PyTorch finishes the logits, their lse and
-    # the weights; pass 2: ``_streams_split_kernel`` accumulates R_j = Σ_s w E_j(x_s) per channel tile of
+    # qg_j·E_j and ‖E_j‖² per channel tile of split_logit_bd channels, ``softmax_parts`` (``glue``) finishes the
+    # logits, their lse and the weights; pass 2: ``_streams_split_kernel`` accumulates R_j = Σ_s w E_j(x_s) per channel tile of
     # split_bd channels on split_warps warps with the mixer's per-tile sums, writes R; ``_combine_kernel`` h)
     # H200, one process each (msar_tiles_nvidia_h200_split*.md): at `small` (S = 5) 0.842 -> 0.656 ms, at `medium`
     # 4.70 -> 2.32 ms (S = 5) and 12.05 -> 7.79 ms (S = 17, pass 1 on 64 channels)
@@ -1666,9 +1666,10 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
 def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sigmoid, write_r, store_logits, save,
                    partial, save_dtype, save_stats):
     """``forward`` as two passes over channel tiles (``Blocks.fwd_mode="split"``), any d, same results. Pass 1
-    (``_stats_serial_kernel``, QS alone): qg_j·E_j and ‖E_j‖² per channel tile; PyTorch sums the tiles into the
-    logits, ρ, their lse over the sources and the weights w (m, S, B, T), a few small tensors. Pass 2
-    (``_streams_split_kernel``): R (m, B, T, d) fp32 with the mixer's per-tile sums; PyTorch finishes ‖vec R‖², R·φ
+    (``_stats_serial_kernel``, QS alone): qg_j·E_j and ‖E_j‖² per channel tile; ``softmax_parts`` (one kernel, or
+    PyTorch with ``Blocks.glue="torch"``) sums the tiles into the logits, ρ, their lse over the sources and the
+    weights w (m, S, B, T) or (B, T, S, m) for the lean pass 2, a few small tensors. Pass 2
+    (``_streams_split_kernel``): R (m, B, T, d) fp32 with the mixer's per-tile sums; ``gate`` finishes ‖vec R‖², R·φ
     and the gate g (m, B, T); ``_combine_kernel`` writes h = Σ_j g_j R_j (rounded once, from fp32 R: from a bf16 R,
     h differed from the tile forward's by 2.2e-3 relative on an H200) and the copy of R the mixer's backward keeps
     (``save_dtype``)."""
