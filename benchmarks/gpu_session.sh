@@ -140,6 +140,8 @@
 #            and each change alone, the backward's glue kernel (Blocks.stats_glue) at `small` and `medium`; the op's
 #            GPU tests; msar_block's and msar's `small` steps beside vanilla; msar_block's 60-step parity. Its
 #            `medium` step: TEST_LIMIT=0 SMALL_LIMIT=0 PARITY_LIMIT=0 TAG=_lean2_medium ... split2
+#   streams  one GPU (about 550 s with the start): msar_block with residual.recompute_streams (no R kept for the
+#            mixer's backward) against the default, in one process, at `medium` and `small` (step and peak)
 #   medium_all one GPU (about 400 s with the start): the `medium` table of MEDIUM_RESIDUALS (default vanilla
 #            attnres_block mhc msar) in one process
 #   lean3    one GPU (about 600 s with the start): with every glue kernel the default too, msar_block's `medium` step
@@ -151,7 +153,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -614,6 +616,16 @@ case "$PLAN" in
     step gpu0 medium_all "${MEDIUM_LIMIT:-330}" python3 -m benchmarks.throughput --models medium --residuals \
       ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar} --compile model --graphs on --steps 6 \
       --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_medium_all}
+    ;;
+  streams)
+    # msar_block's read keeping no streams R for backward (residual.recompute_streams, built on the CPU on 2026-12-02
+    # evening): step and peak against keeping them, both in one process, at `medium` then `small`
+    for model in medium small; do
+      step gpu0 "streams_$model" "${STREAMS_LIMIT:-250}" python3 -m benchmarks.throughput --models $model \
+        --residuals ${STREAMS_RESIDUALS:-msar_block} --compile model --graphs on --steps 6 \
+        --set +trainer.compile_options.combo_kernels=true \
+        --set +trainer.compile_options.combo_kernels=true residual.recompute_streams=true --tag ${TAG:-_streams}
+    done
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

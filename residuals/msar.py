@@ -64,6 +64,10 @@ class Msar(DepthAttentionResidual):
         conv_init_noise: float = 0.01  # std of Gaussian noise added to Dirac taps (breaks the views' symmetry)
         fusion: str = "sigmoid"  # g = σ(α·RMSNorm(vec R)·φ + b), or "softmax" over the m streams
         placement: str = "streams"  # "streams": m depth attentions; "post": one, then Σ_j g_j E_j(h)
+        # the fused read keeps no streams R (m, B, T, d) for its mixer's backward and rebuilds them there, one more
+        # pass over the sources a read: 2·m·d bytes a token and consumer less (bf16 under bf16-mixed), more time.
+        # Fused backend only (backend=torch: recompute its reads with model.checkpoint_reads instead)
+        recompute_streams: bool = False
 
     @classmethod
     def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
@@ -87,6 +91,11 @@ class Msar(DepthAttentionResidual):
                              f"(got view={cfg.view!r}, placement={cfg.placement!r}, "
                              f"expand_values={cfg.expand_values!r}, query={cfg.query!r}, "
                              f"kernels={list(cfg.kernels)}); use residual.backend=torch or auto")
+        if cfg.recompute_streams and (cfg.backend == "torch" or not cls.covered(cfg)):
+            raise ValueError(f"residual.recompute_streams=true: applies only to the fused read (residual.backend="
+                             f"triton, or auto on a GPU, with a configuration the fused op covers), got "
+                             f"backend={cfg.backend!r}, view={cfg.view!r}, placement={cfg.placement!r}; the reference "
+                             "read recomputes with model.checkpoint_reads=true")
         if cfg.placement == "post" and (cfg.view != "conv" or not cfg.expand_values):
             raise ValueError(f"residual.placement='post' applies the convs to h once: it needs residual.view=conv "
                              f"and residual.expand_values=true, got view={cfg.view!r}, "
@@ -156,7 +165,8 @@ class Msar(DepthAttentionResidual):
             # sources in place (BufferedSources: the buffer's rows and the open block's partial), never stacked
             res = msar_fused(sources, self._view_taps(consumer, sources[0]), queries, gain, ctx.doc_ids, phi, alpha,
                              bias, key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
-                             backend="triton")  # (B, T, d), with the weights (V, S, B, T) when recording
+                             backend="triton", recompute_streams=self.cfg.recompute_streams)  # (B, T, d), with the
+            # weights (V, S, B, T) when recording
             if not ctx.record:
                 return res
             h, weights = res

@@ -132,8 +132,8 @@ def _doc_ids(doc_ids, shape, device):
 
 def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None, doc_ids: Tensor | None,
          phi: Tensor, alpha: Tensor, bias: Tensor, *, key_norm: bool = True, fusion: str = "sigmoid",
-         eps: float = 1e-6, return_weights: bool = False,
-         backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+         eps: float = 1e-6, return_weights: bool = False, backend: str = "auto",
+         recompute_streams: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The whole MSAR read of one consumer: h = Σ_j g_j r^{(j)} (docs/method.md §4).
 
     Args:
@@ -145,6 +145,9 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
         phi: ``(m·d, m)``; alpha: scalar tensor; bias: ``(m,)``; fusion: ``"sigmoid"`` or ``"softmax"``.
         backend: ``"auto"`` (``"triton"`` for CUDA tensors, else ``"torch"``), ``"triton"`` (the
             fused kernel; on CPU tensors only under ``TRITON_INTERPRET=1``), ``"torch"``.
+        recompute_streams: the fused backend keeps no streams R ``(m, B, T, d)`` for the mixer's backward and
+            rebuilds them there (one more pass over the sources): less memory, more time. Fused backend only
+            (an error with ``"torch"``, whose autograd keeps what it keeps; ``model.checkpoint_reads`` is its knob).
 
     Returns:
         h ``(B, T, d)`` in x's dtype, and with ``return_weights`` the softmax weights
@@ -155,6 +158,10 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
     _check_mixer(queries.shape[0], shape[-1], phi, alpha, bias, fusion, device)
     doc_ids = _doc_ids(doc_ids, shape, device)
     if backend == "torch":
+        if recompute_streams:
+            raise ValueError("msar: recompute_streams=True applies to the fused backend ('triton', or 'auto' on "
+                             "CUDA); the 'torch' backend keeps what autograd keeps (recompute its reads with "
+                             "model.checkpoint_reads)")
         stacked = x if isinstance(x, Tensor) else torch.stack(list(x))  # (S, B, T, d)
         return reference.msar(stacked, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm,
                               fusion=fusion, eps=eps, return_weights=return_weights)
@@ -162,7 +169,7 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
     from . import fused  # imports triton: only when asked for
 
     return fused.msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm, fusion=fusion,
-                      eps=eps, return_weights=return_weights)
+                      eps=eps, return_weights=return_weights, recompute_streams=recompute_streams)
 
 
 def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None,

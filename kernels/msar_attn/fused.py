@@ -1621,13 +1621,14 @@ def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
 
 
 def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
-            store_logits=False, save=False, partial=None, save_dtype=None, save_stats=False):
+            store_logits=False, save=False, partial=None, save_dtype=None, save_stats=False, keep_streams=True):
     """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
     logits (m, S, B, T) fp32 when ``store_logits`` (else None), with ``save`` what the mixer's
     backward takes, (R (m, B, T, d) in ``save_dtype`` (default x's), R·φ (m, B, T), ‖vec R‖² (B, T)) (else None),
     and with ``save_stats`` the softmax's statistics for the backward, (logits, ρ) (m, S, B, T) fp32 each (ρ None
     without ``key_norm``; else None): ``streams_backward(stats=...)``, whose stats kernel then reduces dR·E alone.
-    ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``; ``partial``: a last source read in place
+    Without ``keep_streams`` what ``save`` returns holds None for R (the backward then rebuilds it,
+    ``rebuild_streams``; the split forward never writes that copy). ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``; ``partial``: a last source read in place
     (``sources_layout``). ``_blocks(...).fwd_mode`` picks the kernels: "split" (``_forward_split``, the default) or
     "tile" (``_fwd_kernel``); both return the same."""
     _, B, T, d = x.shape
@@ -1637,7 +1638,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     if blk.fwd_mode == "split":
         return _forward_split(x, packed, ks, m, qg, near, blk, key_norm=key_norm, eps=eps, mixer=mixer,
                               sigmoid=sigmoid, write_r=write_r, store_logits=store_logits, save=save, partial=partial,
-                              save_dtype=save_dtype, save_stats=save_stats)
+                              save_dtype=save_dtype, save_stats=save_stats, keep_streams=keep_streams)
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
            else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
     lse = torch.empty(m, B, T, device=x.device, dtype=torch.float32)
@@ -1660,11 +1661,13 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
         BD=blk.bd, V3=blk.forward_views_3d(S), num_warps=blk.forward_warps(S))
     logits = logits[:m] if store_logits else None
     stats = (logits, rho if store_rho else None) if save_stats else None
+    if save and not keep_streams:  # the tile kernel wrote R anyway; it is dropped here, not kept for backward
+        saved = (None, *saved[1:])
     return out, lse, (logits if want_logits else None), (saved if save else None), stats
 
 
 def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sigmoid, write_r, store_logits, save,
-                   partial, save_dtype, save_stats):
+                   partial, save_dtype, save_stats, keep_streams=True):
     """``forward`` as two passes over channel tiles (``Blocks.fwd_mode="split"``), any d, same results. Pass 1
     (``_stats_serial_kernel``, QS alone): qg_j·E_j and ‖E_j‖² per channel tile; ``softmax_parts`` (one kernel, or
     PyTorch with ``Blocks.glue="torch"``) sums the tiles into the logits, ρ, their lse over the sources and the
@@ -1685,14 +1688,7 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
         x, packed, qg, near, parts, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
         KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch, num_warps=1)
     logits, rho, lse, w = softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=blk.split_lean, glue=blk.glue)
-    r = torch.empty(m, B, T, d, **f32)
-    n_dt2 = triton.cdiv(d, blk.split_bd)
-    mparts = lse if write_r else torch.empty(n_dt2, 1 + m, B, T, **f32)
-    phi = lse if write_r else mixer[0]
-    _streams_split_kernel[(n_dt2, triton.cdiv(T, ch), B)](
-        x, packed, near, w, phi, r, mparts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
-        KW=k_max, BD=blk.split_bd, MIXER=not write_r, LEAN=blk.split_lean, DK=d if blk.split_lean else 0,
-        num_warps=blk.split_warps)
+    r, mparts = _pass_2(x, packed, ks, near, w, blk, partial=partial, phi=None if write_r else mixer[0])
     stats = (logits, rho) if save_stats else None
     logits = logits if store_logits else None
     if write_r:
@@ -1701,11 +1697,43 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     g, z, rr = gate(mparts, alpha, bias, m=m, d=d, eps=eps, sigmoid=sigmoid, glue=blk.glue)
     h = torch.empty(B, T, d, device=x.device, dtype=x.dtype)
     kept = save_dtype or x.dtype
-    r_saved = torch.empty(m, B, T, d, device=x.device, dtype=kept) if save and kept != torch.float32 else r
+    copy = save and keep_streams and kept != torch.float32
+    r_saved = torch.empty(m, B, T, d, device=x.device, dtype=kept) if copy else r
     bn, bdc = 16, min(256, triton.next_power_of_2(d))
     _combine_kernel[(triton.cdiv(B * T, bn), triton.cdiv(d, bdc))](
-        r, g, h, r_saved, B * T, d, M=m, BN=bn, BD=bdc, COPY=r_saved is not r)
-    return h, lse, logits, ((r_saved, z, rr) if save else None), stats
+        r, g, h, r_saved, B * T, d, M=m, BN=bn, BD=bdc, COPY=copy)
+    return h, lse, logits, ((r_saved if keep_streams else None, z, rr) if save else None), stats
+
+
+def _pass_2(x, packed, ks, near, w, blk, *, partial, phi=None):
+    """The split forward's pass 2 (``_streams_split_kernel``): R (m, B, T, d) fp32 from the weights w ((m, S, B, T),
+    or (B, T, S, m) with ``blk.split_lean``), and with ``phi`` (the mixer's φᵀ) the mixer's per-tile sums
+    (n_dt, 1 + m, B, T) (else None)."""
+    _, B, T, d = x.shape
+    S, n_buf, p_off = sources_layout(x, partial)
+    m, k_max = w.shape[0] if not blk.split_lean else w.shape[-1], max(ks)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    ch = max(1, min(blk.split_ch, T))
+    r = torch.empty(m, B, T, d, **f32)
+    n_dt = triton.cdiv(d, blk.split_bd)
+    mparts = None if phi is None else torch.empty(n_dt, 1 + m, B, T, **f32)
+    _streams_split_kernel[(n_dt, triton.cdiv(T, ch), B)](
+        x, packed, near, w, r if phi is None else phi, r, r if mparts is None else mparts, S, n_buf,
+        offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=pair_offsets(ks), KW=k_max, BD=blk.split_bd,
+        MIXER=phi is not None, LEAN=blk.split_lean, DK=d if blk.split_lean else 0, num_warps=blk.split_warps)
+    return r, mparts
+
+
+def rebuild_streams(x, packed, ks, near, logits, lse, *, partial=None) -> Tensor:
+    """R (m, B, T, d) fp32 for the mixer's backward of a read that kept none (``msar(recompute_streams=True)``):
+    the split forward's pass 2 alone, its weights w = exp(logit - lse) from the forward's saved logits (m, S, B, T)
+    and lse (m, B, T). The same R the forward combined h from (fp32; a kept R is in ``saved_streams_dtype``)."""
+    _, B, T, d = x.shape
+    blk = _blocks(T, d, packed.shape[0], max(ks))
+    w = torch.exp(logits - lse[:, None])  # (m, S, B, T)
+    if blk.split_lean:
+        w = w.permute(2, 3, 1, 0).contiguous()  # (B, T, S, m): a (token, source)'s weights side by side
+    return _pass_2(x, packed, ks, near, w, blk, partial=partial)[0]
 
 
 def saved_streams_dtype(x: Tensor) -> torch.dtype:
@@ -1862,11 +1890,12 @@ class MsarFunction(torch.autograd.Function):
     the mixer: the mixer's backward then reads R instead of rebuilding the views (2·m·d bytes a
     token in bf16; docs/kernel_msar.md, "Backward"); the streams' backward rebuilds them. Also the logits and
     the keys' ρ of every (view, source, token) (8·m·S bytes a token), so that the backward's stats kernel reduces
-    dR·E alone."""
+    dR·E alone. With ``recompute_streams`` it keeps no R: the backward rebuilds it from the sources and the saved
+    logits (``rebuild_streams``, the split forward's pass 2), 2·m·d bytes a token and consumer less to keep."""
 
     @staticmethod
     def forward(ctx, n_src, buffer, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion,
-                store_logits, *tensors):
+                store_logits, recompute_streams, *tensors):
         split = max(n_src, 1)
         xs, taps = tensors[:split], tensors[split:]
         x, partial = _source_tensors(xs, n_src, buffer)
@@ -1876,7 +1905,8 @@ class MsarFunction(torch.autograd.Function):
         h, lse, logits, saved, stats = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                                key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                                sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
-                                               partial=partial, save_dtype=saved_streams_dtype(x), save_stats=save)
+                                               partial=partial, save_dtype=saved_streams_dtype(x), save_stats=save,
+                                               keep_streams=not recompute_streams)
         # with a buffer the rows stay on ctx (written once) and only the partial is saved
         ctx.rows, ctx.grads = (None, None) if buffer is None else buffer
         keep = xs if buffer is None else (partial,)
@@ -1901,6 +1931,8 @@ class MsarFunction(torch.autograd.Function):
         packed, ks, _ = pack_taps(taps, d, x.device)
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
+            if r is None:  # recompute_streams: the forward kept no R
+                r = rebuild_streams(x, packed, ks, near, logits, lse, partial=partial)
             dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), _mixer_params(phi, alpha, bias),
                                                      eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
             rows_grad = None if ctx.rows is None else ctx.grads.target(x.shape[0])
@@ -1912,7 +1944,8 @@ class MsarFunction(torch.autograd.Function):
         else:
             dxs = dx.unbind(0) if ctx.n_src else (dx,)
         return (None, None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
-                dbias.to(bias.dtype), None, None, None, None, *dxs, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
+                dbias.to(bias.dtype), None, None, None, None, None, *dxs,
+                *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
 
 def _source_tensors(xs, n_src: int, buffer) -> tuple[Tensor, Tensor | None]:
@@ -1964,7 +1997,7 @@ def _prepare(taps, queries, key_gains, doc_ids):
 
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
 def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=True, fusion="sigmoid",
-         eps=1e-6, return_weights=False):
+         eps=1e-6, return_weights=False, recompute_streams=False):
     """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. ``x``: the stacked
     sources (S, B, T, d) or a sequence of S tensors (B, T, d), which are not kept stacked for the
     backward. ``BufferedSources``: the buffer's rows and the partial read in place (the partial in the buffer's
@@ -1981,7 +2014,7 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
     n_src = 0 if isinstance(x, Tensor) else len(xs)
     taps, queries, key_gains, near = _prepare(taps, queries, key_gains, doc_ids)
     h, lse, logits = MsarFunction.apply(n_src, buffer, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
-                                        float(eps), fusion, bool(return_weights), *xs, *taps)
+                                        float(eps), fusion, bool(return_weights), bool(recompute_streams), *xs, *taps)
     if not return_weights:
         return h
     return h, torch.exp(logits - lse[:, None])  # (m, S, B, T) fp32

@@ -1077,3 +1077,58 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
         assert rel_err(rho, rho0) < 1e-5
     assert (r.float() - r0.float()).abs().max() <= 2 ** -7 * r0.float().abs().max()  # one bf16 rounding apart
     assert rel_err(r.float(), r0.float()) < 1e-2 and r.float().abs().max() > 0
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["serial", "split", "lean"])
+@pytest.mark.parametrize("sources", ["list", "buffered"])
+def test_recompute_streams_keeps_no_streams_and_rebuilds_them(sources, mode, monkeypatch):
+    """msar(recompute_streams=True) saves no (m, B, T, d) streams for backward (keeping them does: the check can
+    fail) and rebuilds them in the backward from the sources and the saved logits: the same h and the same gradient
+    of every input as the read that keeps them, with a random upstream gradient, documents at odd offsets, a
+    partial beside buffer rows, with the tile forward and the split forward's plain and lean pass 2 (the rebuild
+    runs pass 2 alone whichever forward ran)."""
+    from kernels.depth_attn import SourceBuffer
+    from kernels.msar_attn import BufferedSources, fused
+
+    monkeypatch.setattr(fused, "_blocks", _blocks(4, 8, mode=mode))
+    S, B, T, d, kernels = 3, 2, 11, 12, (2, 3)
+    m = 1 + len(kernels)
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
+    params = [queries, key_gains, phi, alpha, bias, *taps]
+    for t in params:
+        t.requires_grad_()
+    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(7))
+    out = {}
+    for recompute in (False, True):
+        leaves = [x[i].clone().requires_grad_() for i in range(S)]
+        if sources == "buffered":
+            buffer = SourceBuffer(S - 1, leaves[0])
+            for t in leaves[:-1]:
+                buffer.append(t)
+            src = BufferedSources(buffer, buffer.rows, leaves[-1] * 1.0)  # the open block's partial: a non-leaf
+        else:
+            src = leaves
+        shapes = []
+
+        def keep(t):
+            shapes.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            h = msar(src, taps, queries, key_gains, doc_ids, phi, alpha, bias, backend="triton",
+                     recompute_streams=recompute)
+        assert ((m, B, T, d) in shapes) is not recompute, shapes
+        out[recompute] = (h, *torch.autograd.grad((h * up).sum(), [*leaves, *params]))
+    names = ["h", *(f"x[{i}]" for i in range(S)), "queries", "key_gains", "phi", "alpha", "bias",
+             *(f"taps[{i}]" for i in range(len(taps)))]
+    assert torch.equal(out[True][0], out[False][0])
+    for name, a, b in zip(names[1:], out[True][1:], out[False][1:]):
+        assert b.abs().max() > 0, name
+        assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
+
+
+def test_recompute_streams_is_for_the_fused_backend():
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(2, 1, 5, 8, (2,), True)
+    with pytest.raises(ValueError, match="recompute_streams=True applies to the fused backend"):
+        msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, backend="torch", recompute_streams=True)
