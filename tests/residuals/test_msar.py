@@ -217,6 +217,7 @@ FUSED_BACKBONE = [
     ("msar_block", ()),
     ("msar", ("residual.view=identity", "residual.fusion=softmax")),
     ("msar_block", ("residual.taps=per_block", "residual.key_norm=false")),
+    ("msar_block", ("residual.recompute_streams=true",)),  # the fused reads keep no streams (the reference: auto)
 ]
 
 
