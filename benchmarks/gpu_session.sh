@@ -192,13 +192,26 @@ throughput() {
     --residuals ${THROUGHPUT_RESIDUALS:-vanilla attnres attnres_block mhc msar_block attnres_mhc_sum} \
     --ablations ${THROUGHPUT_ABLATIONS:-wo_conv attnres_conv} --compile on --steps 8 --tag _session
 }
+COMBO=+trainer.compile_options.combo_kernels=true  # Inductor's combo kernels, as trainer=gpu trains
+# table_small / table_medium NAME LIMIT TAG: every study residual and ablation at `small`, MEDIUM_RESIDUALS at
+# `medium`, one process each, graphed, compiled per COMPILE (default model), with the overrides TABLE_SET
+table_small() {
+  step gpu0 "$1" "$2" python3 -m benchmarks.throughput --models small --residuals vanilla attnres attnres_block mhc \
+    msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile ${COMPILE:-model} --graphs on --steps 8 \
+    ${TABLE_SET:+--set $TABLE_SET} --tag "$3"
+}
+table_medium() {
+  step gpu0 "$1" "$2" python3 -m benchmarks.throughput --models medium --residuals \
+    ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile ${COMPILE:-model} --graphs on --steps 6 \
+    ${TABLE_SET:+--set $TABLE_SET} --tag "$3"
+}
 # the MSAR plans' shared steps: the op's GPU tests, msar_block's step beside vanilla (small, medium), its 60-step
 # training parity against the reference backends, Nsight Compute's counters of one op's kernels
 msar_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
   tests/kernels/test_msar_attn.py; }
 msar_step() {  # MODEL TAG LIMIT STEPS
   step gpu0 "$1" "$3" python3 -m benchmarks.throughput --models "$1" --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} \
-    --compile model --graphs on --steps "$4" --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-$2}
+    --compile model --graphs on --steps "$4" --set $COMBO --tag ${TAG:-$2}
 }
 msar_parity() { step gpu0 parity "$2" python3 -m benchmarks.backend_training --residuals ${PARITY_RESIDUALS:-msar_block} \
   --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-$1}; }
@@ -392,12 +405,8 @@ case "$PLAN" in
     # every residual and ablation at small, then the medium table; compiled per COMPILE (default model)
     step gpu0 gpu_tests "${CLOSING_TEST_LIMIT:-110}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       ${CLOSING_TESTS:-tests/platform}
-    step gpu0 throughput_small "${SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      attnres attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv \
-      --compile ${COMPILE:-model} --graphs on --steps 8 --tag ${TAG:-_closing}
-    step gpu0 throughput_medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals \
-      ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar_block} --compile ${COMPILE:-model} --graphs on --steps 6 \
-      --tag ${TAG:-_closing}
+    table_small throughput_small "${SMALL_LIMIT:-230}" ${TAG:-_closing}
+    table_medium throughput_medium "${MEDIUM_LIMIT:-200}" ${TAG:-_closing}
     ;;
   merge)
     step gpu0 merge "${MERGE_LIMIT:-300}" python3 -m benchmarks.throughput --models ${MERGE_MODELS:-small medium} \
@@ -606,16 +615,13 @@ case "$PLAN" in
     # step beside vanilla, the `small` table of every study residual and ablation (combo kernels, as msar_step), and
     # Nsight Compute's counters of MSAR's kernels
     SERIAL_RESIDUALS=${SERIAL_RESIDUALS:-vanilla msar_block} msar_step medium _lean3_medium "${MEDIUM_LIMIT:-190}" 6
-    step gpu0 small_all "${SMALL_LIMIT:-270}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      attnres attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv --compile model \
-      --graphs on --steps 8 --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_lean3}
+    TABLE_SET=${TABLE_SET:-$COMBO} table_small small_all "${SMALL_LIMIT:-270}" ${TAG:-_lean3}
     counters_of msar "${COUNTER_LIMIT:-50}"
     ;;
   medium_all)
     # the `medium` table of MEDIUM_RESIDUALS beside vanilla in one process (combo kernels, as msar_step)
-    step gpu0 medium_all "${MEDIUM_LIMIT:-330}" python3 -m benchmarks.throughput --models medium --residuals \
-      ${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar} --compile model --graphs on --steps 6 \
-      --set +trainer.compile_options.combo_kernels=true --tag ${TAG:-_medium_all}
+    MEDIUM_RESIDUALS=${MEDIUM_RESIDUALS:-vanilla attnres_block mhc msar} TABLE_SET=${TABLE_SET:-$COMBO} \
+      table_medium medium_all "${MEDIUM_LIMIT:-330}" ${TAG:-_medium_all}
     ;;
   streams)
     # msar_block's read keeping no streams R for backward (residual.recompute_streams, built on the CPU on 2026-12-02
@@ -623,8 +629,7 @@ case "$PLAN" in
     for model in medium small; do
       step gpu0 "streams_$model" "${STREAMS_LIMIT:-250}" python3 -m benchmarks.throughput --models $model \
         --residuals ${STREAMS_RESIDUALS:-msar_block} --compile model --graphs on --steps 6 \
-        --set +trainer.compile_options.combo_kernels=true \
-        --set +trainer.compile_options.combo_kernels=true residual.recompute_streams=true --tag ${TAG:-_streams}
+        --set $COMBO --set $COMBO residual.recompute_streams=true --tag ${TAG:-_streams}
     done
     ;;
   dtiles)

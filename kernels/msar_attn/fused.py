@@ -869,13 +869,19 @@ def _softmax_parts_torch(parts: Tensor, *, key_norm: bool, eps: float, d: int, l
     rho = torch.rsqrt(ss / d + eps) if key_norm else None
     logits = q * rho if key_norm else q
     lse = torch.logsumexp(logits, dim=1)  # (m, B, T)
-    if lean:  # the weights of a (token, source) side by side: (B, T, S, m), written in place
-        m, S, B, T = logits.shape
-        w = torch.empty(B, T, S, m, device=parts.device, dtype=torch.float32)
-        torch.exp(logits - lse[:, None], out=w.permute(3, 2, 0, 1))
-    else:
-        w = torch.exp(logits - lse[:, None]).contiguous()
-    return logits, rho, lse, w
+    return logits, rho, lse, softmax_weights(logits, lse, lean=lean)
+
+
+def softmax_weights(logits: Tensor, lse: Tensor, *, lean: bool = False) -> Tensor:
+    """w = exp(logits - lse) fp32 from the logits (m, S, B, T) and their lse over the sources (m, B, T): (m, S, B,
+    T), or with ``lean`` (B, T, S, m), a (token, source)'s weights side by side as the lean pass 2 reads them
+    (written through a permuted view: no copy)."""
+    if not lean:
+        return torch.exp(logits - lse[:, None])
+    m, S, B, T = logits.shape
+    w = torch.empty(B, T, S, m, device=logits.device, dtype=torch.float32)
+    torch.exp(logits - lse[:, None], out=w.permute(3, 2, 0, 1))
+    return w
 
 
 def softmax_parts(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bool, glue: str):
@@ -1628,9 +1634,10 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     and with ``save_stats`` the softmax's statistics for the backward, (logits, ρ) (m, S, B, T) fp32 each (ρ None
     without ``key_norm``; else None): ``streams_backward(stats=...)``, whose stats kernel then reduces dR·E alone.
     Without ``keep_streams`` what ``save`` returns holds None for R (the backward then rebuilds it,
-    ``rebuild_streams``; the split forward never writes that copy). ``mixer``: (φᵀ, α, b) fp32 from ``_mixer_params``; ``partial``: a last source read in place
-    (``sources_layout``). ``_blocks(...).fwd_mode`` picks the kernels: "split" (``_forward_split``, the default) or
-    "tile" (``_fwd_kernel``); both return the same."""
+    ``rebuild_streams``; the split forward never writes that copy). ``mixer``: (φᵀ, α, b) fp32 from
+    ``_mixer_params``; ``partial``: a last source read in place (``sources_layout``). ``_blocks(...).fwd_mode``
+    picks the kernels: "split" (``_forward_split``, the default) or "tile" (``_fwd_kernel``); both return the
+    same."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
     m_pad, k_max = packed.shape[0], max(ks)
@@ -1688,7 +1695,7 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
         x, packed, qg, near, parts, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
         KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch, num_warps=1)
     logits, rho, lse, w = softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=blk.split_lean, glue=blk.glue)
-    r, mparts = _pass_2(x, packed, ks, near, w, blk, partial=partial, phi=None if write_r else mixer[0])
+    r, mparts = _pass_2(x, packed, ks, m, near, w, blk, partial=partial, phi=None if write_r else mixer[0])
     stats = (logits, rho) if save_stats else None
     logits = logits if store_logits else None
     if write_r:
@@ -1705,13 +1712,13 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     return h, lse, logits, ((r_saved if keep_streams else None, z, rr) if save else None), stats
 
 
-def _pass_2(x, packed, ks, near, w, blk, *, partial, phi=None):
+def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None):
     """The split forward's pass 2 (``_streams_split_kernel``): R (m, B, T, d) fp32 from the weights w ((m, S, B, T),
-    or (B, T, S, m) with ``blk.split_lean``), and with ``phi`` (the mixer's φᵀ) the mixer's per-tile sums
-    (n_dt, 1 + m, B, T) (else None)."""
+    or (B, T, S, m) with ``blk.split_lean``: ``softmax_weights``), and with ``phi`` (the mixer's φᵀ) the mixer's
+    per-tile sums (n_dt, 1 + m, B, T) (else None)."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
-    m, k_max = w.shape[0] if not blk.split_lean else w.shape[-1], max(ks)
+    k_max = max(ks)
     f32 = dict(device=x.device, dtype=torch.float32)
     ch = max(1, min(blk.split_ch, T))
     r = torch.empty(m, B, T, d, **f32)
@@ -1730,10 +1737,8 @@ def rebuild_streams(x, packed, ks, near, logits, lse, *, partial=None) -> Tensor
     and lse (m, B, T). The same R the forward combined h from (fp32; a kept R is in ``saved_streams_dtype``)."""
     _, B, T, d = x.shape
     blk = _blocks(T, d, packed.shape[0], max(ks))
-    w = torch.exp(logits - lse[:, None])  # (m, S, B, T)
-    if blk.split_lean:
-        w = w.permute(2, 3, 1, 0).contiguous()  # (B, T, S, m): a (token, source)'s weights side by side
-    return _pass_2(x, packed, ks, near, w, blk, partial=partial)[0]
+    w = softmax_weights(logits, lse, lean=blk.split_lean)
+    return _pass_2(x, packed, ks, logits.shape[0], near, w, blk, partial=partial)[0]
 
 
 def saved_streams_dtype(x: Tensor) -> torch.dtype:
@@ -2017,7 +2022,7 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
                                         float(eps), fusion, bool(return_weights), bool(recompute_streams), *xs, *taps)
     if not return_weights:
         return h
-    return h, torch.exp(logits - lse[:, None])  # (m, S, B, T) fp32
+    return h, softmax_weights(logits, lse)  # (m, S, B, T) fp32
 
 
 @torch.compiler.disable
@@ -2028,4 +2033,4 @@ def msar_attn(x, taps, queries, key_gains, doc_ids, *, key_norm=True, eps=1e-6, 
                                            bool(return_weights), *taps)
     if not return_weights:
         return r
-    return r, torch.exp(logits - lse[:, None])
+    return r, softmax_weights(logits, lse)
