@@ -146,6 +146,10 @@
 #            attnres_block mhc msar) in one process
 #   lean3    one GPU (about 600 s with the start): with every glue kernel the default too, msar_block's `medium` step
 #            beside vanilla, the `small` table of every study residual and ablation, the counters of MSAR's kernels
+#   mhc      one GPU (about 600 s with the start): the mHC kernel variants of 2026-12-02 (kernels/mhc/fused.py, off by
+#            default; MHC_VARIANTS) against the default in one process, bf16 streams at `small` and `medium`, fp32
+#            streams at `small`; the mHC GPU tests (every variant); mhc's `small` step with its default fp32 streams and
+#            with bf16 streams beside vanilla (MHC_ROWS)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -153,7 +157,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -631,6 +635,19 @@ case "$PLAN" in
         --residuals ${STREAMS_RESIDUALS:-msar_block} --compile model --graphs on --steps 6 \
         --set $COMBO --set $COMBO residual.recompute_streams=true --tag ${TAG:-_streams}
     done
+    ;;
+  mhc)
+    # the variants' parity against the fp32 reference comes first in each ops_mhc row; a failing one exits non-zero
+    step gpu0 ops_bf16 "${OPS_LIMIT:-250}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
+      --variants ${MHC_VARIANTS:-default lane_sums dout_once lanes_dout dx_tf32 tc tc_lanes tc_lanes_t16} \
+      --tag _variants
+    step gpu0 ops_fp32 "${OPS32_LIMIT:-70}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes small \
+      --variants ${MHC32_VARIANTS:-default lane_sums dout_once lanes_dout} --tag _variants
+    step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py
+    step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small --residuals \
+      ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} --compile model --graphs on --steps 8 --set $COMBO \
+      --tag ${TAG:-_mhc}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

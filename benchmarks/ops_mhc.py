@@ -1,6 +1,7 @@
 """Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
 
     python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32] [--fused-only]
+        [--variants NAME ...] [--tag T]
     python -m benchmarks.ops_mhc --sweep-blocks [--shapes small medium] [--kernels pre_bwd pre_dx] [--dtype bf16|fp32]
 
 In ONE process (timings on a shared host swing between invocations):
@@ -176,14 +177,43 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
     return out
 
 
-# the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first)
+# the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first); "blocks" sets
+# entries of fused.GPU_BLOCKS. `--variants` picks some by name.
+_TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "DX_DOUT_ONCE": True}
 FUSED_VARIANTS = {
-    "triton": {},
-    "triton (one-pass write+read)": {"POST_PRE_ONE_PASS": True},
+    "default": {},
+    "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
+    "lane_sums": {"LANE_SUMS": True},  # per-token sums over d reduced once after the channel loop
+    "dout_once": {"DX_DOUT_ONCE": True},  # dX's kernel loads the write's dX' of all streams once
+    "lanes_dout": {"LANE_SUMS": True, "DX_DOUT_ONCE": True},
+    "dx_tf32": {"DX_PROJ": "tf32", "DX_DOUT_ONCE": True},  # 16-bit streams: φ w in dX on tf32 tensor cores
+    "tc": _TC,  # bf16 streams: the read's projection and φ's gradient bf16x3, φ w in dX bf16x2
+    "tc_lanes": {**_TC, "LANE_SUMS": True},
+    "tc_lanes_t16": {**_TC, "LANE_SUMS": True, "blocks": {"pre_fwd_tc": (16, 64, 4, 2)}},
+    "tc_lanes_t64": {**_TC, "LANE_SUMS": True, "blocks": {"pre_fwd_tc": (64, 64, 4, 2)}},
 }
 
 
-def backends(fused_only=False):
+def apply_settings(fused, settings: dict) -> dict:
+    """Set a variant's module settings (and GPU_BLOCKS entries); returns what restore_settings needs."""
+    saved = {k: getattr(fused, k) for k in settings if k != "blocks"}
+    saved["blocks"] = dict(fused.GPU_BLOCKS)
+    for k, v in settings.items():
+        if k == "blocks":
+            fused.GPU_BLOCKS.update(v)
+        else:
+            setattr(fused, k, v)
+    return saved
+
+
+def restore_settings(fused, saved: dict) -> None:
+    fused.GPU_BLOCKS.clear()
+    fused.GPU_BLOCKS.update(saved.pop("blocks"))
+    for k, v in saved.items():
+        setattr(fused, k, v)
+
+
+def backends(fused_only=False, variants=tuple(FUSED_VARIANTS)):
     from kernels.mhc import mhc_post, mhc_pre, reference
 
     def pre_of(backend):
@@ -197,8 +227,8 @@ def backends(fused_only=False):
     fused_fns = {
         "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
         "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
-    for label, settings in FUSED_VARIANTS.items():
-        yield label, settings, fused_fns
+    for name in variants:
+        yield ("triton" if name == "default" else f"triton ({name})"), FUSED_VARIANTS[name], fused_fns
     if fused_only:
         return
     compiled_pre = torch.compile(ref_pre)
@@ -303,6 +333,9 @@ def main(argv=None) -> None:
     ap.add_argument("--fused-only", action="store_true", help="time only the fused variants (no reference)")
     ap.add_argument("--kernels", nargs="+", default=list(BLOCK_CANDIDATES), choices=list(BLOCK_CANDIDATES),
                     help="with --sweep-blocks: only these kernels")
+    ap.add_argument("--variants", nargs="+", default=["default", "one_pass"], choices=list(FUSED_VARIANTS),
+                    help="fused variants to time (FUSED_VARIANTS: module settings of kernels/mhc/fused.py)")
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
@@ -333,13 +366,11 @@ def main(argv=None) -> None:
               (((B, T, d), dtype), ((B, T, n), torch.float32), ((B, T, n), torch.float32),
                ((B, T, n, n), torch.float32), ((B, T, n, d), dtype))]
         cnt = counts(N, n, d, elt=dtype.itemsize)
-        for label, settings, fns in backends(args.fused_only):
+        for label, settings, fns in backends(args.fused_only, args.variants):
             check = "reference"
-            saved = {k: getattr(fused, k) for k in (settings or {})}
+            saved = apply_settings(fused, settings or {})
             try:
                 if settings is not None:  # a fused variant: its parity first, then its times
-                    for k, v in settings.items():
-                        setattr(fused, k, v)
                     err = parity(B, T, n, d, args.seed, dtype)
                     check = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
                     print(f"{name} {label}: parity {check}", flush=True)
@@ -354,8 +385,7 @@ def main(argv=None) -> None:
                           "", "", "", "", "")
                 continue
             finally:
-                for k, v in saved.items():
-                    setattr(fused, k, v)
+                restore_settings(fused, saved)
             for op, ms in res.items():
                 n_bytes, flops = cnt[op]
                 floor = ceil.floor_ms(n_bytes, flops)
@@ -364,7 +394,9 @@ def main(argv=None) -> None:
                 print(" | ".join(table.rows[-1]), flush=True)
         del p, up
         torch.cuda.empty_cache()
-    table.write("ops_mhc" if args.dtype == "bf16" else f"ops_mhc_{args.dtype}")
+        if name != args.shapes[-1]:  # what is timed so far survives a step killed by its time limit
+            table.write(("ops_mhc" if args.dtype == "bf16" else f"ops_mhc_{args.dtype}") + args.tag)
+    table.write(("ops_mhc" if args.dtype == "bf16" else f"ops_mhc_{args.dtype}") + args.tag)
     if failed:
         raise SystemExit(f"parity check failed or a fused variant errored: {failed}; see the table")
 

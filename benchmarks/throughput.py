@@ -41,12 +41,14 @@ from benchmarks.roofline import Table
 
 
 def build(model_name: str, residual: str, vocab: int, overrides: list[str], device: str):
-    """``residual``: a registered residual, or ``ablation=<name>`` (the preset picks the residual)."""
+    """``residual``: a registered residual, or ``ablation=<name>`` (the preset picks the residual); either may carry
+    overrides of its own row after ``@`` (``mhc@residual.stream_dtype=bf16``, several joined by ``@``)."""
     from platform.config import compose, residual_config
     from platform.model import Backbone
 
+    residual, *own = residual.split("@")
     choice = residual if residual.startswith("ablation=") else f"residual={residual}"
-    cfg = compose(f"model={model_name}", choice, *overrides)
+    cfg = compose(f"model={model_name}", choice, *overrides, *own)
     with torch.device(device):  # initialised where it runs: no host-side init of a billion weights
         model = Backbone(cfg.model, vocab, residual_config(cfg))
     return model, cfg
@@ -82,9 +84,9 @@ def run_names(residual_names: list[str], ablation_names: list[str]) -> list[str]
 
     try:
         for n in residual_names:
-            residuals.get(n)
+            residuals.get(n.split("@")[0])
         for n in ablation_names:
-            ablations.get(n)
+            ablations.get(n.split("@")[0])
     except KeyError as exc:
         raise SystemExit(f"error: {exc.args[0]}") from None
     return [*residual_names, *(f"ablation={n}" for n in ablation_names)]
@@ -248,7 +250,9 @@ def main(argv=None) -> str:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["small", "medium"])
-    p.add_argument("--residuals", nargs="+", default=["vanilla"], help=f"any of {residuals.names()}")
+    p.add_argument("--residuals", nargs="+", default=["vanilla"],
+                   help=f"any of {residuals.names()}; NAME@KEY=VALUE[@...] adds overrides to that row alone "
+                        "(mhc@residual.stream_dtype=bf16 beside mhc and vanilla, in one process)")
     p.add_argument("--ablations", nargs="*", default=[], help="registered ablations, timed after the residuals")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (per GPU)")
     p.add_argument("--steps", type=int, default=10)

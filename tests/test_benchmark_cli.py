@@ -288,3 +288,17 @@ def test_glue_kernels_take_the_small_steps_off_pytorch():
     assert sum(f_triton.values()) <= 5 < 15 <= sum(f_torch.values())
     assert "exp" in b_torch and "exp" not in b_triton and sum(b_triton.values()) + 8 <= sum(b_torch.values())
     assert not msar_glue_ops.NOT_WORK & (set(f_torch) | set(b_torch))  # views, allocations, copies not counted
+
+
+def test_a_row_can_carry_overrides_of_its_own(tmp_path, monkeypatch):
+    """``mhc@residual.stream_dtype=bf16`` beside ``mhc`` and vanilla: that row alone is built with the override (the
+    others would refuse it: vanilla has no stream_dtype), and a bad row override fails before any timing."""
+    _, cfg = throughput.build("tiny", "mhc@residual.stream_dtype=bf16", 256, [], "cpu")
+    assert cfg.residual.name == "mhc" and cfg.residual.stream_dtype == "bf16"
+    _, plain = throughput.build("tiny", "mhc", 256, [], "cpu")
+    assert plain.residual.stream_dtype == "input"
+    with pytest.raises(SystemExit, match="stream_dtyp"):
+        throughput.main(["--models", "tiny", "--residuals", "vanilla", "mhc@residual.stream_dtyp=bf16", "--compile",
+                         "off", "--vocab", "256"])
+    with pytest.raises(SystemExit, match="'mhcc'"):
+        throughput.main(["--models", "tiny", "--residuals", "mhcc@residual.stream_dtype=bf16"])

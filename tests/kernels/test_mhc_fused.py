@@ -63,6 +63,25 @@ def leaves(inp):
     return {k: v.clone().requires_grad_() for k, v in inp.items() if v is not None}
 
 
+# the kernel variants of kernels/mhc/fused.py (module settings; off by default until timed): each must give the
+# reference's results. The tensor-core ones apply to 16-bit streams only; on fp32 streams they must leave the fp32 path.
+VARIANTS = {
+    "default": {},
+    "lane_sums": {"LANE_SUMS": True},
+    "tensor_cores": {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "DX_DOUT_ONCE": True},
+    "dx_tf32_lane_sums": {"DX_PROJ": "tf32", "LANE_SUMS": True, "DX_DOUT_ONCE": True},
+}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch):
+    from kernels.mhc import fused
+
+    for key, value in VARIANTS[request.param].items():
+        monkeypatch.setattr(fused, key, value)
+    return request.param
+
+
 @pytest.fixture
 def blocks(monkeypatch):
     from kernels.mhc import fused
@@ -80,7 +99,7 @@ def blocks(monkeypatch):
 
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_forward_and_every_gradient_match_the_reference(case, blocks):
+def test_forward_and_every_gradient_match_the_reference(case, blocks, variant):
     _, n, d, B, T, gain, iters, blk = case
     blocks(blk)
     inp = make_inputs(n, d, B, T, gain)
@@ -182,7 +201,7 @@ def chain(backend, a, b, direct, seed=9):
 @needs_interpreter
 @pytest.mark.parametrize("one_pass", [False, True], ids=["write_then_read", "one_pass"])
 @pytest.mark.parametrize("direct", [False, True], ids=["linked_only", "direct_grad_on_streams"])
-def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, direct, one_pass):
+def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, direct, one_pass, variant):
     """read(0) -> mhc_post_pre (write 0 + read 1: two kernels, or one pass with ``one_pass``) -> mhc_post
     (write 1) against the reference:
     every output and every gradient of both sublayers' parameters, the streams and the sublayer outputs.
@@ -211,7 +230,7 @@ def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, dire
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_fused_write_and_next_read_match_the_reference(dtype):
+def test_gpu_fused_write_and_next_read_match_the_reference(dtype, variant):
     """The chain above on the GPU at a model-like width (several programs, ragged token block)."""
     check_fused_chain_against_the_reference(dtype, "cuda", d=512, T=301)
 
@@ -249,14 +268,14 @@ def check_fused_chain_against_the_reference(dtype, device, *, d, T):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_fused_write_and_next_read_in_bf16_and_fp32_streams_match_the_reference(dtype):
+def test_fused_write_and_next_read_in_bf16_and_fp32_streams_match_the_reference(dtype, variant):
     """The GPU chain's check on CPU under the interpreter, at a small width (bf16 loads are upcast
     before every tl.dot, so the interpreter computes them as the GPU does)."""
     check_fused_chain_against_the_reference(dtype, "cpu", d=40, T=37)
 
 
 @needs_interpreter
-def test_bf16_streams_projection_matches_the_fp32_reference():
+def test_bf16_streams_projection_matches_the_fp32_reference(variant):
     """bf16 streams (with a norm gain): the coefficients from the fused projection are within 1e-5 of
     the fp32 reference on the same bf16 values."""
     inp = make_inputs(4, 40, 2, 9, True, seed=11)
@@ -266,6 +285,48 @@ def test_bf16_streams_projection_matches_the_fp32_reference():
     ref = run("torch", {**low, "x": low["x"].float()}, 20)
     for name, a, b in zip(("h_pre", "h_post", "h_res"), got[1:4], ref[1:4]):
         assert rel_err(a, b) < 1e-5, f"{name}: rel err {rel_err(a, b):.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("trans", [False, True], ids=["rows", "transposed"])
+def test_bf16_parts_hold_the_fp32_values(trans):
+    """split_bf16: Σ of 3 parts is g ⊙ φ to about fp32's precision, 2 parts to about 2^-16, 1 part to bf16's; the
+    padded columns are zero. (Bounds of truncation: the interpreter truncates to bf16, the GPU rounds to nearest.)"""
+    from kernels.mhc.fused import split_bf16
+
+    g = torch.Generator().manual_seed(5)
+    src, gain = torch.randn(37, 24, generator=g) * 0.03, 1.0 + 0.2 * torch.randn(37, generator=g)
+    want = src * gain[:, None]
+    for parts, tol in ((1, 2 ** -7), (2, 2 ** -15), (3, 2 ** -22)):
+        got = split_bf16(src, gain, parts, 32, trans=trans).float().sum(0)
+        got = got.t() if trans else got
+        assert got[:, 24:].abs().max() == 0
+        err = ((got[:, :24] - want).abs() / want.abs().clamp_min(1e-30)).max().item()
+        assert err <= tol, (parts, err)
+        assert parts == 3 or err > tol / 64, (parts, err)  # fewer parts are really less precise
+
+
+@needs_interpreter
+def test_tensor_core_variants_engage_on_bf16_streams_only(monkeypatch):
+    """With the tensor-core variants set, bf16 streams split φ (read, and dX with bf16x2) and φ's gradient takes its
+    bf16 branch; fp32 streams never do. An unknown setting is refused with the valid choices."""
+    from kernels.mhc import fused
+
+    for key, value in VARIANTS["tensor_cores"].items():
+        monkeypatch.setattr(fused, key, value)
+    calls = []
+    split = fused.split_bf16
+    monkeypatch.setattr(fused, "split_bf16", lambda *a, **kw: calls.append(a[2]) or split(*a, **kw))
+    for dtype, expected in ((torch.float32, []), (torch.bfloat16, [3, 2])):
+        calls.clear()
+        inp = make_inputs(4, 20, 1, 5, True, seed=2)
+        lv = leaves({**inp, "x": inp["x"].to(dtype)})
+        h = run("triton", lv, 20)[0]
+        h.float().sum().backward()
+        assert calls == expected, (dtype, calls)
+    monkeypatch.setattr(fused, "DX_PROJ", "fp8")
+    with pytest.raises(ValueError, match="DX_PROJ='fp8'.*fp32, tf32, bf16x2"):
+        run("triton", leaves({**inp, "x": inp["x"].bfloat16()}), 20)[0].float().sum().backward()
 
 
 @needs_interpreter
