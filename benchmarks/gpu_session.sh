@@ -150,6 +150,10 @@
 #            default; MHC_VARIANTS) against the default in one process, bf16 streams at `small` and `medium`, fp32
 #            streams at `small`; the mHC GPU tests (every variant); mhc's `small` step with its default fp32 streams and
 #            with bf16 streams beside vanilla (MHC_ROWS)
+#   mhc2     one GPU (about 600 s with the start): with the tensor-core variants the default for bf16 streams (the `mhc`
+#            plan's ops_mhc_variants.md), the defaults against the settings before, twice each in one process, bf16
+#            and fp32 streams; the mHC GPU tests; mhc's `medium` and `small` steps with fp32 and bf16 streams beside
+#            vanilla
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -157,7 +161,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -648,6 +652,19 @@ case "$PLAN" in
     step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small --residuals \
       ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} --compile model --graphs on --steps 8 --set $COMBO \
       --tag ${TAG:-_mhc}
+    ;;
+  mhc2)
+    step gpu0 ops_bf16 "${OPS_LIMIT:-60}" python3 -m benchmarks.ops_mhc --fused-only --shapes medium small \
+      --variants before default before default --tag _defaults
+    step gpu0 ops_fp32 "${OPS32_LIMIT:-45}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes medium \
+      small --variants before default dout_per_stream --tag _defaults
+    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py
+    for model in medium small; do
+      step gpu0 "$model" "$([ $model = medium ] && echo "${MEDIUM_LIMIT:-220}" || echo "${SMALL_LIMIT:-110}")" \
+        python3 -m benchmarks.throughput --models $model --residuals ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} \
+        --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_mhc2}
+    done
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

@@ -180,8 +180,11 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
 # the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first); "blocks" sets
 # entries of fused.GPU_BLOCKS. `--variants` picks some by name.
 _TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "DX_DOUT_ONCE": True}
+_BEFORE = {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "DX_DOUT_ONCE": False, "LANE_SUMS": False}
 FUSED_VARIANTS = {
     "default": {},
+    "before": _BEFORE,  # the defaults before 2026-12-02 afternoon: fp32 CUDA-core projections, dX' once per stream
+    "dout_per_stream": {"DX_DOUT_ONCE": False},
     "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
     "lane_sums": {"LANE_SUMS": True},  # per-token sums over d reduced once after the channel loop
     "dout_once": {"DX_DOUT_ONCE": True},  # dX's kernel loads the write's dX' of all streams once

@@ -67,25 +67,27 @@ DOT_PRECISION = "ieee"
 # the same either way (it recomputes from the stored X').
 POST_PRE_ONE_PASS = False
 
-# Kernel variants of 2026-12-02 afternoon, each off until benchmarks/ops_mhc.py times it against the default in one
-# process (``FUSED_VARIANTS`` there); every variant computes the same math and is tested against the reference.
+# Kernel variants of 2026-12-02 afternoon, timed against each other in one process by benchmarks/ops_mhc.py
+# (``FUSED_VARIANTS`` there; ops_mhc_variants.md); every variant computes the same math and is tested against the
+# reference. At `medium` with bf16 streams the tensor-core set below (now the default) took a sublayer's write + read,
+# forward and backward, from 3.965 to 3.565 ms; LANE_SUMS was slower everywhere (3.965 -> 4.074).
 # LANE_SUMS: the per-token sums over the d channels (post_bwd's dH^res and dH^post, pre_bwd's dH^pre, pre_fwd's Σx²)
 #   are accumulated lane by lane across the channel loop and reduced across lanes once after it, instead of a
-#   cross-lane reduction (and its layout change for the (token, i, j) tile) every chunk.
+#   cross-lane reduction (and its layout change for the (token, i, j) tile) every chunk. Off: measured slower.
 LANE_SUMS = False
-# PRE_PROJ: the read's projection x'φ for **bf16** streams. "fp32": tl.dot at DOT_PRECISION. "bf16x3": x is exact in
-#   bf16; φ, with the norm gain folded in, is split into three bf16 parts (hi + mid + lo holds its 24 bits), so
-#   three tensor-core products with fp32 accumulation give the fp32 projection. Other stream dtypes take "fp32".
-PRE_PROJ = "fp32"
-# PHI_GRAD_PROJ: φ's gradient Σ_t xᵀ w for **bf16** streams; "bf16x3": w split into three bf16 parts in the kernel
-#   (x exact in bf16), three tensor-core products. Other stream dtypes take "fp32".
-PHI_GRAD_PROJ = "fp32"
+# PRE_PROJ: the read's projection x'φ for **bf16** streams. "fp32": tl.dot at DOT_PRECISION. "bf16x3" (default): x is
+#   exact in bf16; φ, with the norm gain folded in, is split into three bf16 parts (hi + mid + lo holds its 24 bits),
+#   so three tensor-core products with fp32 accumulation give the fp32 projection. Other stream dtypes take "fp32".
+PRE_PROJ = "bf16x3"
+# PHI_GRAD_PROJ: φ's gradient Σ_t xᵀ w for **bf16** streams; "bf16x3" (default): w split into three bf16 parts in the
+#   kernel (x exact in bf16), three tensor-core products. Other stream dtypes take "fp32".
+PHI_GRAD_PROJ = "bf16x3"
 # DX_PROJ: φ w inside dX, for **16-bit** streams (dX is stored in bf16 / fp16): "fp32" (DOT_PRECISION), "tf32" (one
-#   tensor-core product on 10-bit operands), "bf16x2" (w and φ each split in two bf16 parts, three products:
-#   about 16 bits). fp32 streams always take "fp32".
-DX_PROJ = "fp32"
-# DX_DOUT_ONCE: pre_dx loads the write's dX' of all n streams once per tile, not once per stream of dX.
-DX_DOUT_ONCE = False
+#   tensor-core product on 10-bit operands), "bf16x2" (default: w and φ each split in two bf16 parts, three products,
+#   about 16 bits, beyond what the bf16 dX keeps). fp32 streams always take "fp32".
+DX_PROJ = "bf16x2"
+# DX_DOUT_ONCE: pre_dx loads the write's dX' of all n streams once per tile, not once per stream of dX (default).
+DX_DOUT_ONCE = True
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2")}
 
