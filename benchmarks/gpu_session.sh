@@ -154,6 +154,8 @@
 #            plan's ops_mhc_variants.md), the defaults against the settings before, twice each in one process, bf16
 #            and fp32 streams; the mHC GPU tests; mhc's `medium` and `small` steps with fp32 and bf16 streams beside
 #            vanilla
+#   mhc3     one GPU (about 400 s with the start): mhc's `small` step with fp32 and bf16 streams beside vanilla (the
+#            defaults of the `mhc2` plan), and Nsight Compute's counters of mHC's kernels (bf16 streams)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -161,7 +163,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -665,6 +667,12 @@ case "$PLAN" in
         python3 -m benchmarks.throughput --models $model --residuals ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} \
         --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_mhc2}
     done
+    ;;
+  mhc3)
+    step gpu0 small "${SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals \
+      ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} --compile model --graphs on --steps 6 --set $COMBO \
+      --tag ${TAG:-_mhc3}
+    COUNTER_LAUNCHES=${COUNTER_LAUNCHES:-10} counters_of mhc "${COUNTER_LIMIT:-90}"
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
