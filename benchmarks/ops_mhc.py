@@ -183,7 +183,7 @@ _TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "DX
 _BEFORE = {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "DX_DOUT_ONCE": False, "LANE_SUMS": False}
 FUSED_VARIANTS = {
     "default": {},
-    "before": _BEFORE,  # the defaults before 2026-12-02 afternoon: fp32 CUDA-core projections, dX' once per stream
+    "before": _BEFORE,  # the defaults before 2026-12-02 night: fp32 CUDA-core projections, dX' once per stream
     "dout_per_stream": {"DX_DOUT_ONCE": False},
     "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
     "lane_sums": {"LANE_SUMS": True},  # per-token sums over d reduced once after the channel loop

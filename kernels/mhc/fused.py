@@ -67,7 +67,7 @@ DOT_PRECISION = "ieee"
 # the same either way (it recomputes from the stored X').
 POST_PRE_ONE_PASS = False
 
-# Kernel variants of 2026-12-02 afternoon, timed against each other in one process by benchmarks/ops_mhc.py
+# Kernel variants of 2026-12-02 night, timed against each other in one process by benchmarks/ops_mhc.py
 # (``FUSED_VARIANTS`` there; ops_mhc_variants.md); every variant computes the same math and is tested against the
 # reference. At `medium` with bf16 streams the tensor-core set below (now the default) took a sublayer's write + read,
 # forward and backward, from 3.965 to 3.565 ms; LANE_SUMS was slower everywhere (3.965 -> 4.074).
