@@ -406,6 +406,25 @@ def _post_fwd_kernel(
 
 
 @triton.jit
+def _write_coefficients(hres_ptr, hpost_ptr, N, N_STREAMS: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The write's per-token coefficients of this program's BLOCK_T tokens: (rows, mask_t, the (token, i) mask, the
+    valid (i, j) entries, H^res's (i, j) offsets, H^res (BLOCK_T, i, j), H^post (BLOCK_T, i))."""
+    NN: tl.constexpr = N_STREAMS * N_STREAMS
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
+    valid = (mask_n[:, None] & mask_n[None, :])[None, :, :]
+    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
+    h_res = tl.load(hres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
+                    other=0.0)
+    h_post = tl.load(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    return rows, mask_t, m2, valid, res_offs, h_res, h_post
+
+
+@triton.jit
 def _post_bwd_kernel(
     x_ptr,  # streams (N, n, d), contiguous
     f_ptr,  # sublayer output (N, d), contiguous
@@ -425,18 +444,10 @@ def _post_bwd_kernel(
         _post_bwd_lanes(x_ptr, f_ptr, hpost_ptr, hres_ptr, dout_ptr, dx_ptr, df_ptr, dhpost_ptr, dhres_ptr, N,
                         D, N_STREAMS, NP, STORE_DX, BLOCK_T, BLOCK_D)
         return
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < N
-    rows = offs_t.to(tl.int64)
     ND: tl.constexpr = N_STREAMS * D
     offs_n = tl.arange(0, NP)
-    mask_n = offs_n < N_STREAMS
-    m2 = mask_t[:, None] & mask_n[None, :]
-    valid = (mask_n[:, None] & mask_n[None, :])[None, :, :]
-    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
-    h_res = tl.load(hres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
-                    other=0.0)
-    h_post = tl.load(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    rows, mask_t, m2, valid, res_offs, h_res, h_post = _write_coefficients(hres_ptr, hpost_ptr, N, N_STREAMS, NP,
+                                                                           BLOCK_T)
     col = offs_n[None, None, :]  # j of the (token, i, j) tile
     acc_res = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
     acc_post = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
@@ -471,18 +482,10 @@ def _post_bwd_lanes(x_ptr, f_ptr, hpost_ptr, hres_ptr, dout_ptr, dx_ptr, df_ptr,
     dX'_i X_j and dX'_i f accumulated lane by lane in (BLOCK_T, NP, NP, BLOCK_D) and (BLOCK_T, NP, BLOCK_D) registers,
     summed over d once after the loop; dX = H^resᵀ dX' as one reduction over i of the 4-D tile."""
     NN: tl.constexpr = N_STREAMS * N_STREAMS
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < N
-    rows = offs_t.to(tl.int64)
     ND: tl.constexpr = N_STREAMS * D
     offs_n = tl.arange(0, NP)
-    mask_n = offs_n < N_STREAMS
-    m2 = mask_t[:, None] & mask_n[None, :]
-    valid = (mask_n[:, None] & mask_n[None, :])[None, :, :]
-    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
-    h_res = tl.load(hres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
-                    other=0.0)  # (BLOCK_T, i, j)
-    h_post = tl.load(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    rows, mask_t, m2, valid, res_offs, h_res, h_post = _write_coefficients(hres_ptr, hpost_ptr, N, N_STREAMS, NP,
+                                                                           BLOCK_T)
     acc_res = tl.zeros((BLOCK_T, NP, NP, BLOCK_D), dtype=tl.float32)  # [t, i, j, lane]: dX'_i X_j
     acc_post = tl.zeros((BLOCK_T, NP, BLOCK_D), dtype=tl.float32)  # [t, i, lane]: dX'_i f
     for d0 in range(0, D, BLOCK_D):
