@@ -1,7 +1,7 @@
 """Fused mHC read / write (kernels/mhc) vs its PyTorch reference and torch.compile of it, on a CUDA GPU.
 
     python -m benchmarks.ops_mhc [--shapes small medium d2048] [--n 4] [--dtype bf16|fp32] [--fused-only]
-        [--variants NAME ...] [--tag T]
+        [--variants NAME ...] [--rounds R] [--tag T]
     python -m benchmarks.ops_mhc --sweep-blocks [--shapes small medium] [--kernels pre_bwd pre_dx] [--dtype bf16|fp32]
 
 In ONE process (timings on a shared host swing between invocations):
@@ -209,6 +209,31 @@ def apply_settings(fused, settings: dict) -> dict:
     return saved
 
 
+def interleaved_rounds(entries: list, rounds: int, time_one) -> tuple[dict, dict]:
+    """Time every entry once per round, the entries interleaved (round 1: a, b, c; round 2: a, b, c; ...), so that a
+    drift of the GPU's clocks or of the host over the run lands on every entry alike instead of on whichever came
+    first. ``time_one(entry)`` returns {op: ms} or raises; an entry that raises is not timed again.
+    Returns ({entry: {op: median ms}}, {entry: exception}) in entry order."""
+    import statistics
+
+    samples: dict = {e: {} for e in entries}
+    errors: dict = {}
+    for _ in range(rounds):
+        for e in entries:
+            if e in errors:
+                continue
+            try:
+                res = time_one(e)
+            except Exception as exc:  # noqa: BLE001 - reported in the entry's row by the caller
+                errors[e] = exc
+                continue
+            for op, ms in res.items():
+                samples[e].setdefault(op, []).append(ms)
+    medians = {e: {op: (statistics.median(v), min(v), max(v)) for op, v in ops.items()}
+               for e, ops in samples.items() if e not in errors}
+    return medians, errors
+
+
 def restore_settings(fused, saved: dict) -> None:
     fused.GPU_BLOCKS.clear()
     fused.GPU_BLOCKS.update(saved.pop("blocks"))
@@ -339,6 +364,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", nargs="+", default=["default", "one_pass"], choices=list(FUSED_VARIANTS),
                     help="fused variants to time (FUSED_VARIANTS: module settings of kernels/mhc/fused.py)")
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every backend this many times, interleaved round by round; the table gives the median "
+                         "and, with more than one round, the range")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
@@ -358,7 +386,9 @@ def main(argv=None) -> None:
                "fwd ops under no_grad; fwd+bwd = one sublayer's pre + post and the gradients of X, f, φ, α, b",
                "min MB: each op's inputs read once and outputs written once; GFLOP: CUDA-core FLOPs "
                "(see `counts` in benchmarks/ops_mhc.py); roofline = max(bytes / copy, FLOPs / fp32 rate)",
-               f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL[args.dtype]}"])
+               f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL[args.dtype]}",
+               f"ms: median of {max(1, args.rounds)} round(s), every backend once a round, interleaved"
+               + (" (range in brackets)" if args.rounds > 1 else "")])
     failed = []
     for name in args.shapes:
         B, T, d = SHAPES[name]
@@ -369,30 +399,51 @@ def main(argv=None) -> None:
               (((B, T, d), dtype), ((B, T, n), torch.float32), ((B, T, n), torch.float32),
                ((B, T, n, n), torch.float32), ((B, T, n, d), dtype))]
         cnt = counts(N, n, d, elt=dtype.itemsize)
-        for label, settings, fns in backends(args.fused_only, args.variants):
-            check = "reference"
+        entries, checks, fns_of = [], {}, {}
+        for label, settings, fns in backends(args.fused_only, list(dict.fromkeys(args.variants))):  # --rounds repeats
+            checks[label], fns_of[label] = "reference", (settings, fns)
+            if settings is not None:  # a fused variant: its parity first (all of them before any timing)
+                saved = apply_settings(fused, settings)
+                try:
+                    err = parity(B, T, n, d, args.seed, dtype)
+                except Exception as e:  # a variant that fails is reported in the table, not skipped silently
+                    print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
+                    failed.append(f"{name} {label}: {type(e).__name__}")
+                    table.add(name, f"{B}×{T}", d, n, "error", label, "all", f"error: {type(e).__name__}",
+                              "", "", "", "", "")
+                    continue
+                finally:
+                    restore_settings(fused, saved)
+                checks[label] = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
+                print(f"{name} {label}: parity {checks[label]}", flush=True)
+                if err >= PARITY_TOL[args.dtype]:
+                    failed.append(f"{name} {label}")
+            entries.append(label)
+
+        def time_one(label):
+            settings, fns = fns_of[label]
             saved = apply_settings(fused, settings or {})
             try:
-                if settings is not None:  # a fused variant: its parity first, then its times
-                    err = parity(B, T, n, d, args.seed, dtype)
-                    check = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
-                    print(f"{name} {label}: parity {check}", flush=True)
-                    if err >= PARITY_TOL[args.dtype]:
-                        failed.append(f"{name} {label}")
-                res = timings(fns, p, up)
-            except Exception as e:  # a backend that fails is reported in the table, not skipped silently
+                return timings(fns, p, up)
+            finally:
+                restore_settings(fused, saved)
+
+        medians, errors = interleaved_rounds(entries, max(1, args.rounds), time_one)
+        for label in entries:
+            check = checks[label]
+            if label in errors:  # the fused ops must run; a torch.compile failure is only reported
+                e = errors[label]
                 print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
-                if settings is not None:  # the fused ops must run; a torch.compile failure is only reported
+                if fns_of[label][0] is not None:
                     failed.append(f"{name} {label}: {type(e).__name__}")
                 table.add(name, f"{B}×{T}", d, n, check, label, "all", f"error: {type(e).__name__}",
                           "", "", "", "", "")
                 continue
-            finally:
-                restore_settings(fused, saved)
-            for op, ms in res.items():
+            for op, (ms, lo, hi) in medians[label].items():
                 n_bytes, flops = cnt[op]
                 floor = ceil.floor_ms(n_bytes, flops)
-                table.add(name, f"{B}×{T}", d, n, check, label, op, f"{ms:.3f}", f"{n_bytes / 1e6:.0f}",
+                shown = f"{ms:.3f}" + (f" ({lo:.3f}–{hi:.3f})" if args.rounds > 1 else "")
+                table.add(name, f"{B}×{T}", d, n, check, label, op, shown, f"{n_bytes / 1e6:.0f}",
                           f"{flops / 1e9:.2f}", f"{floor:.3f}", ceil.binding(n_bytes, flops), f"{100 * floor / ms:.0f}%")
                 print(" | ".join(table.rows[-1]), flush=True)
         del p, up

@@ -302,3 +302,25 @@ def test_a_row_can_carry_overrides_of_its_own(tmp_path, monkeypatch):
                          "off", "--vocab", "256"])
     with pytest.raises(SystemExit, match="'mhcc'"):
         throughput.main(["--models", "tiny", "--residuals", "mhcc@residual.stream_dtype=bf16"])
+
+
+def test_ops_mhc_rounds_interleave_the_backends_and_take_medians():
+    """benchmarks.ops_mhc --rounds: every backend is timed once a round in turn (a, b, a, b, ...), so a drift over the
+    run reaches all of them; the median and range per op come back; a backend that raises is not timed again."""
+    from benchmarks.ops_mhc import interleaved_rounds
+
+    calls, clock = [], iter(range(100))
+
+    def time_one(entry):
+        calls.append(entry)
+        if entry == "broken":
+            raise RuntimeError("no kernel")
+        t = next(clock)  # a drifting clock: later calls read slower
+        return {"fwd": 1.0 + t + (10.0 if entry == "b" else 0.0)}
+
+    medians, errors = interleaved_rounds(["a", "broken", "b"], 3, time_one)
+    assert calls == ["a", "broken", "b", "a", "b", "a", "b"]
+    assert list(errors) == ["broken"] and isinstance(errors["broken"], RuntimeError)
+    assert medians["a"]["fwd"] == (3.0, 1.0, 5.0)  # clock 0, 2, 4
+    assert medians["b"]["fwd"] == (14.0, 12.0, 16.0)  # clock 1, 3, 5, plus 10
+    assert "broken" not in medians
