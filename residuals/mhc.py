@@ -83,6 +83,8 @@ class MHCState:
     # the previous write (fused with it); read() returns it when asked for that layer and these streams
     ahead: Optional[tuple[int, Tensor, Tensor, Tensor, Tensor, Tensor]] = None
     trace: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer -> detached coeffs
+    # the embedding's dtype: what read() hands the sublayer when no autocast would cast bf16 streams' h for it
+    compute_dtype: Optional[torch.dtype] = None
 
 
 @register("mhc")
@@ -164,7 +166,7 @@ class MHC(Residual):
         # the embedding in every stream, materialised once: the first read and write (and their saved
         # tensors) share this copy instead of each making its own
         streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d).contiguous()  # (B, T, n, d)
-        state = MHCState(streams=streams, record=ctx.record)
+        state = MHCState(streams=streams, record=ctx.record, compute_dtype=embedding.dtype)
         state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
         return state
 
@@ -186,6 +188,9 @@ class MHC(Residual):
         state.pending = (layer, h_post, h_res)
         if state.record:
             state.trace[layer] = (h_pre.detach(), h_post.detach(), h_res.detach())
+        if state.compute_dtype is not None and h.dtype != state.compute_dtype and not torch.is_autocast_enabled(
+                h.device.type):
+            h = h.to(state.compute_dtype)  # bf16 streams in fp32 training: the sublayer's weights are fp32
         return h
 
     def write(self, state: MHCState, layer: int, out: Tensor) -> MHCState:
@@ -196,11 +201,12 @@ class MHC(Residual):
         # X_{l+1} = H^res X_l + H^postᵀ f_l, mixed in fp32, in the streams' dtype: (B, T, n, d)
         if layer + 1 == self.n_sublayers:
             new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend)
-            return MHCState(streams=new, record=state.record, trace=state.trace)
+            return MHCState(streams=new, record=state.record, trace=state.trace, compute_dtype=state.compute_dtype)
         # ... and the read of sublayer l+1 in the same pass (paper §4.3); read(l+1) returns it
         new, *next_read = mhc_post_pre(state.streams, out, h_post, h_res, *self.layer_params(layer + 1),
                                        sinkhorn_iters=self.cfg.sinkhorn_iters, backend=self.cfg.backend)
-        return MHCState(streams=new, record=state.record, trace=state.trace, ahead=(layer + 1, new, *next_read))
+        return MHCState(streams=new, record=state.record, trace=state.trace, ahead=(layer + 1, new, *next_read),
+                        compute_dtype=state.compute_dtype)
 
     def end(self, state: MHCState) -> Tensor:
         x = state.streams  # (B, T, n, d)
