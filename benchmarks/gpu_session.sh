@@ -645,10 +645,10 @@ case "$PLAN" in
   mhc)
     # the variants' parity against the fp32 reference comes first in each ops_mhc row; a failing one exits non-zero
     step gpu0 ops_bf16 "${OPS_LIMIT:-250}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
-      --variants ${MHC_VARIANTS:-default lane_sums dout_once lanes_dout dx_tf32 tc tc_lanes tc_lanes_t16} \
+      --variants ${MHC_VARIANTS:-before default dx_tf32} \
       --tag _variants
     step gpu0 ops_fp32 "${OPS32_LIMIT:-70}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes small \
-      --variants ${MHC32_VARIANTS:-default lane_sums dout_once lanes_dout} --tag _variants
+      --variants ${MHC32_VARIANTS:-before default} --tag _variants
     step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py
     step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small --residuals \
@@ -659,7 +659,7 @@ case "$PLAN" in
     step gpu0 ops_bf16 "${OPS_LIMIT:-60}" python3 -m benchmarks.ops_mhc --fused-only --shapes medium small \
       --variants before default before default --tag _defaults
     step gpu0 ops_fp32 "${OPS32_LIMIT:-45}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes medium \
-      small --variants before default dout_per_stream --tag _defaults
+      small --variants before default --tag _defaults
     step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py
     for model in medium small; do

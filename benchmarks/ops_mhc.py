@@ -177,35 +177,24 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
     return out
 
 
-# the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first); "blocks" sets
-# entries of fused.GPU_BLOCKS. `--variants` picks some by name.
-_TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "DX_DOUT_ONCE": True}
-_BEFORE = {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "DX_DOUT_ONCE": False, "LANE_SUMS": False}
+# the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first), picked by
+# `--variants`; block sizes are swept by `--sweep-blocks` (BLOCK_CANDIDATES).
+_TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2"}
 FUSED_VARIANTS = {
     "default": {},
-    "before": _BEFORE,  # the defaults before 2026-12-02 night: fp32 CUDA-core projections, dX' once per stream
-    "dout_per_stream": {"DX_DOUT_ONCE": False},
+    # the projections before 2026-12-02 night (fp32 on CUDA cores; dX' is now loaded once either way)
+    "before": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32"},
     "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
-    "lane_sums": {"LANE_SUMS": True},  # per-token sums over d reduced once after the channel loop
-    "dout_once": {"DX_DOUT_ONCE": True},  # dX's kernel loads the write's dX' of all streams once
-    "lanes_dout": {"LANE_SUMS": True, "DX_DOUT_ONCE": True},
-    "dx_tf32": {"DX_PROJ": "tf32", "DX_DOUT_ONCE": True},  # 16-bit streams: φ w in dX on tf32 tensor cores
-    "tc": _TC,  # bf16 streams: the read's projection and φ's gradient bf16x3, φ w in dX bf16x2
-    "tc_lanes": {**_TC, "LANE_SUMS": True},
-    "tc_lanes_t16": {**_TC, "LANE_SUMS": True, "blocks": {"pre_fwd_tc": (16, 64, 4, 2)}},
-    "tc_lanes_t64": {**_TC, "LANE_SUMS": True, "blocks": {"pre_fwd_tc": (64, 64, 4, 2)}},
+    "dx_tf32": {"DX_PROJ": "tf32"},  # 16-bit streams: φ w in dX on tf32 tensor cores
+    "tc": _TC,  # bf16 streams: the read's projection and φ's gradient bf16x3, φ w in dX bf16x2 (the defaults)
 }
 
 
 def apply_settings(fused, settings: dict) -> dict:
-    """Set a variant's module settings (and GPU_BLOCKS entries); returns what restore_settings needs."""
-    saved = {k: getattr(fused, k) for k in settings if k != "blocks"}
-    saved["blocks"] = dict(fused.GPU_BLOCKS)
+    """Set a variant's module settings; returns the values they replace, for restore_settings."""
+    saved = {k: getattr(fused, k) for k in settings}
     for k, v in settings.items():
-        if k == "blocks":
-            fused.GPU_BLOCKS.update(v)
-        else:
-            setattr(fused, k, v)
+        setattr(fused, k, v)
     return saved
 
 
@@ -235,8 +224,6 @@ def interleaved_rounds(entries: list, rounds: int, time_one) -> tuple[dict, dict
 
 
 def restore_settings(fused, saved: dict) -> None:
-    fused.GPU_BLOCKS.clear()
-    fused.GPU_BLOCKS.update(saved.pop("blocks"))
     for k, v in saved.items():
         setattr(fused, k, v)
 
@@ -275,12 +262,13 @@ def backends(fused_only=False, variants=tuple(FUSED_VARIANTS)):
 # kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
 BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
     "pre_fwd": [(32, 16, 4, 1), (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (64, 16, 8, 1)],
+    "pre_fwd_tc": [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 32, 4, 2)],  # bf16 streams
     "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
     "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1)],
     "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
     "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
 }
-SWEEP_OP = {"pre_fwd": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
+SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
             "post_bwd": "post+pre fwd+bwd"}
 
 

@@ -70,11 +70,8 @@ POST_PRE_ONE_PASS = False
 # Kernel variants of 2026-12-02 night, timed against each other in one process by benchmarks/ops_mhc.py
 # (``FUSED_VARIANTS`` there; ops_mhc_variants.md); every variant computes the same math and is tested against the
 # reference. At `medium` with bf16 streams the tensor-core set below (now the default) took a sublayer's write + read,
-# forward and backward, from 3.965 to 3.565 ms; LANE_SUMS was slower everywhere (3.965 -> 4.074).
-# LANE_SUMS: the per-token sums over the d channels (post_bwd's dH^res and dH^post, pre_bwd's dH^pre, pre_fwd's Σx²)
-#   are accumulated lane by lane across the channel loop and reduced across lanes once after it, instead of a
-#   cross-lane reduction (and its layout change for the (token, i, j) tile) every chunk. Off: measured slower.
-LANE_SUMS = False
+# forward and backward, from 3.965 to 3.565 ms. Measured and removed: the sums over d kept lane by lane and reduced
+# once after the channel loop (slower everywhere, 3.965 -> 4.074; commit f9b393a has them).
 # PRE_PROJ: the read's projection x'φ for **bf16** streams. "fp32": tl.dot at DOT_PRECISION. "bf16x3" (default): x is
 #   exact in bf16; φ, with the norm gain folded in, is split into three bf16 parts (hi + mid + lo holds its 24 bits),
 #   so three tensor-core products with fp32 accumulation give the fp32 projection. Other stream dtypes take "fp32".
@@ -86,8 +83,6 @@ PHI_GRAD_PROJ = "bf16x3"
 #   tensor-core product on 10-bit operands), "bf16x2" (default: w and φ each split in two bf16 parts, three products,
 #   about 16 bits, beyond what the bf16 dX keeps). fp32 streams always take "fp32".
 DX_PROJ = "bf16x2"
-# DX_DOUT_ONCE: pre_dx loads the write's dX' of all n streams once per tile, not once per stream of dX (default).
-DX_DOUT_ONCE = True
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2")}
 
@@ -279,8 +274,7 @@ def _pre_fwd_kernel(
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
     HAS_GAIN: tl.constexpr, FUSE_POST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PARTS: tl.constexpr = 0, LANE_SUMS: tl.constexpr = False,
-    INTERP: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, PARTS: tl.constexpr = 0, INTERP: tl.constexpr = False,
 ):
     """PARTS > 0 (bf16 streams, PRE_PROJ="bf16x3"): ``phi_ptr`` is φ' = g ⊙ φ as PARTS bf16 parts (PARTS, n·d, KP)
     from ``split_bf16`` and the projection runs on tensor cores (``_project_parts``); HAS_GAIN is then False."""
@@ -301,7 +295,6 @@ def _pre_fwd_kernel(
     mask_n = offs_n < N_STREAMS
     m2 = mask_t[:, None] & mask_n[None, :]
     ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    ss2 = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)  # LANE_SUMS: Σx² lane by lane, reduced after the loops
     y = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
     if FUSE_POST:
         for d0 in range(0, D, BLOCK_D):
@@ -318,10 +311,7 @@ def _pre_fwd_kernel(
                 xv = (tl.sum(h_row[:, :, None] * x_in, axis=1) + hp_i[:, None] * f).to(x_ptr.dtype.element_ty)
                 tl.store(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], xv, mask=mtd)
                 xv = xv.to(tl.float32)
-                if LANE_SUMS:
-                    ss2 += xv * xv
-                else:
-                    ss += tl.sum(xv * xv, axis=1)
+                ss += tl.sum(xv * xv, axis=1)
                 y = _project(xv, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k, D, K, HAS_GAIN,
                              DOT_PRECISION)
     else:
@@ -332,17 +322,12 @@ def _pre_fwd_kernel(
                 xr = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :],
                              mask=mask_t[:, None] & mask_d[None, :], other=0.0)
                 xv = xr.to(tl.float32)
-                if LANE_SUMS:
-                    ss2 += xv * xv
-                else:
-                    ss += tl.sum(xv * xv, axis=1)
+                ss += tl.sum(xv * xv, axis=1)
                 if PARTS > 0:
                     y = _project_parts(xr, y, i, offs_d, mask_d, phi_ptr, offs_k, ND, D, KP, PARTS, INTERP)
                 else:
                     y = _project(xv, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k, D, K, HAS_GAIN,
                                  DOT_PRECISION)
-    if LANE_SUMS:
-        ss = tl.sum(ss2, axis=1)
     r = tl.rsqrt(ss / ND + eps)
     z = y * r[:, None]
     tl.store(z_ptr + rows[:, None] * K + offs_k[None, :], z, mask=mask_t[:, None] & mask_k[None, :])
@@ -406,25 +391,6 @@ def _post_fwd_kernel(
 
 
 @triton.jit
-def _write_coefficients(hres_ptr, hpost_ptr, N, N_STREAMS: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The write's per-token coefficients of this program's BLOCK_T tokens: (rows, mask_t, the (token, i) mask, the
-    valid (i, j) entries, H^res's (i, j) offsets, H^res (BLOCK_T, i, j), H^post (BLOCK_T, i))."""
-    NN: tl.constexpr = N_STREAMS * N_STREAMS
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < N
-    rows = offs_t.to(tl.int64)
-    offs_n = tl.arange(0, NP)
-    mask_n = offs_n < N_STREAMS
-    m2 = mask_t[:, None] & mask_n[None, :]
-    valid = (mask_n[:, None] & mask_n[None, :])[None, :, :]
-    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
-    h_res = tl.load(hres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
-                    other=0.0)
-    h_post = tl.load(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
-    return rows, mask_t, m2, valid, res_offs, h_res, h_post
-
-
-@triton.jit
 def _post_bwd_kernel(
     x_ptr,  # streams (N, n, d), contiguous
     f_ptr,  # sublayer output (N, d), contiguous
@@ -437,17 +403,21 @@ def _post_bwd_kernel(
     dhres_ptr,  # result: dH^res (N, n, n) fp32
     N,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, STORE_DX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LANE_SUMS: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     NN: tl.constexpr = N_STREAMS * N_STREAMS
-    if LANE_SUMS:
-        _post_bwd_lanes(x_ptr, f_ptr, hpost_ptr, hres_ptr, dout_ptr, dx_ptr, df_ptr, dhpost_ptr, dhres_ptr, N,
-                        D, N_STREAMS, NP, STORE_DX, BLOCK_T, BLOCK_D)
-        return
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)
     ND: tl.constexpr = N_STREAMS * D
     offs_n = tl.arange(0, NP)
-    rows, mask_t, m2, valid, res_offs, h_res, h_post = _write_coefficients(hres_ptr, hpost_ptr, N, N_STREAMS, NP,
-                                                                           BLOCK_T)
+    mask_n = offs_n < N_STREAMS
+    m2 = mask_t[:, None] & mask_n[None, :]
+    valid = (mask_n[:, None] & mask_n[None, :])[None, :, :]
+    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
+    h_res = tl.load(hres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
+                    other=0.0)
+    h_post = tl.load(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
     col = offs_n[None, None, :]  # j of the (token, i, j) tile
     acc_res = tl.zeros((BLOCK_T, NP, NP), dtype=tl.float32)
     acc_post = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
@@ -475,41 +445,6 @@ def _post_bwd_kernel(
 
 
 @triton.jit
-def _post_bwd_lanes(x_ptr, f_ptr, hpost_ptr, hres_ptr, dout_ptr, dx_ptr, df_ptr, dhpost_ptr, dhres_ptr, N,
-                    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, STORE_DX: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_post_bwd_kernel`` with LANE_SUMS: all n streams' chunk of X as one (BLOCK_T, NP, BLOCK_D) tile, the products
-    dX'_i X_j and dX'_i f accumulated lane by lane in (BLOCK_T, NP, NP, BLOCK_D) and (BLOCK_T, NP, BLOCK_D) registers,
-    summed over d once after the loop; dX = H^resᵀ dX' as one reduction over i of the 4-D tile."""
-    NN: tl.constexpr = N_STREAMS * N_STREAMS
-    ND: tl.constexpr = N_STREAMS * D
-    offs_n = tl.arange(0, NP)
-    rows, mask_t, m2, valid, res_offs, h_res, h_post = _write_coefficients(hres_ptr, hpost_ptr, N, N_STREAMS, NP,
-                                                                           BLOCK_T)
-    acc_res = tl.zeros((BLOCK_T, NP, NP, BLOCK_D), dtype=tl.float32)  # [t, i, j, lane]: dX'_i X_j
-    acc_post = tl.zeros((BLOCK_T, NP, BLOCK_D), dtype=tl.float32)  # [t, i, lane]: dX'_i f
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        mtd = mask_t[:, None] & mask_d[None, :]
-        m3 = m2[:, :, None] & mask_d[None, None, :]
-        tile = rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :]
-        g3 = tl.load(dout_ptr + tile, mask=m3, other=0.0).to(tl.float32)  # dX'_i
-        x3 = tl.load(x_ptr + tile, mask=m3, other=0.0).to(tl.float32)  # X_j
-        f = tl.load(f_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
-        tl.store(df_ptr + rows[:, None] * D + offs_d[None, :],
-                 tl.sum(h_post[:, :, None] * g3, axis=1).to(df_ptr.dtype.element_ty), mask=mtd)
-        acc_post += g3 * f[:, None, :]
-        acc_res += g3[:, :, None, :] * x3[:, None, :, :]
-        if STORE_DX:
-            dx3 = tl.sum(h_res[:, :, :, None] * g3[:, :, None, :], axis=1)  # Σ_i H^res_ij dX'_i: (BLOCK_T, j, BLOCK_D)
-            tl.store(dx_ptr + tile, dx3.to(dx_ptr.dtype.element_ty), mask=m3)
-    tl.store(dhpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], tl.sum(acc_post, axis=2), mask=m2)
-    tl.store(dhres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], tl.sum(acc_res, axis=3),
-             mask=mask_t[:, None, None] & valid)
-
-
-@triton.jit
 def _pre_bwd_kernel(
     x_ptr,  # streams (N, n, d), contiguous
     dh_ptr,  # upstream gradient of h (N, d), contiguous
@@ -528,7 +463,7 @@ def _pre_bwd_kernel(
     scratch_ptr,  # Sinkhorn normalisers (N, ITERS, 2, NP) fp32, transient (see _sinkhorn_fwd_bwd)
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
-    HAS_DPRE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, LANE_SUMS: tl.constexpr = False,
+    HAS_DPRE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """The read's backward up to the per-token coefficients of dX (``_pre_dx_kernel`` then makes dX):
     one sweep over X and dh for dH^pre_i = ⟨dh, X_i⟩, then per token the logit gradients (σ', the
@@ -545,7 +480,6 @@ def _pre_bwd_kernel(
 
     # sweep: dH^pre_i = ⟨dh, X_i⟩
     d_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    lanes = tl.zeros((BLOCK_T, NP, BLOCK_D), dtype=tl.float32)  # LANE_SUMS: reduced over d after the loop
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
@@ -553,12 +487,7 @@ def _pre_bwd_kernel(
                      mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                      other=0.0).to(tl.float32)
-        if LANE_SUMS:
-            lanes += x3 * dh[:, None, :]
-        else:
-            d_pre += tl.sum(x3 * dh[:, None, :], axis=2)
-    if LANE_SUMS:
-        d_pre = tl.sum(lanes, axis=2)
+        d_pre += tl.sum(x3 * dh[:, None, :], axis=2)
     if HAS_DPRE:
         d_pre += tl.load(dhpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
 
@@ -607,7 +536,7 @@ def _pre_dx_kernel(
     N,
     D: tl.constexpr, N_STREAMS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_GAIN: tl.constexpr,
     HAS_DOUT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PROJ: tl.constexpr = 0, DOUT_ONCE: tl.constexpr = False, NP: tl.constexpr = 1, INTERP: tl.constexpr = False,
+    PROJ: tl.constexpr = 0, NP: tl.constexpr = 1, INTERP: tl.constexpr = False,
 ):
     """dX_i = H^pre_i dh + g ⊙ (φ_i w) − c X_i (+ Σ_k H^res_ki dX'_k: the write's share) on one (tokens,
     channels) tile of every stream: an elementwise kernel over a 2-D grid, so that every SM streams (the
@@ -617,7 +546,8 @@ def _pre_dx_kernel(
 
     PROJ (DX_PROJ, 16-bit streams only): 0 tl.dot at DOT_PRECISION; 1 one tf32 tensor-core product; 2 w and φ in two
     bf16 parts each, three products (``phit_ptr`` then holds g ⊙ φ as (2, KP, n·d) bf16 parts, HAS_GAIN False).
-    DOUT_ONCE: dX' of all n streams loaded as one (BLOCK_T, NP, BLOCK_D) tile before the loop over the streams."""
+    The write's dX' of all n streams is loaded as one (BLOCK_T, NP, BLOCK_D) tile before the loop over the streams
+    (203 -> 142 registers; it had been loaded once per stream of dX)."""
     ND: tl.constexpr = N_STREAMS * D
     NN: tl.constexpr = N_STREAMS * N_STREAMS
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -636,7 +566,7 @@ def _pre_dx_kernel(
         w_lo = (w - w_hi.to(tl.float32)).to(tl.bfloat16)
     offs_n = tl.arange(0, NP)
     m2 = mask_t[:, None] & (offs_n < N_STREAMS)[None, :]
-    if HAS_DOUT and DOUT_ONCE:
+    if HAS_DOUT:
         g3 = tl.load(dout_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
                      mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # dX'_k, every k
     for i in tl.static_range(N_STREAMS):
@@ -660,14 +590,9 @@ def _pre_dx_kernel(
             proj = proj * tl.load(gain_ptr + i * D + offs_d, mask=mask_d, other=0.0)[None, :]
         xv = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
         dx = hp_i[:, None] * dh + proj - c[:, None] * xv
-        if HAS_DOUT and DOUT_ONCE:
+        if HAS_DOUT:
             h_col = tl.load(hres_ptr + rows[:, None] * NN + offs_n[None, :] * N_STREAMS + i, mask=m2, other=0.0)
             dx += tl.sum(h_col[:, :, None] * g3, axis=1)  # Σ_k H^res_ki dX'_k
-        elif HAS_DOUT:
-            for k in tl.static_range(N_STREAMS):
-                h_ki = tl.load(hres_ptr + rows * NN + k * N_STREAMS + i, mask=mask_t, other=0.0)
-                g_k = tl.load(dout_ptr + rows[:, None] * ND + k * D + offs_d[None, :], mask=mtd, other=0.0)
-                dx += h_ki[:, None] * g_k.to(tl.float32)
         tl.store(dx_ptr + rows[:, None] * ND + i * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mtd)
 
 
@@ -678,9 +603,9 @@ def _phi_grad_kernel(
     part_ptr,  # result: partial Σ_tokens xᵀ w (SPLIT, n·d, K) fp32
     N, ND, BLOCKS_PER_SPLIT,
     K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PARTS: tl.constexpr = 0, INTERP: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, SPLIT3: tl.constexpr = False, INTERP: tl.constexpr = False,
 ):
-    """PARTS > 0 (bf16 streams, PHI_GRAD_PROJ="bf16x3"): x stays bf16 (exact) and w is split into PARTS bf16 parts,
+    """SPLIT3 (bf16 streams, PHI_GRAD_PROJ="bf16x3"): x stays bf16 (exact) and w is split into three bf16 parts,
     smallest first, each a tensor-core product with fp32 accumulation."""
     pid_r = tl.program_id(0)
     split = tl.program_id(1)
@@ -697,12 +622,11 @@ def _phi_grad_kernel(
         x_t = tl.load(x_ptr + rows[None, :] * ND + offs_r[:, None], mask=mask_r[:, None] & mask_t[None, :],
                       other=0.0)  # (BLOCK_R, BLOCK_T)
         w = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-        if PARTS > 0:
+        if SPLIT3:
             w_hi = w.to(tl.bfloat16)
             rest = w - w_hi.to(tl.float32)
             w_mid = rest.to(tl.bfloat16)
-            if PARTS > 2:
-                acc = _bf16_dot(x_t, (rest - w_mid.to(tl.float32)).to(tl.bfloat16), acc, INTERP)
+            acc = _bf16_dot(x_t, (rest - w_mid.to(tl.float32)).to(tl.bfloat16), acc, INTERP)
             acc = _bf16_dot(x_t, w_mid, acc, INTERP)
             acc = _bf16_dot(x_t, w_hi, acc, INTERP)
         else:
@@ -740,13 +664,12 @@ INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 
 # timed first reads 10-25% slow (clocks), so close calls were taken from rows timed later.
 GPU_BLOCKS = {
     "pre_fwd": (16, 64, 4, 2),
-    "pre_fwd_tc": (32, 64, 4, 2),  # PRE_PROJ="bf16x3" (tensor cores); untimed: benchmarks.ops_mhc --sweep-blocks
+    "pre_fwd_tc": (32, 64, 4, 2),  # PRE_PROJ="bf16x3" (tensor cores): beat 16 tokens (ops_mhc_variants.md); --sweep-blocks
     "pre_fwd_post": (32, 16, 4, 1),  # the one-pass write + read (POST_PRE_ONE_PASS): its earlier default
     "pre_bwd": (32, 32, 8, 1),
     "pre_dx": (32, 32, 4, 1),
     "post_fwd": (8, 128, 4, 3),
     "post_bwd": (8, 64, 4, 2),
-    "post_bwd_lanes": (8, 32, 4, 2),  # LANE_SUMS: a (8, 4, 4, 32) fp32 accumulator; untimed
 }
 
 
@@ -789,7 +712,7 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
         x, x_in, f, hp_in, hr_in, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre,
         h_post, h_res, z, r, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
         FUSE_POST=post is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-        DOT_PRECISION=DOT_PRECISION, PARTS=parts, LANE_SUMS=LANE_SUMS, INTERP=interpreting(), **launch)
+        DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), **launch)
     return h, h_pre, h_post, h_res, z, r
 
 
@@ -805,7 +728,7 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, dh, z if d_pre is None else d_pre, d_post, d_res, z, r, alpha, b_pre, b_post, b_res, dlogit, w, coef,
         scratch, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_DPRE=d_pre is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, LANE_SUMS=LANE_SUMS, **launch)
+        BLOCK_T=block_t, BLOCK_D=block_d, **launch)
     dx = torch.empty_like(x)
     proj = {"fp32": 0, "tf32": 1, "bf16x2": 2}[_variant("DX_PROJ")] if x.dtype != torch.float32 else 0
     if proj == 2:  # g ⊙ φ, transposed, in two bf16 parts (DX_PROJ)
@@ -817,7 +740,7 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
         x, dh, w, coef, phit, phi if gain is None else gain, x if dout is None else dout,
         z if h_res is None else h_res, dx, N, D=d, N_STREAMS=n, K=k, KP=kp, HAS_GAIN=gain is not None,
         HAS_DOUT=dout is not None, BLOCK_T=block_t, BLOCK_D=block_d, DOT_PRECISION=DOT_PRECISION, PROJ=proj,
-        DOUT_ONCE=DX_DOUT_ONCE, NP=np_, INTERP=interpreting(), **launch)
+        NP=np_, INTERP=interpreting(), **launch)
     return dx, dlogit, w
 
 
@@ -833,10 +756,10 @@ def phi_grad(x, w):
         split = max(1, min(triton.cdiv(N, block_t), 4 * _sm_count(x.device) // triton.cdiv(nd, block_r)))
     blocks = triton.cdiv(triton.cdiv(N, block_t), split)
     part = torch.empty(split, nd, k, device=x.device, dtype=torch.float32)
-    parts = 3 if _variant("PHI_GRAD_PROJ") == "bf16x3" and x.dtype == torch.bfloat16 else 0
+    split3 = _variant("PHI_GRAD_PROJ") == "bf16x3" and x.dtype == torch.bfloat16
     _phi_grad_kernel[(triton.cdiv(nd, block_r), split)](
         x, w, part, N, nd, blocks, K=k, KP=_pow2(k, 16), BLOCK_T=block_t, BLOCK_R=block_r,
-        DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), num_warps=4)
+        DOT_PRECISION=DOT_PRECISION, SPLIT3=split3, INTERP=interpreting(), num_warps=4)
     return part.sum(0)
 
 
@@ -862,14 +785,13 @@ def _post_fwd_into(out, x, f, h_post, h_res):
 
 def post_bwd(x, f, h_post, h_res, dout, *, store_dx=True):
     N, n, d = x.shape
-    block_t, block_d, launch = _blocks(d, "post_bwd_lanes" if LANE_SUMS else "post_bwd")
+    block_t, block_d, launch = _blocks(d, "post_bwd")
     dx, df = (torch.empty_like(x) if store_dx else None), torch.empty_like(f)
     d_post = torch.empty(N, n, device=x.device, dtype=torch.float32)
     d_res = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
     _post_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, f, h_post, h_res, dout, x if dx is None else dx, df, d_post, d_res, N,
-        D=d, N_STREAMS=n, NP=_pow2(n), STORE_DX=store_dx, BLOCK_T=block_t, BLOCK_D=block_d, LANE_SUMS=LANE_SUMS,
-        **launch)
+        D=d, N_STREAMS=n, NP=_pow2(n), STORE_DX=store_dx, BLOCK_T=block_t, BLOCK_D=block_d, **launch)
     return dx, df, d_post, d_res
 
 

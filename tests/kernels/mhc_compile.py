@@ -1,8 +1,8 @@
 """Compile the fused mHC kernels for sm_90 (H100 / H200) on a machine without a GPU.
 
     python -m tests.kernels.mhc_compile [--sass] [--precision tf32x3|ieee] [--set NAME=VALUE ...] [n,d ...]
-    # default shapes: 4,512 4,1024 4,2048 2,1000; --set: a kernel variant of fused.py (LANE_SUMS=1, PRE_PROJ=bf16x3,
-    # PHI_GRAD_PROJ=bf16x3, DX_PROJ=tf32|bf16x2, DX_DOUT_ONCE=1), several allowed
+    # default shapes: 4,512 4,1024 4,2048 2,1000; --set: a kernel variant of fused.py (PRE_PROJ=fp32|bf16x3,
+    # PHI_GRAD_PROJ=fp32|bf16x3, DX_PROJ=fp32|tf32|bf16x2), several allowed
 
 Runs every launcher in kernels/mhc/fused.py with the GPU launch configuration (``fused.GPU_BLOCKS``,
 not the interpreter's), captures each kernel launch instead of running it, compiles it with Triton's
@@ -114,13 +114,10 @@ def main(argv: list[str]) -> int:
         fused.DOT_PRECISION, argv = argv[1], argv[2:]
     while argv[:1] == ["--set"]:
         name, _, value = argv[1].partition("=")
-        if name in ("LANE_SUMS", "DX_DOUT_ONCE"):
-            setattr(fused, name, value not in ("0", "false", "False"))
-        elif name in fused.VARIANT_CHOICES and value in fused.VARIANT_CHOICES[name]:
-            setattr(fused, name, value)
-        else:
-            raise SystemExit(f"--set {argv[1]!r}: one of LANE_SUMS=0|1, DX_DOUT_ONCE=0|1, "
+        if name not in fused.VARIANT_CHOICES or value not in fused.VARIANT_CHOICES[name]:
+            raise SystemExit(f"--set {argv[1]!r}: one of "
                              + ", ".join(f"{k}={'|'.join(v)}" for k, v in fused.VARIANT_CHOICES.items()))
+        setattr(fused, name, value)
         argv = argv[2:]
     shapes = [tuple(map(int, a.split(","))) for a in (argv or ["4,512", "4,1024", "4,2048", "2,1000"])]
     for n, d in shapes:

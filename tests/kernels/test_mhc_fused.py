@@ -65,13 +65,12 @@ def leaves(inp):
 
 # the kernel variants of kernels/mhc/fused.py (module settings; off by default until timed): each must give the
 # reference's results. The tensor-core ones apply to 16-bit streams only; on fp32 streams they must leave the fp32 path.
-TENSOR_CORES = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "DX_DOUT_ONCE": True}
+TENSOR_CORES = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2"}
 VARIANTS = {
     "default": {},
     "tensor_cores": TENSOR_CORES,  # the defaults since 2026-12-02, spelt out: they stay tested if the defaults move
-    "fp32_projections": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "DX_DOUT_ONCE": False},
-    "lane_sums": {"LANE_SUMS": True},
-    "dx_tf32_lane_sums": {"DX_PROJ": "tf32", "LANE_SUMS": True, "DX_DOUT_ONCE": True},
+    "fp32_projections": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32"},
+    "dx_tf32": {"DX_PROJ": "tf32"},
 }
 
 
