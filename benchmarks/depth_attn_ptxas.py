@@ -25,6 +25,8 @@ SHAPES = {
     "full-small": (2, 17, 512), "full-medium": (2, 17, 1024), "full-d2048": (2, 17, 2048),
     "block8-d4096": (8, 9, 4096), "one-d8192": (1, 9, 8192),
 }
+# the merge alone (AttnRes) and the merge that sums Block AttnRes's partial (forward) and takes its gradient (backward)
+MERGES = (("", False), (" + partial sum", True))
 
 
 def compile_report(fn, types: dict, constexprs: dict, num_warps: int, loops: bool = False) -> tuple[str, int]:
@@ -75,13 +77,14 @@ def main(argv=None) -> int:
              dict(C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
                   BLOCK_S=t.bwd_block_s,
                   BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps),
-            ("merge forward", fused._merge_fwd_kernel,
-             dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, eps="fp32"),
-             dict(KEY_NORM=True, BLOCK_T=bt, BLOCK_D=bd), mw),
-            ("merge backward", fused._merge_bwd_kernel,
-             dict(h_ptr=bf16, p_ptr=bf16, qg_ptr=f32, w_ptr=f32, dh_ptr=bf16, do_ptr=bf16, dp_ptr=bf16,
-                  dlse_ptr=f32, dqg_ptr=f32, eps="fp32"),
-             dict(KEY_NORM=True, BLOCK_T=bt, BLOCK_D=bd), mw),
+            *((f"merge forward{label}", fused._merge_fwd_kernel,
+               dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, new_ptr=bf16, psum_ptr=bf16,
+                    eps="fp32"),
+               dict(KEY_NORM=True, SUM=chained, BLOCK_T=bt, BLOCK_D=bd), mw) for label, chained in MERGES),
+            *((f"merge backward{label}", fused._merge_bwd_kernel,
+               dict(h_ptr=bf16, p_ptr=bf16, qg_ptr=f32, w_ptr=f32, dh_ptr=bf16, do_ptr=bf16, dp_ptr=bf16,
+                    dlse_ptr=f32, dqg_ptr=f32, dpin_ptr=bf16, eps="fp32"),
+               dict(KEY_NORM=True, DP_IN=chained, BLOCK_T=bt, BLOCK_D=bd), mw) for label, chained in MERGES),
         ]
         print(f"== {shape}: C={C} n={n} d={d} tiles {t}", flush=True)
         for name, fn, types, consts, warps in runs:

@@ -77,6 +77,9 @@
 #            torch.topk and as fused argmax rounds (model.moe_topk), whole forward compiled, in one process; the
 #            profile of a graphed vanilla step with ROUTER_PROFILE_SET (default model.moe_topk=argmax; none: skipped);
 #            ROUTER_ORDER=reverse times argmax, topk, argmax instead (the first row a process times can read slow)
+#   chain    one GPU: the depth-attention GPU tests, then attnres_block at small with its partial summed inside the
+#            merge and by a separate add (BlockSummaries.sum_in_merge), beside vanilla, in one process
+#   chain2   one GPU: the same at medium, then attnres_block's 60-step training parity of the fused path (seeds 0 1)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
 #            (default 8) launches each, clocks left alone
@@ -163,7 +166,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -202,6 +205,7 @@ throughput() {
     --residuals ${THROUGHPUT_RESIDUALS:-vanilla attnres attnres_block mhc msar_block attnres_mhc_sum} \
     --ablations ${THROUGHPUT_ABLATIONS:-wo_conv attnres_conv} --compile on --steps 8 --tag _session
 }
+APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block AttnRes's partial by a separate add
 COMBO=+trainer.compile_options.combo_kernels=true  # Inductor's combo kernels, as trainer=gpu trains
 # table_small / table_medium NAME LIMIT TAG: every study residual and ablation at `small`, MEDIUM_RESIDUALS at
 # `medium`, one process each, graphed, compiled per COMPILE (default model), with the overrides TABLE_SET
@@ -673,6 +677,21 @@ case "$PLAN" in
       ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} --compile model --graphs on --steps 6 --set $COMBO \
       --tag ${TAG:-_mhc3}
     COUNTER_LAUNCHES=${COUNTER_LAUNCHES:-10} counters_of mhc "${COUNTER_LIMIT:-90}"
+    ;;
+  chain)
+    # Block AttnRes's partial summed inside the merge (BlockSummaries.sum_in_merge, built on the CPU on 2026-12-03)
+    # against the separate add, in one process; the summing default timed before and after the other
+    step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
+    step gpu0 small "${SMALL_LIMIT:-360}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      attnres_block "attnres_block@$APART" attnres_block --compile model --graphs on --steps 8 --set $COMBO \
+      --tag ${TAG:-_chain}
+    ;;
+  chain2)
+    step gpu0 medium "${MEDIUM_LIMIT:-260}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@$APART" --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_chain}
+    step gpu0 parity "${PARITY_LIMIT:-280}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_chain}
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

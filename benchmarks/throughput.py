@@ -23,12 +23,16 @@ process per GPU) and reports the scaling efficiency: tokens/s on N GPUs / (N x t
 (`trainer.grad_sync=flat`, platform/parallel.py).
 `--set` overrides the config of every row; given several times, each set is timed as its own rows
 of the one table (an empty `--set`: the defaults). A row that raises is reported FAILED in its row.
+A residual may carry overrides of its own row after `@`: config keys (`mhc@residual.stream_dtype=bf16`), or
+`py:MODULE.NAME.ATTR=VALUE`, a setting of the code (a kernel's variant, a class attribute) held for that row alone
+and restored after it (`attnres_block@py:residuals.attnres_block.BlockSummaries.sum_in_merge=False`).
 Writes benchmarks/results/throughput_<models>[_ddpN][tag].md via `roofline.Table`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -40,13 +44,65 @@ from benchmarks.roofline import Table
 
 
 
+def code_settings(run: str) -> list[tuple[object, str, object]]:
+    """The ``py:MODULE.NAME.ATTR=VALUE`` parts of a row's name as (object, attribute, value): the longest importable
+    prefix is the module, the rest a chain of attributes whose last must exist; VALUE is a Python literal (else a
+    string). A part that does not resolve is a ValueError naming it."""
+    import ast
+    import importlib
+
+    settings = []
+    for part in run.split("@")[1:]:
+        if not part.startswith("py:"):
+            continue
+        path, sep, text = part[3:].partition("=")
+        names = path.split(".")
+        if not sep or len(names) < 2:
+            raise ValueError(f"{part!r}: a code setting is py:MODULE.NAME.ATTR=VALUE")
+        for cut in range(len(names) - 1, 0, -1):
+            try:
+                obj = importlib.import_module(".".join(names[:cut]))
+                break
+            except ImportError:
+                continue
+        else:
+            raise ValueError(f"{part!r}: no importable module in {path!r}")
+        try:
+            for name in names[cut:-1]:
+                obj = getattr(obj, name)
+            getattr(obj, names[-1])
+        except AttributeError as exc:
+            raise ValueError(f"{part!r}: {exc}") from None
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        settings.append((obj, names[-1], value))
+    return settings
+
+
+@contextlib.contextmanager
+def held(settings: list[tuple[object, str, object]]):
+    """Apply ``code_settings`` for the body, then restore what was there."""
+    before = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
+    try:
+        for obj, attr, value in settings:
+            setattr(obj, attr, value)
+        yield
+    finally:
+        for obj, attr, value in reversed(before):
+            setattr(obj, attr, value)
+
+
 def build(model_name: str, residual: str, vocab: int, overrides: list[str], device: str):
     """``residual``: a registered residual, or ``ablation=<name>`` (the preset picks the residual); either may carry
-    overrides of its own row after ``@`` (``mhc@residual.stream_dtype=bf16``, several joined by ``@``)."""
+    overrides of its own row after ``@`` (``mhc@residual.stream_dtype=bf16``, several joined by ``@``); the
+    ``py:`` ones are code settings (``code_settings``), which the caller holds around the row, not config."""
     from platform.config import compose, residual_config
     from platform.model import Backbone
 
     residual, *own = residual.split("@")
+    own = [part for part in own if not part.startswith("py:")]
     choice = residual if residual.startswith("ablation=") else f"residual={residual}"
     cfg = compose(f"model={model_name}", choice, *overrides, *own)
     with torch.device(device):  # initialised where it runs: no host-side init of a billion weights
@@ -70,6 +126,7 @@ def check_configs(models: list[str], runs: list[str], sets: list[list[str]], rec
             for rec in recompute:
                 for name in runs:
                     try:
+                        code_settings(name)
                         build(model_name, name, vocab, row_overrides(attention, extra, rec), "meta")
                     except Exception as e:  # noqa: BLE001 - Hydra's and ours: reported with the row
                         raise SystemExit(f"error: {model_name} {name} {' '.join(extra)}: "
@@ -252,7 +309,8 @@ def main(argv=None) -> str:
     p.add_argument("--models", nargs="+", default=["small", "medium"])
     p.add_argument("--residuals", nargs="+", default=["vanilla"],
                    help=f"any of {residuals.names()}; NAME@KEY=VALUE[@...] adds overrides to that row alone "
-                        "(mhc@residual.stream_dtype=bf16 beside mhc and vanilla, in one process)")
+                        "(mhc@residual.stream_dtype=bf16 beside mhc and vanilla, in one process); @py:MODULE.NAME.ATTR=VALUE holds a "
+                        "setting of the code for that row alone")
     p.add_argument("--ablations", nargs="*", default=[], help="registered ablations, timed after the residuals")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (per GPU)")
     p.add_argument("--steps", type=int, default=10)
@@ -317,20 +375,21 @@ def main(argv=None) -> str:
                     overrides = row_overrides(a.attention, extra, rec)
                     torch._dynamo.reset()  # every row compiles afresh: no graphs (or recompile counts) of earlier rows
                     torch.manual_seed(0)
-                    model, cfg = build(model_name, name, a.vocab, overrides, device)
-                    seq = cfg.model.seq_len
-                    flops_per_token = 3 * accounting.forward_flops_per_token(model, cfg.model, a.vocab)
-                    failed = ""
-                    try:
-                        sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp,
-                                                  graphs=graphs, inductor=dict(cfg.trainer.compile_options))
-                    except torch.OutOfMemoryError:
-                        sec, peak = float("nan"), float("inf")
-                    except Exception as e:  # noqa: BLE001 - a row that cannot run (e.g. no kernel for its
-                        # settings) is reported in its row; the other rows of the table are still timed
-                        failed = f"FAILED: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
-                        sec, peak = float("nan"), float("nan")
-                        print(f"{model_name} {name} {' '.join(extra)}: {failed}", flush=True)
+                    with held(code_settings(name)):  # a row's py: settings, for its build and its steps alone
+                        model, cfg = build(model_name, name, a.vocab, overrides, device)
+                        seq = cfg.model.seq_len
+                        flops_per_token = 3 * accounting.forward_flops_per_token(model, cfg.model, a.vocab)
+                        failed = ""
+                        try:
+                            sec, peak = time_training(model, a.batch, seq, a.vocab, a.steps, a.warmup, device, comp,
+                                                      graphs=graphs, inductor=dict(cfg.trainer.compile_options))
+                        except torch.OutOfMemoryError:
+                            sec, peak = float("nan"), float("inf")
+                        except Exception as e:  # noqa: BLE001 - a row that cannot run (e.g. no kernel for its
+                            # settings) is reported in its row; the other rows of the table are still timed
+                            failed = f"FAILED: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+                            sec, peak = float("nan"), float("nan")
+                            print(f"{model_name} {name} {' '.join(extra)}: {failed}", flush=True)
                     del model
                     gc.collect()  # graphed callables live in reference cycles: free their pools before the next run
                     if device == "cuda":

@@ -103,6 +103,8 @@ class FusedState:
     # zero-filled gradient of the parameter and autograd would sum L+1 of them (about 100 small kernels a step)
     queries: tuple[Tensor, ...] = ()
     gains: tuple[Tensor, ...] | None = None
+    # the next consumer's h, when the write that summed its partial also merged it (Block AttnRes: ``merge_sum``)
+    merged: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -280,10 +282,12 @@ class DepthAttentionResidual(Residual):
         res = depth_attn_summaries(state.buffer, torch.stack(state.queries[first:last]),  # (C, d)
                                    None if gains is None else torch.stack(gains[first:last]),
                                    key_norm=self.cfg.key_norm, return_weights=state.ctx.record, backend=state.backend)
-        return replace(state, first=first, outs=res[0], lses=res[1], partial=None,
+        return replace(state, first=first, outs=res[0], lses=res[1], partial=None, merged=None,
                        weights=res[2] if state.ctx.record else None)
 
     def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
+        if state.merged is not None:  # merged by the write that summed the partial (`_merge_sum`)
+            return self._after_read(state.merged.to(state.dtype), consumer, state.ctx)
         c = consumer - state.first
         out = state.outs[c]  # (B, T, d): attention over the buffered sources
         if state.partial is None:
@@ -299,10 +303,26 @@ class DepthAttentionResidual(Residual):
         h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer],
                                 None if state.gains is None else state.gains[consumer], key_norm=self.cfg.key_norm,
                                 backend=self._merge_backend(state))
-        if state.ctx.record:  # sources [buffered..., partial]: phase-1 weights rescaled by (1 - w)
-            w = w.detach()
-            self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])
+        self._record_merge(state, consumer, w)
         return self._after_read(h.to(state.dtype), consumer, state.ctx)
+
+    def _merge_sum(self, state: FusedState, consumer: int, new: Tensor) -> FusedState:
+        """The partial grows by ``new`` (B, T, d) and ``consumer`` merges it, in one op (``depth_attn_merge(new=...)``):
+        the sum is not a separate add forward, nor an autograd sum of gradients backward. The consumer's h waits in
+        ``merged`` for its read."""
+        c = consumer - state.first
+        h, w, partial = depth_attn_merge(state.outs[c], state.lses[c], state.partial, state.queries[consumer],
+                                         None if state.gains is None else state.gains[consumer], new=new,
+                                         key_norm=self.cfg.key_norm, backend=self._merge_backend(state))
+        self._record_merge(state, consumer, w)
+        return replace(state, partial=partial, merged=h)
+
+    def _record_merge(self, state: FusedState, consumer: int, w: Tensor) -> None:
+        """Sources [buffered..., partial]: the phase-1 weights rescaled by (1 - w), then the partial's w (B, T)."""
+        if state.ctx.record:
+            w = w.detach()
+            c = consumer - state.first
+            self._record(state.ctx, consumer, torch.cat([state.weights[c] * (1 - w), w[None]])[None])
 
     def _merge_backend(self, state: FusedState) -> str:
         return state.backend if self.cfg.merge_backend == "auto" else self.cfg.merge_backend

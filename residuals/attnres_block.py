@@ -53,6 +53,11 @@ class BlockSummaries:
     """Mixin, first among the bases: ``class X(BlockSummaries, SomeDepthAttentionResidual)``.
     Replaces the full list of sources with [b_0, completed summaries, partial]."""
 
+    # the two-phase path with a fused merge: the write sums the partial inside the next consumer's merge (one op,
+    # forward and backward); False sums it by a separate add and merges in the read, as before 2026-12-03 (kept to
+    # time the two in one process: `benchmarks.throughput --residuals attnres_block@py:...BlockSummaries.sum_in_merge=False`)
+    sum_in_merge: bool = True
+
     @classmethod
     def validate(cls, cfg, *, d_model: int, n_sublayers: int) -> None:
         super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
@@ -108,6 +113,8 @@ class BlockSummaries:
 
     def _fused_write(self, state: FusedState, layer: int, out: Tensor) -> FusedState:
         if (layer + 1) % self.cfg.block_size:  # block open: the partial sum grows
+            if self.sum_in_merge and self._merge_backend(state) != "torch":  # one op sums it, merges it for the next
+                return self._merge_sum(state, layer + 1, out)
             partial = out if state.partial is None else state.partial + out  # (B, T, d)
             return replace(state, partial=partial)
         terms = (out,) if state.partial is None else (state.partial, out)

@@ -324,3 +324,26 @@ def test_ops_mhc_rounds_interleave_the_backends_and_take_medians():
     assert medians["a"]["fwd"] == (3.0, 1.0, 5.0)  # clock 0, 2, 4
     assert medians["b"]["fwd"] == (14.0, 12.0, 16.0)  # clock 1, 3, 5, plus 10
     assert "broken" not in medians
+
+
+def test_throughput_py_settings_hold_for_their_row_alone(monkeypatch, tmp_path):
+    """``NAME@py:MODULE.NAME.ATTR=VALUE`` sets a code attribute while that row is built and timed, and restores it
+    for the next row; a setting that does not resolve ends the command before any timing, naming it."""
+    import benchmarks.roofline as roofline
+    from residuals.attnres_block import BlockSummaries
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    seen = []
+    monkeypatch.setattr(throughput, "time_training",
+                        lambda *a, **k: seen.append(BlockSummaries.sum_in_merge) or (0.01, 0.0))
+    setting = "py:residuals.attnres_block.BlockSummaries.sum_in_merge=False"
+    text = throughput.main(["--models", "tiny", "--residuals", "attnres_block", f"attnres_block@{setting}",
+                            "attnres_block", "--compile", "off", "--vocab", "64", "--tag", "_py"])
+    assert seen == [True, False, True] and BlockSummaries.sum_in_merge is True
+    assert f"attnres_block@{setting}" in text
+    monkeypatch.setattr(throughput, "time_training", lambda *a, **k: pytest.fail("timed before the check"))
+    for bad, match in [("py:residuals.attnres_block.BlockSummaries.no_such=1", "no_such"),
+                       ("py:no_module_here.X=1", "no importable module"),
+                       ("py:residuals.attnres_block.BlockSummaries.sum_in_merge", "py:MODULE.NAME.ATTR=VALUE")]:
+        with pytest.raises(SystemExit, match=match):
+            throughput.main(["--models", "tiny", "--residuals", "vanilla", f"attnres_block@{bad}", "--compile", "off"])

@@ -82,7 +82,9 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("streams", ["streams_medium", "streams_small"]),
                                          ("mhc", ["ops_bf16", "ops_fp32", "gpu_tests", "small"]),
                                          ("mhc2", ["ops_bf16", "ops_fp32", "gpu_tests", "medium", "small"]),
-                                         ("mhc3", ["small", "ncu_mhc"])])
+                                         ("mhc3", ["small", "ncu_mhc"]),
+                                         ("chain", ["gpu_tests", "small"]),
+                                         ("chain2", ["medium", "parity"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""

@@ -131,29 +131,43 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
     return outs, lses
 
 
-def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor, query: Tensor, key_gain: Tensor | None = None, *,
-                     key_norm: bool = True, eps: float = 1e-6, backend: str = "auto") -> tuple[Tensor, Tensor]:
+def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_gain: Tensor | None = None, *,
+                     new: Tensor | None = None, key_norm: bool = True, eps: float = 1e-6, backend: str = "auto"):
     """Phase 2: fold the intra-block partial ``(B, T, d)`` into one consumer's phase-1 result
     (``out`` (B, T, d), ``lse`` (B, T)) by an online-softmax merge; query ``(d,)``, key_gain ``(d,)``
     or None. Returns h ``(B, T, d)`` and the partial's weight w ``(B, T)`` (w is not differentiable
-    from the triton backend); the summaries' weights are their phase-1 weights times (1 − w)."""
+    from the triton backend); the summaries' weights are their phase-1 weights times (1 − w).
+
+    ``new`` ``(B, T, d)``: the block's newest output, summed into the partial inside the op (the partial
+    merged is ``partial + new``, or ``new`` alone with ``partial=None``) and returned third, so a residual
+    keeps its running partial sum without a separate add forward or backward (``fused.MergeSumFunction``)."""
     d = out.shape[-1]
-    if partial.shape != out.shape or lse.shape != out.shape[:-1]:
-        raise ValueError(f"depth_attn_merge: out {tuple(out.shape)}, lse {tuple(lse.shape)} and partial "
-                         f"{tuple(partial.shape)} must be (..., d), (...) and (..., d) alike")
+    merged = partial if new is None else new
+    if merged is None:
+        raise ValueError("depth_attn_merge: partial is None and no new output to merge; pass at least one")
+    for name, t in (("partial", partial), ("new", new)):
+        if t is not None and (t.shape != out.shape or lse.shape != out.shape[:-1]):
+            raise ValueError(f"depth_attn_merge: out {tuple(out.shape)}, lse {tuple(lse.shape)} and {name} "
+                             f"{tuple(t.shape)} must be (..., d), (...) and (..., d) alike")
     if query.shape != (d,) or (key_gain is not None and key_gain.shape != (d,)):
         raise ValueError(f"depth_attn_merge: query and key_gain must be ({d},), got {tuple(query.shape)} and "
                          f"{None if key_gain is None else tuple(key_gain.shape)}")
     backend = resolve_backend(backend, out, "depth_attn_merge")
     if backend == "torch":
-        return reference.merge(out, lse, partial, query, key_gain, key_norm=key_norm, eps=eps)
-    _check_triton("depth_attn_merge", 1, d, out=out, partial=partial, query=query, key_gain=key_gain)
+        if new is None:
+            return reference.merge(out, lse, partial, query, key_gain, key_norm=key_norm, eps=eps)
+        p = new if partial is None else partial + new  # (B, T, d): the running partial sum
+        return (*reference.merge(out, lse, p, query, key_gain, key_norm=key_norm, eps=eps), p)
+    _check_triton("depth_attn_merge", 1, d, out=out, partial=partial, new=new, query=query, key_gain=key_gain)
     check_triton_device(out, "depth_attn_merge")
     from . import fused
 
     qg = _folded(query, key_gain)  # (d,): one autograd node per merge (host time counts at small d)
-    return fused.merge(out.contiguous(), lse.float().contiguous(), partial.contiguous(), qg, bool(key_norm),
-                       float(eps))
+    if new is None:
+        return fused.merge(out.contiguous(), lse.float().contiguous(), partial.contiguous(), qg, bool(key_norm),
+                           float(eps))
+    return fused.merge_sum(out.contiguous(), lse.float().contiguous(), None if partial is None else partial.contiguous(),
+                           new.contiguous(), qg, bool(key_norm), float(eps))
 
 
 __all__ = ["BACKENDS", "SourceBuffer", "depth_attn", "depth_attn_merge", "depth_attn_summaries"]

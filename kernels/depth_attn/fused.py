@@ -294,8 +294,10 @@ def _merge_fwd_kernel(
     qg_ptr,  # gain-folded query (d,) fp32
     h_ptr,  # result: merged output (N, d)
     w_ptr,  # result: weight of the partial in the merged softmax (N,) fp32
+    new_ptr,  # SUM: the block's newest output (N, d), summed into the partial here
+    psum_ptr,  # SUM: result: partial + new (N, d), in the promoted dtype (the residual's next partial)
     N, D, eps,
-    KEY_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    KEY_NORM: tl.constexpr, SUM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -307,6 +309,10 @@ def _merge_fwd_kernel(
     qg = tl.load(qg_ptr + offs_d, mask=mask_d, other=0.0)
     o = tl.load(o_ptr + td, mask=mask, other=0.0).to(tl.float32)
     p = tl.load(p_ptr + td, mask=mask, other=0.0).to(tl.float32)
+    if SUM:  # the running partial sum, rounded to its dtype as a separate add would store it, and merged as stored
+        p = (p + tl.load(new_ptr + td, mask=mask, other=0.0).to(tl.float32)).to(psum_ptr.dtype.element_ty)
+        tl.store(psum_ptr + td, p, mask=mask)
+        p = p.to(tl.float32)
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
     z = tl.sum(p * qg[None, :], axis=1)
     if KEY_NORM:
@@ -329,8 +335,9 @@ def _merge_bwd_kernel(
     dp_ptr,  # result: gradient of the partial (N, d), the partial's dtype
     dlse_ptr,  # result: gradient of the phase-1 log-sum-exp (N,) fp32
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, d) fp32
+    dpin_ptr,  # DP_IN: the partial's gradient from its other readers (N, d), added into dp
     N, D, eps,
-    KEY_NORM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    KEY_NORM: tl.constexpr, DP_IN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -351,6 +358,8 @@ def _merge_bwd_kernel(
         w = tl.load(w_ptr + offs_t, mask=mask_t, other=0.0)
         dz = w * tl.sum(dh * (p - h), axis=1)  # through w = σ(z − lse): w(1−w)·dh·(p − o), as p − h = (1−w)(p − o)
         dp = w[:, None] * dh
+        if DP_IN:
+            dp += tl.load(dpin_ptr + td, mask=mask, other=0.0).to(tl.float32)
         if KEY_NORM:
             r = tl.rsqrt(tl.sum(p * p, axis=1) / D + eps)
             nk = p * r[:, None]
@@ -517,28 +526,32 @@ def _row_tiles(d: int) -> tuple[int, int, int]:
     return block_t, block_d, min(16, max(1, block_t * block_d // per_warp))
 
 
-def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, eps: float):
-    """o, p (B, T, d) contiguous, lse (B, T) fp32, qg (d,) fp32 -> h (B, T, d), w (B, T) fp32."""
+def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, eps: float, new: Tensor | None = None):
+    """o, p (B, T, d) contiguous, lse (B, T) fp32, qg (d,) fp32 -> h (B, T, d), w (B, T) fp32; with ``new``
+    (B, T, d) contiguous, the partial merged is p + new, returned third (the promoted dtype of p and new)."""
     d = o.shape[-1]
     N = o.numel() // d
     block_t, block_d, warps = _row_tiles(d)
-    h = torch.empty(o.shape, device=o.device, dtype=torch.promote_types(o.dtype, p.dtype))
+    psum = None if new is None else torch.empty(p.shape, device=p.device, dtype=torch.promote_types(p.dtype, new.dtype))
+    h = torch.empty(o.shape, device=o.device, dtype=torch.promote_types(o.dtype, p.dtype if psum is None else psum.dtype))
     w = torch.empty(o.shape[:-1], device=o.device, dtype=torch.float32)
-    _merge_fwd_kernel[(_cdiv(N, block_t),)](o, lse, p, qg, h, w, N, d, eps, KEY_NORM=key_norm,
+    _merge_fwd_kernel[(_cdiv(N, block_t),)](o, lse, p, qg, h, w, p if new is None else new, h if psum is None else psum,
+                                                  N, d, eps, KEY_NORM=key_norm, SUM=new is not None,
                                                   BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
-    return h, w
+    return (h, w) if new is None else (h, w, psum)
 
 
 def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtype: torch.dtype, key_norm: bool,
-              eps: float):
-    """h (the merge's output), p (B, T, d) contiguous -> do (o_dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32."""
+              eps: float, dp_in: Tensor | None = None):
+    """h (the merge's output), p (B, T, d) contiguous -> do (o_dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32.
+    ``dp_in`` (B, T, d) contiguous: the partial's gradient from its other readers, added into dp."""
     d = h.shape[-1]
     N = h.numel() // d
     block_t, block_d, warps = _row_tiles(d)
     do, dp = torch.empty(h.shape, device=h.device, dtype=o_dtype), torch.empty_like(p)
     dlse = torch.empty(h.shape[:-1], device=h.device, dtype=torch.float32)
-    meta = dict(KEY_NORM=key_norm, BLOCK_T=block_t, BLOCK_D=block_d)
-    args = [h, p, qg, w, dh, do, dp, dlse, qg, N, d, eps]
+    meta = dict(KEY_NORM=key_norm, DP_IN=dp_in is not None, BLOCK_T=block_t, BLOCK_D=block_d)
+    args = [h, p, qg, w, dh, do, dp, dlse, qg, dp if dp_in is None else dp_in, N, d, eps]
     programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, _cdiv(N, block_t), h.device)
     args[8] = dqg = torch.empty(programs, d, device=h.device, dtype=torch.float32)
     _merge_bwd_kernel[(programs,)](*args, **meta, num_warps=warps)
@@ -619,6 +632,39 @@ class MergeFunction(torch.autograd.Function):
         return do, dlse, dp, dqg, None, None
 
 
+class MergeSumFunction(torch.autograd.Function):
+    """Phase 2 with the block's running partial sum: ``apply(o, lse, prev, new, qg, key_norm, eps)`` -> h, w, p.
+
+    p = prev + new (``new`` itself when ``prev`` is None: returned as is, no copy) is the partial that is
+    merged, returned so the residual keeps it as its next partial. The backward takes p's gradient from its
+    later readers (the next merge, the block's summary) into the merge's own dp in one pass and hands the
+    sum to prev and new alike: no separate add forward, and no autograd sum of the two in backward."""
+
+    @staticmethod
+    def forward(ctx, o, lse, prev, new, qg, key_norm, eps):
+        if prev is None:
+            h, w = merge_fwd(o, lse, new, qg, key_norm=key_norm, eps=eps)
+            p = new
+        else:
+            h, w, p = merge_fwd(o, lse, prev, qg, key_norm=key_norm, eps=eps, new=new)
+        ctx.save_for_backward(h, p, qg, w)  # h, not o: as MergeFunction
+        ctx.key_norm, ctx.eps, ctx.o_dtype = key_norm, eps, o.dtype
+        ctx.dtypes = (None if prev is None else prev.dtype, new.dtype)
+        ctx.mark_non_differentiable(w)
+        ctx.set_materialize_grads(False)
+        return h, w, p
+
+    @staticmethod
+    def backward(ctx, dh, _dw, dp_in):
+        h, p, qg, w = ctx.saved_tensors
+        if dh is None:  # h unused: only p's gradient passes through the sum
+            dh = torch.zeros_like(h)
+        do, dp, dlse, dqg = merge_bwd(h, p, qg, w, dh.contiguous(), o_dtype=ctx.o_dtype, key_norm=ctx.key_norm,
+                                      eps=ctx.eps, dp_in=None if dp_in is None else dp_in.contiguous())
+        dprev, dnew = (None if dt is None else (dp if dt == dp.dtype else dp.to(dt)) for dt in ctx.dtypes)
+        return do, dlse, dprev, dnew, dqg, None, None
+
+
 # --- entry points (inputs validated by kernels.depth_attn) -----------------------------------------
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
 def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, store_logits: bool, qg: Tensor,
@@ -629,3 +675,8 @@ def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, stor
 @torch.compiler.disable
 def merge(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, key_norm: bool, eps: float):
     return MergeFunction.apply(o, lse, p, qg, key_norm, eps)
+
+
+@torch.compiler.disable
+def merge_sum(o: Tensor, lse: Tensor, prev: Tensor | None, new: Tensor, qg: Tensor, key_norm: bool, eps: float):
+    return MergeSumFunction.apply(o, lse, prev, new, qg, key_norm, eps)

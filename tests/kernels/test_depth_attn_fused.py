@@ -187,6 +187,77 @@ def test_merge_keeps_only_its_partial_and_its_output(bias):
         assert rel_err(a.double(), b) < (3e-5 if bias else 1e-5), f"{name}: relative error {rel_err(a.double(), b):.2e}"
 
 
+# (id, partial's dtype or None, new's dtype, B, T, d): sums the interpreter computes exactly (its fp32 -> bf16
+# conversion truncates, so a sum rounded to bf16 is left to the GPU test)
+MERGE_SUM_CASES = [
+    ("first-of-block", None, torch.float32, 2, 19, 37),
+    ("fp32", torch.float32, torch.float32, 3, 11, 24),
+    ("bf16-partial-fp32-output", torch.bfloat16, torch.float32, 1, 33, 40),
+    ("fp32-partial-bf16-output", torch.float32, torch.bfloat16, 2, 1, 16),
+]
+
+
+def merge_sum_inputs(prev_dtype, new_dtype, B, T, d, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    o = torch.randn(B, T, d, generator=g).requires_grad_()
+    lse = (0.5 * torch.randn(B, T, generator=g)).requires_grad_()
+    prev = None if prev_dtype is None else (1.5 * torch.randn(B, T, d, generator=g)).to(prev_dtype).requires_grad_()
+    new = torch.randn(B, T, d, generator=g).to(new_dtype).requires_grad_()
+    q = (0.5 * torch.randn(d, generator=g)).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(d, generator=g)).requires_grad_()
+    return o, lse, prev, new, q, gain
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", MERGE_SUM_CASES, ids=[c[0] for c in MERGE_SUM_CASES])
+def test_merge_sum_matches_the_reference(case):
+    """``depth_attn_merge(new=...)`` (Block AttnRes's running partial summed inside the merge) against the reference:
+    h, w and the summed partial p, then every gradient, with random upstream gradients on h and on p, and p read
+    again downstream (as the next merge and the block's summary read it): the backward adds p's gradient from its
+    other readers into the merge's own and hands the sum to both terms. Without a partial, p is ``new`` itself."""
+    _, prev_dtype, new_dtype, B, T, d = case
+    o, lse, prev, new, q, gain = merge_sum_inputs(prev_dtype, new_dtype, B, T, d)
+    leaves = [t for t in (o, lse, prev, new, q, gain) if t is not None]
+    g = torch.Generator().manual_seed(6)
+    up_h, up_p = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
+    results = {}
+    for backend in ("triton", "torch"):
+        h, w, p = depth_attn_merge(o, lse, prev, q, gain, new=new, backend=backend)
+        loss = (h * up_h).sum() + (p.float() * up_p).sum() + 0.1 * p.float().pow(2).sum()
+        results[backend] = (h, w, p, torch.autograd.grad(loss, leaves))
+    (h, w, p, grads), (ref_h, ref_w, ref_p, ref_grads) = results["triton"], results["torch"]
+    assert p.dtype == ref_p.dtype and h.dtype == ref_h.dtype
+    torch.testing.assert_close(p, ref_p, rtol=0, atol=0)  # the same sum, rounded once to the same dtype
+    torch.testing.assert_close(h, ref_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+    if prev is None:
+        assert p.data_ptr() == new.data_ptr(), "without a partial the op returns new as it is (no copy)"
+    names = [n for n, t in zip(("o", "lse", "prev", "new", "q", "gain"), (o, lse, prev, new, q, gain)) if t is not None]
+    for name, a, b in zip(names, grads, ref_grads):
+        assert a.dtype == b.dtype, name
+        assert rel_err(a.float(), b.float()) < 1e-5, f"{name}: relative error {rel_err(a.float(), b.float()):.2e}"
+
+
+@needs_interpreter
+def test_merge_sum_keeps_only_its_sum_and_its_output():
+    """The summing merge keeps the (B, T, d) tensors the merge alone keeps, the partial it merged (here the sum,
+    which the residual holds as its next partial anyway) and its output h: not the phase-1 output, not the
+    terms of the sum."""
+    o, lse, prev, new, q, gain = merge_sum_inputs(torch.float32, torch.float32, 2, 7, 24)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        h, _, p = depth_attn_merge(o, lse, prev, q, gain, new=new, backend="triton")
+    assert {t.data_ptr() for t in saved if t.dim() == 3} == {p.data_ptr(), h.data_ptr()}
+
+
+def test_merge_without_any_partial_is_refused():
+    o, lse, _, new, q, gain = merge_sum_inputs(None, torch.float32, 1, 3, 8)
+    with pytest.raises(ValueError, match="partial is None and no new output"):
+        depth_attn_merge(o, lse, None, q, gain, backend="torch")
+    with pytest.raises(ValueError, match=r"new \(1, 3, 9\)"):
+        depth_attn_merge(o, lse, None, q, gain, new=torch.zeros(1, 3, 9), backend="torch")
+
+
 @needs_interpreter
 def test_buffer_rows_are_read_in_place_and_written_once():
     # Phase 1 reads the buffer rows written so far; a later append does not change an earlier
@@ -351,6 +422,35 @@ def test_gpu_bf16_matches_fp32_reference(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtypes", [(None, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                    (torch.float32, torch.float32)], ids=["first-bf16", "bf16", "bf16-fp32", "fp32"])
+def test_gpu_merge_sum_matches_the_reference(dtypes):
+    """The summing merge on the GPU, in the dtypes training meets (bf16 attention outputs, fp32 MoE outputs): the sum p
+    rounds as PyTorch's add does (equal), h and every gradient within 1e-2 (bf16 terms) or 1e-5 (fp32) in norm of
+    the reference on the same inputs, with random upstream gradients on h and p."""
+    B, T, d = 2, 333, 512
+    g = torch.Generator("cuda").manual_seed(7)
+    o = torch.randn(B, T, d, device="cuda", generator=g).requires_grad_()
+    lse = torch.randn(B, T, device="cuda", generator=g).requires_grad_()
+    prev = None if dtypes[0] is None else torch.randn(B, T, d, device="cuda", generator=g).to(dtypes[0]).requires_grad_()
+    new = torch.randn(B, T, d, device="cuda", generator=g).to(dtypes[1]).requires_grad_()
+    q = (0.1 * torch.randn(d, device="cuda", generator=g)).requires_grad_()
+    gain = (1 + 0.3 * torch.randn(d, device="cuda", generator=g)).requires_grad_()
+    leaves = [t for t in (o, lse, prev, new, q, gain) if t is not None]
+    up_h, up_p = torch.randn(B, T, d, device="cuda", generator=g), torch.randn(B, T, d, device="cuda", generator=g)
+    res = {}
+    for backend in ("triton", "torch"):
+        h, w, p = depth_attn_merge(o, lse, prev, q, gain, new=new, backend=backend)
+        res[backend] = (h, p, torch.autograd.grad((h * up_h).sum() + (p.float() * up_p).sum(), leaves))
+    tol = 1e-2 if torch.bfloat16 in dtypes else 1e-5
+    torch.testing.assert_close(res["triton"][1], res["torch"][1], rtol=0, atol=0)
+    assert rel_err(res["triton"][0], res["torch"][0]) < tol
+    for i, (a, b) in enumerate(zip(res["triton"][2], res["torch"][2])):
+        assert rel_err(a.float(), b.float()) < tol, f"input {i}: relative error {rel_err(a.float(), b.float()):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp32_matches_reference():
     sources, partials, queries, key_gains = make_inputs(4, 5, 2, 333, 768, True, device="cuda")
     leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
@@ -386,11 +486,11 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    assert len(lines) == 12, res.stdout  # 3 shapes x (phase 1 fwd, bwd, merge fwd, bwd)
+    assert len(lines) == 18, res.stdout  # 3 shapes x (phase 1 fwd, bwd, merge fwd, bwd, each alone and summing)
     # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
     after = res.stdout.split("phase 1 backward", 1)[1].split("merge forward", 1)[0]
     assert re.search(r"loop depth \d+: \d+ instructions \(fp32 \d+", after), res.stdout
     assert max(int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines) <= 512, res.stdout
-    small_phase1 = [line for line in lines[:2] + lines[4:6]]  # block-small and full-small, phase 1
+    small_phase1 = [line for line in lines[:2] + lines[6:8]]  # block-small and full-small, phase 1
     assert all("shared 0 B" in line and "warps=1" in line for line in small_phase1), res.stdout
     assert all(" 0 bytes spill stores" in line for line in small_phase1), res.stdout

@@ -448,6 +448,57 @@ def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overr
     assert all(torch.isfinite(p.grad).all() for p in model.residual.parameters())
 
 
+class _FullSizeAdds(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the additions whose result is one (B, T, d) tensor, by ATen overload."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.counts = tuple(shape), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.startswith("add") and isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape:
+            self.counts[func.__name__] = self.counts.get(func.__name__, 0) + 1
+        return out
+
+
+@needs_interpreter
+def test_fused_block_partial_sums_take_no_separate_add(monkeypatch):
+    """On the fused two-phase path Block AttnRes's running partial is summed inside the merge
+    (``depth_attn_merge(new=...)``): the forward's only (B, T, d) additions are the block summaries' stores into the
+    buffer (one per block), and against the same fused merges with the partial summed apart
+    (``BlockSummaries.sum_in_merge=False``), the forward makes S − 2 and the backward S − 1 fewer (B, T, d) additions
+    a block (the backward's: autograd's sums of a partial's gradient from its merge and from its later readers).
+    Both give the same logits and gradients."""
+    from residuals.attnres_block import BlockSummaries
+    from tests.helpers import build_backbone, packed_batch, rel_err
+
+    counts, results = {}, {}
+    for sum_in_merge in (True, False):
+        monkeypatch.setattr(BlockSummaries, "sum_in_merge", sum_in_merge)
+        torch.manual_seed(0)
+        model = build_backbone("attnres_block", vocab=37, n_blocks=4, attention="sdpa",
+                               residual_overrides=("residual.block_size=4", "residual.backend=triton"))
+        with torch.no_grad():
+            for p in model.residual.parameters():
+                p.add_(0.2 * torch.randn_like(p))
+        tokens, docs = packed_batch(2, 9, 37)
+        shape = (2, 9, model.embed.weight.shape[1])
+        with _FullSizeAdds(shape) as fwd:
+            logits = model(tokens, docs)
+        with _FullSizeAdds(shape) as bwd:
+            logits.backward(torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)))
+        counts[sum_in_merge] = (sum(fwd.counts.values()), sum(bwd.counts.values()), fwd.counts)
+        results[sum_in_merge] = (logits.detach(), [p.grad for p in model.parameters()])
+    n_blocks, block_size = 2, 4  # 8 sublayers
+    assert counts[True][2] == {"add.out": n_blocks}, counts
+    assert counts[False][0] - counts[True][0] == n_blocks * (block_size - 2), counts
+    assert counts[False][1] - counts[True][1] == n_blocks * (block_size - 1), counts
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[True][1], results[False][1], strict=True):
+        assert (a is None) == (b is None) and (a is None or rel_err(a, b) < 1e-5)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("merge_backend, fused_merges", [("auto", True), ("triton", True), ("torch", False)])
 def test_merge_backend_dispatch_is_explicit(merge_backend, fused_merges, monkeypatch):
@@ -458,8 +509,9 @@ def test_merge_backend_dispatch_is_explicit(merge_backend, fused_merges, monkeyp
     from tests.helpers import build_backbone, packed_batch
 
     calls = []
-    real = fused.merge
-    monkeypatch.setattr(fused, "merge", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for op in ("merge", "merge_sum"):  # the merge alone, and the merge that sums Block AttnRes's partial
+        real = getattr(fused, op)
+        monkeypatch.setattr(fused, op, lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     model = build_backbone("attnres_block", vocab=37, n_blocks=2, attention="sdpa",
                            residual_overrides=("residual.backend=triton", "residual.block_size=4",
                                                f"residual.merge_backend={merge_backend}"))
