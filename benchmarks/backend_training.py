@@ -11,6 +11,13 @@ largest gap between two reference seeds at that step), plus 1% of the loss: bf16
 between the two, so equality is not expected, only that the difference is smaller than what a new
 seed does. Writes benchmarks/results/backend_training_<model>.md via `roofline.Table`, again after every
 residual; a residual whose runs raise is a FAILED row (the others still run, the exit code is 1).
+
+`--reference` and `--candidate` replace the two arms' overrides (default ``residual.backend=torch`` and
+``residual.backend=triton``), so any setting can be held to the same test, e.g. mHC's streams in bf16 against its
+default fp32 ones:
+
+    python -m benchmarks.backend_training --residuals mhc --reference residual.backend=auto \
+        --candidate residual.stream_dtype=bf16 --steps 200 --seeds 0 1 2 --name small_mhc_bf16_streams
 """
 
 from __future__ import annotations
@@ -33,13 +40,14 @@ class StepLosses(L.Callback):
         self.losses[trainer.global_step] = float(outputs["loss"])
 
 
-def run(residual: str, backend: str, seed: int, steps: int, overrides: list[str]) -> dict[int, float]:
+def run(residual: str, arm: list[str], seed: int, steps: int, overrides: list[str]) -> dict[int, float]:
+    """One short training run of ``residual`` with the ``arm``'s overrides (e.g. ``["residual.backend=torch"]``)."""
     from platform.config import compose
     from platform.train import train
 
     recorder = StepLosses()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(f"residual={residual}", f"residual.backend={backend}", f"seed={seed}",
+        cfg = compose(f"residual={residual}", *arm, f"seed={seed}",
                       f"trainer.max_steps={steps}", f"trainer.val_every={steps}", "trainer.progress_bar=false",
                       "mlflow.enabled=false", "mlflow.depth_heatmaps=false", *overrides)
         train(cfg, callbacks=[recorder], run_dir=Path(tmp) / "run")
@@ -71,20 +79,28 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=["model=small", "trainer=gpu"],
                    help="config overrides of every run (default: model=small trainer=gpu)")
     p.add_argument("--name", default=None, help="results file suffix (default: the model preset)")
+    p.add_argument("--reference", nargs="+", default=["residual.backend=torch"],
+                   help="the reference arm's overrides (its seeds give the spread)")
+    p.add_argument("--candidate", nargs="+", default=["residual.backend=triton"],
+                   help="the arm held to the reference's spread")
     a = p.parse_args(argv)
     if len(a.seeds) < 2:
         raise SystemExit(f"error: --seeds={a.seeds}: the spread needs at least two seeds; valid: two or more")
     model = next((o.split("=", 1)[1] for o in a.set if o.startswith("model=")), "default")
-    table = Table(f"Training with the fused op vs the reference ({model}, {a.steps} steps, seeds {a.seeds})",
-                  ["residual", "final loss, reference (per seed)", "final loss, fused (per seed)",
-                   "worst |Δ mean| (step)", "reference spread + 1% there", "verdict"],
+    backends = a.reference == ["residual.backend=torch"] and a.candidate == ["residual.backend=triton"]
+    ref_name, cand_name = ("reference", "fused") if backends else (" ".join(a.reference), " ".join(a.candidate))
+    title = ("Training with the fused op vs the reference" if backends else
+             f"Training with {cand_name} vs {ref_name}") + f" ({model}, {a.steps} steps, seeds {a.seeds})"
+    table = Table(title, ["residual", f"final loss, {ref_name} (per seed)", f"final loss, {cand_name} (per seed)",
+                          "worst |Δ mean| (step)", f"{'reference' if backends else ref_name} spread + 1% there",
+                          "verdict"],
                   notes=[f"overrides: {' '.join(a.set)}", "loss: training loss of each optimizer step, same batches "
-                         "for both backends of a seed"])
+                         "for both arms of a seed"])
     failures = 0
     for residual in a.residuals:
         try:
-            reference = [run(residual, "torch", s, a.steps, a.set) for s in a.seeds]
-            fused = [run(residual, "triton", s, a.steps, a.set) for s in a.seeds]
+            reference = [run(residual, a.reference, s, a.steps, a.set) for s in a.seeds]
+            fused = [run(residual, a.candidate, s, a.steps, a.set) for s in a.seeds]
         except Exception as e:  # noqa: BLE001 - reported in its row; the other residuals still run
             error = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
             table.add(residual, "-", "-", "-", "-", f"FAILED ({error})")

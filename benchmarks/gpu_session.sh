@@ -80,6 +80,8 @@
 #   chain    one GPU: the depth-attention GPU tests, then attnres_block at small with its partial summed inside the
 #            merge and by a separate add (BlockSummaries.sum_in_merge), beside vanilla, in one process
 #   chain2   one GPU: the same at medium, then attnres_block's 60-step training parity of the fused path (seeds 0 1)
+#   chain3   one GPU: mhc with bf16 streams against its fp32 default in training (300 steps, seeds 0-2), the profile of
+#            graphed vanilla and attnres_block steps at small, mHC's kernels before and now in 5 interleaved rounds
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
 #            (default 8) launches each, clocks left alone
@@ -166,7 +168,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -679,7 +681,7 @@ case "$PLAN" in
     COUNTER_LAUNCHES=${COUNTER_LAUNCHES:-10} counters_of mhc "${COUNTER_LIMIT:-90}"
     ;;
   chain)
-    # Block AttnRes's partial summed inside the merge (BlockSummaries.sum_in_merge, built on the CPU on 2026-12-03)
+    # Block AttnRes's partial summed inside the merge (BlockSummaries.sum_in_merge, built on 2026-12-02, last session)
     # against the separate add, in one process; the summing default timed before and after the other
     step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
@@ -692,6 +694,17 @@ case "$PLAN" in
       attnres_block "attnres_block@$APART" --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_chain}
     step gpu0 parity "${PARITY_LIMIT:-280}" python3 -m benchmarks.backend_training --residuals attnres_block \
       --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-small_chain}
+    ;;
+  chain3)
+    # mHC's streams in bf16 against its default fp32 streams in training (the candidate held to the default's seed
+    # spread); where a graphed attnres_block step's time goes now; mHC's kernels before and now at small, in rounds
+    step gpu0 mhc_streams "${STREAMS_LIMIT:-300}" python3 -m benchmarks.backend_training --residuals mhc \
+      --reference residual.backend=auto --candidate residual.stream_dtype=bf16 --steps ${STREAM_STEPS:-300} \
+      --seeds 0 1 2 --set model=small trainer=gpu trainer.compile=false --name small_mhc_bf16_streams
+    step gpu0 profile "${PROFILE_LIMIT:-120}" python3 -m benchmarks.profile_step --model small --residuals vanilla \
+      attnres_block --compile model --graphs on --top 40 --set $COMBO --tag _chain
+    step gpu0 ops_rounds "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_mhc --fused-only --shapes small \
+      --variants before default --rounds 5 --tag _rounds
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}

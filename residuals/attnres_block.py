@@ -54,7 +54,7 @@ class BlockSummaries:
     Replaces the full list of sources with [b_0, completed summaries, partial]."""
 
     # the two-phase path with a fused merge: the write sums the partial inside the next consumer's merge (one op,
-    # forward and backward); False sums it by a separate add and merges in the read, as before 2026-12-03 (kept to
+    # forward and backward); False sums it by a separate add and merges in the read, as up to 2026-12-02 night (kept to
     # time the two in one process: `benchmarks.throughput --residuals attnres_block@py:...BlockSummaries.sum_in_merge=False`)
     sum_in_merge: bool = True
 

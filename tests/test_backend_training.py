@@ -35,7 +35,8 @@ def test_a_failing_residual_is_a_row_and_the_others_are_kept(tmp_path, monkeypat
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
 
-    def fake_run(residual, backend, seed, steps, overrides):
+    def fake_run(residual, arm, seed, steps, overrides):
+        assert arm in (["residual.backend=torch"], ["residual.backend=triton"])
         if residual == "attnres":
             raise RuntimeError("InductorError: AssertionError")
         return {1: 5.0 + 0.1 * seed, 2: 4.0 + 0.1 * seed}
@@ -47,3 +48,27 @@ def test_a_failing_residual_is_a_row_and_the_others_are_kept(tmp_path, monkeypat
     rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| attnres")}
     assert "| ok |" in rows["attnres_block"]
     assert "FAILED (RuntimeError: InductorError: AssertionError)" in rows["attnres"]
+
+
+def test_any_two_settings_are_held_to_the_same_test(tmp_path, monkeypatch):
+    """--reference / --candidate: the two arms' overrides reach the runs, the table names them, and the candidate
+    passes or fails against the reference's own seed spread as the backends do."""
+    import benchmarks.backend_training as bt
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    seen = []
+
+    def fake_run(residual, arm, seed, steps, overrides):
+        seen.append((tuple(arm), seed))
+        off = 0.5 if arm == ["residual.stream_dtype=bf16"] else 0.0  # far outside the spread
+        return {1: 5.0 + 0.1 * seed + off, 2: 4.0 + 0.1 * seed + off}
+
+    monkeypatch.setattr(bt, "run", fake_run)
+    code = main(["--residuals", "mhc", "--reference", "residual.backend=auto", "--candidate",
+                 "residual.stream_dtype=bf16", "--seeds", "0", "1", "--name", "arms"])
+    assert code == 1
+    assert seen == [(("residual.backend=auto",), 0), (("residual.backend=auto",), 1),
+                    (("residual.stream_dtype=bf16",), 0), (("residual.stream_dtype=bf16",), 1)]
+    text = (tmp_path / "backend_training_arms.md").read_text()
+    assert "final loss, residual.stream_dtype=bf16 (per seed)" in text and "OUTSIDE THE SPREAD" in text
