@@ -85,7 +85,8 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("mhc3", ["small", "ncu_mhc"]),
                                          ("chain", ["gpu_tests", "small"]),
                                          ("chain2", ["medium", "parity"]),
-                                         ("chain3", ["mhc_streams", "profile", "ops_rounds"])])
+                                         ("chain3", ["mhc_streams", "profile", "ops_rounds"]),
+                                         ("closing2", ["small_all"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""
