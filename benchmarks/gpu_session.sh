@@ -83,6 +83,7 @@
 #   chain3   one GPU: mhc with bf16 streams against its fp32 default in training (300 steps, seeds 0-2), the profile of
 #            graphed vanilla and attnres_block steps at small, mHC's kernels before and now in 5 interleaved rounds
 #   closing2 one GPU: the small table of every study residual and ablation, mhc with bf16 streams beside (SMALL_LIMIT)
+#   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
 #            (default 8) launches each, clocks left alone
@@ -169,7 +170,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -712,6 +713,12 @@ case "$PLAN" in
     step gpu0 small_all "${SMALL_LIMIT:-340}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
       attnres_block mhc mhc@residual.stream_dtype=bf16 msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv \
       --compile model --graphs on --steps 8 --set $COMBO --tag ${TAG:-_closing2}
+    ;;
+  ops_wide)
+    # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes
+    step gpu0 ops_medium "${OPS_LIMIT:-130}" python3 -m benchmarks.ops_attnres --shapes medium --impls fused reference \
+      "torch.compile(reference)"
+    step gpu0 ops_d2048 "${OPS2048_LIMIT:-100}" python3 -m benchmarks.ops_attnres --shapes d2048 --impls fused reference
     ;;
   dtiles)
     step gpu0 dtiles "${DTILES_LIMIT:-240}" python3 -m benchmarks.depth_attn_tiles --shapes ${DTILES_SHAPES:-small} ${DTILES_ARGS:-}
