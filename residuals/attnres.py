@@ -18,7 +18,8 @@ the consumers of a group (AttnRes: the two sublayers of a Transformer block; Blo
 sublayers of a block) attend every completed source in one batched pass when the group opens
 (phase 1, in ``write``), and a consumer with a newer source (AttnRes: the group's first output;
 Block AttnRes: the block's partial sum) folds it in by an online-softmax merge (phase 2, in
-``read``). Sources are written once into a preallocated buffer and never re-stacked.
+``read``; Block AttnRes's in the ``write`` that grows the partial, which the same op sums). Sources are written
+once into a preallocated buffer and never re-stacked.
 
 This file also holds what the depth-attention variants share (attnres_block, msar, msar_block
 build on it): :class:`DepthAttentionResidual` (sources, consumers, recording, accounting, and the
