@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from benchmarks.roofline import Ceilings, Table, bench_ms
+from benchmarks.roofline import Ceilings, Table, bench_ms, held
 
 # (name, B, T, d): model=small (d=512, 16×1024), model=medium (d=1024, 16×2048), and d=2048
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "d2048": (8, 2048, 2048)}
@@ -190,14 +190,6 @@ FUSED_VARIANTS = {
 }
 
 
-def apply_settings(fused, settings: dict) -> dict:
-    """Set a variant's module settings; returns the values they replace, for restore_settings."""
-    saved = {k: getattr(fused, k) for k in settings}
-    for k, v in settings.items():
-        setattr(fused, k, v)
-    return saved
-
-
 def interleaved_rounds(entries: list, rounds: int, time_one) -> tuple[dict, dict]:
     """Time every entry once per round, the entries interleaved (round 1: a, b, c; round 2: a, b, c; ...), so that a
     drift of the GPU's clocks or of the host over the run lands on every entry alike instead of on whichever came
@@ -221,11 +213,6 @@ def interleaved_rounds(entries: list, rounds: int, time_one) -> tuple[dict, dict
     medians = {e: {op: (statistics.median(v), min(v), max(v)) for op, v in ops.items()}
                for e, ops in samples.items() if e not in errors}
     return medians, errors
-
-
-def restore_settings(fused, saved: dict) -> None:
-    for k, v in saved.items():
-        setattr(fused, k, v)
 
 
 def backends(fused_only=False, variants=tuple(FUSED_VARIANTS)):
@@ -391,17 +378,15 @@ def main(argv=None) -> None:
         for label, settings, fns in backends(args.fused_only, list(dict.fromkeys(args.variants))):  # --rounds repeats
             checks[label], fns_of[label] = "reference", (settings, fns)
             if settings is not None:  # a fused variant: its parity first (all of them before any timing)
-                saved = apply_settings(fused, settings)
                 try:
-                    err = parity(B, T, n, d, args.seed, dtype)
+                    with held((fused, k, v) for k, v in settings.items()):
+                        err = parity(B, T, n, d, args.seed, dtype)
                 except Exception as e:  # a variant that fails is reported in the table, not skipped silently
                     print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
                     failed.append(f"{name} {label}: {type(e).__name__}")
                     table.add(name, f"{B}×{T}", d, n, "error", label, "all", f"error: {type(e).__name__}",
                               "", "", "", "", "")
                     continue
-                finally:
-                    restore_settings(fused, saved)
                 checks[label] = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
                 print(f"{name} {label}: parity {checks[label]}", flush=True)
                 if err >= PARITY_TOL[args.dtype]:
@@ -410,11 +395,8 @@ def main(argv=None) -> None:
 
         def time_one(label):
             settings, fns = fns_of[label]
-            saved = apply_settings(fused, settings or {})
-            try:
+            with held((fused, k, v) for k, v in (settings or {}).items()):
                 return timings(fns, p, up)
-            finally:
-                restore_settings(fused, saved)
 
         medians, errors = interleaved_rounds(entries, max(1, args.rounds), time_one)
         for label in entries:

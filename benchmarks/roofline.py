@@ -10,11 +10,13 @@ timings on a shared host swing 13-17% between invocations:
 - ``bf16_rate``: a bf16 matrix product (tensor cores), for MFU of whole-model runs.
 
 ``Table`` prints a markdown table and writes it under benchmarks/results/ with the command, the GPU
-and the date, as every benchmark result here is.
+and the date, as every benchmark result here is. ``held`` sets attributes of the code (a kernel variant, a class
+switch) for the timing of one row and restores them after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import sys
 from dataclasses import dataclass, field
@@ -24,6 +26,21 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+@contextlib.contextmanager
+def held(settings):
+    """``settings``: (object, attribute, value) triples, set for the body and restored after it (in reverse order,
+    also when the body raises)."""
+    settings = list(settings)
+    before = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
+    try:
+        for obj, attr, value in settings:
+            setattr(obj, attr, value)
+        yield
+    finally:
+        for obj, attr, value in reversed(before):
+            setattr(obj, attr, value)
 
 
 def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:

@@ -32,7 +32,6 @@ Writes benchmarks/results/throughput_<models>[_ddpN][tag].md via `roofline.Table
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import statistics
@@ -40,7 +39,7 @@ import time
 
 import torch
 
-from benchmarks.roofline import Table
+from benchmarks.roofline import Table, held
 
 
 
@@ -79,19 +78,6 @@ def code_settings(run: str) -> list[tuple[object, str, object]]:
             value = text
         settings.append((obj, names[-1], value))
     return settings
-
-
-@contextlib.contextmanager
-def held(settings: list[tuple[object, str, object]]):
-    """Apply ``code_settings`` for the body, then restore what was there."""
-    before = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
-    try:
-        for obj, attr, value in settings:
-            setattr(obj, attr, value)
-        yield
-    finally:
-        for obj, attr, value in reversed(before):
-            setattr(obj, attr, value)
 
 
 def build(model_name: str, residual: str, vocab: int, overrides: list[str], device: str):

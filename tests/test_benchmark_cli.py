@@ -201,7 +201,7 @@ def test_saved_bytes_counts_each_storage_once_and_tabulates(tmp_path, monkeypatc
                       "--tag", "_test"])
     text = (tmp_path / "saved_bytes_tiny_test.md").read_text()
     assert "| vanilla |" in text and "| attnres_block |" in text and "| 1.000 |" in text
-    assert "## Who keeps it" in text and "| attnres_block | MergeFunctionBackward |" not in text  # torch backend
+    assert "## Who keeps it" in text and "| attnres_block | MergeSumFunctionBackward |" not in text  # torch backend
     with pytest.raises(SystemExit, match=r"'vanila'.*vanilla"):
         saved_bytes.main(["--residuals", "vanila"])
 

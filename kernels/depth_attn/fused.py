@@ -611,34 +611,15 @@ class SummariesFunction(torch.autograd.Function):
         return (dsrc, None, None, None, None, None, dqg, None)
 
 
-class MergeFunction(torch.autograd.Function):
-    """Phase 2. ``apply(o, lse, p, qg, key_norm, eps)`` -> h, w (w not differentiable)."""
-
-    @staticmethod
-    def forward(ctx, o, lse, p, qg, key_norm, eps):
-        h, w = merge_fwd(o, lse, p, qg, key_norm=key_norm, eps=eps)
-        # the output h, not o: the backward needs only dh·(p − o) = dh·(p − h)/(1 − w), and h is the consumer
-        # sublayer's input, which it holds for its own backward; o would be one more (B, T, d) tensor per merge
-        ctx.save_for_backward(h, p, qg, w)
-        ctx.key_norm, ctx.eps, ctx.o_dtype = key_norm, eps, o.dtype
-        ctx.mark_non_differentiable(w)
-        return h, w
-
-    @staticmethod
-    def backward(ctx, dh, _dw):
-        h, p, qg, w = ctx.saved_tensors
-        do, dp, dlse, dqg = merge_bwd(h, p, qg, w, dh.contiguous(), o_dtype=ctx.o_dtype, key_norm=ctx.key_norm,
-                                      eps=ctx.eps)
-        return do, dlse, dp, dqg, None, None
-
-
 class MergeSumFunction(torch.autograd.Function):
-    """Phase 2 with the block's running partial sum: ``apply(o, lse, prev, new, qg, key_norm, eps)`` -> h, w, p.
+    """Phase 2: ``apply(o, lse, prev, new, qg, key_norm, eps)`` -> h, w, p (w not differentiable).
 
-    p = prev + new (``new`` itself when ``prev`` is None: returned as is, no copy) is the partial that is
-    merged, returned so the residual keeps it as its next partial. The backward takes p's gradient from its
-    later readers (the next merge, the block's summary) into the merge's own dp in one pass and hands the
-    sum to prev and new alike: no separate add forward, and no autograd sum of the two in backward."""
+    p = prev + new (``new`` itself when ``prev`` is None: returned as is, no copy; the merge of one partial) is
+    the partial that is merged, returned so Block AttnRes keeps it as its next partial. The backward takes p's
+    gradient from its later readers (the next merge, the block's summary) into the merge's own dp in one pass
+    and hands the sum to prev and new alike: no separate add forward, and no autograd sum of the two in backward.
+    It keeps the output h, not o: the backward needs only dh·(p − o) = dh·(p − h)/(1 − w), and h is the consumer
+    sublayer's input, which it holds for its own backward; o would be one more (B, T, d) tensor per merge."""
 
     @staticmethod
     def forward(ctx, o, lse, prev, new, qg, key_norm, eps):
@@ -647,7 +628,7 @@ class MergeSumFunction(torch.autograd.Function):
             p = new
         else:
             h, w, p = merge_fwd(o, lse, prev, qg, key_norm=key_norm, eps=eps, new=new)
-        ctx.save_for_backward(h, p, qg, w)  # h, not o: as MergeFunction
+        ctx.save_for_backward(h, p, qg, w)
         ctx.key_norm, ctx.eps, ctx.o_dtype = key_norm, eps, o.dtype
         ctx.dtypes = (None if prev is None else prev.dtype, new.dtype)
         ctx.mark_non_differentiable(w)
@@ -674,7 +655,7 @@ def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, stor
 
 @torch.compiler.disable
 def merge(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, key_norm: bool, eps: float):
-    return MergeFunction.apply(o, lse, p, qg, key_norm, eps)
+    return MergeSumFunction.apply(o, lse, None, p, qg, key_norm, eps)[:2]  # the partial p alone: h, w
 
 
 @torch.compiler.disable

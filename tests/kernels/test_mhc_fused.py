@@ -63,7 +63,7 @@ def leaves(inp):
     return {k: v.clone().requires_grad_() for k, v in inp.items() if v is not None}
 
 
-# the kernel variants of kernels/mhc/fused.py (module settings; off by default until timed): each must give the
+# the kernel variants of kernels/mhc/fused.py (module settings; the defaults and the choices): each must give the
 # reference's results. The tensor-core ones apply to 16-bit streams only; on fp32 streams they must leave the fp32 path.
 TENSOR_CORES = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2"}
 VARIANTS = {
