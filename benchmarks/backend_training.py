@@ -18,6 +18,12 @@ default fp32 ones:
 
     python -m benchmarks.backend_training --residuals mhc --reference residual.backend=auto \
         --candidate residual.stream_dtype=bf16 --steps 200 --seeds 0 1 2 --name small_mhc_bf16_streams
+
+An arm's item ``py:MODULE.NAME.ATTR=VALUE`` is a setting of the code (as in ``benchmarks.throughput``'s rows), held
+for that arm's runs alone and restored after each, e.g. Block AttnRes's phase-1 outputs in bf16:
+
+    python -m benchmarks.backend_training --residuals attnres_block --reference residual.backend=auto \
+        --candidate py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16 --steps 300 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -41,13 +47,19 @@ class StepLosses(L.Callback):
 
 
 def run(residual: str, arm: list[str], seed: int, steps: int, overrides: list[str]) -> dict[int, float]:
-    """One short training run of ``residual`` with the ``arm``'s overrides (e.g. ``["residual.backend=torch"]``)."""
+    """One short training run of ``residual`` with the ``arm``'s overrides (e.g. ``["residual.backend=torch"]``;
+    ``py:`` items are settings of the code, held for the run)."""
     from platform.config import compose
     from platform.train import train
 
+    from benchmarks.roofline import held
+    from benchmarks.throughput import code_settings
+
+    settings = code_settings("@".join([residual, *(item for item in arm if item.startswith("py:"))]))
+    config = [item for item in arm if not item.startswith("py:")]
     recorder = StepLosses()
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose(f"residual={residual}", *arm, f"seed={seed}",
+    with tempfile.TemporaryDirectory() as tmp, held(settings):
+        cfg = compose(f"residual={residual}", *config, f"seed={seed}",
                       f"trainer.max_steps={steps}", f"trainer.val_every={steps}", "trainer.progress_bar=false",
                       "mlflow.enabled=false", "mlflow.depth_heatmaps=false", *overrides)
         train(cfg, callbacks=[recorder], run_dir=Path(tmp) / "run")

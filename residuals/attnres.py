@@ -152,6 +152,13 @@ class DepthAttentionResidual(Residual):
     replaces the full source list with block summaries.
     """
 
+    # the dtype of phase 1's outputs on the two-phase path (a key of SOURCE_DTYPES): "stream" keeps them in the
+    # sources' dtype; "bfloat16" halves the bytes of each output (written by phase 1, read by its merge) and of its
+    # gradient (written by the merge's backward, read by phase 1's), at one rounding of the output before its merge.
+    # A setting of the code for timing it (docs/kernel_attnres.md), not yet a config field: the reference path
+    # attends over all sources at once and has no phase-1 output to round.
+    phase1_dtype = "stream"
+
     def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
         type(self).validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
@@ -282,7 +289,8 @@ class DepthAttentionResidual(Residual):
         gains = state.gains
         res = depth_attn_summaries(state.buffer, torch.stack(state.queries[first:last]),  # (C, d)
                                    None if gains is None else torch.stack(gains[first:last]),
-                                   key_norm=self.cfg.key_norm, return_weights=state.ctx.record, backend=state.backend)
+                                   key_norm=self.cfg.key_norm, return_weights=state.ctx.record,
+                                   out_dtype=SOURCE_DTYPES[self.phase1_dtype], backend=state.backend)
         return replace(state, first=first, outs=res[0], lses=res[1], partial=None, merged=None,
                        weights=res[2] if state.ctx.record else None)
 

@@ -72,3 +72,26 @@ def test_any_two_settings_are_held_to_the_same_test(tmp_path, monkeypatch):
                     (("residual.stream_dtype=bf16",), 0), (("residual.stream_dtype=bf16",), 1)]
     text = (tmp_path / "backend_training_arms.md").read_text()
     assert "final loss, residual.stream_dtype=bf16 (per seed)" in text and "OUTSIDE THE SPREAD" in text
+
+
+def test_an_arm_holds_its_code_settings_for_its_runs_alone(monkeypatch):
+    """An arm's ``py:`` items set the code for that arm's runs (restored after each), the rest compose the config."""
+    import platform.train as train_mod
+
+    import benchmarks.backend_training as bt
+    from residuals.attnres import DepthAttentionResidual
+
+    seen = []
+
+    def fake_train(cfg, callbacks, run_dir):
+        seen.append((DepthAttentionResidual.phase1_dtype, cfg.residual.backend))
+        callbacks[0].losses[1] = 1.0
+
+    monkeypatch.setattr(train_mod, "train", fake_train)
+    arm = ["py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16", "residual.backend=torch"]
+    assert bt.run("attnres_block", arm, 0, 1, ["debug=fast"]) == {1: 1.0}
+    assert bt.run("attnres_block", ["residual.backend=auto"], 0, 1, ["debug=fast"]) == {1: 1.0}
+    assert seen == [("bfloat16", "torch"), ("stream", "auto")]
+    assert DepthAttentionResidual.phase1_dtype == "stream"
+    with pytest.raises(ValueError, match="py:residuals.attnres.Nope.x=1"):
+        bt.run("attnres_block", ["py:residuals.attnres.Nope.x=1"], 0, 1, ["debug=fast"])

@@ -84,7 +84,7 @@ def depth_attn(sources, queries, key_gains=None, *, key_sources=None, key_norm=T
 
 def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_gains: Tensor | None = None, *,
                          key_norm: bool = True, eps: float = 1e-6, return_weights: bool = False,
-                         backend: str = "auto"):
+                         out_dtype: torch.dtype | None = None, backend: str = "auto"):
     """Phase 1 of the two-phase schedule: C static queries attend the same n sources at once.
 
     Args:
@@ -93,7 +93,8 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
         queries: ``(C, d)``, one per consumer; key_gains ``(C, d)`` or None.
 
     Returns:
-        ``outs``, a tuple of C ``(B, T, d)`` normalised outputs (the sources' dtype), ``lses``, a tuple
+        ``outs``, a tuple of C ``(B, T, d)`` normalised outputs (in ``out_dtype``, default the sources'
+        dtype: bf16 halves the bytes of the outputs and of their gradients, at one rounding), ``lses``, a tuple
         of C ``(B, T)`` log-sum-exps of the logits over sources (fp32), and with ``return_weights``
         the weights ``(C, n, B, T)`` (detached from the triton backend).
     """
@@ -108,6 +109,8 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
     if backend == "torch":
         values = torch.stack(sources.rows) if buffered else sources
         out, lse = reference.summaries(values, queries, key_gains, key_norm=key_norm, eps=eps)
+        if out_dtype is not None:
+            out = out.to(out_dtype)
         res = (tuple(out.unbind(0)), tuple(lse.unbind(0)))
         if return_weights:
             with torch.no_grad():
@@ -124,7 +127,7 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
     rows = sources.rows if buffered else ()
     res = fused.summaries(x if buffered else x.contiguous(), n, True, bool(key_norm), float(eps),
                           bool(return_weights), _folded(queries, key_gains), tuple(rows),
-                          sources.grads if buffered else None)
+                          sources.grads if buffered else None, out_dtype)
     outs, lses, logits = res[:C], res[C: 2 * C], res[-1]
     if return_weights:
         return outs, lses, torch.exp(logits - torch.stack(lses).detach()[:, None])

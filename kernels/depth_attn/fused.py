@@ -470,14 +470,15 @@ def _persistent_grid(kernel, args, meta, num_warps: int, n_tiles: int, device: t
     return max(1, min(n_tiles, _resident_programs(kernel, args, meta, num_warps, device)))
 
 
-def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float, store_logits: bool):
-    """src (n_max, B, T, d) contiguous, qg (C, d) fp32 -> out (C, B, T, d), lse (C, B, T) fp32,
-    logits (C, n, B, T) fp32 or None."""
+def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float, store_logits: bool,
+                  out_dtype: torch.dtype | None = None):
+    """src (n_max, B, T, d) contiguous, qg (C, d) fp32 -> out (C, B, T, d) in ``out_dtype`` (default: the
+    sources'), lse (C, B, T) fp32, logits (C, n, B, T) fp32 or None."""
     shape = src.shape[1:]
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
     t = tiles(n, d)
-    out = torch.empty(C, *shape, device=src.device, dtype=src.dtype)
+    out = torch.empty(C, *shape, device=src.device, dtype=out_dtype or src.dtype)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
@@ -560,7 +561,7 @@ def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtyp
 
 # --- autograd ------------------------------------------------------------------------------------
 class SummariesFunction(torch.autograd.Function):
-    """Phase 1. ``apply(src, n, split, key_norm, eps, store_logits, qg, grads, *rows)``.
+    """Phase 1. ``apply(src, n, split, key_norm, eps, store_logits, out_dtype, qg, grads, *rows)``.
 
     ``rows`` empty: ``src`` (n, B, T, d) is itself the differentiable input. ``rows`` given: they are
     the n differentiable sources, views of the rows [0, n) of the buffer ``src`` (n_max, B, T, d),
@@ -569,13 +570,15 @@ class SummariesFunction(torch.autograd.Function):
     gradient is accumulated into ``grads`` (the buffer's ``RowGradients``) and handed to autograd as
     None: each row's ``StoreFunction`` takes the finished sum from there (no autograd sum per reader).
     ``split``: return C outputs and C log-sum-exps (one per consumer) instead of two stacked tensors.
+    ``out_dtype``: the outputs' dtype (None: the sources'); their gradients come back in it.
     """
 
     @staticmethod
-    def forward(ctx, src, n, split, key_norm, eps, store_logits, qg, grads, *rows):
+    def forward(ctx, src, n, split, key_norm, eps, store_logits, out_dtype, qg, grads, *rows):
         if rows and grads is None:
             raise ValueError("summaries: buffered rows need their buffer's RowGradients (SourceBuffer.grads), got None")
-        out, lse, logits = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps, store_logits=store_logits)
+        out, lse, logits = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps, store_logits=store_logits,
+                                         out_dtype=out_dtype)
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
         if rows:
             ctx.src, ctx.grads = src, grads
@@ -606,9 +609,9 @@ class SummariesFunction(torch.autograd.Function):
             dst, n_add = ctx.grads.target(ctx.n)
             _, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, dsrc=dst,
                                    n_add=n_add)
-            return (None, None, None, None, None, None, dqg, None, *(None for _ in range(ctx.n)))
+            return (None, None, None, None, None, None, None, dqg, None, *(None for _ in range(ctx.n)))
         dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps)
-        return (dsrc, None, None, None, None, None, dqg, None)
+        return (dsrc, None, None, None, None, None, None, dqg, None)
 
 
 class MergeSumFunction(torch.autograd.Function):
@@ -649,8 +652,8 @@ class MergeSumFunction(torch.autograd.Function):
 # --- entry points (inputs validated by kernels.depth_attn) -----------------------------------------
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
 def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, store_logits: bool, qg: Tensor,
-              rows: tuple[Tensor, ...] = (), grads=None):
-    return SummariesFunction.apply(src, n, split, key_norm, eps, store_logits, qg, grads, *rows)
+              rows: tuple[Tensor, ...] = (), grads=None, out_dtype: torch.dtype | None = None):
+    return SummariesFunction.apply(src, n, split, key_norm, eps, store_logits, out_dtype, qg, grads, *rows)
 
 
 @torch.compiler.disable

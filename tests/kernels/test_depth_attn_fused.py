@@ -47,14 +47,14 @@ def make_inputs(C, n, B, T, d, gains, *, device="cpu", seed=0):
     return sources, partials, queries, key_gains
 
 
-def two_phase(backend, sources, partials, queries, key_gains, key_norm):
+def two_phase(backend, sources, partials, queries, key_gains, key_norm, out_dtype=None):
     """Block AttnRes for one block: consumer 0 reads phase 1 alone, consumer c > 0 merges partials[c].
     Sources go through a SourceBuffer, as in the residual."""
     buffer = SourceBuffer(sources.shape[0] + 2, sources[0])  # spare rows: only [0, n) are read
     for s in sources.unbind(0):
         buffer.append(s)
     outs, lses, weights = depth_attn_summaries(buffer, queries, key_gains, key_norm=key_norm,
-                                               return_weights=True, backend=backend)
+                                               return_weights=True, out_dtype=out_dtype, backend=backend)
     hs, merged_w = [outs[0]], []
     for c in range(1, queries.shape[0]):
         h, w = depth_attn_merge(outs[c], lses[c], partials[c], queries[c],
@@ -125,6 +125,45 @@ def test_source_chunking_does_not_change_the_result(monkeypatch, chunks):
     monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), fwd_s, n_ <= fwd_s, 4,
                                                                    bwd_s, n_ <= bwd_s, unroll))
     assert_two_phase_matches_reference(*make_inputs(3, n, 2, 19, d, True, seed=3), True, up_seed=4)
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=needs_interpreter),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_bf16_phase_one_outputs_match_the_reference_and_take_bf16_gradients(device):
+    """``out_dtype=torch.bfloat16``: phase 1 writes its outputs in bf16 (fp32 sources) and their gradients come
+    back in bf16 (the merge's backward writes them so); the reference rounds its outputs alike. Outputs within a
+    bf16 rounding of the reference (the two fp32 results may round to neighbouring bf16 values), every gradient
+    within bf16's relative error in norm, and not the fp32 result: the option rounds."""
+    sources, partials, queries, key_gains = make_inputs(3, 4, 2, 13, 37, True, seed=5, device=device)
+    leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
+    results = {}
+    for backend, out_dtype in (("triton", torch.bfloat16), ("torch", torch.bfloat16), ("torch", None)):
+        buffer = SourceBuffer(sources.shape[0], sources[0])
+        for s in sources.unbind(0):
+            buffer.append(s)
+        outs, lses = depth_attn_summaries(buffer, queries, key_gains, out_dtype=out_dtype, backend=backend)
+        out_grads = []
+        for o in outs:
+            o.register_hook(out_grads.append)
+        hs = [outs[0].float()] + [depth_attn_merge(outs[c], lses[c], partials[c], queries[c], key_gains[c],
+                                                   backend=backend)[0] for c in (1, 2)]
+        ups = torch.randn((3, *hs[0].shape), generator=torch.Generator().manual_seed(7)).to(device)
+        grads = torch.autograd.grad(sum((h * u).sum() for h, u in zip(hs, ups)), leaves)
+        results[backend, out_dtype] = outs, hs, grads, out_grads
+    (outs, hs, grads, out_grads), (ref_outs, ref_hs, ref_grads, _) = results["triton", torch.bfloat16], \
+        results["torch", torch.bfloat16]
+    assert {o.dtype for o in outs} == {o.dtype for o in ref_outs} == {torch.bfloat16}
+    assert [g.dtype for g in out_grads] == [torch.bfloat16] * 3
+    for a, b in zip(outs, ref_outs):
+        torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=1e-2)
+    for a, b in zip(hs, ref_hs):
+        assert a.dtype == torch.float32 and rel_err(a, b) < 4e-3
+    for name, a, b in zip(("sources", "partials", "queries", "gains"), grads, ref_grads):
+        assert rel_err(a, b) < 1e-2, f"{name}: relative error {rel_err(a, b):.2e}"
+    fp32_hs = results["torch", None][1]
+    assert min(rel_err(a, b) for a, b in zip(hs[1:], fp32_hs[1:])) > 1e-5  # rounded: not the fp32 merge
 
 
 def test_two_phase_reference_is_the_spec():
