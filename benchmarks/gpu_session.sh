@@ -83,6 +83,14 @@
 #   chain3   one GPU: mhc with bf16 streams against its fp32 default in training (300 steps, seeds 0-2), the profile of
 #            graphed vanilla and attnres_block steps at small, mHC's kernels before and now in 5 interleaved rounds
 #   closing2 one GPU: the small table of every study residual and ablation, mhc with bf16 streams beside (SMALL_LIMIT)
+#   phase1   one GPU (about 500 s with the start): the depth-attention GPU tests; Block AttnRes and full AttnRes with
+#            their phase-1 outputs in bf16 (DepthAttentionResidual.phase1_dtype) beside the default and vanilla at
+#            small, in one process (the default re-timed last); attnres_block's 300-step training with them against
+#            the default, seeds 0-2 (eager)
+#   pairs    one GPU (about 450 s with the start): with the serial stats kernel two tokens a trip the default
+#            (Blocks.stats_pairs; timed on 2026-12-02, final session: msar_tiles_nvidia_h200_pairs.md,
+#            throughput_small_pairs.md), the op's GPU tests, and msar_block's `medium` step with it and with one token
+#            a trip (the default before) beside vanilla, in one process
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -170,7 +178,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -210,6 +218,8 @@ throughput() {
     --ablations ${THROUGHPUT_ABLATIONS:-wo_conv attnres_conv} --compile on --steps 8 --tag _session
 }
 APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block AttnRes's partial by a separate add
+UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
+PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16
 COMBO=+trainer.compile_options.combo_kernels=true  # Inductor's combo kernels, as trainer=gpu trains
 # table_small / table_medium NAME LIMIT TAG: every study residual and ablation at `small`, MEDIUM_RESIDUALS at
 # `medium`, one process each, graphed, compiled per COMPILE (default model), with the overrides TABLE_SET
@@ -713,6 +723,21 @@ case "$PLAN" in
     step gpu0 small_all "${SMALL_LIMIT:-340}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
       attnres_block mhc mhc@residual.stream_dtype=bf16 msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv \
       --compile model --graphs on --steps 8 --set $COMBO --tag ${TAG:-_closing2}
+    ;;
+  phase1)
+    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
+    step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      attnres_block "attnres_block@$PHASE1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
+      --steps 8 --set $COMBO --tag ${TAG:-_phase1}
+    step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --reference residual.backend=auto --candidate "$PHASE1" --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
+      --set model=small trainer=gpu trainer.compile=false --name small_attnres_block_bf16_phase1
+    ;;
+  pairs)
+    msar_tests "${TEST_LIMIT:-120}"
+    step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      msar_block "msar_block@$UNPAIRED" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_pairs}
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

@@ -106,7 +106,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield (f"split forward, pass 1{'' if split else ' (candidate)'}", fused._stats_serial_kernel,
                dict(**views, dr_ptr=F32, part_ptr=F32),
                dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_logit_bd, FAST=blk.serial_fast, QS=True,
-                    DR=False, PREFETCH=blk.stats_prefetch), 1)
+                    DR=False, PREFETCH=blk.stats_prefetch, PAIRS=getattr(blk, "stats_pairs", False)), 1)
         yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
                dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type, mpart_ptr=F32,
                     p_off="i64"),
@@ -141,7 +141,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
                dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,
                     FAST=getattr(blk, "serial_fast", False), QS=not getattr(blk, "stats_saved", False), DR=True,
-                    PREFETCH=getattr(blk, "stats_prefetch", False)), 1)
+                    PREFETCH=getattr(blk, "stats_prefetch", False), PAIRS=getattr(blk, "stats_pairs", False)), 1)
     else:
         yield ("stats", fused._stats_kernel,
                dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),

@@ -62,7 +62,8 @@ def candidates(blk) -> dict[str, list[dict]]:
         dict(fwd_mode="split", split_lean=True, split_bd=64, split_ch=ch) for ch in (32, 128)] + [
         # the steps between the kernels as one kernel each (or as PyTorch, once the kernels are the default)
         dict(fwd_mode="split", glue=other_glue), dict(fwd_mode="split", split_lean=True, split_bd=64, glue="triton"),
-        dict(fwd_mode="split", split_lean=False, glue="torch")]  # the split forward as first timed (2026-12-02)
+        dict(fwd_mode="split", split_lean=False, glue="torch"),  # the split forward as first timed (2026-12-02)
+        dict(fwd_mode="split", stats_pairs=not blk.stats_pairs)]  # pass 1 two tokens a trip (or one)
     return {
         "forward": [{}] + split + v3
                    + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
@@ -91,7 +92,9 @@ def candidates(blk) -> dict[str, list[dict]]:
                  # the serial stats kernel recomputing the forward's logits and ρ, and its loads a step ahead
                  + [dict(stats_mode="serial", stats_saved=not blk.stats_saved),
                     dict(stats_mode="serial", stats_prefetch=not blk.stats_prefetch),
-                    dict(stats_mode="serial", stats_prefetch=not blk.stats_prefetch, stats_serial_bd=64)],
+                    dict(stats_mode="serial", stats_prefetch=not blk.stats_prefetch, stats_serial_bd=64)]
+                 # two tokens a trip of the stats kernel (or one, once two are the default)
+                 + [dict(stats_mode="serial", stats_pairs=not blk.stats_pairs)],
         "source gradients": [{}] + (serial if blk.src_mode == "serial" else ring),
     }
 
@@ -182,7 +185,8 @@ def parse_candidate(text: str) -> dict:
 
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
-            "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps"),
+            "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps",
+                      "stats_pairs"),
             "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch", "src_bt",
                                  "src_bd", "src_warps", "sub")}[kernel]
 

@@ -87,7 +87,9 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("chain2", ["medium", "parity"]),
                                          ("chain3", ["mhc_streams", "profile", "ops_rounds"]),
                                          ("closing2", ["small_all"]),
-                                         ("ops_wide", ["ops_medium", "ops_d2048"])])
+                                         ("ops_wide", ["ops_medium", "ops_d2048"]),
+                                         ("phase1", ["gpu_tests", "small", "parity"]),
+                                         ("pairs", ["gpu_tests", "medium"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""
@@ -108,11 +110,12 @@ def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     assert all("skipped (limit 0)" in line for line in summary)
 
 
+@pytest.mark.parametrize("plan, count, groups", [("lean2", 4, ("forward", "stats"))])
 @pytest.mark.parametrize("T, d", [(1024, 512), (2048, 1024)], ids=["small", "medium"])
-def test_gpu_session_lean2_plan_times_only_candidates(T, d):
-    """Every ``--only`` of the ``lean2`` plan's msar_tiles steps is a candidate of benchmarks.msar_tiles at the shapes
-    it runs, and a step's --only name distinct tiles (one that is not a candidate, or names tiles already named, is not
-    timed on the GPU, and its device time is lost)."""
+def test_gpu_session_plans_time_only_candidates(T, d, plan, count, groups):
+    """Every ``--only`` of a plan's msar_tiles steps is a candidate of benchmarks.msar_tiles at the shapes it runs,
+    and a step's --only name distinct tiles (one that is not a candidate, or names tiles already named, is not timed
+    on the GPU, and its device time is lost)."""
     import dataclasses
     import re
     import shlex
@@ -121,7 +124,7 @@ def test_gpu_session_lean2_plan_times_only_candidates(T, d):
     from kernels.msar_attn import fused
 
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text()
-    plan = re.search(r"^  lean2\)\n(.*?)^    ;;", text, re.M | re.S).group(1)
+    plan = re.search(rf"^  {plan}\)\n(.*?)^    ;;", text, re.M | re.S).group(1)
     words = shlex.split(plan.replace("\\\n", " "), comments=True)
     steps, taking = [], False
     for word in words:  # per step, the words after its --only, up to the next option
@@ -131,9 +134,9 @@ def test_gpu_session_lean2_plan_times_only_candidates(T, d):
                 steps.append([])
         elif taking:
             steps[-1].append(parse_candidate(word))
-    assert len(steps) == 1 and len(steps[0]) == 4, (plan, steps)
+    assert len(steps) == 1 and len(steps[0]) == count, (plan, steps)
     base = fused._blocks(T, d, 4, 12)
-    offered = [dataclasses.replace(base, **o) for group in ("forward", "stats") for o in candidates(base)[group][1:]]
+    offered = [dataclasses.replace(base, **o) for group in groups for o in candidates(base)[group][1:]]
     for asked in steps:
         tiles = [dataclasses.replace(base, **o) for o in asked]
         assert all(t in offered for t in tiles), [o for o, t in zip(asked, tiles) if t not in offered]

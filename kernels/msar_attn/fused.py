@@ -50,6 +50,7 @@ All math is fp32 whatever x's dtype (bf16 on the GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -767,6 +768,7 @@ def _stats_serial_kernel(
     QS: tl.constexpr,  # reduce qg_j·E_j and ‖E_j‖² (the logits; the backward can take them from the forward)
     DR: tl.constexpr,  # reduce dR_j·E_j (the backward; the forward's split pass 1 has no dR)
     PREFETCH: tl.constexpr,  # load token t+1 during step t
+    PAIRS: tl.constexpr = False,  # two tokens a trip of the loop (their loads a step ahead, as PREFETCH)
 ):
     """The stats kernel's reductions over the channels, split by channel tile: one program per (source,
     channel tile), chunk of CH tokens and row walks its tokens one at a time, with the taps and the last KW source
@@ -788,27 +790,47 @@ def _stats_serial_kernel(
         base = part_ptr + tile * plane
     t = t0
     nxt = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS, DR)
-    while t < t1:
-        if PREFETCH:
-            cur = nxt
-            nxt = _stats_loads(x_row, near_row, dr_ptr, t + 1, t + 1 < t1, b, B, T, D, offs_d, mask_d, KS, DR)
-        else:
-            cur = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS, DR)
-        xw = (cur[1],) + xw[:KW - 1]
-        xm = _doc_masked(xw, cur[0], KW, FAST)
-        for j in tl.static_range(len(KS)):
-            e = c[KOFF[j]] * xm[0]
-            for tau in tl.static_range(1, tl.constexpr(KS[j])):
-                e += c[KOFF[j] + tau] * xm[tau]
-            idx = ((j * S + s) * B + b).to(tl.int64) * T + t
-            if QS:
-                tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
-                tl.store(base + plane + idx, tl.sum(e * e, axis=0))
-                if DR:
-                    tl.store(base + 2 * plane + idx, tl.sum(cur[2 + j] * e, axis=0))
+    if PAIRS:  # two tokens a trip: the window moves two places a trip, and no load waits in a copy
+        while t + 1 < t1:
+            second = _stats_loads(x_row, near_row, dr_ptr, t + 1, True, b, B, T, D, offs_d, mask_d, KS, DR)
+            xw = _stats_step(nxt, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            nxt = _stats_loads(x_row, near_row, dr_ptr, t + 2, t + 2 < t1, b, B, T, D, offs_d, mask_d, KS, DR)
+            xw = _stats_step(second, xw, c, qg, t + 1, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            t += 2
+        while t < t1:  # an odd chunk's last token (nxt holds its loads)
+            xw = _stats_step(nxt, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            t += 1
+    else:
+        while t < t1:
+            if PREFETCH:
+                cur = nxt
+                nxt = _stats_loads(x_row, near_row, dr_ptr, t + 1, t + 1 < t1, b, B, T, D, offs_d, mask_d, KS, DR)
             else:
-                tl.store(base + idx, tl.sum(cur[2 + j] * e, axis=0))
-        t += 1
+                cur = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS, DR)
+            xw = _stats_step(cur, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            t += 1
+
+
+@triton.jit
+def _stats_step(cur, xw, c, qg, t, s, b, S, B, T, base, plane, KS: tl.constexpr, KOFF: tl.constexpr,
+                KW: tl.constexpr, FAST: tl.constexpr, QS: tl.constexpr, DR: tl.constexpr):
+    """One token of ``_stats_serial_kernel``: the window takes x[t] (``cur``: ``_stats_loads`` of t), E_j[t] is built
+    from it and its sums over the tile's channels stored. Returns the window."""
+    xw = (cur[1],) + xw[:KW - 1]
+    xm = _doc_masked(xw, cur[0], KW, FAST)
+    for j in tl.static_range(len(KS)):
+        e = c[KOFF[j]] * xm[0]
+        for tau in tl.static_range(1, tl.constexpr(KS[j])):
+            e += c[KOFF[j] + tau] * xm[tau]
+        idx = ((j * S + s) * B + b).to(tl.int64) * T + t
+        if QS:
+            tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
+            tl.store(base + plane + idx, tl.sum(e * e, axis=0))
+            if DR:
+                tl.store(base + 2 * plane + idx, tl.sum(cur[2 + j] * e, axis=0))
+        else:
+            tl.store(base + idx, tl.sum(cur[2 + j] * e, axis=0))
+    return xw
 
 
 # --- the small steps between the kernels, fused (``Blocks.glue="triton"``; PyTorch's twins are the spec) -------------
@@ -1254,6 +1276,58 @@ def _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, ok, s, b, S, B, T, D, pl
     return out
 
 
+@triton.jit
+def _src_step(cur, t, t0, t1, xw, dw, dq, dc, c, qg, dx_row, offs_d, mask_d, D, add, SOFTMAX: tl.constexpr,
+              KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, FAST: tl.constexpr):
+    """One token of ``_src_serial_kernel`` (``cur``: ``_serial_loads`` of t): dx[t-KW] written, then E_j[t], dE_j[t],
+    the query and tap gradients and the scattered conv adjoint. Returns the window, the dx accumulators and the
+    query and tap gradients."""
+    zero = tl.zeros_like(qg[0])
+    bits = cur[0]
+    xw = (cur[1],) + xw[:KW - 1]
+    xm = _doc_masked(xw, bits, KW, FAST)  # x[t-σ] where t-σ is in the row and in t's document, else 0
+    if t - KW >= t0:  # dx[t-KW] has every contribution (dE[t-KW .. t-1])
+        _emit_dx(dx_row, dw[KW - 1], t - KW, offs_d, mask_d, D, add)
+    own = (t < t1).to(tl.float32)  # the tokens past the chunk are the next program's for dqg and dc
+    de = ()
+    nq = ()
+    nc = ()
+    for j in tl.static_range(len(KS)):
+        w = cur[2 + 4 * j]
+        dr = cur[5 + 4 * j]
+        if SOFTMAX:
+            kappa = cur[3 + 4 * j]
+            mu = cur[4 + 4 * j]
+            e = c[KOFF[j]] * xm[0]
+            for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                e += c[KOFF[j] + tau] * xm[tau]
+            dej = w * dr + kappa * qg[j] - mu * e
+            nq = nq + (dq[j] + (own * kappa) * e,)
+        else:  # one source: κ = μ = 0, no views
+            dej = w * dr
+            nq = nq + (dq[j],)
+        de = de + (dej,)
+        deo = own * dej
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            nc = nc + (dc[KOFF[j] + tau] + deo * xm[tau],)
+    dq = nq
+    dc = nc
+    # scatter: the window moves one token (dw[τ] is now dx[t-τ]), then dx[t-τ] += Σ_j c_τ^{(j)} ⊙ dE_j[t]
+    g = ()  # Σ_j c_τ^{(j)} ⊙ dE_j[t], τ < KW
+    for tau in tl.static_range(KW):
+        gt = zero
+        for j in tl.static_range(len(KS)):
+            if tau < KS[j]:
+                gt += c[KOFF[j] + tau] * de[j]
+        g = g + (gt,)
+    g = _doc_masked(g, bits, KW, FAST)  # only into dx of t's document
+    nw = (g[0],)
+    for tau in tl.static_range(1, KW):
+        nw = nw + (dw[tau - 1] + g[tau],)
+    dw = nw
+    return xw, dw, dq, dc
+
+
 @triton.jit(do_not_specialize=("S", "n_buf", "n_add"))  # counts of sources: one compile for every count
 def _src_serial_kernel(
     x_ptr,  # sources (S, B, T, d)
@@ -1289,7 +1363,6 @@ def _src_serial_kernel(
         x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH, KS, KW, BD)
     dx_row = dx_ptr + _src_off(s, b, B, T, D, n_buf, q_off)
     add = s < n_add
-    zero = tl.zeros((BD,), dtype=tl.float32)
     t_end = tl.minimum(t1 + KW - 1, T)
     dw = _zeros(KW, BD)  # dx[t-1-τ] accumulators, τ < KW
     dq = _zeros(len(KS), BD)  # the query gradients, summed over the program's tokens
@@ -1305,48 +1378,8 @@ def _src_serial_kernel(
         else:
             cur = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d,
                                 mask_d, SOFTMAX, KS)
-        bits = cur[0]
-        xw = (cur[1],) + xw[:KW - 1]
-        xm = _doc_masked(xw, bits, KW, FAST)  # x[t-σ] where t-σ is in the row and in t's document, else 0
-        if t - KW >= t0:  # dx[t-KW] has every contribution (dE[t-KW .. t-1])
-            _emit_dx(dx_row, dw[KW - 1], t - KW, offs_d, mask_d, D, add)
-        own = (t < t1).to(tl.float32)  # the tokens past the chunk are the next program's for dqg and dc
-        de = ()
-        nq = ()
-        nc = ()
-        for j in tl.static_range(len(KS)):
-            w = cur[2 + 4 * j]
-            dr = cur[5 + 4 * j]
-            if SOFTMAX:
-                kappa = cur[3 + 4 * j]
-                mu = cur[4 + 4 * j]
-                e = c[KOFF[j]] * xm[0]
-                for tau in tl.static_range(1, tl.constexpr(KS[j])):
-                    e += c[KOFF[j] + tau] * xm[tau]
-                dej = w * dr + kappa * qg[j] - mu * e
-                nq = nq + (dq[j] + (own * kappa) * e,)
-            else:  # one source: κ = μ = 0, no views
-                dej = w * dr
-                nq = nq + (dq[j],)
-            de = de + (dej,)
-            deo = own * dej
-            for tau in tl.static_range(tl.constexpr(KS[j])):
-                nc = nc + (dc[KOFF[j] + tau] + deo * xm[tau],)
-        dq = nq
-        dc = nc
-        # scatter: the window moves one token (dw[τ] is now dx[t-τ]), then dx[t-τ] += Σ_j c_τ^{(j)} ⊙ dE_j[t]
-        g = ()  # Σ_j c_τ^{(j)} ⊙ dE_j[t], τ < KW
-        for tau in tl.static_range(KW):
-            gt = zero
-            for j in tl.static_range(len(KS)):
-                if tau < KS[j]:
-                    gt += c[KOFF[j] + tau] * de[j]
-            g = g + (gt,)
-        g = _doc_masked(g, bits, KW, FAST)  # only into dx of t's document
-        nw = (g[0],)
-        for tau in tl.static_range(1, KW):
-            nw = nw + (dw[tau - 1] + g[tau],)
-        dw = nw
+        xw, dw, dq, dc = _src_step(cur, t, t0, t1, xw, dw, dq, dc, c, qg, dx_row, offs_d, mask_d, D, add,
+                                   SOFTMAX, KS, KOFF, KW, FAST)
         t += 1
     for tau in tl.static_range(KW):  # the last KW tokens' dx: dw[τ] = dx[t_end-1-τ]
         tt = t_end - 1 - tau
@@ -1454,6 +1487,13 @@ class Blocks:
     # 3.133 ms at `medium`, S = 5, msar_tiles_nvidia_h200_saved.md)
     stats_saved: bool = True
     stats_prefetch: bool = True  # the serial stats kernel loads token t+1 during step t
+    # the serial stats kernel (the backward's stats and the split forward's pass 1) two tokens a trip of its loop:
+    # the window of source values moves two places a trip and the loads a step ahead need no copy (sm_90a SASS at
+    # `small`: the stats' loop 241 instructions a token -> 218, pass 1's 396 -> 381). H200, one process
+    # (msar_tiles_nvidia_h200_pairs.md): streams backward 0.876 -> 0.851 ms at `small`, 2.974 -> 2.932 at `medium`
+    # (S = 5); the forward unchanged (0.554 / 0.557 ms); msar_block's `small` step 40.0 -> 39.1 ms
+    # (throughput_small_pairs.md)
+    stats_pairs: bool = True
     # the forward: "tile" (``_fwd_kernel``: (m, bt, bd) tiles, all sources a program, the views rebuilt from
     # shifted loads of the source tile for every view and tap) or "split" (pass 1: ``_stats_serial_kernel`` reduces
     # qg_j·E_j and ‖E_j‖² per channel tile of split_logit_bd channels, ``softmax_parts`` (``glue``) finishes the
@@ -1509,7 +1549,18 @@ class Blocks:
         return self.stats_bd or self.bwd_bd, self.stats_bt or self.bwd_bt
 
 
+# fields of Blocks replaced in every tile choice of ``_blocks``: a setting of the code for timing a candidate end to
+# end beside the default in one process (``python -m benchmarks.throughput --residuals msar_block
+# "msar_block@py:kernels.msar_attn.fused.FIELDS={'stats_pairs':True}"``); empty in training
+FIELDS: dict = {}
+
+
 def _blocks(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
+    blk = _tiles(T, d, m_pad, k_max)
+    return dataclasses.replace(blk, **FIELDS) if FIELDS else blk
+
+
+def _tiles(T: int, d: int, m_pad: int, k_max: int) -> Blocks:
     """Tile sizes. GPU: the split forward (the default, ``Blocks.fwd_mode``) runs its two passes on channel tiles
     of 128 channels and chunks of 64 tokens (fields of ``Blocks``, timed on an H200). The tile forward holds two
     (m, BT, BD) fp32 tiles (views, accumulator) of 4096
@@ -1693,7 +1744,8 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     parts = torch.empty(n_dt1, 2, m, S, B, T, **f32)
     _stats_serial_kernel[(S * n_dt1, triton.cdiv(T, ch), B)](
         x, packed, qg, near, parts, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
-        KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch, num_warps=1)
+        KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch,
+        PAIRS=blk.stats_pairs, num_warps=1)
     logits, rho, lse, w = softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=blk.split_lean, glue=blk.glue)
     r, mparts = _pass_2(x, packed, ks, m, near, w, blk, partial=partial, phi=None if write_r else mixer[0])
     stats = (logits, rho) if save_stats else None
@@ -1823,7 +1875,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         _stats_serial_kernel[(S * n_dt, triton.cdiv(T, ch), B)](
             x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
             KW=k_max, BD=bd, FAST=blk.serial_fast, QS=saved is None, DR=True, PREFETCH=blk.stats_prefetch,
-            num_warps=1)
+            PAIRS=blk.stats_pairs, num_warps=1)
         finish_stats(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved, glue=blk.stats_glue)
     else:
         stats_bd, stats_bt = blk.stats_tiles()

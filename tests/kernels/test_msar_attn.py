@@ -443,15 +443,18 @@ def test_serial_source_gradients_equal_the_ring(case):
     dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
     base = fused._blocks(T, d, m_pad, max(ks))
     out = {}
-    serials = ("serial", "serial-no-prefetch", "serial-stats", "serial-fast", "serial-saved", "serial-saved-prefetch")
+    serials = ("serial", "serial-no-prefetch", "serial-stats", "serial-fast", "serial-saved", "serial-saved-prefetch",
+               "serial-saved-pairs")
     for mode, prefetch, stats_mode in (("ring", True, "tile"), ("serial", True, "tile"),
                                        ("serial-no-prefetch", False, "tile"), ("serial-stats", True, "serial"),
                                        ("serial-fast", True, "serial"), ("serial-saved", True, "serial"),
-                                       ("serial-saved-prefetch", True, "serial")):
+                                       ("serial-saved-prefetch", True, "serial"), ("serial-saved-pairs", True, "serial")):
+        # pairs: the stats kernel two tokens a trip (odd and even chunks; the default), the others one
         blk = dataclasses.replace(base, src_mode=mode.split("-")[0], serial_ch=ch, serial_bd=bd,
                                   serial_prefetch=prefetch, stats_mode=stats_mode, stats_serial_ch=ch,
                                   stats_serial_bd=bd, serial_fast=mode == "serial-fast",
-                                  stats_prefetch=mode in ("serial-saved-prefetch", "serial-fast"))
+                                  stats_prefetch=mode in ("serial-saved-prefetch", "serial-fast"),
+                                  stats_pairs=mode.endswith("pairs"))
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
             # the forward's saved logits and ρ only for the saved modes: the others recompute them
@@ -1040,15 +1043,17 @@ def test_glue_kernels_equal_their_pytorch_twins(S, key_norm, lean):
 
 
 @needs_triton
-@pytest.mark.parametrize("lean", [False, True], ids=["plain", "lean"])
+@pytest.mark.parametrize("lean, pairs", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "lean", "lean-pairs"])
 @pytest.mark.parametrize("key_norm", [True, False], ids=["keynorm", "rawkeys"])
-def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean, monkeypatch):
+def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean, pairs, monkeypatch):
     """The split forward's pieces (with the plain or the lean pass 2) against the tile forward's on the same inputs,
     with the streams kept for the mixer's backward in bf16 (as under bf16 autocast): h, the lse, the logits and ρ
     saved for the backward's stats, R·φ, ‖vec R‖², and the kept R (the fp32 streams rounded once: h is combined
     from the fp32 streams, not from the bf16 copy), over several channel tiles (d = 24: 16 does not divide it, the
     lean pass 2's masked tail tile) and chunks, documents at odd offsets (tokens whose window holds a boundary, the
-    lean pass's masked loop, and tokens whose window does not)."""
+    lean pass's masked loop, and tokens whose window does not); with ``pairs``, pass 1 two tokens a trip
+    (Blocks.stats_pairs; chunks of 4 tokens and a last one of 3)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -1064,7 +1069,8 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
     base = fused._blocks(T, d, m_pad, max(ks))
     out = {}
     for mode in ("tile", "split"):
-        blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4, split_lean=lean)
+        blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4, split_lean=lean,
+                                  stats_pairs=pairs)
         monkeypatch.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
         out[mode] = fused.forward(x, packed, ks, len(ks), qg, near, **kw)
     (h, lse, logits, (r, z, rr), (lg, rho)), (h0, lse0, logits0, (r0, z0, rr0), (lg0, rho0)) = out["split"], out["tile"]
@@ -1132,3 +1138,19 @@ def test_recompute_streams_is_for_the_fused_backend():
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(2, 1, 5, 8, (2,), True)
     with pytest.raises(ValueError, match="recompute_streams=True applies to the fused backend"):
         msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, backend="torch", recompute_streams=True)
+
+
+def test_fields_replace_every_tile_choice(monkeypatch):
+    """``fused.FIELDS`` (a setting of the code for timing a candidate end to end) replaces those fields of every tile
+    choice and nothing else; empty, the tiles are ``_tiles``'. A throughput row names it as a Python dict literal."""
+    import dataclasses
+
+    from benchmarks.throughput import code_settings
+    from kernels.msar_attn import fused
+
+    plain = fused._blocks(1024, 512, 4, 12)
+    assert plain == fused._tiles(1024, 512, 4, 12) and plain.stats_pairs
+    ((obj, attr, value),) = code_settings("msar_block@py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}")
+    assert (obj, attr, value) == (fused, "FIELDS", {"stats_pairs": False})
+    monkeypatch.setattr(fused, "FIELDS", value)
+    assert fused._blocks(1024, 512, 4, 12) == dataclasses.replace(plain, stats_pairs=False)
