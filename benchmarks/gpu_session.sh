@@ -83,14 +83,18 @@
 #   chain3   one GPU: mhc with bf16 streams against its fp32 default in training (300 steps, seeds 0-2), the profile of
 #            graphed vanilla and attnres_block steps at small, mHC's kernels before and now in 5 interleaved rounds
 #   closing2 one GPU: the small table of every study residual and ablation, mhc with bf16 streams beside (SMALL_LIMIT)
-#   phase1   one GPU (about 500 s with the start): the depth-attention GPU tests; Block AttnRes and full AttnRes with
-#            their phase-1 outputs in bf16 (DepthAttentionResidual.phase1_dtype) beside the default and vanilla at
-#            small, in one process (the default re-timed last); attnres_block's 300-step training with them against
-#            the default, seeds 0-2 (eager)
+#   phase1   one GPU (about 500 s with the start): the depth-attention GPU tests; Block AttnRes with its phase-1
+#            outputs in bf16 under autocast (its default since 2026-12-02, final session) and in the stream's dtype
+#            (STREAM1), full AttnRes with and without them (PHASE1), beside vanilla at small in one process (the default
+#            re-timed last); attnres_block's 300-step training, the default held to the fp32 outputs' seed spread
+#            (seeds 0-2, eager). (As first run, the rows set DepthAttentionResidual.phase1_dtype=bfloat16 on the
+#            stream default: throughput_small_phase1{,b}.md.)
 #   pairs    one GPU (about 450 s with the start): with the serial stats kernel two tokens a trip the default
 #            (Blocks.stats_pairs; timed on 2026-12-02, final session: msar_tiles_nvidia_h200_pairs.md,
 #            throughput_small_pairs.md), the op's GPU tests, and msar_block's `medium` step with it and with one token
 #            a trip (the default before) beside vanilla, in one process
+#   phase1p  one GPU (about 230 s with the start): the profile of graphed attnres_block steps at small with its
+#            phase-1 outputs in bf16 (the default) and in the stream's dtype (which kernels each setting runs)
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -178,7 +182,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -219,7 +223,8 @@ throughput() {
 }
 APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block AttnRes's partial by a separate add
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
-PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16
+PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
+STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
 COMBO=+trainer.compile_options.combo_kernels=true  # Inductor's combo kernels, as trainer=gpu trains
 # table_small / table_medium NAME LIMIT TAG: every study residual and ablation at `small`, MEDIUM_RESIDUALS at
 # `medium`, one process each, graphed, compiled per COMPILE (default model), with the overrides TABLE_SET
@@ -728,16 +733,20 @@ case "$PLAN" in
     step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
     step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      attnres_block "attnres_block@$PHASE1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
+      attnres_block "attnres_block@$STREAM1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
       --steps 8 --set $COMBO --tag ${TAG:-_phase1}
     step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres_block \
-      --reference residual.backend=auto --candidate "$PHASE1" --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
+      --reference "$STREAM1" --candidate residual.backend=auto --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
       --set model=small trainer=gpu trainer.compile=false --name small_attnres_block_bf16_phase1
     ;;
   pairs)
     msar_tests "${TEST_LIMIT:-120}"
     step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       msar_block "msar_block@$UNPAIRED" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_pairs}
+    ;;
+  phase1p)
+    step gpu0 profile "${PROFILE_LIMIT:-150}" python3 -m benchmarks.profile_step --model small --residuals attnres_block \
+      "attnres_block@$STREAM1" --compile model --graphs on --top 40 --set $COMBO --tag _phase1
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

@@ -3,6 +3,8 @@
     python -m benchmarks.profile_step --model small --residuals vanilla attnres_block msar_block mhc
     python -m benchmarks.profile_step --model small --residuals vanilla --ablations attnres_conv wo_conv
     python -m benchmarks.profile_step --model small --residuals vanilla msar_block mhc --graphs on
+    python -m benchmarks.profile_step --residuals attnres_block \
+        attnres_block@py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16 --graphs on
 
 The same step as `benchmarks.throughput` (bf16 autocast, compiled sublayers by default, fused AdamW,
 routing-bias update), profiled with `torch.profiler` after warm-up: per residual, the step's GPU
@@ -11,7 +13,8 @@ time and host time, the number of kernel launches, and the operators with the mo
 residual's cost; a step whose GPU time is much smaller than its wall time is bound by the host
 (launches, Python, synchronisations), not by its kernels. ``--graphs on`` profiles the step as
 `trainer.cuda_graphs` runs it (forward and backward replayed; the kernels inside the graphs are
-listed as usual). Writes benchmarks/results/profile_step_<model>[_graphs].md via `roofline.Table`.
+listed as usual). A residual may carry its own overrides after ``@``, config or ``py:`` code settings, as in
+`benchmarks.throughput`. Writes benchmarks/results/profile_step_<model>[_graphs].md via `roofline.Table`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import argparse
 
 import torch
 
-from benchmarks.roofline import Table
-from benchmarks.throughput import build, run_names, training_step
+from benchmarks.roofline import Table, held
+from benchmarks.throughput import build, code_settings, run_names, training_step
 
 
 def profile(model_name: str, residual: str, batch: int, vocab: int, compile_mode: str, top: int,
@@ -76,8 +79,9 @@ def main(argv=None) -> None:
                          "time (kernels and the ops that launch them)"]
                   + ([f"overrides: {' '.join(args.set)}"] if args.set else []))
     for residual in runs:
-        summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile, args.top,
-                                graphs=args.graphs == "on", overrides=args.set)
+        with held(code_settings(residual)):  # a row's py: settings (as benchmarks.throughput), for that row alone
+            summary, rows = profile(args.model, residual, args.batch, args.vocab, args.compile, args.top,
+                                    graphs=args.graphs == "on", overrides=args.set)
         print(f"{residual}: {summary}", flush=True)
         for i, (name, calls, ms) in enumerate(rows):
             head = ([residual, f"{summary['wall_ms']:.1f}", f"{summary['gpu_ms']:.1f}", str(summary["launches"])]

@@ -152,11 +152,13 @@ class DepthAttentionResidual(Residual):
     replaces the full source list with block summaries.
     """
 
-    # the dtype of phase 1's outputs on the two-phase path (a key of SOURCE_DTYPES): "stream" keeps them in the
-    # sources' dtype; "bfloat16" halves the bytes of each output (written by phase 1, read by its merge) and of its
-    # gradient (written by the merge's backward, read by phase 1's), at one rounding of the output before its merge.
-    # A setting of the code for timing it (docs/kernel_attnres.md), not yet a config field: the reference path
-    # attends over all sources at once and has no phase-1 output to round.
+    # the dtype of phase 1's outputs on the two-phase path: "stream" keeps them in the sources' dtype; "bfloat16" halves
+    # the bytes of each output (written by phase 1, read by its merge) and of its gradient (written by the merge's
+    # backward, read by phase 1's), at one rounding of the output before its merge, and under autocast the merged h
+    # reaches the sublayer as the merge made it (``_sublayer_input``); "autocast": "bfloat16" while bf16 autocast is
+    # on (mixed-precision training, where the sublayer reads its input through bf16 matmuls anyway), else "stream".
+    # A setting of the code, not a config field (the reference path attends over all sources at once and has no
+    # phase-1 output to round); Block AttnRes takes "autocast" (timed: docs/kernel_attnres.md).
     phase1_dtype = "stream"
 
     def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):
@@ -290,19 +292,22 @@ class DepthAttentionResidual(Residual):
         res = depth_attn_summaries(state.buffer, torch.stack(state.queries[first:last]),  # (C, d)
                                    None if gains is None else torch.stack(gains[first:last]),
                                    key_norm=self.cfg.key_norm, return_weights=state.ctx.record,
-                                   out_dtype=SOURCE_DTYPES[self.phase1_dtype], backend=state.backend)
+                                   out_dtype=self._phase1_out_dtype(state.buffer.data.device.type),
+                                   backend=state.backend)
         return replace(state, first=first, outs=res[0], lses=res[1], partial=None, merged=None,
                        weights=res[2] if state.ctx.record else None)
 
     def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
         if state.merged is not None:  # merged by the write that summed the partial (`_merge_sum`)
-            return self._after_read(state.merged.to(state.dtype), consumer, state.ctx)
+            return self._after_read(self._sublayer_input(state.merged, state), consumer, state.ctx)
         c = consumer - state.first
         out = state.outs[c]  # (B, T, d): attention over the buffered sources
         if state.partial is None:
             if state.ctx.record:
                 self._record(state.ctx, consumer, state.weights[c][None])
-            if out.dtype == state.dtype and len(state.outs) > 1:
+            if self._phase1_out_dtype(out.device.type) is not None:
+                h = self._sublayer_input(out, state)
+            elif out.dtype == state.dtype and len(state.outs) > 1:
                 # a view of the group's phase-1 outputs (C, B, T, d): the consumer's sublayer keeps its input for
                 # backward and would keep all C with it (nothing else does: the merges keep their output instead)
                 h = out.clone()
@@ -313,7 +318,24 @@ class DepthAttentionResidual(Residual):
                                 None if state.gains is None else state.gains[consumer], key_norm=self.cfg.key_norm,
                                 backend=self._merge_backend(state))
         self._record_merge(state, consumer, w)
-        return self._after_read(h.to(state.dtype), consumer, state.ctx)
+        return self._after_read(self._sublayer_input(h, state), consumer, state.ctx)
+
+    def _sublayer_input(self, h: Tensor, state: FusedState) -> Tensor:
+        """h in the stream's dtype; with narrow phase-1 outputs under autocast, h as it comes, bf16 where the merged
+        terms are (cast here it would be one more kernel forward and one backward between the graph breaks of a read,
+        where the sublayer's compiled norm reads it in fp32 anyway and autocast rounds what follows). Timed on an H200
+        (docs/kernel_attnres.md): without this, the casts cost more than the narrow outputs saved."""
+        device = h.device.type
+        if self._phase1_out_dtype(device) is not None and torch.is_autocast_enabled(device):
+            return h
+        return h.to(state.dtype)
+
+    def _phase1_out_dtype(self, device: str) -> torch.dtype | None:
+        """The phase-1 outputs' dtype per ``phase1_dtype`` (None: the sources' dtype)."""
+        if self.phase1_dtype == "autocast":
+            on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+            return torch.bfloat16 if on else None
+        return SOURCE_DTYPES[self.phase1_dtype]
 
     def _merge_sum(self, state: FusedState, consumer: int, new: Tensor) -> FusedState:
         """The partial grows by ``new`` (B, T, d) and ``consumer`` merges it, in one op (``depth_attn_merge(new=...)``):

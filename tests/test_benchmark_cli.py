@@ -347,3 +347,25 @@ def test_throughput_py_settings_hold_for_their_row_alone(monkeypatch, tmp_path):
                        ("py:residuals.attnres_block.BlockSummaries.sum_in_merge", "py:MODULE.NAME.ATTR=VALUE")]:
         with pytest.raises(SystemExit, match=match):
             throughput.main(["--models", "tiny", "--residuals", "vanilla", f"attnres_block@{bad}", "--compile", "off"])
+
+
+def test_profile_step_holds_a_rows_code_settings_for_that_row(tmp_path, monkeypatch):
+    """``NAME@py:MODULE.NAME.ATTR=VALUE``: the row is profiled with the setting held, the next row without it."""
+    import benchmarks.roofline as roofline
+    from residuals.attnres import DepthAttentionResidual
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the GPU check; nothing runs on it
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = []
+
+    def fake_profile(model, residual, *args, **kwargs):
+        seen.append((residual, DepthAttentionResidual.phase1_dtype))
+        return {"wall_ms": 1.0, "gpu_ms": 1.0, "launches": 1}, [("op", 1, 1.0)]
+
+    monkeypatch.setattr(profile_step, "profile", fake_profile)
+    row = "attnres_block@py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16"
+    profile_step.main(["--residuals", row, "attnres_block", "--tag", "_test"])
+    assert seen == [(row, "bfloat16"), ("attnres_block", "stream")]
+    assert DepthAttentionResidual.phase1_dtype == "stream"

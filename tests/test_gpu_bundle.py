@@ -89,7 +89,8 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("closing2", ["small_all"]),
                                          ("ops_wide", ["ops_medium", "ops_d2048"]),
                                          ("phase1", ["gpu_tests", "small", "parity"]),
-                                         ("pairs", ["gpu_tests", "medium"])])
+                                         ("pairs", ["gpu_tests", "medium"]),
+                                         ("phase1p", ["profile"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""

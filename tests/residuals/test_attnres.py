@@ -540,16 +540,50 @@ def test_bf16_sources_fused_path_matches_the_reference_path(name, overrides, tol
                                                   ("attnres_block", ("residual.block_size=2",), 1.5e-2)],
                          ids=["attnres", "attnres_block", "attnres_block-size=2"])
 def test_bf16_phase_one_outputs_stay_within_bf16_of_the_reference(name, overrides, tol, monkeypatch):
-    """``DepthAttentionResidual.phase1_dtype = "bfloat16"``: the two-phase path's phase-1 outputs (and their
+    """``phase1_dtype = "bfloat16"`` (a class attribute of the depth-attention residuals): the two-phase path's
+    phase-1 outputs (and their
     gradients) are bf16 while the sources stay fp32. The fused backbone then agrees with the fp32 reference within
     bf16 rounding, with the bounds of the bf16 sources' test above (measured worst norm-wise errors, a norm's
     gradient: 2.5e-2 for full AttnRes, whose every read rounds one, below 1.5e-2 for Block AttnRes), and it does
     round: its worst error is above fp32's (~1e-6)."""
-    from residuals.attnres import DepthAttentionResidual
-
-    monkeypatch.setattr(DepthAttentionResidual, "phase1_dtype", "bfloat16")
+    monkeypatch.setattr(get(name), "phase1_dtype", "bfloat16")
     worst = check_fused_backbone_against_the_reference(name, overrides, "cpu", "triton", B=1, T=11, tol=tol)
     assert worst > 1e-5, worst
+
+
+@needs_interpreter
+@pytest.mark.parametrize("narrow", ["bfloat16", "autocast"])
+def test_bf16_phase_one_outputs_under_autocast_reach_the_sublayers_uncast(narrow, monkeypatch):
+    """Under bf16 autocast with bf16 phase-1 outputs ("bfloat16", or "autocast": Block AttnRes's default), Block
+    AttnRes hands each sublayer its h as the merge (or phase 1) made it, bf16, instead of casting it to the stream's
+    fp32 between the read's graph breaks (the sublayer's norm reads it in fp32 anyway); the logits and the gradient
+    (all parameters', as one vector: a small one alone, as a norm's gain, moves by 13% here) stay within bf16
+    rounding of the "stream" setting's. (Without autocast "autocast" is "stream": the fp32 comparisons of the fused
+    path with the reference above hold it to 1e-4.)"""
+    from residuals.attnres_block import AttnResBlock
+    from tests.helpers import build_backbone, packed_batch, rel_err
+
+    assert AttnResBlock.phase1_dtype == "autocast"
+    tokens, docs = packed_batch(2, 9, 37)
+    results = {}
+    for dtype in ("stream", narrow):
+        monkeypatch.setattr(AttnResBlock, "phase1_dtype", dtype)
+        torch.manual_seed(0)
+        model = build_backbone("attnres_block", vocab=37, n_blocks=4, attention="sdpa",
+                               residual_overrides=("residual.backend=triton", "residual.block_size=4"))
+        inputs = []
+        for block in model.sublayers:
+            block.register_forward_pre_hook(lambda mod, args: inputs.append(args[0].dtype))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens, docs).float()
+        logits.backward(torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)))
+        results[dtype] = logits.detach(), [p.grad for p in model.parameters()], inputs
+    (a, ga, ia), (b, gb, ib) = results[narrow], results["stream"]
+    assert set(ib) == {torch.float32} and set(ia) == {torch.bfloat16}, (ia, ib)
+    assert rel_err(a, b) < 2e-2
+    assert [x is None for x in ga] == [y is None for y in gb]
+    flat_a, flat_b = (torch.cat([x.flatten() for x in g if x is not None]) for g in (ga, gb))
+    assert rel_err(flat_a, flat_b) < 3e-2, rel_err(flat_a, flat_b)
 
 
 SOURCE_DTYPE_RESIDUALS = [n for n in names() if "source_dtype" in {f.name for f in dataclasses.fields(get(n).Config)}]
