@@ -158,7 +158,7 @@ class DepthAttentionResidual(Residual):
     # reaches the sublayer as the merge made it (``_sublayer_input``); "autocast": "bfloat16" while bf16 autocast is
     # on (mixed-precision training, where the sublayer reads its input through bf16 matmuls anyway), else "stream".
     # A setting of the code, not a config field (the reference path attends over all sources at once and has no
-    # phase-1 output to round); Block AttnRes takes "autocast" (timed: docs/kernel_attnres.md).
+    # phase-1 output to round); timed for Block AttnRes in docs/kernel_attnres.md, not yet a default.
     phase1_dtype = "stream"
 
     def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):
