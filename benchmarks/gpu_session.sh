@@ -84,17 +84,17 @@
 #            graphed vanilla and attnres_block steps at small, mHC's kernels before and now in 5 interleaved rounds
 #   closing2 one GPU: the small table of every study residual and ablation, mhc with bf16 streams beside (SMALL_LIMIT)
 #   phase1   one GPU (about 500 s with the start): the depth-attention GPU tests; Block AttnRes with its phase-1
-#            outputs in bf16 under autocast (its default since 2026-12-02, final session) and in the stream's dtype
-#            (STREAM1), full AttnRes with and without them (PHASE1), beside vanilla at small in one process (the default
-#            re-timed last); attnres_block's 300-step training, the default held to the fp32 outputs' seed spread
-#            (seeds 0-2, eager). (As first run, the rows set DepthAttentionResidual.phase1_dtype=bfloat16 on the
-#            stream default: throughput_small_phase1{,b}.md.)
+#            outputs in bf16 under autocast (AUTOCAST1, the candidate of 2026-12-02, final session) beside its default
+#            fp32 outputs, full AttnRes with and without them (PHASE1), and vanilla, at small in one process (the default
+#            re-timed last); attnres_block's 300-step training with the candidate held to the default's seed spread
+#            (seeds 0-2, eager; TRAIN_SET adds overrides, e.g. trainer.compile=true). (As first run, the rows set
+#            DepthAttentionResidual.phase1_dtype=bfloat16: throughput_small_phase1{,b}.md.)
 #   pairs    one GPU (about 450 s with the start): with the serial stats kernel two tokens a trip the default
 #            (Blocks.stats_pairs; timed on 2026-12-02, final session: msar_tiles_nvidia_h200_pairs.md,
 #            throughput_small_pairs.md), the op's GPU tests, and msar_block's `medium` step with it and with one token
 #            a trip (the default before) beside vanilla, in one process
 #   phase1p  one GPU (about 230 s with the start): the profile of graphed attnres_block steps at small with its
-#            phase-1 outputs in bf16 (the default) and in the stream's dtype (which kernels each setting runs)
+#            phase-1 outputs in the stream's dtype (the default) and in bf16 (AUTOCAST1): which kernels each runs
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -224,7 +224,7 @@ throughput() {
 APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block AttnRes's partial by a separate add
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
 PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
-STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
+AUTOCAST1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=autocast  # Block AttnRes's bf16 phase-1 candidate
 COMBO=+trainer.compile_options.combo_kernels=true  # Inductor's combo kernels, as trainer=gpu trains
 # table_small / table_medium NAME LIMIT TAG: every study residual and ablation at `small`, MEDIUM_RESIDUALS at
 # `medium`, one process each, graphed, compiled per COMPILE (default model), with the overrides TABLE_SET
@@ -733,11 +733,11 @@ case "$PLAN" in
     step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
     step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      attnres_block "attnres_block@$STREAM1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
+      attnres_block "attnres_block@$AUTOCAST1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
       --steps 8 --set $COMBO --tag ${TAG:-_phase1}
     step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres_block \
-      --reference "$STREAM1" --candidate residual.backend=auto --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
-      --set model=small trainer=gpu trainer.compile=false --name small_attnres_block_bf16_phase1
+      --reference residual.backend=auto --candidate "$AUTOCAST1" --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
+      --set model=small trainer=gpu ${TRAIN_SET:-trainer.compile=false} --name small_attnres_block_bf16_phase1
     ;;
   pairs)
     msar_tests "${TEST_LIMIT:-120}"
@@ -746,7 +746,7 @@ case "$PLAN" in
     ;;
   phase1p)
     step gpu0 profile "${PROFILE_LIMIT:-150}" python3 -m benchmarks.profile_step --model small --residuals attnres_block \
-      "attnres_block@$STREAM1" --compile model --graphs on --top 40 --set $COMBO --tag _phase1
+      "attnres_block@$AUTOCAST1" --compile model --graphs on --top 40 --set $COMBO --tag _phase1
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

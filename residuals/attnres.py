@@ -158,7 +158,8 @@ class DepthAttentionResidual(Residual):
     # reaches the sublayer as the merge made it (``_sublayer_input``); "autocast": "bfloat16" while bf16 autocast is
     # on (mixed-precision training, where the sublayer reads its input through bf16 matmuls anyway), else "stream".
     # A setting of the code, not a config field (the reference path attends over all sources at once and has no
-    # phase-1 output to round); timed for Block AttnRes in docs/kernel_attnres.md, not yet a default.
+    # phase-1 output to round). "autocast" for Block AttnRes: `small` 0.866x -> 0.915x vanilla on an H200, not yet
+    # its default (a compiled-model gradient drifts: docs/kernel_attnres.md).
     phase1_dtype = "stream"
 
     def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):
@@ -332,6 +333,9 @@ class DepthAttentionResidual(Residual):
 
     def _phase1_out_dtype(self, device: str) -> torch.dtype | None:
         """The phase-1 outputs' dtype per ``phase1_dtype`` (None: the sources' dtype)."""
+        if self.phase1_dtype not in (*SOURCE_DTYPES, "autocast"):
+            raise ValueError(f"{type(self).__name__}.phase1_dtype={self.phase1_dtype!r}: choose one of "
+                             + ", ".join(map(repr, (*SOURCE_DTYPES, "autocast"))))
         if self.phase1_dtype == "autocast":
             on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
             return torch.bfloat16 if on else None

@@ -133,13 +133,6 @@ class BlockSummaries:
 class AttnResBlock(BlockSummaries, AttnRes):
     """Block AttnRes: AttnRes over [b_0, completed block summaries, partial] (docs/method.md §3)."""
 
-    # phase-1 outputs in bf16 under bf16 autocast (``DepthAttentionResidual.phase1_dtype = "autocast"``): H200, one
-    # process (throughput_small_phase1b.md): `small` step 17.8 -> 16.8 ms, 0.866x -> 0.915x vanilla; 300 steps, seeds
-    # 0-2, eager, within the default's spread. Not the default yet: under the whole-model compile on the CPU a norm
-    # gain's gradient drifts from the fp32 model's 4x more than eager bf16's (test_model.py's compile test; 0.104
-    # against 0.023), unexplained (docs/kernel_attnres.md)
-    phase1_dtype = "stream"
-
     @dataclass
     class Config(BlockFields, AttnRes.Config):
         """AttnRes's fields plus ``block_size``."""

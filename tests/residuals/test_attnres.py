@@ -585,6 +585,18 @@ def test_bf16_phase_one_outputs_under_autocast_reach_the_sublayers_uncast(narrow
     assert rel_err(flat_a, flat_b) < 3e-2, rel_err(flat_a, flat_b)
 
 
+@needs_interpreter
+def test_an_unknown_phase_one_dtype_names_the_choices(monkeypatch):
+    from residuals.attnres_block import AttnResBlock
+    from tests.helpers import build_backbone, packed_batch
+
+    monkeypatch.setattr(AttnResBlock, "phase1_dtype", "bf16")
+    model = build_backbone("attnres_block", vocab=37, n_blocks=2, attention="sdpa",
+                           residual_overrides=("residual.backend=triton",))
+    with pytest.raises(ValueError, match=r"phase1_dtype='bf16': choose one of 'stream', 'bfloat16', 'autocast'"):
+        model(*packed_batch(1, 5, 37))
+
+
 SOURCE_DTYPE_RESIDUALS = [n for n in names() if "source_dtype" in {f.name for f in dataclasses.fields(get(n).Config)}]
 
 
