@@ -20,10 +20,12 @@ default fp32 ones:
         --candidate residual.stream_dtype=bf16 --steps 200 --seeds 0 1 2 --name small_mhc_bf16_streams
 
 An arm's item ``py:MODULE.NAME.ATTR=VALUE`` is a setting of the code (as in ``benchmarks.throughput``'s rows), held
-for that arm's runs alone and restored after each, e.g. Block AttnRes's phase-1 outputs in bf16:
+for that arm's runs alone and restored after each, e.g. Block AttnRes's phase-1 outputs in bf16 (its default)
+against fp32 ones:
 
-    python -m benchmarks.backend_training --residuals attnres_block --reference residual.backend=auto \
-        --candidate py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16 --steps 300 --seeds 0 1 2
+    python -m benchmarks.backend_training --residuals attnres_block \
+        --reference py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream --candidate residual.backend=auto \
+        --steps 300 --seeds 0 1 2
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tile sweep of the depth-attention kernels (kernels/depth_attn/fused.py), in one process (CUDA).
 
-    python -m benchmarks.depth_attn_tiles [--shapes small] [--dtypes fp32 bf16] [--ops block full]
+    python -m benchmarks.depth_attn_tiles [--shapes small] [--dtypes fp32 bf16] [--ops block full] [--default-only]
 
 The kernels take fixed tiles (``fused.tiles`` for phase 1, ``fused._row_tiles`` for the merges). This
 times each kernel launched alone with other tiles: tokens per program, warps, sources per load (forward
@@ -94,6 +94,8 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", nargs="+", default=["small"], choices=list(SHAPES))
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    p.add_argument("--default-only", action="store_true",
+                   help="time the kernels' own tiles alone (and the phase-1 backward taking dO·o from the outputs)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -134,7 +136,7 @@ def main(argv=None) -> None:
                 grads0 = torch.randn(n, B, T, d, device=dev, generator=g)
                 kw = dict(key_norm=True, eps=1e-6)
 
-                def row(kernel, tiles, ms, base, nbytes, err):
+                def row(kernel, tiles, ms, base, nbytes, err, tol=tol):
                     ok = err < tol
                     if not ok:
                         failed.append(f"{shape}/{dname}/{op}/{kernel}/{tiles}: {err:.1e}")
@@ -151,7 +153,7 @@ def main(argv=None) -> None:
                 _, ref_dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=grads0.clone(), n_add=n - 1,
                                                  **kw)
                 base_f = base_b = None
-                for cand in PHASE1[_bucket(d)]:
+                for cand in [None] if args.default_only else PHASE1[_bucket(d)]:
                     label = "default" if cand is None else str(cand)
                     try:
                         with phase1_tiles(fused, cand, n, d):
@@ -167,6 +169,20 @@ def main(argv=None) -> None:
                                                                    n_add=n - 1, **kw))
                             base_b = base_b or ms
                             row("phase 1 bwd", label, ms, base_b, bwd_bytes, err)
+                            # dO·o from the outputs, as stored in the sources' dtype, and in bf16 as training keeps
+                            # them (the upstream gradients stay in the sources' dtype here; the check is bf16's)
+                            outs = [("", ref_out, e, tol)] + ([(" (bf16)", ref_out.bfloat16(), 2, 1e-2)]
+                                                               if dt != torch.bfloat16 else [])
+                            for suffix, kept, oe, otol in outs if cand is None and not fused.tiles(n, d).bwd_one_chunk \
+                                    else ():
+                                dsrc = grads0.clone()
+                                _, dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1,
+                                                             out=kept, **kw)
+                                err = max(rel(dsrc, ref_dsrc), rel(dqg, ref_dqg))
+                                ms = timer(lambda: fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc,
+                                                                       n_add=n - 1, out=kept, **kw))
+                                row(f"phase 1 bwd, dO·o from the outputs{suffix}", label, ms, base_b,
+                                    bwd_bytes + C * N * d * oe, err, otol)
                     except Exception as exc:  # a candidate that does not compile (registers, shared memory)
                         table.add(shape, dname, op, "phase 1", label, "", "", "",
                                   f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
@@ -179,7 +195,7 @@ def main(argv=None) -> None:
                 dh = douts[2]
                 ref_b = fused.merge_bwd(ref_h, pp, q1, ref_w, dh, o_dtype=o.dtype, **kw)
                 base_f = base_b = None
-                for cand in MERGE[_bucket(d)]:
+                for cand in [None] if args.default_only else MERGE[_bucket(d)]:
                     label = "default" if cand is None else str(cand)
                     try:
                         with merge_tiles(fused, cand, d):
@@ -201,7 +217,7 @@ def main(argv=None) -> None:
                 if dev == "cuda":
                     torch.cuda.empty_cache()
     gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower()) if dev == "cuda" else "cpu"
-    table.write(f"depth_attn_tiles_{gpu}_{'_'.join(args.shapes)}")
+    table.write(f"depth_attn_tiles_{gpu}_{'_'.join(args.shapes)}{'_default' if args.default_only else ''}")
     if failed:
         raise SystemExit(f"check failed: {', '.join(failed)}")
 

@@ -84,17 +84,29 @@
 #            graphed vanilla and attnres_block steps at small, mHC's kernels before and now in 5 interleaved rounds
 #   closing2 one GPU: the small table of every study residual and ablation, mhc with bf16 streams beside (SMALL_LIMIT)
 #   phase1   one GPU (about 500 s with the start): the depth-attention GPU tests; Block AttnRes with its phase-1
-#            outputs in bf16 under autocast (AUTOCAST1, the candidate of 2026-12-02, final session) beside its default
-#            fp32 outputs, full AttnRes with and without them (PHASE1), and vanilla, at small in one process (the default
-#            re-timed last); attnres_block's 300-step training with the candidate held to the default's seed spread
-#            (seeds 0-2, eager; TRAIN_SET adds overrides, e.g. trainer.compile=true). (As first run, the rows set
-#            DepthAttentionResidual.phase1_dtype=bfloat16: throughput_small_phase1{,b}.md.)
+#            outputs in bf16 under autocast (its default since 2026-12-03) beside fp32 outputs (STREAM1), full AttnRes
+#            with and without bf16 ones (PHASE1), and vanilla, at small in one process (the default re-timed last);
+#            attnres_block's 300-step training with the default held to the fp32 outputs' seed spread (seeds 0-2, eager;
+#            TRAIN_SET adds overrides, e.g. trainer.compile=true). (As first run, on 2026-12-02 when fp32 outputs were the
+#            default, the rows set DepthAttentionResidual.phase1_dtype=bfloat16: throughput_small_phase1{,b}.md.)
 #   pairs    one GPU (about 450 s with the start): with the serial stats kernel two tokens a trip the default
 #            (Blocks.stats_pairs; timed on 2026-12-02, final session: msar_tiles_nvidia_h200_pairs.md,
 #            throughput_small_pairs.md), the op's GPU tests, and msar_block's `medium` step with it and with one token
 #            a trip (the default before) beside vanilla, in one process
 #   phase1p  one GPU (about 230 s with the start): the profile of graphed attnres_block steps at small with its
-#            phase-1 outputs in the stream's dtype (the default) and in bf16 (AUTOCAST1): which kernels each runs
+#            phase-1 outputs in bf16 (the default since 2026-12-03) and in the stream's dtype (STREAM1): which kernels
+#            each runs
+#   phase1m  one GPU (about 610 s with the start; run on 2026-12-03, when fp32 outputs were still the default):
+#            Block AttnRes's bf16 phase-1 outputs (now the default) trained compiled, as trainer=gpu
+#            trains (300 steps, seeds 0-2, held to the fp32 outputs' (STREAM1) seed spread), and its `medium` step beside
+#            fp32 outputs' and vanilla's in one process (the re-timing last did not fit the step's 220 s)
+#   delta    one GPU (about 500 s with the start): Block AttnRes's phase-1 backward taking dO·o from the kept bf16
+#            outputs (fused.DELTA_FROM_OUTPUTS, the default since 2026-12-03) against the pass over the sources (NODELTA):
+#            the depth-attention GPU tests, the `small` step of both beside vanilla in one process (the default re-timed
+#            last), and 60 steps of training, seeds 0 1, with one against the other
+#   closing3 one GPU (about 680 s with the start): the phase-1 backward with and without dO·o from the outputs alone
+#            (benchmarks.depth_attn_tiles --default-only, small and medium, fp32), every study residual and ablation at
+#            small in one process with this session's defaults, and attnres_block's `medium` step with and without it
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -182,7 +194,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -224,7 +236,8 @@ throughput() {
 APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block AttnRes's partial by a separate add
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
 PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
-AUTOCAST1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=autocast  # Block AttnRes's bf16 phase-1 candidate
+STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
+NODELTA=py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=False  # phase 1's backward sums dO·o over the sources
 COMBO=+trainer.compile_options.combo_kernels=true  # Inductor's combo kernels, as trainer=gpu trains
 # table_small / table_medium NAME LIMIT TAG: every study residual and ablation at `small`, MEDIUM_RESIDUALS at
 # `medium`, one process each, graphed, compiled per COMPILE (default model), with the overrides TABLE_SET
@@ -733,10 +746,10 @@ case "$PLAN" in
     step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
     step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      attnres_block "attnres_block@$AUTOCAST1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
+      attnres_block "attnres_block@$STREAM1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
       --steps 8 --set $COMBO --tag ${TAG:-_phase1}
     step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres_block \
-      --reference residual.backend=auto --candidate "$AUTOCAST1" --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
+      --reference "$STREAM1" --candidate residual.backend=auto --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
       --set model=small trainer=gpu ${TRAIN_SET:-trainer.compile=false} --name small_attnres_block_bf16_phase1
     ;;
   pairs)
@@ -746,7 +759,34 @@ case "$PLAN" in
     ;;
   phase1p)
     step gpu0 profile "${PROFILE_LIMIT:-150}" python3 -m benchmarks.profile_step --model small --residuals attnres_block \
-      "attnres_block@$AUTOCAST1" --compile model --graphs on --top 40 --set $COMBO --tag _phase1
+      "attnres_block@$STREAM1" --compile model --graphs on --top 40 --set $COMBO --tag _phase1
+    ;;
+  phase1m)
+    step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --reference "$STREAM1" --candidate residual.backend=auto --steps ${PARITY_STEPS:-300} --seeds 0 1 2 \
+      --set model=small trainer=gpu trainer.compile=true --name small_attnres_block_bf16_phase1_compiled
+    step gpu0 medium "${MEDIUM_LIMIT:-220}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@$STREAM1" attnres_block --compile model --graphs on --steps 6 --set $COMBO \
+      --tag ${TAG:-_phase1}
+    ;;
+  delta)
+    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
+    step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      attnres_block "attnres_block@$NODELTA" attnres_block --compile model --graphs on --steps 8 --set $COMBO \
+      --tag ${TAG:-_delta}
+    step gpu0 parity "${PARITY_LIMIT:-170}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --reference "$NODELTA" --candidate residual.backend=auto --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu trainer.compile=false --name small_attnres_block_delta
+    ;;
+  closing3)
+    step gpu0 dtiles "${DTILES_LIMIT:-90}" python3 -m benchmarks.depth_attn_tiles --shapes small medium --ops block \
+      --dtypes fp32 --default-only
+    step gpu0 small_all "${SMALL_LIMIT:-290}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+      attnres_block mhc msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv \
+      --compile model --graphs on --steps 8 --set $COMBO --tag ${TAG:-_closing3}
+    step gpu0 medium "${MEDIUM_LIMIT:-190}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@$NODELTA" --compile model --graphs on --steps 6 --set $COMBO --tag _delta
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

@@ -4,7 +4,7 @@
     python -m benchmarks.profile_step --model small --residuals vanilla --ablations attnres_conv wo_conv
     python -m benchmarks.profile_step --model small --residuals vanilla msar_block mhc --graphs on
     python -m benchmarks.profile_step --residuals attnres_block \
-        attnres_block@py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16 --graphs on
+        attnres_block@py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream --graphs on
 
 The same step as `benchmarks.throughput` (bf16 autocast, compiled sublayers by default, fused AdamW,
 routing-bias update), profiled with `torch.profiler` after warm-up: per residual, the step's GPU

@@ -158,8 +158,8 @@ class DepthAttentionResidual(Residual):
     # reaches the sublayer as the merge made it (``_sublayer_input``); "autocast": "bfloat16" while bf16 autocast is
     # on (mixed-precision training, where the sublayer reads its input through bf16 matmuls anyway), else "stream".
     # A setting of the code, not a config field (the reference path attends over all sources at once and has no
-    # phase-1 output to round). "autocast" for Block AttnRes: `small` 0.866x -> 0.915x vanilla on an H200, not yet
-    # its default (a compiled-model gradient drifts: docs/kernel_attnres.md).
+    # phase-1 output to round). "stream" here: full AttnRes is slower with bf16 outputs (its every read merges a
+    # buffered row); Block AttnRes's default is "autocast" (docs/kernel_attnres.md).
     phase1_dtype = "stream"
 
     def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):

@@ -133,6 +133,11 @@ class BlockSummaries:
 class AttnResBlock(BlockSummaries, AttnRes):
     """Block AttnRes: AttnRes over [b_0, completed block summaries, partial] (docs/method.md §3)."""
 
+    # phase-1 outputs in bf16 under bf16 autocast, fp32 runs unchanged (``DepthAttentionResidual.phase1_dtype``). H200,
+    # one process: `small` 0.866x -> 0.915x vanilla, `medium` 0.894x -> 0.921x (peak 39.19 -> 37.90 GiB); 300 steps,
+    # seeds 0-2, eager and compiled, within the fp32 outputs' spread (docs/kernel_attnres.md)
+    phase1_dtype = "autocast"
+
     @dataclass
     class Config(BlockFields, AttnRes.Config):
         """AttnRes's fields plus ``block_size``."""

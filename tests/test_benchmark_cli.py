@@ -138,8 +138,19 @@ def test_depth_attn_tile_sweep_checks_every_candidate_against_the_default(tmp_pa
     text = (tmp_path / "depth_attn_tiles_cpu_tiny.md").read_text()
     assert "FAIL" not in text and "failed" not in text
     rows = [line for line in text.splitlines() if line.startswith("| tiny")]
-    assert len(rows) == 2 * len(depth_attn_tiles.PHASE1[512]) + 2 * len(depth_attn_tiles.MERGE[512])
+    # phase 1 forward and backward and the merges' per candidate, and the backward taking dO·o from the outputs (5
+    # sources in loads of 4 under the interpreter at d = 20: the two-pass backward) with the default tiles
+    assert len(rows) == 2 * len(depth_attn_tiles.PHASE1[512]) + 2 * len(depth_attn_tiles.MERGE[512]) + 2
+    assert sum("dO·o from the outputs" in row for row in rows) == 2  # kept fp32, and bf16
     assert (fused.tiles, fused._row_tiles) == (tiles, row_tiles)
+    depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block", "--device", "cpu",
+                           "--default-only"])
+    rows = [line for line in (tmp_path / "depth_attn_tiles_cpu_tiny_default.md").read_text().splitlines()
+            if line.startswith("| tiny")]
+    assert [row.split(" | ")[3] for row in rows] == ["phase 1 fwd", "phase 1 bwd", "phase 1 bwd, dO·o from the outputs",
+                                                     "phase 1 bwd, dO·o from the outputs (bf16)", "merge fwd",
+                                                     "merge bwd"], rows
+    assert all(row.endswith("ok |") for row in rows), rows
 
 
 def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):

@@ -90,7 +90,10 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("ops_wide", ["ops_medium", "ops_d2048"]),
                                          ("phase1", ["gpu_tests", "small", "parity"]),
                                          ("pairs", ["gpu_tests", "medium"]),
-                                         ("phase1p", ["profile"])])
+                                         ("phase1p", ["profile"]),
+                                         ("phase1m", ["parity", "medium"]),
+                                         ("delta", ["gpu_tests", "small", "parity"]),
+                                         ("closing3", ["dtiles", "small_all", "medium"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""
@@ -100,7 +103,7 @@ def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     repo = tmp_path / "repo"
     (repo / "benchmarks" / "results").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "gpu_session.sh", repo / "benchmarks" / "gpu_session.sh")
-    limits = ("TEST", "SMALL", "PARITY", "MEDIUM", "TILES", "TILES17", "COUNTER", "STREAMS", "OPS", "OPS32", "PROFILE", "OPS2048")  # every *_LIMIT of these plans
+    limits = ("TEST", "SMALL", "PARITY", "MEDIUM", "DTILES", "TILES", "TILES17", "COUNTER", "STREAMS", "OPS", "OPS32", "PROFILE", "OPS2048")  # every *_LIMIT of these plans
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ARCHIVE": str(tmp_path / "a.tgz"),
            **{f"{name}_LIMIT": "0" for name in limits}}
     out = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_session.sh"), plan, str(tmp_path / "o")],

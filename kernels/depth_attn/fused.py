@@ -31,7 +31,9 @@ with ∂logit/∂x = r (qg − logit·r·x / d), r = rsqrt(mean x² + eps) for t
 ``ONE_CHUNK`` the phase-1 backward reads every source and every upstream gradient of a token block
 once: dO_c·o_c = Σ_s w_cs dO_c·x_s comes from the chunk in registers (no fp32 copy of the outputs is
 kept), then the chunk's gradients are written. Otherwise a first pass over the chunks sums
-dO_c·o_c and a second (usually from L2) writes the gradients. Both backward kernels are persistent
+dO_c·o_c and a second (usually from L2) writes the gradients; with outputs narrower than the sources (bf16
+outputs of fp32 sources, ``out_dtype``) phase 1 keeps them and dO_c·o_c comes from them as stored
+(``DELTA_FROM_OUT``: C rows of o and dO a token instead of the first pass). Both backward kernels are persistent
 (each program loops over token blocks and writes one partial gradient of q ⊙ g) with as many
 programs as fit on the GPU at once, read from the compiled kernel's registers and shared memory.
 
@@ -231,9 +233,11 @@ def _summaries_bwd_kernel(
     dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
     dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
+    out_ptr,  # DELTA_FROM_OUT: the forward's outputs (C, N, d) contiguous
     n, n_add, N, D, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, ONE_CHUNK: tl.constexpr,
     UNROLL_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    DELTA_FROM_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -262,6 +266,12 @@ def _summaries_bwd_kernel(
             # pass 1: delta_c = dO_c·o_c (C, T); pass 2 (the chunks again, usually from L2): gradients
             delta = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
             s0 = pid * 0
+            if DELTA_FROM_OUT:  # from the outputs as stored: C rows of o and dO instead of n sources and C·n dO
+                for c in tl.static_range(C):
+                    o_c = tl.load(out_ptr + c * N * D + td, mask=mask_td, other=0.0).to(tl.float32)
+                    do_c = tl.load(douts[c] + td, mask=mask_td, other=0.0).to(tl.float32)
+                    delta += tl.where(offs_c[:, None] == c, tl.sum(o_c * do_c, axis=1)[None, :], 0.0)
+                s0 = n  # pass 1 skipped
             while s0 < n:
                 x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
                 r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
@@ -489,11 +499,14 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
 
 
 def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Tensor, ...], dlse: Tensor,
-                  *, key_norm: bool, eps: float, dsrc: Tensor | None = None, n_add: int = 0) -> tuple[Tensor, Tensor]:
+                  *, key_norm: bool, eps: float, dsrc: Tensor | None = None, n_add: int = 0,
+                  out: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """-> dsrc (n, B, T, d) in the sources' dtype, dqg (C, d) fp32.
 
     ``dsrc`` given (a buffer's :class:`~kernels.depth_attn.buffer.RowGradients`, (n_max, B, T, d) like
-    ``src``): rows [0, n) are written into it, rows [0, n_add) added to what they hold; returned as is."""
+    ``src``): rows [0, n) are written into it, rows [0, n_add) added to what they hold; returned as is.
+    ``out`` given (the forward's outputs, (C, B, T, d) contiguous): delta_c = dO_c·o_c is taken from them as
+    stored, instead of from a first pass over the sources (where the sources take more than one load)."""
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
     t = tiles(n, d)
@@ -502,9 +515,13 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     elif dsrc.shape[1:] != src.shape[1:] or dsrc.shape[0] < n or not dsrc.is_contiguous() or not 0 <= n_add <= n:
         raise ValueError(f"summaries_bwd: dsrc must be contiguous ({n}+, {', '.join(map(str, src.shape[1:]))}) "
                          f"and 0 <= n_add <= n={n}; got {tuple(dsrc.shape)}, n_add={n_add}")
+    if out is not None and (out.shape != (C, *src.shape[1:]) or not out.is_contiguous()):
+        raise ValueError(f"summaries_bwd: out must be the contiguous outputs ({C}, {', '.join(map(str, src.shape[1:]))}),"
+                         f" got {tuple(out.shape)}")
+    from_out = out is not None and not t.bwd_one_chunk  # one load of every source sums delta from it anyway
     meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
-                BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d)
-    args = (src, qg, lse, douts, dlse, dsrc, None, n, n_add, N, d, eps)
+                BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, DELTA_FROM_OUT=from_out)
+    args = (src, qg, lse, douts, dlse, dsrc, None, out if from_out else qg, n, n_add, N, d, eps)
     programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,
                                 _cdiv(N, t.block_t), src.device)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
@@ -560,6 +577,12 @@ def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtyp
 
 
 # --- autograd ------------------------------------------------------------------------------------
+# Whether phase 1 keeps its outputs for its backward when they are narrower than the sources (bf16 outputs of fp32
+# sources, ``out_dtype``): the backward then takes delta_c = dO_c·o_c from them instead of a first pass over the
+# sources. A module setting so that a benchmark row can time both (``py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=False``).
+DELTA_FROM_OUTPUTS = True
+
+
 class SummariesFunction(torch.autograd.Function):
     """Phase 1. ``apply(src, n, split, key_norm, eps, store_logits, out_dtype, qg, grads, *rows)``.
 
@@ -580,11 +603,16 @@ class SummariesFunction(torch.autograd.Function):
         out, lse, logits = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps, store_logits=store_logits,
                                          out_dtype=out_dtype)
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
+        # narrow outputs are kept for the backward's delta_c = dO_c·o_c (``summaries_bwd(out=)``): no first pass over
+        # the sources there; under autocast the consumer that reads its output as it is keeps their storage anyway
+        keep_out = DELTA_FROM_OUTPUTS and out.dtype != src.dtype
+        ctx.keep_out = keep_out
+        kept = (out,) if keep_out else ()
         if rows:
             ctx.src, ctx.grads = src, grads
-            ctx.save_for_backward(qg, lse)
+            ctx.save_for_backward(qg, lse, *kept)
         else:
-            ctx.save_for_backward(qg, lse, src)
+            ctx.save_for_backward(qg, lse, *kept, src)
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(logits)
@@ -593,11 +621,10 @@ class SummariesFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if ctx.buffered:
-            qg, lse = ctx.saved_tensors
-            src = ctx.src
-        else:
-            qg, lse, src = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        qg, lse = saved[:2]
+        out = saved[2] if ctx.keep_out else None
+        src = ctx.src if ctx.buffered else saved[-1]
         C = qg.shape[0]
         if ctx.split:
             douts = tuple(g.contiguous() for g in grads[:C])
@@ -608,9 +635,9 @@ class SummariesFunction(torch.autograd.Function):
         if ctx.buffered:
             dst, n_add = ctx.grads.target(ctx.n)
             _, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, dsrc=dst,
-                                   n_add=n_add)
+                                   n_add=n_add, out=out)
             return (None, None, None, None, None, None, None, dqg, None, *(None for _ in range(ctx.n)))
-        dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps)
+        dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, out=out)
         return (dsrc, None, None, None, None, None, None, dqg, None)
 
 

@@ -131,11 +131,17 @@ def test_source_chunking_does_not_change_the_result(monkeypatch, chunks):
     pytest.param("cpu", marks=needs_interpreter),
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
 ])
-def test_bf16_phase_one_outputs_match_the_reference_and_take_bf16_gradients(device):
+@pytest.mark.parametrize("from_outputs", [True, False], ids=["delta-from-outputs", "delta-from-sources"])
+def test_bf16_phase_one_outputs_match_the_reference_and_take_bf16_gradients(device, from_outputs, monkeypatch):
     """``out_dtype=torch.bfloat16``: phase 1 writes its outputs in bf16 (fp32 sources) and their gradients come
     back in bf16 (the merge's backward writes them so); the reference rounds its outputs alike. Outputs within a
     bf16 rounding of the reference (the two fp32 results may round to neighbouring bf16 values), every gradient
-    within bf16's relative error in norm, and not the fp32 result: the option rounds."""
+    within bf16's relative error in norm, and not the fp32 result: the option rounds. With its backward's
+    dO_c·o_c from the kept bf16 outputs (``fused.DELTA_FROM_OUTPUTS``, the default) and from a pass over the
+    sources (4 sources over 2 loads under the interpreter, d = 37: the two-pass backward)."""
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", from_outputs)
     sources, partials, queries, key_gains = make_inputs(3, 4, 2, 13, 37, True, seed=5, device=device)
     leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
     results = {}
@@ -391,6 +397,31 @@ def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, one_ch
         fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=before, n_add=5)
 
 
+@needs_interpreter
+def test_summaries_backward_takes_delta_from_the_outputs_it_is_given(monkeypatch):
+    """``summaries_bwd(out=)``: dO_c·o_c from the given outputs instead of a first pass over the sources (the
+    two-pass backward, chunks of 2 sources). Given the forward's own fp32 outputs it agrees with the pass over
+    the sources to fp32 rounding; given other outputs it differs (they are what it reads); a misshapen one is
+    an error naming the shape wanted."""
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), 8, True, 4, 2, False, True))
+    n, B, T, d = 5, 2, 19, 37
+    sources, _, queries, _ = make_inputs(3, n, B, T, d, False, seed=11)
+    g = torch.Generator().manual_seed(12)
+    out, lse, _ = fused.summaries_fwd(sources, n, queries, key_norm=True, eps=1e-6, store_logits=False)
+    douts = tuple(torch.randn(out[0].shape, generator=g) for _ in range(3))
+    dlse = torch.randn(lse.shape, generator=g)
+    kw = dict(key_norm=True, eps=1e-6)
+    ref_dsrc, ref_dqg = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, **kw)
+    dsrc, dqg = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, out=out, **kw)
+    assert rel_err(dsrc, ref_dsrc) < 1e-5 and rel_err(dqg, ref_dqg) < 1e-5, (rel_err(dsrc, ref_dsrc), rel_err(dqg, ref_dqg))
+    other, _ = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, out=out * 1.5, **kw)
+    assert rel_err(other, ref_dsrc) > 1e-2
+    with pytest.raises(ValueError, match=r"out must be the contiguous outputs \(3, 2, 19, 37\)"):
+        fused.summaries_bwd(sources, n, queries, lse, douts, dlse, out=out[:2], **kw)
+
+
 def test_buffer_sums_in_the_terms_precision_and_routes_gradients():
     # A bf16 block summary stored in an fp32 buffer (bf16-mixed training: the embedding is fp32):
     # summed in bf16 like the reference's partial + out, then cast; gradients reach both terms in bf16.
@@ -512,8 +543,8 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     ``fused._row_tiles`` pick on a GPU (Triton's NVIDIA backend and ptxas, no GPU needed), at the widths of
     `small` and `medium`: catches GPU-only compile errors on CPU CI. Phase 1 at d = 512 runs one warp a token,
     so its reductions over d need no shared memory, and its backward (one source a load) spills nothing (with two
-    sources a load it spilled 332 bytes at block-small and was 0.336 against 0.272 ms on an H200); spills elsewhere
-    stay at a few hundred bytes."""
+    sources a load it spilled 332 bytes at block-small and was 0.336 against 0.272 ms on an H200), nor when it takes
+    dO·o from the outputs (``DELTA_FROM_OUT``); spills elsewhere stay at a few hundred bytes."""
     import re
     import subprocess
     import sys
@@ -525,11 +556,15 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    assert len(lines) == 18, res.stdout  # 3 shapes x (phase 1 fwd, bwd, merge fwd, bwd, each alone and summing)
+    # 3 shapes x (phase 1 fwd, bwd, bwd taking dO·o from the outputs, merge fwd, bwd, each alone and summing)
+    assert len(lines) == 21, res.stdout
     # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
     after = res.stdout.split("phase 1 backward", 1)[1].split("merge forward", 1)[0]
     assert re.search(r"loop depth \d+: \d+ instructions \(fp32 \d+", after), res.stdout
     assert max(int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines) <= 512, res.stdout
-    small_phase1 = [line for line in lines[:2] + lines[6:8]]  # block-small and full-small, phase 1
-    assert all("shared 0 B" in line and "warps=1" in line for line in small_phase1), res.stdout
-    assert all(" 0 bytes spill stores" in line for line in small_phase1), res.stdout
+    small_phase1 = lines[:3] + lines[7:10]  # block-small and full-small, phase 1
+    assert all("warps=1" in line and " 0 bytes spill stores" in line for line in small_phase1), res.stdout
+    # the reductions over d are shuffles; taking dO·o from the outputs may move its (C, T) sums once a token (16 bytes
+    # at block-small's C = 4)
+    shared = [int(re.search(r"shared (\d+) B", line).group(1)) for line in small_phase1]
+    assert shared[:2] == shared[3:5] == [0, 0] and max(shared[2], shared[5]) <= 16, res.stdout

@@ -6,6 +6,14 @@ import torch
 from tests.helpers import build_backbone, packed_batch
 
 
+# The compiled-vs-eager numerics tests route every token through every expert (top_k = n_experts): the gates stay
+# continuous functions of the input. With top-k routing a bf16 rounding flips a near-tie now and then, and a flip
+# moves one token's update between two experts (their weights' gradients 0.2-0.3 off, the rest at bf16's 0.02):
+# eager bf16 flips some and the compiled model others, which measures where the ties fall, not the compile (one
+# Block AttnRes setting flipped one more tie compiled, `sublayers.7`, and failed the bound on that alone).
+ALL_EXPERTS = {"n_experts": 4, "top_k": 4}
+
+
 def test_forward_backward_shapes():
     model = build_backbone("vanilla", vocab=97)
     tokens, docs = packed_batch(2, 24, 97)
@@ -106,7 +114,7 @@ def test_compiled_model_equals_the_eager_model(recompute):
     grouped GEMM wants) its logits and gradients are as close to the fp32 eager model's as the eager bf16
     model's are, for a random upstream gradient."""
     torch.manual_seed(0)
-    model = build_backbone("vanilla", vocab=101, recompute=recompute).train()
+    model = build_backbone("vanilla", vocab=101, recompute=recompute, **ALL_EXPERTS).train()
     tokens, docs = packed_batch(2, 24, 101)
     upstream = torch.randn(2, 24, 101)
 
@@ -190,7 +198,7 @@ def test_compiled_model_compiles_fused_reads_once_whatever_the_depth(name, monke
     for n_blocks in (2, 6):
         torch.manual_seed(0)
         model = build_backbone(name, vocab=101, residual_overrides=("residual.backend=triton",),
-                               n_blocks=n_blocks).train()
+                               n_blocks=n_blocks, **ALL_EXPERTS).train()
 
         def run(bf16: bool = True):
             model.zero_grad(set_to_none=True)

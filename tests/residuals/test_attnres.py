@@ -552,9 +552,9 @@ def test_bf16_phase_one_outputs_stay_within_bf16_of_the_reference(name, override
 
 
 @needs_interpreter
-@pytest.mark.parametrize("narrow", ["bfloat16", "autocast"])
+@pytest.mark.parametrize("narrow", ["bfloat16", "autocast", "default"])
 def test_bf16_phase_one_outputs_under_autocast_reach_the_sublayers_uncast(narrow, monkeypatch):
-    """Under bf16 autocast with bf16 phase-1 outputs ("bfloat16", or "autocast"), Block
+    """Under bf16 autocast with bf16 phase-1 outputs ("bfloat16", or "autocast": Block AttnRes's default), Block
     AttnRes hands each sublayer its h as the merge (or phase 1) made it, bf16, instead of casting it to the stream's
     fp32 between the read's graph breaks (the sublayer's norm reads it in fp32 anyway); the logits and the gradient
     (all parameters', as one vector: a small one alone, as a norm's gain, moves by 13% here) stay within bf16
@@ -566,7 +566,10 @@ def test_bf16_phase_one_outputs_under_autocast_reach_the_sublayers_uncast(narrow
     tokens, docs = packed_batch(2, 9, 37)
     results = {}
     for dtype in ("stream", narrow):
-        monkeypatch.setattr(AttnResBlock, "phase1_dtype", dtype)
+        if dtype == "default":
+            monkeypatch.undo()  # the class's own setting
+        else:
+            monkeypatch.setattr(AttnResBlock, "phase1_dtype", dtype)
         torch.manual_seed(0)
         model = build_backbone("attnres_block", vocab=37, n_blocks=4, attention="sdpa",
                                residual_overrides=("residual.backend=triton", "residual.block_size=4"))
