@@ -253,6 +253,12 @@ table_medium() {
 }
 # the MSAR plans' shared steps: the op's GPU tests, msar_block's step beside vanilla (small, medium), its 60-step
 # training parity against the reference backends, Nsight Compute's counters of one op's kernels
+# the depth-attention plans' shared steps: the op's GPU tests; attnres_block's small step with ROW beside the default
+# and vanilla in one process, the default re-timed last (attnres_small LIMIT ROW TAG)
+attnres_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+  tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py; }
+attnres_small() { step gpu0 small "$1" python3 -m benchmarks.throughput --models small --residuals vanilla attnres_block \
+  "attnres_block@$2" attnres_block --compile model --graphs on --steps 8 --set $COMBO --tag "$3"; }
 msar_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
   tests/kernels/test_msar_attn.py; }
 msar_step() {  # MODEL TAG LIMIT STEPS
@@ -713,11 +719,8 @@ case "$PLAN" in
   chain)
     # Block AttnRes's partial summed inside the merge (BlockSummaries.sum_in_merge, built on 2026-12-02, last session)
     # against the separate add, in one process; the summing default timed before and after the other
-    step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
-    step gpu0 small "${SMALL_LIMIT:-360}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      attnres_block "attnres_block@$APART" attnres_block --compile model --graphs on --steps 8 --set $COMBO \
-      --tag ${TAG:-_chain}
+    attnres_tests "${TEST_LIMIT:-120}"
+    attnres_small "${SMALL_LIMIT:-360}" "$APART" "${TAG:-_chain}"
     ;;
   chain2)
     step gpu0 medium "${MEDIUM_LIMIT:-260}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
@@ -743,8 +746,7 @@ case "$PLAN" in
       --compile model --graphs on --steps 8 --set $COMBO --tag ${TAG:-_closing2}
     ;;
   phase1)
-    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
+    attnres_tests "${TEST_LIMIT:-150}"
     step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       attnres_block "attnres_block@$STREAM1" attnres "attnres@$PHASE1" attnres_block --compile model --graphs on \
       --steps 8 --set $COMBO --tag ${TAG:-_phase1}
@@ -770,11 +772,8 @@ case "$PLAN" in
       --tag ${TAG:-_phase1}
     ;;
   delta)
-    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
-    step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      attnres_block "attnres_block@$NODELTA" attnres_block --compile model --graphs on --steps 8 --set $COMBO \
-      --tag ${TAG:-_delta}
+    attnres_tests "${TEST_LIMIT:-150}"
+    attnres_small "${SMALL_LIMIT:-200}" "$NODELTA" "${TAG:-_delta}"
     step gpu0 parity "${PARITY_LIMIT:-170}" python3 -m benchmarks.backend_training --residuals attnres_block \
       --reference "$NODELTA" --candidate residual.backend=auto --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu trainer.compile=false --name small_attnres_block_delta
