@@ -171,10 +171,10 @@ def main(argv=None) -> None:
                             row("phase 1 bwd", label, ms, base_b, bwd_bytes, err)
                             # dO·o from the outputs, as stored in the sources' dtype, and in bf16 as training keeps
                             # them (the upstream gradients stay in the sources' dtype here; the check is bf16's)
-                            outs = [("", ref_out, e, tol)] + ([(" (bf16)", ref_out.bfloat16(), 2, 1e-2)]
-                                                               if dt != torch.bfloat16 else [])
-                            for suffix, kept, oe, otol in outs if cand is None and not fused.tiles(n, d).bwd_one_chunk \
-                                    else ():
+                            outs = [] if cand is not None or fused.tiles(n, d).bwd_one_chunk else \
+                                [("", ref_out, e, tol)] + ([(" (bf16)", ref_out.bfloat16(), 2, 1e-2)]
+                                                           if dt != torch.bfloat16 else [])
+                            for suffix, kept, oe, otol in outs:
                                 dsrc = grads0.clone()
                                 _, dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1,
                                                              out=kept, **kw)

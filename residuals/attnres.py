@@ -46,6 +46,7 @@ QUERY_KINDS = ("static", "input")
 # residual.source_dtype (AttnRes, Block AttnRes): how the completed sources are stored; "stream": the residual
 # stream's dtype (fp32 under mixed precision), "bfloat16": half the bytes of every phase-1 read
 SOURCE_DTYPES = {"stream": None, "bfloat16": torch.bfloat16}
+PHASE1_DTYPES = (*SOURCE_DTYPES, "autocast")  # DepthAttentionResidual.phase1_dtype: a source dtype, or bf16 under autocast
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
 
 
@@ -173,6 +174,9 @@ class DepthAttentionResidual(Residual):
         check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
         check_choice(cls.name, "backend", cfg.backend, BACKENDS)
         check_choice(cls.name, "merge_backend", cfg.merge_backend, BACKENDS)
+        if cls.phase1_dtype not in PHASE1_DTYPES:  # a setting of the code: checked once, where the config is
+            raise ValueError(f"{cls.__name__}.phase1_dtype={cls.phase1_dtype!r}: choose one of "
+                             + ", ".join(map(repr, PHASE1_DTYPES)))
 
     @staticmethod
     def covered(cfg: DepthAttentionConfig) -> bool:
@@ -333,9 +337,6 @@ class DepthAttentionResidual(Residual):
 
     def _phase1_out_dtype(self, device: str) -> torch.dtype | None:
         """The phase-1 outputs' dtype per ``phase1_dtype`` (None: the sources' dtype)."""
-        if self.phase1_dtype not in (*SOURCE_DTYPES, "autocast"):
-            raise ValueError(f"{type(self).__name__}.phase1_dtype={self.phase1_dtype!r}: choose one of "
-                             + ", ".join(map(repr, (*SOURCE_DTYPES, "autocast"))))
         if self.phase1_dtype == "autocast":
             on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
             return torch.bfloat16 if on else None

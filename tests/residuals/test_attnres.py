@@ -591,13 +591,12 @@ def test_bf16_phase_one_outputs_under_autocast_reach_the_sublayers_uncast(narrow
 @needs_interpreter
 def test_an_unknown_phase_one_dtype_names_the_choices(monkeypatch):
     from residuals.attnres_block import AttnResBlock
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import build_backbone
 
     monkeypatch.setattr(AttnResBlock, "phase1_dtype", "bf16")
-    model = build_backbone("attnres_block", vocab=37, n_blocks=2, attention="sdpa",
-                           residual_overrides=("residual.backend=triton",))
     with pytest.raises(ValueError, match=r"phase1_dtype='bf16': choose one of 'stream', 'bfloat16', 'autocast'"):
-        model(*packed_batch(1, 5, 37))
+        build_backbone("attnres_block", vocab=37, n_blocks=2, attention="sdpa",
+                       residual_overrides=("residual.backend=triton",))  # at construction, before any compute
 
 
 SOURCE_DTYPE_RESIDUALS = [n for n in names() if "source_dtype" in {f.name for f in dataclasses.fields(get(n).Config)}]
