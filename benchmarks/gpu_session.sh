@@ -107,6 +107,11 @@
 #   closing3 one GPU (about 680 s with the start): the phase-1 backward with and without dO·o from the outputs alone
 #            (benchmarks.depth_attn_tiles --default-only, small and medium, fp32), every study residual and ablation at
 #            small in one process with this session's defaults, and attnres_block's `medium` step with and without it
+#   launches one GPU (about 330 s with the start): the phase-1 backward alone with bf16 outputs (depth_attn_tiles
+#            --default-only), then every kernel of a graphed `small` step of vanilla and attnres_block (profile_step --top 400)
+#   folded   one GPU (about 560 s with the start): the depth-attention GPU tests, attnres_block's `small` and `medium`
+#            steps beside vanilla with its sources in the stream's dtype (the default) and in bf16 (source_dtype),
+#            then every kernel of the default's graphed `small` step
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -194,7 +199,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -786,6 +791,25 @@ case "$PLAN" in
       --compile model --graphs on --steps 8 --set $COMBO --tag ${TAG:-_closing3}
     step gpu0 medium "${MEDIUM_LIMIT:-190}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       attnres_block "attnres_block@$NODELTA" --compile model --graphs on --steps 6 --set $COMBO --tag _delta
+    ;;
+  launches)
+    # the phase-1 backward alone with bf16 outputs (as training keeps them), then every kernel of a graphed small step
+    # of vanilla and attnres_block, for what the residual adds beyond its depth-attention kernels
+    step gpu0 dtiles "${DTILES_LIMIT:-90}" python3 -m benchmarks.depth_attn_tiles --shapes small medium --ops block \
+      --dtypes fp32 --default-only
+    step gpu0 profile "${PROFILE_LIMIT:-170}" python3 -m benchmarks.profile_step --model small --residuals vanilla \
+      attnres_block --compile model --graphs on --top 400 --set $COMBO --tag ${TAG:-_launches}
+    ;;
+  folded)
+    # the depth-attention GPU tests, then attnres_block's small and medium steps beside vanilla with the queries folded
+    # once a forward and one-kernel stores (the default), and with its sources stored in bf16 (residual.source_dtype)
+    attnres_tests "${TEST_LIMIT:-150}"
+    attnres_small "${SMALL_LIMIT:-200}" "residual.source_dtype=bfloat16" "${TAG:-_folded}"
+    step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@residual.source_dtype=bfloat16" --compile model --graphs on --steps 6 --set $COMBO \
+      --tag ${TAG:-_folded}
+    step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m benchmarks.profile_step --model small --residuals attnres_block \
+      --compile model --graphs on --top 400 --set $COMBO --tag ${TAG:-_folded}
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

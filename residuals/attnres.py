@@ -100,11 +100,13 @@ class FusedState:
     weights: Tensor | None = None  # phase-1 weights (C, n, B, T) when ctx.record
     backend: str = "triton"  # of the phase-1 and merge ops ("auto": their own dispatch)
     dtype: torch.dtype = torch.float32  # the stream's (the embedding's): what a read returns, whatever the buffer's
-    # every consumer's static query (d,) and key gain (d,) (None: raw keys), split from the parameters once per
-    # forward by one autograd node each: indexed per consumer instead, each read's backward would write a full-size
-    # zero-filled gradient of the parameter and autograd would sum L+1 of them (about 100 small kernels a step)
+    # every consumer's static query with its key gain folded in, q ⊙ g (q·(g ⊙ n) = (q ⊙ g)·n), fp32: one product for
+    # all consumers per forward, split per group ((C, d), phase 1's) and per consumer ((d,) views of the group's, its
+    # merge's) by views. Per call instead (a product forward, two backward, a stack of each per phase 1) or indexed
+    # from the parameters (each read's backward a full-size zero-filled gradient, summed L+1 times), a step launched
+    # about 100 small kernels more
     queries: tuple[Tensor, ...] = ()
-    gains: tuple[Tensor, ...] | None = None
+    groups: tuple[Tensor | None, ...] = ()  # per consumer: its group's (C, d) folded queries if it opens a group
     # the next consumer's h, when the write that summed its partial also merged it (Block AttnRes: ``merge_sum``)
     merged: Tensor | None = None
 
@@ -241,9 +243,8 @@ class DepthAttentionResidual(Residual):
         v0 = buffer.append(embedding)  # v_0 = b_0
         if backend is None:
             return replace(self.initial_state(v0, ctx), buffer=buffer)
-        gain = self.queries.key_gain
-        state = FusedState(ctx, buffer, 0, (), (), None, None, backend, embedding.dtype,
-                           self.queries.weight[:, 0].unbind(0), None if gain is None else gain[:, 0].unbind(0))
+        queries, groups = self._folded_queries()
+        state = FusedState(ctx, buffer, 0, (), (), None, None, backend, embedding.dtype, queries, groups)
         return self._open_group(state, 0)
 
     def read(self, state, layer: int) -> Tensor:
@@ -290,13 +291,30 @@ class DepthAttentionResidual(Residual):
     def _buffer_rows(self) -> int:
         return self.n_sublayers + 1  # v_0 .. v_L
 
+    def _group_bounds(self) -> list[tuple[int, int]]:
+        """(first, last) consumers of every phase-1 group, in order; the final output is a group of its own."""
+        size, L = self._group_size(), self.n_sublayers
+        return [(first, min(first + size, L)) for first in range(0, L, size)] + [(L, L + 1)]
+
+    def _folded_queries(self) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
+        """Every consumer's q ⊙ g in fp32 (q alone for raw keys) from one product: per consumer a (d,) view, and at
+        each group's first consumer the group's (C, d) view (``FusedState.queries``, ``groups``)."""
+        w = self.queries.weight[:, 0].float()  # (L+1, d)
+        gain = self.queries.key_gain
+        folded = w if gain is None else w * gain[:, 0].float()  # (L+1, d)
+        bounds = self._group_bounds()
+        groups: list[Tensor | None] = [None] * self.n_consumers
+        queries: list[Tensor] = []
+        for (first, last), group in zip(bounds, folded.split([last - first for first, last in bounds])):
+            groups[first] = group  # (C, d) contiguous
+            queries += group.unbind(0)  # C of (d,)
+        return tuple(queries), tuple(groups)
+
     def _open_group(self, state: FusedState, first: int) -> FusedState:
-        """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own)."""
-        last = self.n_sublayers + 1 if first == self.n_sublayers else min(first + self._group_size(), self.n_sublayers)
-        gains = state.gains
-        res = depth_attn_summaries(state.buffer, torch.stack(state.queries[first:last]),  # (C, d)
-                                   None if gains is None else torch.stack(gains[first:last]),
-                                   key_norm=self.cfg.key_norm, return_weights=state.ctx.record,
+        """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own). The queries come with
+        their key gains folded in (``_folded_queries``): the ops take them with no gain of their own."""
+        group = state.groups[first]  # (C, d)
+        res = depth_attn_summaries(state.buffer, group, None, key_norm=self.cfg.key_norm, return_weights=state.ctx.record,
                                    out_dtype=self._phase1_out_dtype(state.buffer.data.device.type),
                                    backend=state.backend)
         return replace(state, first=first, outs=res[0], lses=res[1], partial=None, merged=None,
@@ -319,9 +337,8 @@ class DepthAttentionResidual(Residual):
             else:
                 h = out.to(state.dtype)  # the buffer's dtype back to the stream's (a copy), or the group's only output
             return self._after_read(h, consumer, state.ctx)
-        h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer],
-                                None if state.gains is None else state.gains[consumer], key_norm=self.cfg.key_norm,
-                                backend=self._merge_backend(state))
+        h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer], None,
+                                key_norm=self.cfg.key_norm, backend=self._merge_backend(state))
         self._record_merge(state, consumer, w)
         return self._after_read(self._sublayer_input(h, state), consumer, state.ctx)
 
@@ -347,9 +364,8 @@ class DepthAttentionResidual(Residual):
         the sum is not a separate add forward, nor an autograd sum of gradients backward. The consumer's h waits in
         ``merged`` for its read."""
         c = consumer - state.first
-        h, w, partial = depth_attn_merge(state.outs[c], state.lses[c], state.partial, state.queries[consumer],
-                                         None if state.gains is None else state.gains[consumer], new=new,
-                                         key_norm=self.cfg.key_norm, backend=self._merge_backend(state))
+        h, w, partial = depth_attn_merge(state.outs[c], state.lses[c], state.partial, state.queries[consumer], None,
+                                         new=new, key_norm=self.cfg.key_norm, backend=self._merge_backend(state))
         self._record_merge(state, consumer, w)
         return replace(state, partial=partial, merged=h)
 

@@ -61,10 +61,10 @@ class StoreFunction(torch.autograd.Function):
         dst = holder[0].data[row]
         if len(terms) == 1:
             dst.copy_(terms[0])
-        elif all(t.dtype == dst.dtype for t in terms):
-            torch.add(terms[0], terms[1], out=dst)  # the block summary b_n = partial + last output
-            for t in terms[2:]:
-                dst.add_(t)
+        elif len(terms) == 2 and terms[0].dtype == terms[1].dtype:
+            # the block summary b_n = partial + last output, summed in the terms' dtype and cast into the row by one
+            # kernel (an add's result is rounded to its inputs' dtype before it is stored into a wider ``out``)
+            torch.add(terms[0], terms[1], out=dst)
         else:  # sum in the terms' own precision, as the reference does, then cast like torch.stack
             dst.copy_(sum(terms[1:], terms[0]))
         ctx.dtypes = [t.dtype for t in terms]
@@ -80,7 +80,11 @@ class StoreFunction(torch.autograd.Function):
         grad = ctx.grads.take(ctx.row, grad)
         if grad is None:
             return (None, None, *(None for _ in ctx.dtypes))
-        return (None, None, *(grad if dt == grad.dtype else grad.to(dt) for dt in ctx.dtypes))
+        cast = {grad.dtype: grad}  # one cast per dtype: terms of one dtype share it (autograd does not write into it)
+        for dt in ctx.dtypes:
+            if dt not in cast:
+                cast[dt] = grad.to(dt)
+        return (None, None, *(cast[dt] for dt in ctx.dtypes))
 
 
 class SourceBuffer:

@@ -422,16 +422,21 @@ def test_summaries_backward_takes_delta_from_the_outputs_it_is_given(monkeypatch
         fused.summaries_bwd(sources, n, queries, lse, douts, dlse, out=out[:2], **kw)
 
 
-def test_buffer_sums_in_the_terms_precision_and_routes_gradients():
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]),
+])
+def test_buffer_sums_in_the_terms_precision_and_routes_gradients(device):
     # A bf16 block summary stored in an fp32 buffer (bf16-mixed training: the embedding is fp32):
-    # summed in bf16 like the reference's partial + out, then cast; gradients reach both terms in bf16.
-    g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(2, 3, 5, generator=g).bfloat16().requires_grad_() for _ in range(2))
-    buffer = SourceBuffer(2, torch.zeros(2, 3, 5))
-    buffer.append(torch.zeros(2, 3, 5))
+    # summed in bf16 like the reference's partial + out, then cast (one kernel: the add's out= is the fp32 row);
+    # gradients reach both terms in bf16 (one cast, shared).
+    g = torch.Generator(device).manual_seed(0)
+    a, b = (torch.randn(2, 33, 65, generator=g, device=device).bfloat16().requires_grad_() for _ in range(2))
+    assert not torch.equal((a + b).float(), a.float() + b.float())  # the bf16 rounding of the sum shows
+    buffer = SourceBuffer(2, torch.zeros(2, 33, 65, device=device))
+    buffer.append(torch.zeros(2, 33, 65, device=device))
     row = buffer.append(a, b)
     assert row.dtype == torch.float32 and torch.equal(row, (a + b).float())
-    up = torch.randn(row.shape, generator=g)
+    up = torch.randn(row.shape, generator=g, device=device)
     da, db = torch.autograd.grad((row * up).sum(), (a, b))
     assert da.dtype == db.dtype == torch.bfloat16 and torch.equal(da, up.bfloat16()) and torch.equal(db, da)
 
