@@ -1,6 +1,7 @@
 """Tile sweep of the depth-attention kernels (kernels/depth_attn/fused.py), in one process (CUDA).
 
     python -m benchmarks.depth_attn_tiles [--shapes small] [--dtypes fp32 bf16] [--ops block full] [--default-only]
+    python -m benchmarks.depth_attn_tiles --ops block_n2 block_n3 block_n4 block_final --dtypes fp32 --default-only
 
 The kernels take fixed tiles (``fused.tiles`` for phase 1, ``fused._row_tiles`` for the merges). This
 times each kernel launched alone with other tiles: tokens per program, warps, sources per load (forward
@@ -11,7 +12,8 @@ outputs are checked against the default tiles' (relative error in norm; FAIL abo
 bf16). Writes benchmarks/results/depth_attn_tiles_<gpu>_<shapes>.md with the command, GPU and date.
 
 Shapes as ``benchmarks.ops_attnres``: ``block`` = n = 5 summaries, C = 4 consumers; ``full`` = 17 sources,
-2 consumers. The backward adds into rows [0, n - 1) of a row-gradient buffer, as the residuals run it.
+2 consumers; ``block_n2`` .. ``block_final`` are the other phase-1 calls of a Block AttnRes step (2, 3, 4 summaries
+for 4 consumers, 5 for the final output). The backward adds into rows [0, n - 1) of a row-gradient buffer, as the residuals run it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 from benchmarks.roofline import Ceilings, Table, bench_ms
 
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "tiny": (1, 9, 20)}  # tiny: the CPU smoke test
-OPS = {"block": (5, 4), "full": (17, 2)}
+# (n sources, C consumers); block_n2 .. block_final: the phase-1 calls of Block AttnRes's step (16 sublayers, blocks of
+# 4) after the first, whose one source takes one load (its backward never reads the outputs)
+OPS = {"block": (5, 4), "full": (17, 2), "block_n2": (2, 4), "block_n3": (3, 4), "block_n4": (4, 4), "block_final": (5, 1)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # phase 1, per d: (tokens per program, warps, sources per load forward, sources per load backward[, backward's
 # consumers unrolled]); None: the kernels' own tiles. (1, 4, 8, 8) at d = 512 and (1, 8, 8, 8) at d = 1024 are
@@ -93,7 +97,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["small"], choices=list(SHAPES))
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    p.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    p.add_argument("--ops", nargs="+", default=["block", "full"], choices=list(OPS))
     p.add_argument("--default-only", action="store_true",
                    help="time the kernels' own tiles alone (and the phase-1 backward taking dO·o from the outputs)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")

@@ -109,7 +109,8 @@
 #            small in one process with this session's defaults, and attnres_block's `medium` step with and without it
 #   launches one GPU (about 330 s with the start): the phase-1 backward alone with bf16 outputs (depth_attn_tiles
 #            --default-only), then every kernel of a graphed `small` step of vanilla and attnres_block (profile_step --top 400)
-#   folded   one GPU (about 560 s with the start): the depth-attention GPU tests, attnres_block's `small` and `medium`
+#   folded   one GPU (about 600 s with the start): the depth-attention GPU tests, phase 1's backward per call of the
+#            step with and without dO·o from the outputs (depth_attn_tiles), attnres_block's `small` and `medium`
 #            steps beside vanilla with its sources in the stream's dtype (the default) and in bf16 (source_dtype),
 #            then every kernel of the default's graphed `small` step
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
@@ -801,9 +802,12 @@ case "$PLAN" in
       attnres_block --compile model --graphs on --top 400 --set $COMBO --tag ${TAG:-_launches}
     ;;
   folded)
-    # the depth-attention GPU tests, then attnres_block's small and medium steps beside vanilla with the queries folded
-    # once a forward and one-kernel stores (the default), and with its sources stored in bf16 (residual.source_dtype)
+    # the depth-attention GPU tests, the phase-1 backward of each call of the step with and without dO·o from the
+    # outputs, then attnres_block's small and medium steps beside vanilla with the queries folded once a forward and
+    # one-kernel stores (the default), and with its sources stored in bf16 (residual.source_dtype)
     attnres_tests "${TEST_LIMIT:-150}"
+    step gpu0 dtiles "${DTILES_LIMIT:-80}" python3 -m benchmarks.depth_attn_tiles --shapes small medium --ops block_n2 \
+      block_n3 block_n4 block_final --dtypes fp32 --default-only
     attnres_small "${SMALL_LIMIT:-200}" "residual.source_dtype=bfloat16" "${TAG:-_folded}"
     step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       attnres_block "attnres_block@residual.source_dtype=bfloat16" --compile model --graphs on --steps 6 --set $COMBO \

@@ -151,6 +151,13 @@ def test_depth_attn_tile_sweep_checks_every_candidate_against_the_default(tmp_pa
                                                      "phase 1 bwd, dO·o from the outputs (bf16)", "merge fwd",
                                                      "merge bwd"], rows
     assert all(row.endswith("ok |") for row in rows), rows
+    # the step's other phase-1 calls: (n, C) per op, the outputs' rows only where the sources take several loads
+    depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n2", "block_final", "--device", "cpu",
+                           "--default-only"])
+    rows = [line.split(" | ")[2:4] for line in (tmp_path / "depth_attn_tiles_cpu_tiny_default.md").read_text().splitlines()
+            if line.startswith("| tiny")]
+    assert [op for op, kernel in rows if kernel.startswith("phase 1 bwd")] == ["block_n2", "block_final", "block_final",
+                                                                               "block_final"], rows
 
 
 def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):
