@@ -113,6 +113,8 @@
 #            step with and without dO·o from the outputs (depth_attn_tiles), attnres_block's `small` and `medium`
 #            steps beside vanilla with its sources in the stream's dtype (the default) and in bf16 (source_dtype),
 #            then every kernel of the default's graphed `small` step
+#   auto_delta one GPU (about 520 s with the start): attnres_block's `small` step with dO·o from the outputs per
+#            fused.DELTA_FROM_OUTPUTS "auto" (the default) and True, beside vanilla; its `medium` step beside vanilla
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -200,7 +202,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -243,7 +245,7 @@ APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block Attn
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
 PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
 STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
-NODELTA=py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=False  # phase 1's backward sums dO·o over the sources
+NODELTA=py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=False  # phase 1's backward sums dO·o over the sources everywhere
 COMBO=+trainer.compile_options.combo_kernels=true  # Inductor's combo kernels, as trainer=gpu trains
 # table_small / table_medium NAME LIMIT TAG: every study residual and ablation at `small`, MEDIUM_RESIDUALS at
 # `medium`, one process each, graphed, compiled per COMPILE (default model), with the overrides TABLE_SET
@@ -814,6 +816,13 @@ case "$PLAN" in
       --tag ${TAG:-_folded}
     step gpu0 profile "${PROFILE_LIMIT:-100}" python3 -m benchmarks.profile_step --model small --residuals attnres_block \
       --compile model --graphs on --top 400 --set $COMBO --tag ${TAG:-_folded}
+    ;;
+  auto_delta)
+    # attnres_block's small step with dO·o from the outputs where it was faster alone (fused.DELTA_FROM_OUTPUTS "auto",
+    # the default) and everywhere (True), beside vanilla; then its medium step beside vanilla (there "auto" is True)
+    attnres_small "${SMALL_LIMIT:-170}" "py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=True" "${TAG:-_auto_delta}"
+    step gpu0 medium "${MEDIUM_LIMIT:-250}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_auto_delta}
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

@@ -95,7 +95,8 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("delta", ["gpu_tests", "small", "parity"]),
                                          ("closing3", ["dtiles", "small_all", "medium"]),
                                          ("launches", ["dtiles", "profile"]),
-                                         ("folded", ["gpu_tests", "dtiles", "small", "medium", "profile"])])
+                                         ("folded", ["gpu_tests", "dtiles", "small", "medium", "profile"]),
+                                         ("auto_delta", ["small", "medium"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""

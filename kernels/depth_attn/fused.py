@@ -579,8 +579,22 @@ def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtyp
 # --- autograd ------------------------------------------------------------------------------------
 # Whether phase 1 keeps its outputs for its backward when they are narrower than the sources (bf16 outputs of fp32
 # sources, ``out_dtype``): the backward then takes delta_c = dO_c·o_c from them instead of a first pass over the
-# sources. A module setting so that a benchmark row can time both (``py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=False``).
-DELTA_FROM_OUTPUTS = True
+# sources. True, False, or "auto" (``delta_from_outputs``). A module setting so that a benchmark row can time each
+# (``py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=True``).
+DELTA_FROM_OUTPUTS = "auto"
+
+
+def delta_from_outputs(C: int, d: int) -> bool:
+    """Whether phase 1's backward for C consumers at width d takes delta_c from the kept outputs (``DELTA_FROM_OUTPUTS``).
+
+    "auto": above d = 512, or for one consumer. Timed alone on an H200 with bf16 outputs, at each phase-1 call of a
+    Block AttnRes step (``benchmarks.depth_attn_tiles --ops block_n2 block_n3 block_n4 block_final --default-only``):
+    at d = 512 with 4 consumers it is 1.13-1.18x the pass over 2-4 sources (one source a load at one warp: that pass
+    is cheap, and C rows of o and dO a token are not), 0.85x for the final output's one consumer over 5; at
+    d = 1024 0.84-0.90x at every call."""
+    if DELTA_FROM_OUTPUTS == "auto":
+        return d > 512 or C == 1
+    return bool(DELTA_FROM_OUTPUTS)
 
 
 class SummariesFunction(torch.autograd.Function):
@@ -605,7 +619,7 @@ class SummariesFunction(torch.autograd.Function):
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
         # narrow outputs are kept for the backward's delta_c = dO_c·o_c (``summaries_bwd(out=)``): no first pass over
         # the sources there; under autocast the consumer that reads its output as it is keeps their storage anyway
-        keep_out = DELTA_FROM_OUTPUTS and out.dtype != src.dtype
+        keep_out = out.dtype != src.dtype and delta_from_outputs(qg.shape[0], src.shape[-1])
         ctx.keep_out = keep_out
         kept = (out,) if keep_out else ()
         if rows:

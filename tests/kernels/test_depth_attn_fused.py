@@ -172,6 +172,34 @@ def test_bf16_phase_one_outputs_match_the_reference_and_take_bf16_gradients(devi
     assert min(rel_err(a, b) for a, b in zip(hs[1:], fp32_hs[1:])) > 1e-5  # rounded: not the fp32 merge
 
 
+@needs_interpreter
+@pytest.mark.parametrize("setting, C, d, kept", [("auto", 4, 37, False), ("auto", 1, 37, True), ("auto", 4, 520, True),
+                                                 (True, 4, 37, True), (False, 1, 520, False)])
+def test_phase_one_keeps_its_outputs_for_the_backward_where_the_setting_says(setting, C, d, kept, monkeypatch):
+    """``fused.DELTA_FROM_OUTPUTS``: "auto" (the default) hands the backward the kept bf16 outputs above d = 512 or
+    for one consumer, where that was faster on an H200; True always, False never. The backward's result is the same
+    either way (within the outputs' bf16 rounding)."""
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", setting)
+    calls = []
+    bwd = fused.summaries_bwd
+    monkeypatch.setattr(fused, "summaries_bwd", lambda *a, **kw: calls.append(kw.get("out")) or bwd(*a, **kw))
+    sources, _, queries, key_gains = make_inputs(C, 5, 1, 3, d, True, seed=3)
+    sources.requires_grad_()
+    up = torch.randn((C, 1, 3, d), generator=torch.Generator().manual_seed(4))
+
+    def source_grad():
+        outs, _ = depth_attn_summaries(sources, queries, key_gains, out_dtype=torch.bfloat16, backend="triton")
+        return torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(outs, up)), [sources])[0]
+
+    ds = source_grad()
+    assert len(calls) == 1 and (calls[0] is not None) == kept
+    assert fused.delta_from_outputs(C, d) == kept
+    monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", False)
+    assert rel_err(ds, source_grad()) < 2e-2  # the outputs' bf16 rounding inside delta_c, at most
+
+
 def test_two_phase_reference_is_the_spec():
     # The composition summaries + merge is depth attention over [sources..., partial] (fp64).
     sources, partials, queries, key_gains = make_inputs(3, 4, 2, 5, 7, True)
