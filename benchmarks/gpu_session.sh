@@ -113,8 +113,8 @@
 #            step with and without dO·o from the outputs (depth_attn_tiles), attnres_block's `small` and `medium`
 #            steps beside vanilla with its sources in the stream's dtype (the default) and in bf16 (source_dtype),
 #            then every kernel of the default's graphed `small` step
-#   auto_delta one GPU (about 520 s with the start): attnres_block's `small` step with dO·o from the outputs per
-#            fused.DELTA_FROM_OUTPUTS "auto" (the default) and True, beside vanilla; its `medium` step beside vanilla
+#   auto_delta one GPU (about 380 s with the start): attnres_block's `small` step with dO·o from the outputs per
+#            fused.DELTA_FROM_OUTPUTS True (the default) and "auto", beside vanilla; its `medium` step beside vanilla
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -818,9 +818,9 @@ case "$PLAN" in
       --compile model --graphs on --top 400 --set $COMBO --tag ${TAG:-_folded}
     ;;
   auto_delta)
-    # attnres_block's small step with dO·o from the outputs where it was faster alone (fused.DELTA_FROM_OUTPUTS "auto",
-    # the default) and everywhere (True), beside vanilla; then its medium step beside vanilla (there "auto" is True)
-    attnres_small "${SMALL_LIMIT:-170}" "py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=True" "${TAG:-_auto_delta}"
+    # attnres_block's small step with dO·o from the outputs everywhere (fused.DELTA_FROM_OUTPUTS True, the default) and
+    # only where it was faster alone ("auto"), beside vanilla; then its medium step beside vanilla (there "auto" is True)
+    attnres_small "${SMALL_LIMIT:-200}" "py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=auto" "${TAG:-_auto_delta}"
     step gpu0 medium "${MEDIUM_LIMIT:-250}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       attnres_block --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_auto_delta}
     ;;

@@ -579,9 +579,9 @@ def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtyp
 # --- autograd ------------------------------------------------------------------------------------
 # Whether phase 1 keeps its outputs for its backward when they are narrower than the sources (bf16 outputs of fp32
 # sources, ``out_dtype``): the backward then takes delta_c = dO_c·o_c from them instead of a first pass over the
-# sources. True, False, or "auto" (``delta_from_outputs``). A module setting so that a benchmark row can time each
-# (``py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=True``).
-DELTA_FROM_OUTPUTS = "auto"
+# sources. True (the default), False, or "auto" (``delta_from_outputs``). A module setting so that a benchmark row can
+# time each (``py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=auto``).
+DELTA_FROM_OUTPUTS = True
 
 
 def delta_from_outputs(C: int, d: int) -> bool:
@@ -591,7 +591,8 @@ def delta_from_outputs(C: int, d: int) -> bool:
     Block AttnRes step (``benchmarks.depth_attn_tiles --ops block_n2 block_n3 block_n4 block_final --default-only``):
     at d = 512 with 4 consumers it is 1.13-1.18x the pass over 2-4 sources (one source a load at one warp: that pass
     is cheap, and C rows of o and dO a token are not), 0.85x for the final output's one consumer over 5; at
-    d = 1024 0.84-0.90x at every call."""
+    d = 1024 0.84-0.90x at every call. Yet in the step "auto" lost: attnres_block `small` 0.924-0.926x vanilla against
+    0.931x with True, in one process (``throughput_small_auto_delta.md``), so True stays the default."""
     if DELTA_FROM_OUTPUTS == "auto":
         return d > 512 or C == 1
     return bool(DELTA_FROM_OUTPUTS)

@@ -176,8 +176,8 @@ def test_bf16_phase_one_outputs_match_the_reference_and_take_bf16_gradients(devi
 @pytest.mark.parametrize("setting, C, d, kept", [("auto", 4, 37, False), ("auto", 1, 37, True), ("auto", 4, 520, True),
                                                  (True, 4, 37, True), (False, 1, 520, False)])
 def test_phase_one_keeps_its_outputs_for_the_backward_where_the_setting_says(setting, C, d, kept, monkeypatch):
-    """``fused.DELTA_FROM_OUTPUTS``: "auto" (the default) hands the backward the kept bf16 outputs above d = 512 or
-    for one consumer, where that was faster on an H200; True always, False never. The backward's result is the same
+    """``fused.DELTA_FROM_OUTPUTS``: True (the default) hands the backward the kept bf16 outputs always, False never,
+    "auto" above d = 512 or for one consumer (where that was faster alone on an H200, though not in the step). The backward's result is the same
     either way (within the outputs' bf16 rounding)."""
     from kernels.depth_attn import fused
 
