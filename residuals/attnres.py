@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries
+from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, fold_key_gains
 from kernels.msar_attn import BufferedSources
 
 from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
@@ -299,9 +299,8 @@ class DepthAttentionResidual(Residual):
     def _folded_queries(self) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
         """Every consumer's q ⊙ g in fp32 (q alone for raw keys) from one product: per consumer a (d,) view, and at
         each group's first consumer the group's (C, d) view (``FusedState.queries``, ``groups``)."""
-        w = self.queries.weight[:, 0].float()  # (L+1, d)
         gain = self.queries.key_gain
-        folded = w if gain is None else w * gain[:, 0].float()  # (L+1, d)
+        folded = fold_key_gains(self.queries.weight[:, 0], None if gain is None else gain[:, 0])  # (L+1, d)
         bounds = self._group_bounds()
         groups: list[Tensor | None] = [None] * self.n_consumers
         queries: list[Tensor] = []

@@ -46,8 +46,9 @@ def _check_queries(op: str, queries: Tensor, key_gains: Tensor | None, d: int) -
                          f"got {tuple(key_gains.shape)}")
 
 
-def _folded(queries: Tensor, key_gains: Tensor | None) -> Tensor:
-    """q ⊙ g in fp32, with autograd: q·(g ⊙ n) = (q ⊙ g)·n, the keys stay shared."""
+def fold_key_gains(queries: Tensor, key_gains: Tensor | None) -> Tensor:
+    """q ⊙ g in fp32, contiguous, with autograd: q·(g ⊙ n) = (q ⊙ g)·n, the keys stay shared. The ops take the result
+    as queries with no gain of their own (a residual folds every consumer's at once: ``FusedState.queries``)."""
     q = queries.float()
     return (q if key_gains is None else q * key_gains.float()).contiguous()
 
@@ -78,7 +79,7 @@ def depth_attn(sources, queries, key_gains=None, *, key_sources=None, key_norm=T
     from . import fused  # imports triton: only when asked for
 
     out, lse, logits = fused.summaries(values.contiguous(), values.shape[0], False, bool(key_norm), float(eps),
-                                       bool(return_weights), _folded(queries, key_gains))
+                                       bool(return_weights), fold_key_gains(queries, key_gains))
     return (out, torch.exp(logits - lse.detach()[:, None])) if return_weights else out
 
 
@@ -126,7 +127,7 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
     C, n = queries.shape[0], len(sources) if buffered else x.shape[0]
     rows = sources.rows if buffered else ()
     res = fused.summaries(x if buffered else x.contiguous(), n, True, bool(key_norm), float(eps),
-                          bool(return_weights), _folded(queries, key_gains), tuple(rows),
+                          bool(return_weights), fold_key_gains(queries, key_gains), tuple(rows),
                           sources.grads if buffered else None, out_dtype)
     outs, lses, logits = res[:C], res[C: 2 * C], res[-1]
     if return_weights:
@@ -165,7 +166,7 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor | None, query: Te
     check_triton_device(out, "depth_attn_merge")
     from . import fused
 
-    qg = _folded(query, key_gain)  # (d,): one autograd node per merge (host time counts at small d)
+    qg = fold_key_gains(query, key_gain)  # (d,): one autograd node per merge (host time counts at small d)
     if new is None:
         return fused.merge(out.contiguous(), lse.float().contiguous(), partial.contiguous(), qg, bool(key_norm),
                            float(eps))
@@ -173,4 +174,4 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor | None, query: Te
                            new.contiguous(), qg, bool(key_norm), float(eps))
 
 
-__all__ = ["BACKENDS", "SourceBuffer", "depth_attn", "depth_attn_merge", "depth_attn_summaries"]
+__all__ = ["BACKENDS", "SourceBuffer", "depth_attn", "depth_attn_merge", "depth_attn_summaries", "fold_key_gains"]

@@ -582,6 +582,7 @@ def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtyp
 # sources. True (the default), False, or "auto" (``delta_from_outputs``). A module setting so that a benchmark row can
 # time each (``py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=auto``).
 DELTA_FROM_OUTPUTS = True
+DELTA_SETTINGS = (True, False, "auto")
 
 
 def delta_from_outputs(C: int, d: int) -> bool:
@@ -593,9 +594,12 @@ def delta_from_outputs(C: int, d: int) -> bool:
     is cheap, and C rows of o and dO a token are not), 0.85x for the final output's one consumer over 5; at
     d = 1024 0.84-0.90x at every call. Yet in the step "auto" lost: attnres_block `small` 0.924-0.926x vanilla against
     0.931x with True, in one process (``throughput_small_auto_delta.md``), so True stays the default."""
+    if DELTA_FROM_OUTPUTS not in DELTA_SETTINGS:
+        raise ValueError(f"fused.DELTA_FROM_OUTPUTS={DELTA_FROM_OUTPUTS!r}: choose one of "
+                         + ", ".join(map(repr, DELTA_SETTINGS)))
     if DELTA_FROM_OUTPUTS == "auto":
         return d > 512 or C == 1
-    return bool(DELTA_FROM_OUTPUTS)
+    return DELTA_FROM_OUTPUTS
 
 
 class SummariesFunction(torch.autograd.Function):

@@ -200,6 +200,14 @@ def test_phase_one_keeps_its_outputs_for_the_backward_where_the_setting_says(set
     assert rel_err(ds, source_grad()) < 2e-2  # the outputs' bf16 rounding inside delta_c, at most
 
 
+def test_an_unknown_delta_setting_names_the_choices(monkeypatch):
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", "yes")
+    with pytest.raises(ValueError, match=r"DELTA_FROM_OUTPUTS='yes': choose one of True, False, 'auto'"):
+        fused.delta_from_outputs(4, 512)
+
+
 def test_two_phase_reference_is_the_spec():
     # The composition summaries + merge is depth attention over [sources..., partial] (fp64).
     sources, partials, queries, key_gains = make_inputs(3, 4, 2, 5, 7, True)
