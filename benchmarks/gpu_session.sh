@@ -115,6 +115,10 @@
 #            then every kernel of the default's graphed `small` step
 #   auto_delta one GPU (about 380 s with the start): attnres_block's `small` step with dO·o from the outputs per
 #            fused.DELTA_FROM_OUTPUTS True (the default) and "auto", beside vanilla; its `medium` step beside vanilla
+#   kept     one GPU (about 520 s with the start): the depth-attention GPU tests; what a compiled `medium` forward saves
+#            and the peak of its forward and backward (benchmarks.saved_bytes --compile model, batch 16) for vanilla and
+#            attnres_block with its merges keeping the phase-1 outputs (the default) and their own h; the `small` step
+#            of both beside vanilla
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -202,7 +206,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -823,6 +827,15 @@ case "$PLAN" in
     attnres_small "${SMALL_LIMIT:-200}" "py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=auto" "${TAG:-_auto_delta}"
     step gpu0 medium "${MEDIUM_LIMIT:-250}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       attnres_block --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_auto_delta}
+    ;;
+  kept)
+    # the merges keep the phase-1 outputs phase 1 keeps (the default) or their own h: what a compiled medium forward
+    # saves and its peak, then the small step; the GPU tests first
+    keep_h="py:residuals.attnres.DepthAttentionResidual.merges_keep_outputs=False"
+    attnres_tests "${TEST_LIMIT:-120}"
+    step gpu0 saved "${SAVED_LIMIT:-220}" python3 -m benchmarks.saved_bytes --model medium --batch 16 --vocab 8192 \
+      --compile model --residuals vanilla attnres_block "attnres_block@$keep_h" --by-node 6 --tag ${TAG:-_kept}
+    attnres_small "${SMALL_LIMIT:-170}" "$keep_h" "${TAG:-_kept}"
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

@@ -1,7 +1,7 @@
 """What autograd keeps from a training forward for its backward, per residual, on any device.
 
     python -m benchmarks.saved_bytes [--model tiny] [--residuals vanilla attnres_block] [--backend triton]
-                                     [--batch 2] [--set KEY=VALUE ...] [--tag NAME]
+                                     [--batch 2] [--set KEY=VALUE ...] [--compile off|model] [--tag NAME]
 
 One forward of the backbone (bf16 autocast, as `trainer=gpu` trains) under
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor an autograd node saves is counted once per storage
@@ -11,6 +11,10 @@ on its ctx outside ``save_for_backward`` (the fused depth attention's source buf
 parameters, and the backward's temporaries: this is the activation memory a change moves, not the peak (on a
 GPU ``benchmarks.throughput`` reports the peak). Deterministic: it needs no GPU, and on the CPU
 ``--backend triton`` runs the fused ops through Triton's interpreter (set here when there is no GPU).
+``--compile model`` compiles the forward as ``trainer=gpu`` does (one forward and backward first, outside the
+count): Inductor chooses what a compiled sublayer keeps (e.g. its input's norm instead of its input). On a GPU two
+more columns count everything, ctx-held buffers included: what the forward leaves allocated, and the most allocated
+during forward and backward, both from the allocation before the forward (parameter gradients included).
 The table goes to benchmarks/results/saved_bytes_<model><tag>.md with the command, the device and the date.
 """
 
@@ -26,16 +30,17 @@ import torch
 if not torch.cuda.is_available():  # before any kernel module is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.roofline import Table  # noqa: E402
-from benchmarks.throughput import build, packed_batch, run_names  # noqa: E402
+from benchmarks.roofline import Table, held  # noqa: E402
+from benchmarks.throughput import build, code_settings, packed_batch, run_names  # noqa: E402
 
 
-def saved_bytes(model, tokens, doc_ids, by_node: dict | None = None) -> tuple[int, int]:
+def saved_bytes(model, tokens, doc_ids, by_node: dict | None = None, keep: bool = False) -> tuple[int, int]:
     """(bytes, tensors) of the distinct storages that one forward of ``model`` leaves saved for its backward:
     what the graph still holds when the forward returns (a node dropped during the forward, and what it saved,
     is not counted), each storage once, parameters excluded. With ``by_node`` (a dict), also which kind of
     autograd node keeps them: bytes per node type (``MsarFunctionBackward``, ``MmBackward0``, ...), a storage
-    counted for the first kind that keeps it walking back from the output, "(not reached)" for the rest."""
+    counted for the first kind that keeps it walking back from the output, "(not reached)" for the rest. ``keep``:
+    the logits stay alive for a backward, as ``saved_bytes.last_logits``."""
     saved = []
 
     def pack(t):
@@ -58,6 +63,8 @@ def saved_bytes(model, tokens, doc_ids, by_node: dict | None = None) -> tuple[in
         for key, nbytes in storages.items():
             kind = owner.get(key, "(not reached)")
             by_node[kind] = by_node.get(kind, 0) + nbytes
+    if keep:
+        saved_bytes.last_logits = logits
     del logits
     return sum(storages.values()), len(storages)
 
@@ -107,29 +114,36 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], help="more config overrides, e.g. model.seq_len=256")
     p.add_argument("--by-node", type=int, default=6, metavar="K",
                    help="a second table: the K kinds of autograd node that keep the most, per residual (0: none)")
+    p.add_argument("--compile", default="off", choices=["off", "model"],
+                   help="model: compile the forward as trainer=gpu does (trainer.compile_scope=model)")
     p.add_argument("--tag", default="")
     a = p.parse_args(argv)
     run_names(a.residuals, [])  # an unknown name: an error listing the registered ones, before any work
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device == "cuda"
     table = Table(f"Tensors saved for backward by one training forward, `{a.model}`",
-                  ["residual", "MB saved", "tensors", "(B, T, d) fp32 units", "vs vanilla"],
-                  notes=[f"batch {a.batch}, bf16 autocast, residual.backend={a.backend} for the residuals that have "
-                         "one; distinct storages, parameters excluded (benchmarks/saved_bytes.py says what is not "
-                         "counted)"])
+                  ["residual", "MB saved", "tensors", "(B, T, d) fp32 units", "vs vanilla",
+                   *(["MB left by the forward", "MB peak (fwd+bwd)", "peak vs vanilla"] if cuda else [])],
+                  notes=[f"batch {a.batch}, bf16 autocast, compile={a.compile}, residual.backend={a.backend} for the "
+                         "residuals that have one; distinct storages, parameters excluded (benchmarks/saved_bytes.py "
+                         "says what is not counted)"])
     kinds = Table("who keeps it", ["residual", "kept by (autograd node)", "MB", "(B, T, d) fp32 units", "of the residual's"])
-    base = None
+    base = base_peak = None
     for name in a.residuals:
         torch.manual_seed(0)
-        extra = [] if name == "vanilla" else [f"residual.backend={a.backend}"]
-        model, cfg = build(a.model, name, a.vocab, [*extra, *a.set], device)
-        model.train()
-        tokens, doc_ids = packed_batch(a.batch, cfg.model.seq_len, a.vocab, device)  # seq_len + 1: inputs, targets
-        nodes: dict[str, int] = {}
-        nbytes, count = saved_bytes(model, tokens[:, :-1], doc_ids[:, :-1], nodes)
-        unit = a.batch * cfg.model.seq_len * cfg.model.d_model * 4
+        if cuda:
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()
+        extra = [] if name.split("@")[0] == "vanilla" else [f"residual.backend={a.backend}"]
+        with held(code_settings(name)):  # a row's py: settings, for its build and its forward and backward
+            nbytes, count, unit, cells = _row(a, name, extra, device, nodes := {})
+            base_peak = base_peak or (cells[1] if cuda and name == "vanilla" else None)
         base = base or (nbytes if name == "vanilla" else None)
+        if cuda:
+            left, peak = cells
+            cells = [f"{left / 1e6:.0f}", f"{peak / 1e6:.0f}", f"{peak / base_peak:.3f}" if base_peak else "-"]
         table.add(name, f"{nbytes / 1e6:.2f}", count, f"{nbytes / unit:.1f}",
-                  f"{nbytes / base:.3f}" if base else "-")
+                  f"{nbytes / base:.3f}" if base else "-", *cells)
         print(" | ".join(table.rows[-1]), flush=True)
         for kind, kb in sorted(nodes.items(), key=lambda kv: -kv[1])[:a.by_node]:
             kinds.add(name, kind, f"{kb / 1e6:.2f}", f"{kb / unit:.1f}", f"{kb / nbytes:.0%}")
@@ -142,6 +156,37 @@ def main(argv=None) -> int:
             f.write(text)
         print(text)
     return 0
+
+
+def _row(a, name: str, extra: list[str], device: str, nodes: dict) -> tuple[int, int, int, tuple]:
+    """One row: bytes saved, tensors, the bytes of one (B, T, d) fp32 tensor, and on a GPU (bytes the forward leaves
+    allocated, peak bytes of forward and backward), both from the allocation before the forward."""
+    cuda = device == "cuda"
+    model, cfg = build(a.model, name, a.vocab, [*extra, *a.set], device)
+    model.train()
+    tokens, doc_ids = packed_batch(a.batch, cfg.model.seq_len, a.vocab, device)  # seq_len + 1: inputs, targets
+    tokens, doc_ids = tokens[:, :-1], doc_ids[:, :-1]
+    if a.compile == "model":
+        model.compile_as("model", dict(cfg.trainer.compile_options))
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logits = model(tokens, doc_ids)
+        logits.float().sum().backward()  # compiled forward and backward, outside the count
+        del logits
+        model.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+    nbytes, count = saved_bytes(model, tokens, doc_ids, nodes, keep=cuda)
+    unit = a.batch * cfg.model.seq_len * cfg.model.d_model * 4
+    if not cuda:
+        return nbytes, count, unit, ()
+    logits = saved_bytes.last_logits
+    left = torch.cuda.memory_allocated() - start
+    logits.backward(torch.randn_like(logits))
+    del logits, saved_bytes.last_logits
+    torch.cuda.synchronize()
+    return nbytes, count, unit, (left, torch.cuda.max_memory_allocated() - start)
 
 
 if __name__ == "__main__":

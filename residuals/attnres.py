@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, fold_key_gains
+from kernels.depth_attn import (SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, fold_key_gains,
+                                summaries_keep_outputs)
 from kernels.msar_attn import BufferedSources
 
 from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
@@ -109,6 +110,9 @@ class FusedState:
     groups: tuple[Tensor | None, ...] = ()  # per consumer: its group's (C, d) folded queries if it opens a group
     # the next consumer's h, when the write that summed its partial also merged it (Block AttnRes: ``merge_sum``)
     merged: Tensor | None = None
+    # phase 1 keeps ``outs`` for its backward (narrow outputs, ``summaries_keep_outputs``): a merge keeps its o then,
+    # not its h (no tensor more; h is freed once its sublayer is done with it)
+    outs_kept: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,11 @@ class DepthAttentionResidual(Residual):
     # phase-1 output to round). "stream" here: full AttnRes is slower with bf16 outputs (its every read merges a
     # buffered row); Block AttnRes's default is "autocast" (docs/kernel_attnres.md).
     phase1_dtype = "stream"
+    # where phase 1 keeps its outputs for its backward (``summaries_keep_outputs``), its merges keep the output they
+    # read instead of their own h: the same bytes, held anyway, and h is freed once its sublayer is done with it (a
+    # compiled sublayer keeps its input's norm, not the input). A setting of the code, so that a benchmark row can
+    # hold the merges' h as before (``py:residuals.attnres.DepthAttentionResidual.merges_keep_outputs=False``)
+    merges_keep_outputs = True
 
     def __init__(self, cfg: ResidualConfig, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
@@ -313,11 +322,13 @@ class DepthAttentionResidual(Residual):
         """Phase 1 for consumers first .. first+C-1 (the final output is a group of its own). The queries come with
         their key gains folded in (``_folded_queries``): the ops take them with no gain of their own."""
         group = state.groups[first]  # (C, d)
+        out_dtype = self._phase1_out_dtype(state.buffer.data.device.type)
         res = depth_attn_summaries(state.buffer, group, None, key_norm=self.cfg.key_norm, return_weights=state.ctx.record,
-                                   out_dtype=self._phase1_out_dtype(state.buffer.data.device.type),
-                                   backend=state.backend)
+                                   out_dtype=out_dtype, backend=state.backend)
+        kept = self.merges_keep_outputs and summaries_keep_outputs(state.buffer, group.shape[0], out_dtype,
+                                                                   backend=state.backend)
         return replace(state, first=first, outs=res[0], lses=res[1], partial=None, merged=None,
-                       weights=res[2] if state.ctx.record else None)
+                       weights=res[2] if state.ctx.record else None, outs_kept=kept)
 
     def _fused_read(self, state: FusedState, consumer: int) -> Tensor:
         if state.merged is not None:  # merged by the write that summed the partial (`_merge_sum`)
@@ -337,7 +348,7 @@ class DepthAttentionResidual(Residual):
                 h = out.to(state.dtype)  # the buffer's dtype back to the stream's (a copy), or the group's only output
             return self._after_read(h, consumer, state.ctx)
         h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer], None,
-                                key_norm=self.cfg.key_norm, backend=self._merge_backend(state))
+                                key_norm=self.cfg.key_norm, keep_out=state.outs_kept, backend=self._merge_backend(state))
         self._record_merge(state, consumer, w)
         return self._after_read(self._sublayer_input(h, state), consumer, state.ctx)
 
@@ -364,7 +375,8 @@ class DepthAttentionResidual(Residual):
         ``merged`` for its read."""
         c = consumer - state.first
         h, w, partial = depth_attn_merge(state.outs[c], state.lses[c], state.partial, state.queries[consumer], None,
-                                         new=new, key_norm=self.cfg.key_norm, backend=self._merge_backend(state))
+                                         new=new, key_norm=self.cfg.key_norm, keep_out=state.outs_kept,
+                                         backend=self._merge_backend(state))
         self._record_merge(state, consumer, w)
         return replace(state, partial=partial, merged=h)
 

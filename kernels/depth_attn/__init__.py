@@ -135,8 +135,22 @@ def depth_attn_summaries(sources: SourceBuffer | Tensor, queries: Tensor, key_ga
     return outs, lses
 
 
+def summaries_keep_outputs(sources: SourceBuffer | Tensor, C: int, out_dtype: torch.dtype | None,
+                           backend: str = "auto") -> bool:
+    """Whether :func:`depth_attn_summaries` over ``sources`` with C queries and ``out_dtype`` keeps its outputs for
+    its backward (the fused op, with outputs narrower than the sources: ``fused.DELTA_FROM_OUTPUTS``). Where it does,
+    a merge of one of them can keep it in place of its own result (``depth_attn_merge(keep_out=True)``)."""
+    x = sources.data if isinstance(sources, SourceBuffer) else sources
+    if resolve_backend(backend, x, "depth_attn_summaries") == "torch":
+        return False
+    from . import fused
+
+    return fused.keeps_outputs(x.dtype, out_dtype, C, x.shape[-1])
+
+
 def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_gain: Tensor | None = None, *,
-                     new: Tensor | None = None, key_norm: bool = True, eps: float = 1e-6, backend: str = "auto"):
+                     new: Tensor | None = None, key_norm: bool = True, eps: float = 1e-6, keep_out: bool = False,
+                     backend: str = "auto"):
     """Phase 2: fold the intra-block partial ``(B, T, d)`` into one consumer's phase-1 result
     (``out`` (B, T, d), ``lse`` (B, T)) by an online-softmax merge; query ``(d,)``, key_gain ``(d,)``
     or None. Returns h ``(B, T, d)`` and the partial's weight w ``(B, T)`` (w is not differentiable
@@ -144,7 +158,12 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor | None, query: Te
 
     ``new`` ``(B, T, d)``: the block's newest output, summed into the partial inside the op (the partial
     merged is ``partial + new``, or ``new`` alone with ``partial=None``) and returned third, so a residual
-    keeps its running partial sum without a separate add forward or backward (``fused.MergeSumFunction``)."""
+    keeps its running partial sum without a separate add forward or backward (``fused.MergeSumFunction``).
+
+    ``keep_out``: the fused op keeps ``out`` for its backward instead of h (the same (B, T, d) bytes), for a caller
+    that holds ``out`` anyway (``summaries_keep_outputs``), so h lives no longer than its reader needs it; not for
+    a non-contiguous ``out``, whose contiguous copy would be one tensor more. The result and the gradients are the
+    same either way; the reference keeps what its autograd keeps."""
     d = out.shape[-1]
     merged = partial if new is None else new
     if merged is None:
@@ -167,11 +186,13 @@ def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor | None, query: Te
     from . import fused
 
     qg = fold_key_gains(query, key_gain)  # (d,): one autograd node per merge (host time counts at small d)
+    keep_out = bool(keep_out) and out.is_contiguous()
     if new is None:
         return fused.merge(out.contiguous(), lse.float().contiguous(), partial.contiguous(), qg, bool(key_norm),
-                           float(eps))
+                           float(eps), keep_out)
     return fused.merge_sum(out.contiguous(), lse.float().contiguous(), None if partial is None else partial.contiguous(),
-                           new.contiguous(), qg, bool(key_norm), float(eps))
+                           new.contiguous(), qg, bool(key_norm), float(eps), keep_out)
 
 
-__all__ = ["BACKENDS", "SourceBuffer", "depth_attn", "depth_attn_merge", "depth_attn_summaries", "fold_key_gains"]
+__all__ = ["BACKENDS", "SourceBuffer", "depth_attn", "depth_attn_merge", "depth_attn_summaries", "fold_key_gains",
+           "summaries_keep_outputs"]

@@ -336,7 +336,7 @@ def _merge_fwd_kernel(
 
 @triton.jit
 def _merge_bwd_kernel(
-    h_ptr,  # the merge's output (N, d)
+    h_ptr,  # the merge's output (N, d); KEPT_O: the phase-1 output o instead
     p_ptr,  # the partial (N, d)
     qg_ptr,  # gain-folded query (d,) fp32
     w_ptr,  # forward weight of the partial (N,) fp32
@@ -347,7 +347,8 @@ def _merge_bwd_kernel(
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, d) fp32
     dpin_ptr,  # DP_IN: the partial's gradient from its other readers (N, d), added into dp
     N, D, eps,
-    KEY_NORM: tl.constexpr, DP_IN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    KEY_NORM: tl.constexpr, DP_IN: tl.constexpr, KEPT_O: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
@@ -366,7 +367,10 @@ def _merge_bwd_kernel(
         p = tl.load(p_ptr + td, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(dh_ptr + td, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_t, mask=mask_t, other=0.0)
-        dz = w * tl.sum(dh * (p - h), axis=1)  # through w = σ(z − lse): w(1−w)·dh·(p − o), as p − h = (1−w)(p − o)
+        if KEPT_O:  # h_ptr holds o: through w = σ(z − lse), dz = w(1−w)·dh·(p − o)
+            dz = w * (1.0 - w) * tl.sum(dh * (p - h), axis=1)
+        else:  # the same from the output, as p − h = (1−w)(p − o)
+            dz = w * tl.sum(dh * (p - h), axis=1)
         dp = w[:, None] * dh
         if DP_IN:
             dp += tl.load(dpin_ptr + td, mask=mask, other=0.0).to(tl.float32)
@@ -560,15 +564,16 @@ def merge_fwd(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, *, key_norm: bool, 
 
 
 def merge_bwd(h: Tensor, p: Tensor, qg: Tensor, w: Tensor, dh: Tensor, *, o_dtype: torch.dtype, key_norm: bool,
-              eps: float, dp_in: Tensor | None = None):
-    """h (the merge's output), p (B, T, d) contiguous -> do (o_dtype), dp (p's dtype), dlse (B, T) fp32, dqg (d,) fp32.
-    ``dp_in`` (B, T, d) contiguous: the partial's gradient from its other readers, added into dp."""
+              eps: float, dp_in: Tensor | None = None, kept_o: bool = False):
+    """h (the merge's output; ``kept_o``: the phase-1 output o instead), p (B, T, d) contiguous -> do (o_dtype), dp (p's
+    dtype), dlse (B, T) fp32, dqg (d,) fp32. ``dp_in`` (B, T, d) contiguous: the partial's gradient from its other
+    readers, added into dp."""
     d = h.shape[-1]
     N = h.numel() // d
     block_t, block_d, warps = _row_tiles(d)
     do, dp = torch.empty(h.shape, device=h.device, dtype=o_dtype), torch.empty_like(p)
     dlse = torch.empty(h.shape[:-1], device=h.device, dtype=torch.float32)
-    meta = dict(KEY_NORM=key_norm, DP_IN=dp_in is not None, BLOCK_T=block_t, BLOCK_D=block_d)
+    meta = dict(KEY_NORM=key_norm, DP_IN=dp_in is not None, KEPT_O=kept_o, BLOCK_T=block_t, BLOCK_D=block_d)
     args = [h, p, qg, w, dh, do, dp, dlse, qg, dp if dp_in is None else dp_in, N, d, eps]
     programs = _persistent_grid(_merge_bwd_kernel, args, meta, warps, _cdiv(N, block_t), h.device)
     args[8] = dqg = torch.empty(programs, d, device=h.device, dtype=torch.float32)
@@ -602,6 +607,13 @@ def delta_from_outputs(C: int, d: int) -> bool:
     return DELTA_FROM_OUTPUTS
 
 
+def keeps_outputs(src_dtype: torch.dtype, out_dtype: torch.dtype | None, C: int, d: int) -> bool:
+    """Whether phase 1 over sources of ``src_dtype`` keeps its C outputs of ``out_dtype`` for its backward: narrow
+    outputs (``out_dtype`` set and not the sources') where ``delta_from_outputs`` says. A merge of such an output
+    keeps it instead of its own result (``merge(keep_o=True)``): no tensor more."""
+    return out_dtype is not None and out_dtype != src_dtype and delta_from_outputs(C, d)
+
+
 class SummariesFunction(torch.autograd.Function):
     """Phase 1. ``apply(src, n, split, key_norm, eps, store_logits, out_dtype, qg, grads, *rows)``.
 
@@ -624,7 +636,7 @@ class SummariesFunction(torch.autograd.Function):
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
         # narrow outputs are kept for the backward's delta_c = dO_c·o_c (``summaries_bwd(out=)``): no first pass over
         # the sources there; under autocast the consumer that reads its output as it is keeps their storage anyway
-        keep_out = out.dtype != src.dtype and delta_from_outputs(qg.shape[0], src.shape[-1])
+        keep_out = keeps_outputs(src.dtype, out.dtype, qg.shape[0], src.shape[-1])
         ctx.keep_out = keep_out
         kept = (out,) if keep_out else ()
         if rows:
@@ -661,38 +673,42 @@ class SummariesFunction(torch.autograd.Function):
 
 
 class MergeSumFunction(torch.autograd.Function):
-    """Phase 2: ``apply(o, lse, prev, new, qg, key_norm, eps)`` -> h, w, p (w not differentiable).
+    """Phase 2: ``apply(o, lse, prev, new, qg, key_norm, eps, keep_o)`` -> h, w, p (w not differentiable).
 
     p = prev + new (``new`` itself when ``prev`` is None: returned as is, no copy; the merge of one partial) is
     the partial that is merged, returned so Block AttnRes keeps it as its next partial. The backward takes p's
     gradient from its later readers (the next merge, the block's summary) into the merge's own dp in one pass
     and hands the sum to prev and new alike: no separate add forward, and no autograd sum of the two in backward.
-    It keeps the output h, not o: the backward needs only dh·(p − o) = dh·(p − h)/(1 − w), and h is the consumer
-    sublayer's input, which it holds for its own backward; o would be one more (B, T, d) tensor per merge."""
+    The backward needs dh·(p − o) = dh·(p − h)/(1 − w): it keeps the output h (the consumer sublayer's input, which
+    an eager sublayer holds for its own backward), or with ``keep_o`` the phase-1 output o, for a caller whose o
+    is held anyway (phase 1's narrow outputs, kept for its own backward: ``keeps_outputs``), so that h is freed
+    as soon as its sublayer is done with it (a compiled sublayer may keep its input's norm, not the input)."""
 
     @staticmethod
-    def forward(ctx, o, lse, prev, new, qg, key_norm, eps):
+    def forward(ctx, o, lse, prev, new, qg, key_norm, eps, keep_o=False):
         if prev is None:
             h, w = merge_fwd(o, lse, new, qg, key_norm=key_norm, eps=eps)
             p = new
         else:
             h, w, p = merge_fwd(o, lse, prev, qg, key_norm=key_norm, eps=eps, new=new)
-        ctx.save_for_backward(h, p, qg, w)
-        ctx.key_norm, ctx.eps, ctx.o_dtype = key_norm, eps, o.dtype
+        ctx.save_for_backward(o if keep_o else h, p, qg, w)
+        ctx.key_norm, ctx.eps, ctx.o_dtype, ctx.keep_o = key_norm, eps, o.dtype, keep_o
         ctx.dtypes = (None if prev is None else prev.dtype, new.dtype)
+        ctx.h_dtype = h.dtype
         ctx.mark_non_differentiable(w)
         ctx.set_materialize_grads(False)
         return h, w, p
 
     @staticmethod
     def backward(ctx, dh, _dw, dp_in):
-        h, p, qg, w = ctx.saved_tensors
+        h, p, qg, w = ctx.saved_tensors  # h: o with keep_o
         if dh is None:  # h unused: only p's gradient passes through the sum
-            dh = torch.zeros_like(h)
+            dh = torch.zeros(h.shape, device=h.device, dtype=ctx.h_dtype)
         do, dp, dlse, dqg = merge_bwd(h, p, qg, w, dh.contiguous(), o_dtype=ctx.o_dtype, key_norm=ctx.key_norm,
-                                      eps=ctx.eps, dp_in=None if dp_in is None else dp_in.contiguous())
+                                      eps=ctx.eps, dp_in=None if dp_in is None else dp_in.contiguous(),
+                                      kept_o=ctx.keep_o)
         dprev, dnew = (None if dt is None else (dp if dt == dp.dtype else dp.to(dt)) for dt in ctx.dtypes)
-        return do, dlse, dprev, dnew, dqg, None, None
+        return do, dlse, dprev, dnew, dqg, None, None, None
 
 
 # --- entry points (inputs validated by kernels.depth_attn) -----------------------------------------
@@ -703,10 +719,11 @@ def summaries(src: Tensor, n: int, split: bool, key_norm: bool, eps: float, stor
 
 
 @torch.compiler.disable
-def merge(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, key_norm: bool, eps: float):
-    return MergeSumFunction.apply(o, lse, None, p, qg, key_norm, eps)[:2]  # the partial p alone: h, w
+def merge(o: Tensor, lse: Tensor, p: Tensor, qg: Tensor, key_norm: bool, eps: float, keep_o: bool = False):
+    return MergeSumFunction.apply(o, lse, None, p, qg, key_norm, eps, keep_o)[:2]  # the partial p alone: h, w
 
 
 @torch.compiler.disable
-def merge_sum(o: Tensor, lse: Tensor, prev: Tensor | None, new: Tensor, qg: Tensor, key_norm: bool, eps: float):
-    return MergeSumFunction.apply(o, lse, prev, new, qg, key_norm, eps)
+def merge_sum(o: Tensor, lse: Tensor, prev: Tensor | None, new: Tensor, qg: Tensor, key_norm: bool, eps: float,
+              keep_o: bool = False):
+    return MergeSumFunction.apply(o, lse, prev, new, qg, key_norm, eps, keep_o)

@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from kernels.depth_attn import SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, reference
+from kernels.depth_attn import (SourceBuffer, depth_attn, depth_attn_merge, depth_attn_summaries, reference,
+                                summaries_keep_outputs)
 from tests.helpers import rel_err
 
 # (id, C queries, n sources, B, T, d, key_norm, gains): odd d and B·T (the interpreter's token block is 32)
@@ -196,6 +197,9 @@ def test_phase_one_keeps_its_outputs_for_the_backward_where_the_setting_says(set
     ds = source_grad()
     assert len(calls) == 1 and (calls[0] is not None) == kept
     assert fused.delta_from_outputs(C, d) == kept
+    assert summaries_keep_outputs(sources, C, torch.bfloat16, backend="triton") == kept  # what a merge is told
+    assert not summaries_keep_outputs(sources, C, None, backend="triton")  # outputs in the sources' dtype: not kept
+    assert not summaries_keep_outputs(sources, C, torch.bfloat16, backend="torch")
     monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", False)
     assert rel_err(ds, source_grad()) < 2e-2  # the outputs' bf16 rounding inside delta_c, at most
 
@@ -235,27 +239,37 @@ def test_two_phase_reference_gradcheck():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("keep_out", [False, True], ids=["keeps-h", "keeps-o"])
 @pytest.mark.parametrize("bias", [0.0, 9.0], ids=["mixed", "partial-dominant"])
-def test_merge_keeps_only_its_partial_and_its_output(bias):
+def test_merge_keeps_only_its_partial_and_its_output(bias, keep_out):
     """The fused merge's backward needs dh·(p − o), which it takes as dh·(p − h)/(1 − w) from its output h (the
-    consumer's sublayer input, held by the sublayer anyway), so the phase-1 output o is not kept: the large
-    tensors it saves are its partial and its output, nothing else. Its gradients match the fp64 reference for a
-    random upstream gradient, also when the partial takes nearly all the weight (1 − w down to 6e-4, where
-    p − h is small). fp32 keeps dz = w·dh·(p − h) to about eps/(1 − w) relative, as it kept w(1 − w)·dh·(p − o)
-    from the fp32 w (measured at 1 − w = 6e-4: 8.7e-6 against 6.4e-6 for the log-sum-exp's gradient)."""
+    consumer's sublayer input, held by an eager sublayer anyway), or with ``keep_out`` (a caller that holds o anyway)
+    from o itself (when o is contiguous: else h, not a copy of o): the large tensors it saves are its partial and
+    one of h and o, nothing else. Its gradients
+    match the fp64 reference for a random upstream gradient, also when the partial takes nearly all the weight
+    (1 − w down to 6e-4, where p − h is small). fp32 keeps dz = w·dh·(p − h) to about eps/(1 − w) relative, as
+    it keeps w(1 − w)·dh·(p − o) from the fp32 w (measured at 1 − w = 6e-4: 8.7e-6 against 6.4e-6 for the
+    log-sum-exp's gradient)."""
     sources, partials, queries, key_gains = make_inputs(2, 4, 2, 13, 24, True, seed=3)
     partials[1] += bias * queries[1] / queries[1].norm() * 24 ** 0.5  # aligned with the query: a large logit
     out, lse = depth_attn_summaries(sources, queries, key_gains, backend="torch")
-    o = out[1].detach().requires_grad_()
+    o = out[1].detach().requires_grad_()  # a view of the stacked (C, B, T, d): not contiguous
     lse1 = lse[1].detach().requires_grad_()
     p = partials[1].clone().requires_grad_()
     q = queries[1].clone().requires_grad_()
     gain = key_gains[1].clone().requires_grad_()
+    if keep_out:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            h, _ = depth_attn_merge(o, lse1, p, q, gain, keep_out=True, backend="triton")
+        assert {t.data_ptr() for t in saved if t.dim() == 3} == {p.data_ptr(), h.data_ptr()}, "a copy of o kept"
+        o = out[1].detach().contiguous().requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        h, w = depth_attn_merge(o, lse1, p, q, gain, backend="triton")
+        h, w = depth_attn_merge(o, lse1, p, q, gain, keep_out=keep_out, backend="triton")
     large = {t.data_ptr() for t in saved if t.dim() == 3}
-    assert large == {p.data_ptr(), h.data_ptr()}, "the merge keeps a (B, T, d) tensor other than p and h"
+    kept = o if keep_out else h
+    assert large == {p.data_ptr(), kept.data_ptr()}, "the merge keeps a (B, T, d) tensor other than p and h (or o)"
     if bias:
         assert float(w.max()) > 0.999, float(w.max())
     up = torch.randn(h.shape, generator=torch.Generator().manual_seed(4))
@@ -290,8 +304,9 @@ def merge_sum_inputs(prev_dtype, new_dtype, B, T, d, seed=5):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("keep_out", [False, True], ids=["keeps-h", "keeps-o"])
 @pytest.mark.parametrize("case", MERGE_SUM_CASES, ids=[c[0] for c in MERGE_SUM_CASES])
-def test_merge_sum_matches_the_reference(case):
+def test_merge_sum_matches_the_reference(case, keep_out):
     """``depth_attn_merge(new=...)`` (Block AttnRes's running partial summed inside the merge) against the reference:
     h, w and the summed partial p, then every gradient, with random upstream gradients on h and on p, and p read
     again downstream (as the next merge and the block's summary read it): the backward adds p's gradient from its
@@ -303,7 +318,7 @@ def test_merge_sum_matches_the_reference(case):
     up_h, up_p = torch.randn(B, T, d, generator=g), torch.randn(B, T, d, generator=g)
     results = {}
     for backend in ("triton", "torch"):
-        h, w, p = depth_attn_merge(o, lse, prev, q, gain, new=new, backend=backend)
+        h, w, p = depth_attn_merge(o, lse, prev, q, gain, new=new, keep_out=keep_out, backend=backend)
         loss = (h * up_h).sum() + (p.float() * up_p).sum() + 0.1 * p.float().pow(2).sum()
         results[backend] = (h, w, p, torch.autograd.grad(loss, leaves))
     (h, w, p, grads), (ref_h, ref_w, ref_p, ref_grads) = results["triton"], results["torch"]
@@ -317,6 +332,25 @@ def test_merge_sum_matches_the_reference(case):
     for name, a, b in zip(names, grads, ref_grads):
         assert a.dtype == b.dtype, name
         assert rel_err(a.float(), b.float()) < 1e-5, f"{name}: relative error {rel_err(a.float(), b.float()):.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("keep_out", [False, True], ids=["keeps-h", "keeps-o"])
+def test_merge_sum_passes_the_partials_gradient_when_h_is_unused(keep_out):
+    """Only p read downstream (h takes no gradient, autograd hands the op None for it): the terms get p's gradient
+    alone and o, lse no gradient, as in the reference, with either tensor kept (o narrower than h here)."""
+    o, lse, prev, new, q, gain = merge_sum_inputs(torch.float32, torch.float32, 2, 5, 16)
+    o = o.detach().to(torch.bfloat16).requires_grad_()
+    up = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(8))
+    res = {}
+    for backend in ("triton", "torch"):
+        h, _, p = depth_attn_merge(o, lse, prev, q, gain, new=new, keep_out=keep_out, backend=backend)
+        assert h.dtype == torch.float32
+        res[backend] = torch.autograd.grad((p * up).sum(), [o, lse, prev, new], allow_unused=True,
+                                           materialize_grads=True)
+    for name, a, b in zip(("o", "lse", "prev", "new"), res["triton"], res["torch"]):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-6, atol=1e-6, msg=name)
+    assert float(res["triton"][1].abs().max()) == 0 and float(res["triton"][2].abs().max()) > 0
 
 
 @needs_interpreter

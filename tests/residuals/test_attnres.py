@@ -589,6 +589,50 @@ def test_bf16_phase_one_outputs_under_autocast_reach_the_sublayers_uncast(narrow
 
 
 @needs_interpreter
+def test_merges_keep_the_kept_phase_one_outputs_not_their_own(monkeypatch):
+    """Under bf16 autocast phase 1 keeps its bf16 outputs for its backward (``summaries_keep_outputs``), so each merge
+    keeps the output it read instead of its own h: one (B, T, bf16 d) tensor fewer saved per merge (here every
+    merged consumer's h, which this eager sublayer does not keep: its norm saves an fp32 copy), the same logits, and
+    gradients within bf16 rounding of the merges that keep h (the backward takes dh·(p − o) from o itself, not
+    from the rounded h)."""
+    import residuals.attnres as attnres
+    from kernels.depth_attn import fused
+    from tests.helpers import build_backbone, packed_batch, rel_err
+
+    B, T, n_blocks, size = 2, 9, 4, 4
+    tokens, docs = packed_batch(B, T, 37)
+    merges, results = [], {}
+    real = fused.MergeSumFunction.apply
+    monkeypatch.setattr(fused.MergeSumFunction, "apply", lambda *a: merges.append(a[-1]) or real(*a))
+    for keep in (True, False):
+        monkeypatch.setattr(attnres.DepthAttentionResidual, "merges_keep_outputs", keep)
+        merges.clear()
+        torch.manual_seed(0)
+        model = build_backbone("attnres_block", vocab=37, n_blocks=n_blocks, attention="sdpa",
+                               residual_overrides=("residual.backend=triton", f"residual.block_size={size}"))
+        saved, held = {}, []
+
+        def pack(t):
+            held.append(t)  # alive to the end: no later storage takes a counted one's address
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens, docs).float()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        nbytes = sum(n for ptr, n in saved.items() if ptr not in params)
+        logits.backward(torch.randn(logits.shape, generator=torch.Generator().manual_seed(1)))
+        results[keep] = logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), nbytes, list(merges)
+    (a, ga, kept_bytes, flags), (b, gb, h_bytes, h_flags) = results[True], results[False]
+    merged = 2 * n_blocks - 2 * n_blocks // size  # every consumer but a block's first (the final output: none)
+    assert flags == [True] * merged and h_flags == [False] * merged
+    assert model.residual.d_model == 64
+    assert h_bytes - kept_bytes == merged * B * T * 64 * 2  # one bf16 (B, T, d) per merge
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the forward is the same
+    assert 0 < rel_err(ga, gb) < 1e-2, rel_err(ga, gb)
+
+
+@needs_interpreter
 def test_an_unknown_phase_one_dtype_names_the_choices(monkeypatch):
     from residuals.attnres_block import AttnResBlock
     from tests.helpers import build_backbone
