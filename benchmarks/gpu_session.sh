@@ -119,6 +119,9 @@
 #            and the peak of its forward and backward (benchmarks.saved_bytes --compile model, batch 16) for vanilla and
 #            attnres_block with its merges keeping the phase-1 outputs (the default) and their own h; the `small` step
 #            of both beside vanilla
+#   lean     one GPU (about 560 s with the start): the depth-attention GPU tests, then attnres_block's `medium` step
+#            beside vanilla with the defaults, its sources in bf16 (residual.source_dtype: phase 1 then keeps no outputs,
+#            and its first consumer's input is a tensor of its own) and dO·o from the sources (DELTA_FROM_OUTPUTS=False)
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -206,7 +209,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -836,6 +839,14 @@ case "$PLAN" in
     step gpu0 saved "${SAVED_LIMIT:-220}" python3 -m benchmarks.saved_bytes --model medium --batch 16 --vocab 8192 \
       --compile model --residuals vanilla attnres_block "attnres_block@$keep_h" --by-node 6 --tag ${TAG:-_kept}
     attnres_small "${SMALL_LIMIT:-170}" "$keep_h" "${TAG:-_kept}"
+    ;;
+  lean)
+    # what frees each group's phase-1 outputs at medium (bf16 sources, or dO·o from the sources), against the default
+    attnres_tests "${TEST_LIMIT:-100}"
+    step gpu0 medium "${MEDIUM_LIMIT:-400}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@residual.source_dtype=bfloat16" \
+      "attnres_block@py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=False" --compile model --graphs on --steps 6 \
+      --set $COMBO --tag ${TAG:-_lean}
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

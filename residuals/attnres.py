@@ -338,14 +338,12 @@ class DepthAttentionResidual(Residual):
         if state.partial is None:
             if state.ctx.record:
                 self._record(state.ctx, consumer, state.weights[c][None])
-            if self._phase1_out_dtype(out.device.type) is not None:
-                h = self._sublayer_input(out, state)
-            elif out.dtype == state.dtype and len(state.outs) > 1:
+            h = self._sublayer_input(out, state)  # narrow under autocast: as it is; else in the stream's dtype
+            if h is out and len(state.outs) > 1 and not state.outs_kept:
                 # a view of the group's phase-1 outputs (C, B, T, d): the consumer's sublayer keeps its input for
-                # backward and would keep all C with it (nothing else does: the merges keep their output instead)
+                # backward and would keep all C with it, which nothing else needs (the merges keep their output, and
+                # phase 1 keeps its outputs only when they are narrower than the sources: ``outs_kept``)
                 h = out.clone()
-            else:
-                h = out.to(state.dtype)  # the buffer's dtype back to the stream's (a copy), or the group's only output
             return self._after_read(h, consumer, state.ctx)
         h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer], None,
                                 key_norm=self.cfg.key_norm, keep_out=state.outs_kept, backend=self._merge_backend(state))

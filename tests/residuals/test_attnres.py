@@ -413,14 +413,30 @@ def test_gpu_auto_backend_is_the_fused_op_and_matches_the_reference(name, overri
 
 
 @needs_interpreter
+@pytest.mark.parametrize("mode", ["fp32", "autocast-delta-from-sources", "autocast-bf16-sources"])
 @pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres_block", ("residual.block_size=4",))])
-def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overrides, monkeypatch):
+def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overrides, mode, monkeypatch):
     """Phase 1 writes the C outputs of a group into one (C, B, T, d) tensor. For backward the merges keep their
     own output, not the phase-1 output they read, and a read without a merge hands its sublayer a tensor of its
     own, not a view: no autograd node keeps a group's phase-1 tensor, so it is freed when the next group opens
-    (before, every group's C outputs lived until the backward; `python -m benchmarks.saved_bytes`)."""
+    (before, every group's C outputs lived until the backward; `python -m benchmarks.saved_bytes`). Also under
+    bf16 autocast with Block AttnRes's bf16 phase-1 outputs wherever phase 1 does not keep them for its own
+    backward: its dO·o taken from the sources (``fused.DELTA_FROM_OUTPUTS=False``), or sources stored in bf16 (the
+    outputs are then no narrower than the sources). (With fp32 sources and dO·o from the outputs, the default, they
+    are kept: ``test_merges_keep_the_kept_phase_one_outputs_not_their_own``.)"""
+    import contextlib
+
     from kernels.depth_attn import fused
+    from residuals.attnres import DepthAttentionResidual
     from tests.helpers import build_backbone, packed_batch
+
+    autocast = mode != "fp32"
+    if autocast:
+        monkeypatch.setattr(DepthAttentionResidual, "phase1_dtype", "autocast")  # attnres's too
+        if mode == "autocast-delta-from-sources":
+            monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", False)
+        else:
+            overrides = (*overrides, "residual.source_dtype=bfloat16")
 
     phase_one = []  # held here, so that no later tensor reuses their addresses
     real = fused.summaries
@@ -434,16 +450,20 @@ def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overr
     monkeypatch.setattr(fused, "summaries", recording)
     model = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.backend=triton", *overrides))
     tokens, docs = packed_batch(2, 11, 37)
-    kept = set()
+    kept, inputs = set(), set()
+    for sublayer in model.sublayers:  # a sublayer may keep its input as it is (a compiled one does): never a view
+        sublayer.register_forward_pre_hook(lambda mod, args: inputs.add(args[0].untyped_storage().data_ptr()))
 
     def pack(t):
         kept.add(t.untyped_storage().data_ptr())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(tokens, docs)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
+            torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()):
+        logits = model(tokens, docs).float()
     assert len(phase_one) == (2 if name == "attnres" else 1)  # the groups of two sublayers, or the one block
-    assert not {t.untyped_storage().data_ptr() for t in phase_one} & kept
+    assert {t.dtype for t in phase_one} == {torch.bfloat16 if autocast else torch.float32}
+    assert not {t.untyped_storage().data_ptr() for t in phase_one} & (kept | inputs)
     logits.backward(torch.randn_like(logits))  # and the backward runs from what is kept
     assert all(torch.isfinite(p.grad).all() for p in model.residual.parameters())
 
