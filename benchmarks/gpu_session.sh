@@ -122,6 +122,9 @@
 #   lean     one GPU (about 560 s with the start): the depth-attention GPU tests, then attnres_block's `medium` step
 #            beside vanilla with the defaults, its sources in bf16 (residual.source_dtype: phase 1 then keeps no outputs,
 #            and its first consumer's input is a tensor of its own) and dO·o from the sources (DELTA_FROM_OUTPUTS=False)
+#   sources2 one GPU (about 560 s with the start): Block AttnRes's sources in bf16 under autocast (its default since
+#            2026-12-03, residual.source_dtype=autocast) trained compiled against fp32 sources (300 steps, seeds 0-2),
+#            then its `small` step with both beside vanilla
 #   ops_wide one GPU: benchmarks.ops_attnres at medium (fused, reference, torch.compile of it) and d2048 (fused, reference)
 #   counters one GPU: Nsight Compute's counters (speed of light, occupancy, launch, warp stalls, memory) of the fused
 #            kernels of COUNTER_OPS (default mhc msar attnres; benchmarks.kernel_counters), COUNTER_LAUNCHES
@@ -209,7 +212,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -847,6 +850,13 @@ case "$PLAN" in
       attnres_block "attnres_block@residual.source_dtype=bfloat16" \
       "attnres_block@py:kernels.depth_attn.fused.DELTA_FROM_OUTPUTS=False" --compile model --graphs on --steps 6 \
       --set $COMBO --tag ${TAG:-_lean}
+    ;;
+  sources2)
+    # bf16 sources under autocast (the default) against fp32 ones: training parity, then the small step
+    step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --reference residual.source_dtype=stream --candidate residual.backend=auto --steps ${PARITY_STEPS:-300} \
+      --seeds 0 1 2 --set model=small trainer=gpu trainer.compile=true --name small_attnres_block_bf16_sources_compiled
+    attnres_small "${SMALL_LIMIT:-180}" "residual.source_dtype=stream" "${TAG:-_sources2}"
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes

@@ -45,9 +45,19 @@ from .registry import register
 
 QUERY_KINDS = ("static", "input")
 # residual.source_dtype (AttnRes, Block AttnRes): how the completed sources are stored; "stream": the residual
-# stream's dtype (fp32 under mixed precision), "bfloat16": half the bytes of every phase-1 read
+# stream's dtype (fp32 under mixed precision), "bfloat16": half the bytes of every phase-1 read, "autocast": bfloat16
+# while bf16 autocast is on (mixed-precision training), else "stream" (fp32 runs stay fp32)
 SOURCE_DTYPES = {"stream": None, "bfloat16": torch.bfloat16}
-PHASE1_DTYPES = (*SOURCE_DTYPES, "autocast")  # DepthAttentionResidual.phase1_dtype: a source dtype, or bf16 under autocast
+NARROW_CHOICES = (*SOURCE_DTYPES, "autocast")  # residual.source_dtype and DepthAttentionResidual.phase1_dtype
+
+
+def narrow_dtype(setting: str, device: str) -> torch.dtype | None:
+    """The dtype a ``NARROW_CHOICES`` setting stores in on ``device`` now (None: the stream's): "autocast" is bf16
+    while bf16 autocast is on there."""
+    if setting == "autocast":
+        on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+        return torch.bfloat16 if on else None
+    return SOURCE_DTYPES[setting]
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
 
 
@@ -185,9 +195,9 @@ class DepthAttentionResidual(Residual):
         check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
         check_choice(cls.name, "backend", cfg.backend, BACKENDS)
         check_choice(cls.name, "merge_backend", cfg.merge_backend, BACKENDS)
-        if cls.phase1_dtype not in PHASE1_DTYPES:  # a setting of the code: checked once, where the config is
+        if cls.phase1_dtype not in NARROW_CHOICES:  # a setting of the code: checked once, where the config is
             raise ValueError(f"{cls.__name__}.phase1_dtype={cls.phase1_dtype!r}: choose one of "
-                             + ", ".join(map(repr, PHASE1_DTYPES)))
+                             + ", ".join(map(repr, NARROW_CHOICES)))
 
     @staticmethod
     def covered(cfg: DepthAttentionConfig) -> bool:
@@ -236,8 +246,8 @@ class DepthAttentionResidual(Residual):
         so both paths see the same sources): here unchanged; `residual.source_dtype` rounds it."""
         return source
 
-    def _source_dtype(self) -> torch.dtype | None:
-        """The buffer's dtype on the two-phase path (None: the embedding's, the stream's)."""
+    def _source_dtype(self, device: str) -> torch.dtype | None:
+        """The buffer's dtype on the two-phase path on ``device`` (None: the embedding's, the stream's)."""
         return None
 
     # --- the protocol --------------------------------------------------------------------------
@@ -248,7 +258,7 @@ class DepthAttentionResidual(Residual):
         if backend is None and not self._buffers_sources(embedding):
             return self.initial_state(embedding, ctx)
         # the sources in one buffer: the two-phase path's, or the one a fused one-pass read takes in place
-        buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype())
+        buffer = SourceBuffer(self._buffer_rows(), embedding, dtype=self._source_dtype(embedding.device.type))
         v0 = buffer.append(embedding)  # v_0 = b_0
         if backend is None:
             return replace(self.initial_state(v0, ctx), buffer=buffer)
@@ -362,10 +372,7 @@ class DepthAttentionResidual(Residual):
 
     def _phase1_out_dtype(self, device: str) -> torch.dtype | None:
         """The phase-1 outputs' dtype per ``phase1_dtype`` (None: the sources' dtype)."""
-        if self.phase1_dtype == "autocast":
-            on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
-            return torch.bfloat16 if on else None
-        return SOURCE_DTYPES[self.phase1_dtype]
+        return narrow_dtype(self.phase1_dtype, device)
 
     def _merge_sum(self, state: FusedState, consumer: int, new: Tensor) -> FusedState:
         """The partial grows by ``new`` (B, T, d) and ``consumer`` merges it, in one op (``depth_attn_merge(new=...)``):
@@ -461,14 +468,15 @@ class AttnRes(DepthAttentionResidual):
     class Config(DepthAttentionConfig):
         heads: int = 1  # channel-split heads, each over d/heads channels with its query slice and own key RMSNorm
         # how completed sources are stored: "stream" (the residual stream's dtype, fp32 under mixed precision) |
-        # "bfloat16" (half the bytes of every phase-1 read, yet slower end to end on an H200 because of the casts:
-        # docs/kernel_attnres.md; the reference path rounds its sources alike)
+        # "bfloat16" (half the bytes of every phase-1 read; full AttnRes is slower end to end with it on an H200
+        # because of the casts: docs/kernel_attnres.md) | "autocast" ("bfloat16" under bf16 autocast, else "stream";
+        # Block AttnRes's default). The reference path rounds its sources alike
         source_dtype: str = "stream"
 
     @classmethod
     def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
         super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
-        check_choice(cls.name, "source_dtype", cfg.source_dtype, tuple(SOURCE_DTYPES))
+        check_choice(cls.name, "source_dtype", cfg.source_dtype, NARROW_CHOICES)
         if not (isinstance(cfg.heads, int) and cfg.heads >= 1 and d_model % cfg.heads == 0):
             divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise ValueError(f"residual.heads={cfg.heads!r} must divide d_model={d_model} (channel-split heads); "
@@ -491,11 +499,11 @@ class AttnRes(DepthAttentionResidual):
     def _two_phase(self, x: Tensor) -> str | None:
         return "triton" if self._fused(x) else None  # the fused path: the two-phase schedule
 
-    def _source_dtype(self) -> torch.dtype | None:
-        return SOURCE_DTYPES[self.cfg.source_dtype]
+    def _source_dtype(self, device: str) -> torch.dtype | None:
+        return narrow_dtype(self.cfg.source_dtype, device)
 
     def _stored(self, source: Tensor) -> Tensor:
-        dtype = self._source_dtype()
+        dtype = self._source_dtype(source.device.type)
         return source if dtype is None else source.to(dtype).to(source.dtype)  # rounded as the buffer stores it
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:

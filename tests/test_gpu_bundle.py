@@ -98,7 +98,8 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("folded", ["gpu_tests", "dtiles", "small", "medium", "profile"]),
                                          ("auto_delta", ["small", "medium"]),
                                          ("kept", ["gpu_tests", "saved", "small"]),
-                                         ("lean", ["gpu_tests", "medium"])])
+                                         ("lean", ["gpu_tests", "medium"]),
+                                         ("sources2", ["parity", "small"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""

@@ -161,7 +161,7 @@ CASES = [
                                          "residual.recompute_streams=true"],
          r"residual.recompute_streams=true: applies only to the fused read .*got backend='torch'", valid=False),
     Case("source-dtype", ["residual=attnres_block", "residual.source_dtype=fp16"],
-         r"residual.source_dtype='fp16' is not valid for residual=attnres_block; choose one of: stream, bfloat16",
+         r"residual.source_dtype='fp16' is not valid for residual=attnres_block; choose one of: stream, bfloat16, autocast",
          valid=False),
     Case("merge-backend", ["residual=attnres_block", "residual.merge_backend=cuda"],
          r"residual.merge_backend='cuda' is not valid for residual=attnres_block; choose one of: auto, torch, triton",

@@ -421,8 +421,9 @@ def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overr
     own, not a view: no autograd node keeps a group's phase-1 tensor, so it is freed when the next group opens
     (before, every group's C outputs lived until the backward; `python -m benchmarks.saved_bytes`). Also under
     bf16 autocast with Block AttnRes's bf16 phase-1 outputs wherever phase 1 does not keep them for its own
-    backward: its dO·o taken from the sources (``fused.DELTA_FROM_OUTPUTS=False``), or sources stored in bf16 (the
-    outputs are then no narrower than the sources). (With fp32 sources and dO·o from the outputs, the default, they
+    backward: its dO·o taken from the sources (``fused.DELTA_FROM_OUTPUTS=False``), or sources stored in bf16 under
+    autocast (``residual.source_dtype=autocast``, Block AttnRes's default: the outputs are then no narrower than the
+    sources). (With fp32 sources and dO·o from the outputs, the default, they
     are kept: ``test_merges_keep_the_kept_phase_one_outputs_not_their_own``.)"""
     import contextlib
 
@@ -435,8 +436,8 @@ def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overr
         monkeypatch.setattr(DepthAttentionResidual, "phase1_dtype", "autocast")  # attnres's too
         if mode == "autocast-delta-from-sources":
             monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", False)
-        else:
-            overrides = (*overrides, "residual.source_dtype=bfloat16")
+        else:  # bf16 sources under autocast (Block AttnRes's default)
+            overrides = (*overrides, "residual.source_dtype=autocast")
 
     phase_one = []  # held here, so that no later tensor reuses their addresses
     real = fused.summaries
@@ -610,7 +611,8 @@ def test_bf16_phase_one_outputs_under_autocast_reach_the_sublayers_uncast(narrow
 
 @needs_interpreter
 def test_merges_keep_the_kept_phase_one_outputs_not_their_own(monkeypatch):
-    """Under bf16 autocast phase 1 keeps its bf16 outputs for its backward (``summaries_keep_outputs``), so each merge
+    """Under bf16 autocast with fp32 sources phase 1 keeps its bf16 outputs for its backward (``summaries_keep_outputs``),
+    so each merge
     keeps the output it read instead of its own h: one (B, T, bf16 d) tensor fewer saved per merge (here every
     merged consumer's h, which this eager sublayer does not keep: its norm saves an fp32 copy), the same logits, and
     gradients within bf16 rounding of the merges that keep h (the backward takes dh·(p − o) from o itself, not
@@ -629,7 +631,8 @@ def test_merges_keep_the_kept_phase_one_outputs_not_their_own(monkeypatch):
         merges.clear()
         torch.manual_seed(0)
         model = build_backbone("attnres_block", vocab=37, n_blocks=n_blocks, attention="sdpa",
-                               residual_overrides=("residual.backend=triton", f"residual.block_size={size}"))
+                               residual_overrides=("residual.backend=triton", f"residual.block_size={size}",
+                                                   "residual.source_dtype=stream"))  # fp32 sources: outputs kept
         saved, held = {}, []
 
         def pack(t):
@@ -664,6 +667,38 @@ def test_an_unknown_phase_one_dtype_names_the_choices(monkeypatch):
 
 
 SOURCE_DTYPE_RESIDUALS = [n for n in names() if "source_dtype" in {f.name for f in dataclasses.fields(get(n).Config)}]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", SOURCE_DTYPE_RESIDUALS)
+def test_autocast_sources_are_bf16_under_bf16_autocast_only(name):
+    """``residual.source_dtype=autocast`` (Block AttnRes's default): the buffer is bf16 under bf16 autocast and the
+    stream's fp32 otherwise, where the logits are those of ``stream`` to the bit (fused and reference path); under
+    autocast the reference path rounds its sources as the bf16 buffer stores them (its logits those of ``bfloat16``)."""
+    from residuals.attnres import FusedState
+    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
+
+    tokens, docs = packed_batch(1, 11, 37, n_docs=2)
+    logits = {}
+    for dtype in ("stream", "bfloat16", "autocast"):
+        for backend in ("torch", "triton"):
+            torch.manual_seed(0)
+            model = build_backbone(name, vocab=37, n_blocks=2, attention="sdpa",
+                                   residual_overrides=(f"residual.backend={backend}", f"residual.source_dtype={dtype}"))
+            torch.manual_seed(1)
+            perturb_residual_params_alike(model, model)
+            for amp in (False, True):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    logits[dtype, backend, amp] = model(tokens, docs).detach().float()
+                    state = model.residual.begin(model.embed(tokens), Context(docs))
+                if backend == "triton":
+                    assert isinstance(state, FusedState)
+                    wide = dtype == "stream" or (dtype == "autocast" and not amp)
+                    assert state.buffer.data.dtype == (torch.float32 if wide else torch.bfloat16), (dtype, amp)
+    for backend in ("torch", "triton"):
+        torch.testing.assert_close(logits["autocast", backend, False], logits["stream", backend, False], rtol=0, atol=0)
+    torch.testing.assert_close(logits["autocast", "torch", True], logits["bfloat16", "torch", True], rtol=0, atol=0)
+    assert not torch.equal(logits["autocast", "torch", True], logits["stream", "torch", True])
 
 
 def test_source_dtype_residuals_are_found_in_the_registry():
