@@ -229,17 +229,17 @@ def test_saved_bytes_counts_each_storage_once_and_tabulates(tmp_path, monkeypatc
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="the fused merges on CPU tensors need TRITON_INTERPRET=1")
 def test_saved_bytes_holds_a_rows_code_setting_for_that_row_alone(tmp_path, monkeypatch):
-    """A row's ``py:`` setting (here the merges keeping their own h, not the phase-1 outputs) applies to that row: 6
-    merges of a bf16 (B, T, d) each show as 3 (B, T, d) fp32 units more saved than the default's row, and the setting
-    is back to its value after the row."""
+    """A row's ``py:`` setting (here the merges keeping their own h, not the phase-1 outputs that phase 1 keeps with fp32
+    sources) applies to that row: 6 merges of a bf16 (B, T, d) each show as 3 (B, T, d) fp32 units more saved than the
+    other row's, and the setting is back to its value after the row."""
     import benchmarks.roofline as roofline
     from benchmarks import saved_bytes
     from residuals.attnres import DepthAttentionResidual
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
-    setting = "attnres_block@py:residuals.attnres.DepthAttentionResidual.merges_keep_outputs=False"
-    saved_bytes.main(["--residuals", "attnres_block", setting, "--set", "model.seq_len=16", "--by-node", "0",
-                      "--tag", "_test"])
+    row = "attnres_block@residual.source_dtype=stream"  # fp32 sources: phase 1 keeps its bf16 outputs
+    setting = f"{row}@py:residuals.attnres.DepthAttentionResidual.merges_keep_outputs=False"
+    saved_bytes.main(["--residuals", row, setting, "--set", "model.seq_len=16", "--by-node", "0", "--tag", "_test"])
     assert DepthAttentionResidual.merges_keep_outputs is True
     rows = [line.split(" | ") for line in (tmp_path / "saved_bytes_tiny_test.md").read_text().splitlines()
             if line.startswith("| attnres_block")]
