@@ -179,8 +179,8 @@ class DepthAttentionResidual(Residual):
     # buffered row); Block AttnRes's default is "autocast" (docs/kernel_attnres.md).
     phase1_dtype = "stream"
     # where phase 1 keeps its outputs for its backward (``summaries_keep_outputs``), its merges keep the output they
-    # read instead of their own h: the same bytes, held anyway, and h is freed once its sublayer is done with it (a
-    # compiled sublayer keeps its input's norm, not the input). A setting of the code, so that a benchmark row can
+    # read instead of their own h: the same bytes, held anyway, and h is freed once its sublayer is done with it (an
+    # eager sublayer keeps an fp32 copy of its input; a compiled one keeps h itself, so there it saves nothing). A setting of the code, so that a benchmark row can
     # hold the merges' h as before (``py:residuals.attnres.DepthAttentionResidual.merges_keep_outputs=False``)
     merges_keep_outputs = True
 

@@ -682,7 +682,7 @@ class MergeSumFunction(torch.autograd.Function):
     The backward needs dh·(p − o) = dh·(p − h)/(1 − w): it keeps the output h (the consumer sublayer's input, which
     an eager sublayer holds for its own backward), or with ``keep_o`` the phase-1 output o, for a caller whose o
     is held anyway (phase 1's narrow outputs, kept for its own backward: ``keeps_outputs``), so that h is freed
-    as soon as its sublayer is done with it (a compiled sublayer may keep its input's norm, not the input)."""
+    as soon as its sublayer is done with it (an eager sublayer keeps an fp32 copy of its input, not h)."""
 
     @staticmethod
     def forward(ctx, o, lse, prev, new, qg, key_norm, eps, keep_o=False):
@@ -694,7 +694,6 @@ class MergeSumFunction(torch.autograd.Function):
         ctx.save_for_backward(o if keep_o else h, p, qg, w)
         ctx.key_norm, ctx.eps, ctx.o_dtype, ctx.keep_o = key_norm, eps, o.dtype, keep_o
         ctx.dtypes = (None if prev is None else prev.dtype, new.dtype)
-        ctx.h_dtype = h.dtype
         ctx.mark_non_differentiable(w)
         ctx.set_materialize_grads(False)
         return h, w, p
@@ -703,7 +702,7 @@ class MergeSumFunction(torch.autograd.Function):
     def backward(ctx, dh, _dw, dp_in):
         h, p, qg, w = ctx.saved_tensors  # h: o with keep_o
         if dh is None:  # h unused: only p's gradient passes through the sum
-            dh = torch.zeros(h.shape, device=h.device, dtype=ctx.h_dtype)
+            dh = torch.zeros(h.shape, device=h.device, dtype=torch.promote_types(ctx.o_dtype, p.dtype))  # h's dtype
         do, dp, dlse, dqg = merge_bwd(h, p, qg, w, dh.contiguous(), o_dtype=ctx.o_dtype, key_norm=ctx.key_norm,
                                       eps=ctx.eps, dp_in=None if dp_in is None else dp_in.contiguous(),
                                       kept_o=ctx.keep_o)
