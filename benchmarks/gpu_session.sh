@@ -205,6 +205,9 @@
 #            vanilla
 #   mhc3     one GPU (about 400 s with the start): mhc's `small` step with fp32 and bf16 streams beside vanilla (the
 #            defaults of the `mhc2` plan), and Nsight Compute's counters of mHC's kernels (bf16 streams)
+#   where    one GPU (about 500 s with the start): where each residual's extra step time goes, by kind of kernel
+#            (benchmarks.profile_step's _kinds table): vanilla and attnres_block graphed at `medium`, then vanilla,
+#            attnres_block, mhc and msar_block at `small` (WHERE_SMALL)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -212,7 +215,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -842,6 +845,14 @@ case "$PLAN" in
     step gpu0 saved "${SAVED_LIMIT:-220}" python3 -m benchmarks.saved_bytes --model medium --batch 16 --vocab 8192 \
       --compile model --residuals vanilla attnres_block "attnres_block@$keep_h" --by-node 6 --tag ${TAG:-_kept}
     attnres_small "${SMALL_LIMIT:-170}" "$keep_h" "${TAG:-_kept}"
+    ;;
+  where)
+    # each residual's step beside vanilla's, by kind of kernel: medium first, then small
+    step gpu0 where_medium "${MEDIUM_LIMIT:-260}" python3 -m benchmarks.profile_step --model medium --residuals vanilla \
+      attnres_block --compile model --graphs on --top 40 --set $COMBO --tag ${TAG:-_where}
+    step gpu0 where_small "${SMALL_LIMIT:-220}" python3 -m benchmarks.profile_step --model small --residuals \
+      ${WHERE_SMALL:-vanilla attnres_block mhc msar_block} --compile model --graphs on --top 40 --set $COMBO \
+      --tag ${TAG:-_where}
     ;;
   lean)
     # what frees each group's phase-1 outputs at medium (bf16 sources, or dO·o from the sources), against the default

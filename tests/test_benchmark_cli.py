@@ -410,3 +410,21 @@ def test_profile_step_holds_a_rows_code_settings_for_that_row(tmp_path, monkeypa
     profile_step.main(["--residuals", row, "attnres_block", "--tag", "_test"])
     assert seen == [(row, "bfloat16"), ("attnres_block", "stream")]
     assert DepthAttentionResidual.phase1_dtype == "stream"
+
+
+def test_profile_step_sorts_kernels_into_kinds_and_differences_them_to_the_first_residual():
+    """Every Triton kernel of `kernels/` counts as a residual kernel; each kind's difference is against the first row."""
+    ours = profile_step.residual_kernel_names()
+    assert {"_merge_fwd_kernel", "_merge_bwd_kernel", "_summaries_fwd_kernel", "_summaries_bwd_kernel"} <= ours
+    assert profile_step.kind_of("_merge_bwd_kernel", ours) == profile_step.KINDS[0]
+    assert profile_step.kind_of("triton_poi_fused_add_0", ours).startswith("Inductor")
+    assert profile_step.kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", ours) == "GEMMs"
+    assert profile_step.kind_of("triton_tem_fused_flex_attention_backward_2", ours) == "attention"
+    vanilla = profile_step.by_kind([("nvjet_a", 3, 2.0), ("triton_poi_fused_0", 5, 1.0)], ours)
+    other = profile_step.by_kind([("nvjet_a", 3, 2.5), ("_merge_fwd_kernel", 2, 0.75),
+                                  ("void at::native::direct_copy_kernel_cuda", 1, 0.25)], ours)
+    table = profile_step.kinds_table({"vanilla": vanilla, "attnres_block": other}, "t", [])
+    rows = {r[0]: r for r in table.rows}
+    assert rows["GEMMs"][1:] == ["2.00 (3)", "2.50 (3)", "+0.50"]
+    assert rows[profile_step.KINDS[0]][1:] == ["0.00 (0)", "0.75 (2)", "+0.75"]
+    assert rows["**all**"][1:] == ["3.00 (8)", "3.50 (6)", "+0.50"]
