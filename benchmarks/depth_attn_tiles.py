@@ -28,7 +28,9 @@ from benchmarks.roofline import Ceilings, Table, bench_ms
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "tiny": (1, 9, 20)}  # tiny: the CPU smoke test
 # (n sources, C consumers); block_n2 .. block_final: the phase-1 calls of Block AttnRes's step (16 sublayers, blocks of
 # 4) after the first, whose one source takes one load (its backward never reads the outputs)
-OPS = {"block": (5, 4), "full": (17, 2), "block_n2": (2, 4), "block_n3": (3, 4), "block_n4": (4, 4), "block_final": (5, 1)}
+OPS = {"block": (5, 4), "full": (17, 2), "block_n2": (2, 4), "block_n3": (3, 4), "block_n4": (4, 4), "block_final": (5, 1),
+       # the later calls of `medium`'s step (32 sublayers, blocks of 4: 8 summaries for 4 consumers, then 9 for the output)
+       "block_n5": (5, 4), "block_n6": (6, 4), "block_n7": (7, 4), "block_n8": (8, 4), "block_final9": (9, 1)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # phase 1, per d: (tokens per program, warps, sources per load forward, sources per load backward[, backward's
 # consumers unrolled]); None: the kernels' own tiles. (1, 4, 8, 8) at d = 512 and (1, 8, 8, 8) at d = 1024 are
@@ -43,6 +45,20 @@ PHASE1 = {
 # merges, per d: (tokens per program, warps); None: the kernels' own tiles ((2, 4) and (1, 4) before the sweep)
 MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8, 8)],
          1024: [None, (1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 8)]}
+
+
+def parse_tiles(text: str):
+    """``default`` -> None; ``1,4,8,8`` -> (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling."""
+    if text == "default":
+        return None
+    try:
+        fields = [int(f) for f in text.split(",")]
+    except ValueError:
+        fields = []
+    if len(fields) not in (4, 5) or any(f < 0 for f in fields) or not all(f > 0 for f in fields[:4]):
+        raise SystemExit(f"--phase1 {text!r}: expected 'default' or TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL] "
+                         "(positive integers, UNROLL 0 or 1), e.g. 1,4,8,8")
+    return (*fields[:4], bool(fields[4])) if len(fields) == 5 else tuple(fields)
 
 
 def _bucket(d: int) -> int:
@@ -100,8 +116,13 @@ def main(argv=None) -> None:
     p.add_argument("--ops", nargs="+", default=["block", "full"], choices=list(OPS))
     p.add_argument("--default-only", action="store_true",
                    help="time the kernels' own tiles alone (and the phase-1 backward taking dO·o from the outputs)")
+    p.add_argument("--phase1", nargs="+", metavar="TILES",
+                   help="the phase-1 candidates to time instead of the list for the width: 'default' or "
+                        "'TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL]', e.g. default 1,4,8,8 1,4,8,8,0")
+    p.add_argument("--tag", default="", help="appended to the result file's name")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")
     args = p.parse_args(argv)
+    chosen = None if args.phase1 is None else [parse_tiles(t) for t in args.phase1]  # bad ones fail before GPU work
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.depth_attn_tiles needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)")
     from kernels.depth_attn import fused
@@ -157,7 +178,7 @@ def main(argv=None) -> None:
                 _, ref_dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=grads0.clone(), n_add=n - 1,
                                                  **kw)
                 base_f = base_b = None
-                for cand in [None] if args.default_only else PHASE1[_bucket(d)]:
+                for cand in [None] if args.default_only else chosen if chosen is not None else PHASE1[_bucket(d)]:
                     label = "default" if cand is None else str(cand)
                     try:
                         with phase1_tiles(fused, cand, n, d):
@@ -223,7 +244,7 @@ def main(argv=None) -> None:
                 if dev == "cuda":
                     torch.cuda.empty_cache()
     gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower()) if dev == "cuda" else "cpu"
-    table.write(f"depth_attn_tiles_{gpu}_{'_'.join(args.shapes)}{'_default' if args.default_only else ''}")
+    table.write(f"depth_attn_tiles_{gpu}_{'_'.join(args.shapes)}{'_default' if args.default_only else ''}{args.tag}")
     if failed:
         raise SystemExit(f"check failed: {', '.join(failed)}")
 

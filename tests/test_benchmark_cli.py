@@ -162,6 +162,28 @@ def test_depth_attn_tile_sweep_checks_every_candidate_against_the_default(tmp_pa
                                                                                "block_final"], rows
 
 
+def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatch):
+    """``--phase1``: exactly the candidates given, in order, each checked against the default's results; a bad one
+    stops before any work."""
+    import benchmarks.roofline as roofline
+    from benchmarks import depth_attn_tiles
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    assert depth_attn_tiles.parse_tiles("1,4,8,8,0") == (1, 4, 8, 8, False)
+    with pytest.raises(SystemExit, match="'1,4,x'"):
+        depth_attn_tiles.main(["--phase1", "1,4,x", "--device", "cpu"])
+    depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n6", "--device", "cpu",
+                           "--phase1", "default", "1,1,8,8", "1,1,8,2,0", "--tag", "_given"])
+    rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_given.md").read_text().splitlines()
+            if line.startswith("| tiny")]
+    # (the default's rows also time dO·o from the outputs, its backward taking two loads of sources here)
+    assert [(r[3], r[4]) for r in rows if r[3] in ("phase 1 fwd", "phase 1 bwd")] == [("phase 1 fwd", "default"), ("phase 1 bwd", "default"),
+                                            ("phase 1 fwd", "(1, 1, 8, 8)"), ("phase 1 bwd", "(1, 1, 8, 8)"),
+                                            ("phase 1 fwd", "(1, 1, 8, 2, False)"),
+                                            ("phase 1 bwd", "(1, 1, 8, 2, False)")], rows
+    assert all(r[-1].endswith("ok |") for r in rows), rows
+
+
 def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):
     """The profiler's text report becomes one row per launch with its own metrics (not the next launch's)."""
     import benchmarks.roofline as roofline
