@@ -48,17 +48,19 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
 
 
 def parse_tiles(text: str):
-    """``default`` -> None; ``1,4,8,8`` -> (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling."""
+    """``default`` -> None; ``1,4,8,8`` -> (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling, a
+    sixth the backward's warps (the forward's by default)."""
     if text == "default":
         return None
     try:
         fields = [int(f) for f in text.split(",")]
     except ValueError:
         fields = []
-    if len(fields) not in (4, 5) or any(f < 0 for f in fields) or not all(f > 0 for f in fields[:4]):
-        raise SystemExit(f"--phase1 {text!r}: expected 'default' or TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL] "
-                         "(positive integers, UNROLL 0 or 1), e.g. 1,4,8,8")
-    return (*fields[:4], bool(fields[4])) if len(fields) == 5 else tuple(fields)
+    if (len(fields) not in (4, 5, 6) or not all(f > 0 for f in fields[:4]) or (len(fields) > 4 and fields[4] not in (0, 1))
+            or (len(fields) > 5 and fields[5] <= 0)):
+        raise SystemExit(f"--phase1 {text!r}: expected 'default' or TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL[,"
+                         "BWD_WARPS]] (positive integers, UNROLL 0 or 1), e.g. 1,4,8,8 or 1,2,8,8,0,4")
+    return (*fields[:4], bool(fields[4]), *fields[5:]) if len(fields) > 4 else tuple(fields)
 
 
 def _bucket(d: int) -> int:
@@ -85,10 +87,11 @@ def phase1_tiles(fused, cand, n, d):
     if cand is None:
         yield default(n, d)
         return
-    bt, warps, bs, bbs, *unroll = cand
+    bt, warps, bs, bbs, *rest = cand
     block_d = fused._pow2(d)
     bs, bbs = min(bs, fused._pow2(n)), min(bbs, fused._pow2(n))
-    t = fused.Tiles(bt, block_d, bs, n <= bs, warps, bbs, n <= bbs, unroll[0] if unroll else warps < 16)
+    bwd_warps = rest[1] if len(rest) > 1 else warps
+    t = fused.Tiles(bt, block_d, bs, n <= bs, warps, bbs, n <= bbs, rest[0] if rest else bwd_warps < 16, bwd_warps)
     fused.tiles = lambda n_, d_: t
     try:
         yield t

@@ -170,17 +170,20 @@ def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatc
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
     assert depth_attn_tiles.parse_tiles("1,4,8,8,0") == (1, 4, 8, 8, False)
+    assert depth_attn_tiles.parse_tiles("1,2,8,8,0,4") == (1, 2, 8, 8, False, 4)
+    with pytest.raises(SystemExit, match="'1,2,8,8,2'"):
+        depth_attn_tiles.parse_tiles("1,2,8,8,2")
     with pytest.raises(SystemExit, match="'1,4,x'"):
         depth_attn_tiles.main(["--phase1", "1,4,x", "--device", "cpu"])
     depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n6", "--device", "cpu",
-                           "--phase1", "default", "1,1,8,8", "1,1,8,2,0", "--tag", "_given"])
+                           "--phase1", "default", "1,1,8,8", "1,1,8,2,0,2", "--tag", "_given"])
     rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_given.md").read_text().splitlines()
             if line.startswith("| tiny")]
     # (the default's rows also time dO·o from the outputs, its backward taking two loads of sources here)
     assert [(r[3], r[4]) for r in rows if r[3] in ("phase 1 fwd", "phase 1 bwd")] == [("phase 1 fwd", "default"), ("phase 1 bwd", "default"),
                                             ("phase 1 fwd", "(1, 1, 8, 8)"), ("phase 1 bwd", "(1, 1, 8, 8)"),
-                                            ("phase 1 fwd", "(1, 1, 8, 2, False)"),
-                                            ("phase 1 bwd", "(1, 1, 8, 2, False)")], rows
+                                            ("phase 1 fwd", "(1, 1, 8, 2, False, 2)"),
+                                            ("phase 1 bwd", "(1, 1, 8, 2, False, 2)")], rows
     assert all(r[-1].endswith("ok |") for r in rows), rows
 
 

@@ -415,6 +415,7 @@ class Tiles:
     bwd_block_s: int
     bwd_one_chunk: bool
     bwd_unroll_c: bool
+    bwd_warps: int = 0  # the backward's warps (0: num_warps)
 
 
 @functools.lru_cache(maxsize=None)
@@ -526,10 +527,11 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
                 BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, DELTA_FROM_OUT=from_out)
     args = (src, qg, lse, douts, dlse, dsrc, None, out if from_out else qg, n, n_add, N, d, eps)
-    programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, t.num_warps,
+    warps = t.bwd_warps or t.num_warps
+    programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, warps,
                                 _cdiv(N, t.block_t), src.device)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
-    _summaries_bwd_kernel[(programs,)](*args[:6], dqg, *args[7:], **meta, num_warps=t.num_warps)
+    _summaries_bwd_kernel[(programs,)](*args[:6], dqg, *args[7:], **meta, num_warps=warps)
     return dsrc, dqg.sum(0)
 
 
