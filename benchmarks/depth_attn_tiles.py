@@ -49,18 +49,46 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
 
 def parse_tiles(text: str):
     """``default`` -> None; ``1,4,8,8`` -> (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling, a
-    sixth the backward's warps (the forward's by default)."""
+    sixth the backward's warps (the forward's by default), a seventh its cap on registers a thread (0: none)."""
     if text == "default":
         return None
     try:
         fields = [int(f) for f in text.split(",")]
     except ValueError:
         fields = []
-    if (len(fields) not in (4, 5, 6) or not all(f > 0 for f in fields[:4]) or (len(fields) > 4 and fields[4] not in (0, 1))
-            or (len(fields) > 5 and fields[5] <= 0)):
+    if (len(fields) not in (4, 5, 6, 7) or not all(f > 0 for f in fields[:4])
+            or (len(fields) > 4 and fields[4] not in (0, 1)) or (len(fields) > 5 and fields[5] <= 0)
+            or (len(fields) > 6 and fields[6] < 0)):
         raise SystemExit(f"--phase1 {text!r}: expected 'default' or TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL[,"
-                         "BWD_WARPS]] (positive integers, UNROLL 0 or 1), e.g. 1,4,8,8 or 1,2,8,8,0,4")
+                         "BWD_WARPS[,BWD_MAXNREG]]] (positive integers, UNROLL 0 or 1, BWD_MAXNREG 0 for none), e.g. "
+                         "1,4,8,8 or 1,2,8,8,0,8,128")
     return (*fields[:4], bool(fields[4]), *fields[5:]) if len(fields) > 4 else tuple(fields)
+
+
+def best_wide(text: str) -> tuple | None:
+    """From a result table of this script: the candidate whose phase-1 backward took the least time summed over the
+    table's ops (each candidate timed on every op, every check ok), as ``fused.WIDE_BWD`` takes it (sources per load,
+    warps, consumers unrolled, register cap), or None where the default was fastest or no candidate covers every op."""
+    import ast
+
+    totals, ops, bad = {}, {}, set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 9 or cells[3] != "phase 1 bwd":
+            continue
+        label, op = cells[4], (cells[0], cells[1], cells[2])
+        if not cells[8].endswith("ok") or not cells[5]:
+            bad.add(label)
+            continue
+        totals[label] = totals.get(label, 0.0) + float(cells[5])
+        ops.setdefault(label, set()).add(op)
+    every = set().union(*ops.values()) if ops else set()
+    ranked = sorted((t, label) for label, t in totals.items() if label not in bad and ops[label] == every)
+    if not ranked or ranked[0][1] == "default":
+        return None
+    cand = ast.literal_eval(ranked[0][1])
+    unroll = cand[4] if len(cand) > 4 else (cand[5] if len(cand) > 5 else cand[1]) < 16
+    return (cand[3], cand[5] if len(cand) > 5 else cand[1], bool(unroll), cand[6] if len(cand) > 6 else 0)
 
 
 def _bucket(d: int) -> int:
@@ -91,7 +119,8 @@ def phase1_tiles(fused, cand, n, d):
     block_d = fused._pow2(d)
     bs, bbs = min(bs, fused._pow2(n)), min(bbs, fused._pow2(n))
     bwd_warps = rest[1] if len(rest) > 1 else warps
-    t = fused.Tiles(bt, block_d, bs, n <= bs, warps, bbs, n <= bbs, rest[0] if rest else bwd_warps < 16, bwd_warps)
+    t = fused.Tiles(bt, block_d, bs, n <= bs, warps, bbs, n <= bbs, rest[0] if rest else bwd_warps < 16, bwd_warps,
+                    rest[2] if len(rest) > 2 else 0)
     fused.tiles = lambda n_, d_: t
     try:
         yield t
@@ -123,8 +152,13 @@ def main(argv=None) -> None:
                    help="the phase-1 candidates to time instead of the list for the width: 'default' or "
                         "'TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL]', e.g. default 1,4,8,8 1,4,8,8,0")
     p.add_argument("--tag", default="", help="appended to the result file's name")
+    p.add_argument("--best-wide", metavar="FILE", help="print the fastest backward candidate of a result table as "
+                                                      "fused.WIDE_BWD takes it (None: the default), and stop")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1 (timings meaningless)")
     args = p.parse_args(argv)
+    if args.best_wide:
+        print(best_wide(open(args.best_wide).read()))
+        return
     chosen = None if args.phase1 is None else [parse_tiles(t) for t in args.phase1]  # bad ones fail before GPU work
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks.depth_attn_tiles needs a CUDA GPU (or --device cpu under TRITON_INTERPRET=1)")

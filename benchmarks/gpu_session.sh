@@ -208,6 +208,10 @@
 #   where    one GPU (about 500 s with the start): where each residual's extra step time goes, by kind of kernel
 #            (benchmarks.profile_step's _kinds table): vanilla and attnres_block graphed at `medium`, then vanilla,
 #            attnres_block, mhc and msar_block at `small` (WHERE_SMALL)
+#   wide     one GPU (about 560 s with the start): the phase-1 backward's tiles at `medium` (d = 1024, bf16 sources) for
+#            the step's calls of 3, 4, 6 and 8 summaries (WIDE_CANDIDATES: more warps, one load of every source, a cap
+#            on registers), then attnres_block's `medium` step beside vanilla with the fastest of them (fused.WIDE_BWD)
+#            and without (re-timed last)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -215,7 +219,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -845,6 +849,19 @@ case "$PLAN" in
     step gpu0 saved "${SAVED_LIMIT:-220}" python3 -m benchmarks.saved_bytes --model medium --batch 16 --vocab 8192 \
       --compile model --residuals vanilla attnres_block "attnres_block@$keep_h" --by-node 6 --tag ${TAG:-_kept}
     attnres_small "${SMALL_LIMIT:-170}" "$keep_h" "${TAG:-_kept}"
+    ;;
+  wide)
+    # the phase-1 backward's tiles at d = 1024 alone, then the step with the fastest
+    step gpu0 wide_tiles "${TILES_LIMIT:-170}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+      --ops block_n3 block_n4 block_n6 block_n8 --phase1 default ${WIDE_CANDIDATES:-1,2,8,2,0,2,168 1,2,8,2,0,4,128 \
+      1,2,8,4,0,4,168 1,2,8,8,0,8,128 1,2,8,8,0,8 1,2,8,4,0,4} --tag ${TAG:-_wide}
+    best=$(python3 -m benchmarks.depth_attn_tiles --best-wide "benchmarks/results/depth_attn_tiles_nvidia_h200_medium${TAG:-_wide}.md" 2>/dev/null | tail -1)
+    echo "fastest backward tiles: ${best:-none}" >> "$OUTDIR/summary.txt"
+    if [ -n "$best" ] && [ "$best" != None ]; then
+      step gpu0 medium "${MEDIUM_LIMIT:-340}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+        attnres_block "attnres_block@py:kernels.depth_attn.fused.WIDE_BWD=${best// /}" attnres_block --compile model \
+        --graphs on --steps 6 --set $COMBO --tag ${TAG:-_wide}
+    fi
     ;;
   where)
     # each residual's step beside vanilla's, by kind of kernel: medium first, then small

@@ -176,15 +176,39 @@ def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="'1,4,x'"):
         depth_attn_tiles.main(["--phase1", "1,4,x", "--device", "cpu"])
     depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n6", "--device", "cpu",
-                           "--phase1", "default", "1,1,8,8", "1,1,8,2,0,2", "--tag", "_given"])
+                           "--phase1", "default", "1,1,8,8", "1,1,8,2,0,2,128", "--tag", "_given"])
     rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_given.md").read_text().splitlines()
             if line.startswith("| tiny")]
     # (the default's rows also time dO·o from the outputs, its backward taking two loads of sources here)
     assert [(r[3], r[4]) for r in rows if r[3] in ("phase 1 fwd", "phase 1 bwd")] == [("phase 1 fwd", "default"), ("phase 1 bwd", "default"),
                                             ("phase 1 fwd", "(1, 1, 8, 8)"), ("phase 1 bwd", "(1, 1, 8, 8)"),
-                                            ("phase 1 fwd", "(1, 1, 8, 2, False, 2)"),
-                                            ("phase 1 bwd", "(1, 1, 8, 2, False, 2)")], rows
+                                            ("phase 1 fwd", "(1, 1, 8, 2, False, 2, 128)"),
+                                            ("phase 1 bwd", "(1, 1, 8, 2, False, 2, 128)")], rows
     assert all(r[-1].endswith("ok |") for r in rows), rows
+
+
+def test_depth_attn_tiles_picks_the_fastest_backward_over_every_op(capsys, tmp_path):
+    """``--best-wide``: the candidate with the least backward time summed over the ops, as fused.WIDE_BWD; the default
+    or a candidate that failed a check or missed an op never wins."""
+    from benchmarks import depth_attn_tiles
+
+    def table(rows):
+        return "\n".join(f"| medium | bf16 | {op} | phase 1 bwd | {label} | {ms} | 1.00 | 1 | {check} |"
+                         for op, label, ms, check in rows)
+
+    rows = [("block_n3", "default", "1.0", "0.0e+00 ok"), ("block_n6", "default", "2.0", "0.0e+00 ok"),
+            ("block_n3", "(1, 2, 8, 8, False, 8, 128)", "0.5", "1e-3 ok"),
+            ("block_n6", "(1, 2, 8, 8, False, 8, 128)", "1.6", "1e-3 ok"),
+            ("block_n3", "(1, 4, 8, 4)", "0.4", "1e-3 ok"), ("block_n6", "(1, 4, 8, 4)", "1.0", "5e-1 FAIL"),
+            ("block_n3", "(1, 2, 8, 2, False, 4)", "0.1", "1e-3 ok")]  # the last one missed block_n6
+    assert depth_attn_tiles.best_wide(table(rows)) == (8, 8, False, 128)
+    assert depth_attn_tiles.best_wide(table(rows[:2] + [("block_n3", "(1, 4, 8, 4)", "2.0", "ok"),
+                                                        ("block_n6", "(1, 4, 8, 4)", "2.0", "ok")])) is None
+    assert depth_attn_tiles.best_wide(table([("block_n3", "(1, 4, 8, 4)", "0.5", "ok")])) == (4, 4, True, 0)
+    path = tmp_path / "t.md"
+    path.write_text("# title\n\n" + table(rows))
+    depth_attn_tiles.main(["--best-wide", str(path)])
+    assert capsys.readouterr().out.strip() == "(8, 8, False, 128)"
 
 
 def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):

@@ -416,10 +416,27 @@ class Tiles:
     bwd_one_chunk: bool
     bwd_unroll_c: bool
     bwd_warps: int = 0  # the backward's warps (0: num_warps)
+    bwd_maxnreg: int = 0  # the backward's cap on registers a thread (0: the compiler's choice)
+
+
+# The phase-1 backward at d > 512 (two or more warps a token): None keeps the tiles below; (sources per load, warps,
+# consumers unrolled, register cap or 0) replaces them, e.g. ``py:kernels.depth_attn.fused.WIDE_BWD=(8, 8, False, 128)``
+# in a benchmark row (benchmarks.depth_attn_tiles times such tiles alone: a seventh field there is the cap).
+WIDE_BWD: tuple[int, int, bool, int] | None = None
+
+
+def tiles(n: int, d: int) -> Tiles:
+    """The tiles of a phase-1 call over n sources at width d: the GPU's (``_tiles``, with ``WIDE_BWD`` applied above
+    512 channels), or the interpreter's: 32 tokens per program (each program costs milliseconds there)."""
+    if interpreting():
+        block_d, block_t, warps = _pow2(d), 32, 4
+        block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
+        return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True)
+    return _tiles(n, d, None if _pow2(d) <= 512 else WIDE_BWD)
 
 
 @functools.lru_cache(maxsize=None)
-def tiles(n: int, d: int) -> Tiles:
+def _tiles(n: int, d: int, wide: tuple | None = None) -> Tiles:
     """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)).
 
     GPU: 16 fp32 of a row per thread: one token per program for d >= 512 with one warp per 512
@@ -433,13 +450,8 @@ def tiles(n: int, d: int) -> Tiles:
     sources), Block AttnRes (5 summaries, 4 consumers) and AttnRes (17 sources, 2 consumers), against the
     tiles before: at d = 512 forward 0.133 -> 0.106 ms and 0.316 -> 0.251, backward 0.505 -> 0.335 (0.272
     with one source a load, 2026-12-01 evening) and 1.240 -> 0.663; at d = 1024
-    forward 0.591 -> 0.382 and 1.324 -> 0.921, backward 2.082 -> 1.583 and 5.307 -> 2.900. Interpreter: 32
-    tokens per program (each program costs milliseconds)."""
+    forward 0.591 -> 0.382 and 1.324 -> 0.921, backward 2.082 -> 1.583 and 5.307 -> 2.900."""
     block_d = _pow2(d)
-    if interpreting():
-        block_t, warps = 32, 4
-        block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
-        return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True)
     block_t = max(1, 512 // block_d)
     warps = max(1, block_d // 512)
     block_s = min(_pow2(n), 8)
@@ -448,6 +460,13 @@ def tiles(n: int, d: int) -> Tiles:
     bwd_block_s = 1 if warps == 1 else min(block_s, 2)
     # 16 warps cap a thread at 128 registers: there the backward loops over the consumers instead of
     # unrolling them (unrolled, the compiler overlaps their upstream-gradient loads but keeps them live)
+    if wide is not None:
+        if len(wide) != 4 or not all(isinstance(v, int) and v >= 0 for v in wide) or not wide[0] or not wide[1]:
+            raise ValueError(f"WIDE_BWD={wide!r}: expected (sources per load, warps, consumers unrolled, register cap "
+                             "or 0), e.g. (8, 8, False, 128), or None")
+        wide_s = min(_pow2(n), _pow2(wide[0]))
+        return Tiles(block_t, block_d, block_s, n <= block_s, warps, wide_s, n <= wide_s, bool(wide[2]), wide[1],
+                     wide[3])
     return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16)
 
 
@@ -528,6 +547,8 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
                 BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, DELTA_FROM_OUT=from_out)
     args = (src, qg, lse, douts, dlse, dsrc, None, out if from_out else qg, n, n_add, N, d, eps)
     warps = t.bwd_warps or t.num_warps
+    if t.bwd_maxnreg:  # a launch option, compiled into the kernel: part of its specialisation like the tiles
+        meta["maxnreg"] = t.bwd_maxnreg
     programs = _persistent_grid(_summaries_bwd_kernel, args[:6] + (qg,) + args[7:], meta, warps,
                                 _cdiv(N, t.block_t), src.device)
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)

@@ -643,3 +643,25 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     # at block-small's C = 4)
     shared = [int(re.search(r"shared (\d+) B", line).group(1)) for line in small_phase1]
     assert shared[:2] == shared[3:5] == [0, 0] and max(shared[2], shared[5]) <= 16, res.stdout
+
+
+def test_wide_backward_tiles_apply_above_512_channels_and_name_a_bad_setting(monkeypatch):
+    """``WIDE_BWD`` (sources per load, warps, consumers unrolled, register cap) sets the phase-1 backward's tiles where a
+    token takes two or more warps (d > 512), leaves the forward's and d <= 512 alone, and a malformed value is refused
+    with its text before any launch."""
+    from kernels.depth_attn import fused
+
+    gpu = fused._tiles(6, 1024)
+    wide = fused._tiles(6, 1024, (8, 8, False, 128))
+    assert (wide.bwd_block_s, wide.bwd_one_chunk, wide.bwd_warps, wide.bwd_maxnreg, wide.bwd_unroll_c) == \
+        (8, True, 8, 128, False)
+    assert (wide.block_t, wide.block_s, wide.one_chunk, wide.num_warps) == \
+        (gpu.block_t, gpu.block_s, gpu.one_chunk, gpu.num_warps)  # the forward's tiles unchanged
+    assert fused._tiles(3, 1024, (2, 4, True, 0)).bwd_one_chunk is False  # 3 sources over two loads of 2
+    assert fused._tiles(2, 1024, (8, 8, False, 128)).bwd_block_s == 2  # never more than the sources
+    monkeypatch.setattr(fused, "WIDE_BWD", (8, 8, False, 128))
+    monkeypatch.setattr(fused, "interpreting", lambda: False)
+    assert fused.tiles(6, 1024) == wide and fused.tiles(6, 512) == fused._tiles(6, 512)
+    monkeypatch.setattr(fused, "WIDE_BWD", (8, 0, False, 128))
+    with pytest.raises(ValueError, match=r"WIDE_BWD=\(8, 0, False, 128\)"):
+        fused.tiles(6, 1024)
