@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     failed = 0
     for shape in args.shapes:
         C, n, d = SHAPES[shape]
-        t = fused.tiles(n, d)
+        t = fused.tiles(n, d, C)
         bt, bd, mw = fused._row_tiles(d)
         runs = [
             ("phase 1 forward", fused._summaries_fwd_kernel,

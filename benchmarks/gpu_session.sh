@@ -212,6 +212,9 @@
 #            the step's calls of 3, 4, 6 and 8 summaries (WIDE_CANDIDATES: more warps, one load of every source, a cap
 #            on registers), then attnres_block's `medium` step beside vanilla with the fastest of them (fused.WIDE_BWD)
 #            and without (re-timed last)
+#   narrow   one GPU (about 380 s with the start): the depth-attention GPU tests, then attnres_block's `medium` step with
+#            the phase-1 backward over 3 or 4 sources in one load over 4 warps (fused.NARROW_WIDE_BWD, the default) and
+#            with the tiles before (WIDE_BWD=(2,2,True,0)), beside vanilla, the default re-timed last
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -219,7 +222,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -849,6 +852,12 @@ case "$PLAN" in
     step gpu0 saved "${SAVED_LIMIT:-220}" python3 -m benchmarks.saved_bytes --model medium --batch 16 --vocab 8192 \
       --compile model --residuals vanilla attnres_block "attnres_block@$keep_h" --by-node 6 --tag ${TAG:-_kept}
     attnres_small "${SMALL_LIMIT:-170}" "$keep_h" "${TAG:-_kept}"
+    ;;
+  narrow)
+    attnres_tests "${TEST_LIMIT:-100}"
+    step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@py:kernels.depth_attn.fused.WIDE_BWD=(2,2,True,0)" attnres_block --compile model \
+      --graphs on --steps 6 --set $COMBO --tag ${TAG:-_narrow}
     ;;
   wide)
     # the phase-1 backward's tiles at d = 1024 alone, then the step with the fastest

@@ -419,20 +419,33 @@ class Tiles:
     bwd_maxnreg: int = 0  # the backward's cap on registers a thread (0: the compiler's choice)
 
 
-# The phase-1 backward at d > 512 (two or more warps a token): None keeps the tiles below; (sources per load, warps,
-# consumers unrolled, register cap or 0) replaces them, e.g. ``py:kernels.depth_attn.fused.WIDE_BWD=(8, 8, False, 128)``
-# in a benchmark row (benchmarks.depth_attn_tiles times such tiles alone: a seventh field there is the cap).
+# The phase-1 backward at d > 512 (two or more warps a token): None keeps the tiles below (and ``NARROW_WIDE_BWD``);
+# (sources per load, warps, consumers unrolled, register cap or 0) replaces them, e.g. in a benchmark row
+# ``py:kernels.depth_attn.fused.WIDE_BWD=(8,8,False,128)``; (2,2,True,0) gives the tiles before ``NARROW_WIDE_BWD``
+# (benchmarks.depth_attn_tiles times such tiles alone: a seventh field there is the cap).
 WIDE_BWD: tuple[int, int, bool, int] | None = None
 
 
-def tiles(n: int, d: int) -> Tiles:
-    """The tiles of a phase-1 call over n sources at width d: the GPU's (``_tiles``, with ``WIDE_BWD`` applied above
-    512 channels), or the interpreter's: 32 tokens per program (each program costs milliseconds there)."""
+# Measured on an H200 (``benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 --ops block_n3 block_n4 block_n6
+# block_n8``, 4 consumers, 2026-12-03): at d = 1024 a backward over 3 or 4 sources in one load of 4 over 4 warps capped
+# at 168 registers (8 bytes of spills, 12 warps an SM against the default's 8) took 0.72 and 0.80 ms against 1.09 and
+# 1.13 (two passes of 2 over 2 warps, 255 registers and 376 bytes of spills); from 6 sources on it was slower (1.97
+# against 1.64 ms at 6), so the rule stops at 4. Not measured with more than 4 consumers: those keep the default.
+NARROW_WIDE_BWD = (4, 4, False, 168)
+
+
+def tiles(n: int, d: int, c: int | None = None) -> Tiles:
+    """The tiles of a phase-1 call over n sources for c consumers at width d: the GPU's (``_tiles``; above 512
+    channels ``WIDE_BWD`` where set, else ``NARROW_WIDE_BWD`` for 3 or 4 sources of at most 4 consumers at d = 1024),
+    or the interpreter's: 32 tokens per program (each program costs milliseconds there)."""
     if interpreting():
         block_d, block_t, warps = _pow2(d), 32, 4
         block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
         return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True)
-    return _tiles(n, d, None if _pow2(d) <= 512 else WIDE_BWD)
+    wide = None if _pow2(d) <= 512 else WIDE_BWD
+    if wide is None and _pow2(d) == 1024 and 3 <= n <= 4 and c is not None and c <= 4:
+        wide = NARROW_WIDE_BWD
+    return _tiles(n, d, wide)
 
 
 @functools.lru_cache(maxsize=None)
@@ -533,7 +546,7 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     stored, instead of from a first pass over the sources (where the sources take more than one load)."""
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
-    t = tiles(n, d)
+    t = tiles(n, d, C)
     if dsrc is None:
         dsrc, n_add = torch.empty(n, *src.shape[1:], device=src.device, dtype=src.dtype), 0
     elif dsrc.shape[1:] != src.shape[1:] or dsrc.shape[0] < n or not dsrc.is_contiguous() or not 0 <= n_add <= n:

@@ -123,7 +123,7 @@ def test_source_chunking_does_not_change_the_result(monkeypatch, chunks):
 
     fwd_s, bwd_s, unroll = chunks
     n, d = 5, 37
-    monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), fwd_s, n_ <= fwd_s, 4,
+    monkeypatch.setattr(fused, "tiles", lambda n_, d_, c_=None: fused.Tiles(32, fused._pow2(d_), fwd_s, n_ <= fwd_s, 4,
                                                                    bwd_s, n_ <= bwd_s, unroll))
     assert_two_phase_matches_reference(*make_inputs(3, n, 2, 19, d, True, seed=3), True, up_seed=4)
 
@@ -445,7 +445,7 @@ def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, one_ch
     from kernels.depth_attn import fused
 
     if not one_chunk:
-        monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), 8, True, 4, 2, False,
+        monkeypatch.setattr(fused, "tiles", lambda n_, d_, c_=None: fused.Tiles(32, fused._pow2(d_), 8, True, 4, 2, False,
                                                                        False))
 
     n, n_max, B, T, d = 4, 6, 2, 19, 37
@@ -475,7 +475,7 @@ def test_summaries_backward_takes_delta_from_the_outputs_it_is_given(monkeypatch
     an error naming the shape wanted."""
     from kernels.depth_attn import fused
 
-    monkeypatch.setattr(fused, "tiles", lambda n_, d_: fused.Tiles(32, fused._pow2(d_), 8, True, 4, 2, False, True))
+    monkeypatch.setattr(fused, "tiles", lambda n_, d_, c_=None: fused.Tiles(32, fused._pow2(d_), 8, True, 4, 2, False, True))
     n, B, T, d = 5, 2, 19, 37
     sources, _, queries, _ = make_inputs(3, n, B, T, d, False, seed=11)
     g = torch.Generator().manual_seed(12)
@@ -659,9 +659,17 @@ def test_wide_backward_tiles_apply_above_512_channels_and_name_a_bad_setting(mon
         (gpu.block_t, gpu.block_s, gpu.one_chunk, gpu.num_warps)  # the forward's tiles unchanged
     assert fused._tiles(3, 1024, (2, 4, True, 0)).bwd_one_chunk is False  # 3 sources over two loads of 2
     assert fused._tiles(2, 1024, (8, 8, False, 128)).bwd_block_s == 2  # never more than the sources
-    monkeypatch.setattr(fused, "WIDE_BWD", (8, 8, False, 128))
     monkeypatch.setattr(fused, "interpreting", lambda: False)
+    # unset: one load of 4 over 4 warps (NARROW_WIDE_BWD) for 3 or 4 sources of at most 4 consumers at d = 1024 alone
+    narrow = fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)
+    assert (narrow.bwd_block_s, narrow.bwd_one_chunk, narrow.bwd_warps, narrow.bwd_maxnreg) == (4, True, 4, 168)
+    assert fused.tiles(3, 1024, 4) == narrow and fused.tiles(4, 1024, 2).bwd_warps == 4
+    assert fused.tiles(4, 1024, 8) == fused.tiles(4, 1024) == fused._tiles(4, 1024)  # more consumers: not measured
+    assert fused.tiles(5, 1024, 4) == fused._tiles(5, 1024) and fused.tiles(2, 1024, 4) == fused._tiles(2, 1024)
+    assert fused.tiles(3, 2048, 4) == fused._tiles(3, 2048) and fused.tiles(3, 512, 4) == fused._tiles(3, 512)
+    monkeypatch.setattr(fused, "WIDE_BWD", (8, 8, False, 128))
     assert fused.tiles(6, 1024) == wide and fused.tiles(6, 512) == fused._tiles(6, 512)
+    assert fused.tiles(3, 1024, 4) == fused._tiles(3, 1024, (8, 8, False, 128))  # a setting wins over the rule
     monkeypatch.setattr(fused, "WIDE_BWD", (8, 0, False, 128))
     with pytest.raises(ValueError, match=r"WIDE_BWD=\(8, 0, False, 128\)"):
         fused.tiles(6, 1024)
