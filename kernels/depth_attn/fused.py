@@ -40,7 +40,8 @@ programs as fit on the GPU at once, read from the compiled kernel's registers an
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
 resource report (``python -m benchmarks.depth_attn_ptxas``) and a sweep on an H200
 (``python -m benchmarks.depth_attn_tiles``): 16 fp32 per thread and row, up to 8 sources per load
-forward, backward 1 at one warp (d <= 512) and 2 above.
+forward, backward 1 at one warp (d <= 512) and 2 above, except 3 or 4 sources at d = 1024, taken in one load over
+4 warps with the registers capped (``NARROW_WIDE_BWD``; ``WIDE_BWD`` overrides the backward's tiles above 512 channels).
 Under the interpreter: 32 tokens per program.
 
 Sources are never stacked per read: phase 1 reads rows [0, n) of a preallocated (n_max, B, T, d)
