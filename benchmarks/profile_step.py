@@ -59,7 +59,7 @@ def kind_of(kernel: str, ours: set[str]) -> str:
         return KINDS[0]
     if any(k in low for k in ("gemm", "nvjet", "cutlass", "cublas", "splitkreduce", "xmma")):
         return KINDS[1]
-    if "flex_attention" in low or "flash" in low or "attention" in low:
+    if "flash" in low or "attention" in low:
         return KINDS[2]
     if low.startswith("triton_"):
         return KINDS[3]
@@ -74,8 +74,9 @@ def by_kind(kernels: list[tuple[str, int, float]], ours: set[str]) -> dict[str, 
     """(launches, GPU ms) per kind, from (kernel name, launches, GPU ms) rows."""
     out = {k: (0, 0.0) for k in KINDS}
     for name, calls, ms in kernels:
-        n, t = out[kind_of(name, ours)]
-        out[kind_of(name, ours)] = (n + calls, t + ms)
+        kind = kind_of(name, ours)
+        n, t = out[kind]
+        out[kind] = (n + calls, t + ms)
     return out
 
 
