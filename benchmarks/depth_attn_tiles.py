@@ -47,11 +47,18 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
          1024: [None, (1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 8)]}
 
 
+# the phase-1 backward as two kernels or one, whatever the rule says (``fused.SPLIT_BWD``), the tiles otherwise default
+SPLIT = {"split": True, "one-kernel": False}
+
+
 def parse_tiles(text: str):
-    """``default`` -> None; ``1,4,8,8`` -> (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling, a
-    sixth the backward's warps (the forward's by default), a seventh its cap on registers a thread (0: none)."""
+    """``default`` -> None; ``split`` / ``one-kernel`` as is (the backward in two kernels or in one); ``1,4,8,8`` ->
+    (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling, a sixth the backward's warps (the forward's
+    by default), a seventh its cap on registers a thread (0: none)."""
     if text == "default":
         return None
+    if text in SPLIT:
+        return text
     try:
         fields = [int(f) for f in text.split(",")]
     except ValueError:
@@ -59,7 +66,8 @@ def parse_tiles(text: str):
     if (len(fields) not in (4, 5, 6, 7) or not all(f > 0 for f in fields[:4])
             or (len(fields) > 4 and fields[4] not in (0, 1)) or (len(fields) > 5 and fields[5] <= 0)
             or (len(fields) > 6 and fields[6] < 0)):
-        raise SystemExit(f"--phase1 {text!r}: expected 'default' or TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL[,"
+        raise SystemExit(f"--phase1 {text!r}: expected 'default', 'split', 'one-kernel' or "
+                         "TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL[,"
                          "BWD_WARPS[,BWD_MAXNREG]]] (positive integers, UNROLL 0 or 1, BWD_MAXNREG 0 for none), e.g. "
                          "1,4,8,8 or 1,2,8,8,0,8,128")
     return (*fields[:4], bool(fields[4]), *fields[5:]) if len(fields) > 4 else tuple(fields)
@@ -77,6 +85,8 @@ def best_wide(text: str) -> tuple | None:
         if len(cells) != 9 or cells[3] != "phase 1 bwd":
             continue
         label, op = cells[4], (cells[0], cells[1], cells[2])
+        if not cells[4].startswith(("(", "default")):  # split / one-kernel: not tiles WIDE_BWD can take
+            continue
         if not cells[8].endswith("ok") or not cells[5]:
             bad.add(label)
             continue
@@ -114,6 +124,13 @@ def phase1_tiles(fused, cand, n, d):
     default = fused.tiles
     if cand is None:
         yield default(n, d)
+        return
+    if isinstance(cand, str):
+        before, fused.SPLIT_BWD = fused.SPLIT_BWD, SPLIT[cand]
+        try:
+            yield fused.tiles(n, d)
+        finally:
+            fused.SPLIT_BWD = before
         return
     bt, warps, bs, bbs, *rest = cand
     block_d = fused._pow2(d)

@@ -215,6 +215,9 @@
 #   narrow   one GPU (about 380 s with the start): the depth-attention GPU tests, then attnres_block's `medium` step with
 #            the phase-1 backward over 3 or 4 sources in one load over 4 warps (fused.NARROW_WIDE_BWD, the default) and
 #            with the tiles before (WIDE_BWD=(2,2,True,0)), beside vanilla, the default re-timed last
+#   split_bwd one GPU (about 560 s with the start): the depth-attention GPU tests, the phase-1 backward at `medium` (bf16
+#            sources) split in two kernels (fused.SPLIT_BWD=True) against one, at each call of the step (SPLIT_OPS),
+#            then attnres_block's `medium` step with each beside vanilla, the one-kernel backward re-timed last
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -222,7 +225,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -858,6 +861,18 @@ case "$PLAN" in
     step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       attnres_block "attnres_block@py:kernels.depth_attn.fused.WIDE_BWD=(2,2,True,0)" attnres_block --compile model \
       --graphs on --steps 6 --set $COMBO --tag ${TAG:-_narrow}
+    ;;
+  split_bwd)
+    # the phase-1 backward in two kernels (scalars, then gradients) against one: GPU tests, each call of medium's step
+    # alone, then the step with each in one process
+    attnres_tests "${TEST_LIMIT:-90}"
+    step gpu0 split_tiles "${TILES_LIMIT:-130}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 default split one-kernel \
+      --tag ${TAG:-_split}
+    step gpu0 medium "${MEDIUM_LIMIT:-330}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=True" \
+      "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" --compile model --graphs on --steps 6 --set $COMBO \
+      --tag ${TAG:-_split}
     ;;
   wide)
     # the phase-1 backward's tiles at d = 1024 alone, then the step with the fastest

@@ -175,8 +175,19 @@ def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatc
         depth_attn_tiles.parse_tiles("1,2,8,8,2")
     with pytest.raises(SystemExit, match="'1,4,x'"):
         depth_attn_tiles.main(["--phase1", "1,4,x", "--device", "cpu"])
+    assert depth_attn_tiles.parse_tiles("split") == "split" and depth_attn_tiles.parse_tiles("one-kernel") == "one-kernel"
     depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n6", "--device", "cpu",
                            "--phase1", "default", "1,1,8,8", "1,1,8,2,0,2,128", "--tag", "_given"])
+    from kernels.depth_attn import fused
+
+    split_before = fused.SPLIT_BWD
+    depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n6", "--device", "cpu",
+                           "--phase1", "default", "split", "one-kernel", "--tag", "_split"])
+    assert fused.SPLIT_BWD == split_before  # the setting is put back
+    split_rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_split.md").read_text().splitlines()
+                  if line.startswith("| tiny") and " | phase 1 bwd | " in line]
+    assert [r[4] for r in split_rows] == ["default", "split", "one-kernel"] and all(r[-1].endswith("ok |")
+                                                                                  for r in split_rows), split_rows
     rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_given.md").read_text().splitlines()
             if line.startswith("| tiny")]
     # (the default's rows also time dO·o from the outputs, its backward taking two loads of sources here)
@@ -205,6 +216,9 @@ def test_depth_attn_tiles_picks_the_fastest_backward_over_every_op(capsys, tmp_p
     assert depth_attn_tiles.best_wide(table(rows[:2] + [("block_n3", "(1, 4, 8, 4)", "2.0", "ok"),
                                                         ("block_n6", "(1, 4, 8, 4)", "2.0", "ok")])) is None
     assert depth_attn_tiles.best_wide(table([("block_n3", "(1, 4, 8, 4)", "0.5", "ok")])) == (4, 4, True, 0)
+    # the split backward is not tiles: never picked, even the fastest
+    assert depth_attn_tiles.best_wide(table(rows + [("block_n3", "split", "0.01", "ok"),
+                                                    ("block_n6", "split", "0.01", "ok")])) == (8, 8, False, 128)
     path = tmp_path / "t.md"
     path.write_text("# title\n\n" + table(rows))
     depth_attn_tiles.main(["--best-wide", str(path)])

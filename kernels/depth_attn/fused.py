@@ -51,6 +51,7 @@ modified afterwards (so the backward may read them after later rows are filled).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -296,6 +297,125 @@ def _summaries_bwd_kernel(
     tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
              mask=(offs_c[:, None] < C) & mask_d[None, :])
 
+@triton.jit
+def _split_scores_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries (C, d) fp32
+    lse_ptr,  # forward log-sum-exp (C, N) fp32
+    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
+    dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
+    w_ptr,  # result: softmax weights w_cs (C, n, N) fp32
+    dlr_ptr,  # result: dlogit_cs · r_s (C, n, N) fp32
+    coef_ptr,  # result (KEY_NORM): −r_s² Σ_c dlogit_cs logit_cs / d (n, N) fp32
+    n, N, D, eps,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Split backward, first kernel: the per-token scalars of every (consumer, source) pair, from one read of the
+    sources and upstream gradients in chunks of BLOCK_D channels (one warp a token on the GPU: every dot product is a
+    reduction inside a warp). Accumulators are (S, T, C): the consumer axis last, in the chunk's layout."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    tok = offs_t.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T) in the (n, N) source-token grid
+    mask_st = mask_s[:, None] & mask_t[None, :]
+    ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)  # Σ_d x² (S, T)
+    qx = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # (q_c ⊙ g_c)·x_s
+    a = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # dO_c·x_s
+    d0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
+    while d0 < D:
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                    mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (S, T, Dc)
+        if KEY_NORM:
+            ss += tl.sum(x * x, axis=2)
+        for c in tl.static_range(C):
+            qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+            do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :],
+                         mask=mask_t[None, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (1, T, Dc)
+            sel = offs_c[None, None, :] == c
+            qx += tl.where(sel, tl.sum(x * qg, axis=2)[:, :, None], 0.0)
+            a += tl.where(sel, tl.sum(x * do, axis=2)[:, :, None], 0.0)
+        d0 += BLOCK_D
+    if KEY_NORM:
+        r = tl.rsqrt(ss / D + eps)
+    else:
+        r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+    ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
+    mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
+    lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
+    dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
+    logit = qx * r[:, :, None]  # (S, T, C)
+    valid = mask_s[:, None, None] & mask_c[None, None, :]
+    w = tl.where(valid, tl.exp(logit - lse), 0.0)
+    delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C), from the sources in fp32
+    dl = w * (a - delta[None, :, :] + dlse)  # softmax backward (S, T, C)
+    out = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
+    mask_out = valid & mask_t[None, :, None]
+    tl.store(w_ptr + out, w, mask=mask_out)
+    tl.store(dlr_ptr + out, dl * r[:, :, None], mask=mask_out)
+    if KEY_NORM:  # through r = rsqrt(mean x² + eps)
+        tl.store(coef_ptr + rows, -(r * r * tl.sum(dl * logit, axis=2) / D), mask=mask_st)
+
+
+@triton.jit
+def _split_grads_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries (C, d) fp32
+    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
+    w_ptr, dlr_ptr, coef_ptr,  # the first kernel's (C, n, N), (C, n, N), (n, N) fp32
+    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
+    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
+    n, n_add, N, D,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Split backward, second kernel: elementwise over d from the first kernel's scalars (no reduction over d, so
+    no communication between warps), persistent, with the per-program query-gradient partial in registers:
+        dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c += Σ_s dlr_cs x_s."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_d = offs_d < D
+    dqg = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
+    n_tiles = tl.cdiv(N, BLOCK_T)
+    tile = pid
+    while tile < n_tiles:
+        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < N
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        tok = offs_t.to(tl.int64)
+        s0 = pid * 0  # BLOCK_S sources at a time (the upstream gradients again from L1 after the first chunk)
+        while s0 < n:
+            x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
+            mask_x = mask_s[:, None, None] & mask_td[None, :, :]
+            mask_st = mask_s[:, None] & mask_t[None, :]
+            dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
+            if KEY_NORM:
+                dx += tl.load(coef_ptr + rows, mask=mask_st, other=0.0)[:, :, None] * x
+            for c in tl.static_range(C):
+                qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+                do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :],
+                             other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + c * n * N + rows, mask=mask_st, other=0.0)
+                dlr = tl.load(dlr_ptr + c * n * N + rows, mask=mask_st, other=0.0)
+                dx += w[:, :, None] * do + dlr[:, :, None] * qg
+                dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,)
+                dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
+            tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                     mask=mask_x)
+            s0 += BLOCK_S
+        tile += n_prog
+    tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
+             mask=(offs_c[:, None] < C) & mask_d[None, :])
+
 
 @triton.jit
 def _merge_fwd_kernel(
@@ -418,6 +538,7 @@ class Tiles:
     bwd_unroll_c: bool
     bwd_warps: int = 0  # the backward's warps (0: num_warps)
     bwd_maxnreg: int = 0  # the backward's cap on registers a thread (0: the compiler's choice)
+    bwd_split: bool = False  # the backward as two kernels, scalars then gradients (``split_tiles``)
 
 
 # The phase-1 backward at d > 512 (two or more warps a token): None keeps the tiles below (and ``NARROW_WIDE_BWD``);
@@ -435,6 +556,35 @@ WIDE_BWD: tuple[int, int, bool, int] | None = None
 NARROW_WIDE_BWD = (4, 4, False, 168)
 
 
+# The phase-1 backward as two kernels (``_split_scores_kernel`` then ``_split_grads_kernel``): True everywhere, False
+# nowhere, None where ``split_backward`` says. A module setting so that a benchmark row can time each
+# (``py:kernels.depth_attn.fused.SPLIT_BWD=False``).
+SPLIT_BWD: bool | None = None
+
+
+def split_backward(n: int, d: int, c: int | None) -> bool:
+    """Whether the phase-1 backward over n sources for c consumers at width d runs split (``SPLIT_BWD``)."""
+    if SPLIT_BWD not in (None, True, False):
+        raise ValueError(f"fused.SPLIT_BWD={SPLIT_BWD!r}: choose None (the rule), True or False")
+    if SPLIT_BWD is not None:
+        return SPLIT_BWD
+    return False
+
+
+def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
+    """The split backward's tiles: ((tokens, channels a chunk, warps) of the scores kernel, (tokens, channels,
+    sources a load) of the gradients kernel, its warps). Scores: one warp a token (its dot products are reductions
+    inside a warp), chunks of 256 channels for one source, 128 for two, 64 above. Gradients: one token a program over
+    all d, 2 sources a load for 3 or more consumers, else 4. From the sm_90 compiler's report (bf16 sources, d =
+    1024, 4 warps): scores 80-128 registers, gradients 130-166, no spills. Under the interpreter: 32 tokens,
+    16-channel chunks, 2 sources a load (the chunk loops and their ragged ends run in the CPU tests)."""
+    block_s, block_d = _pow2(n), _pow2(d)
+    if interpreting():
+        return (32, min(block_d, 16), 4), (32, block_d, min(block_s, 2)), 4
+    chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
+    return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), 4
+
+
 def tiles(n: int, d: int, c: int | None = None) -> Tiles:
     """The tiles of a phase-1 call over n sources for c consumers at width d: the GPU's (``_tiles``; above 512
     channels ``WIDE_BWD`` where set, else ``NARROW_WIDE_BWD`` for 3 or 4 sources of at most 4 consumers at d = 1024),
@@ -442,7 +592,10 @@ def tiles(n: int, d: int, c: int | None = None) -> Tiles:
     if interpreting():
         block_d, block_t, warps = _pow2(d), 32, 4
         block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
-        return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True)
+        return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True,
+                     bwd_split=split_backward(n, d, c))
+    if split_backward(n, d, c):
+        return dataclasses.replace(_tiles(n, d), bwd_split=True)
     wide = None if _pow2(d) <= 512 else WIDE_BWD
     if wide is None and _pow2(d) == 1024 and 3 <= n <= 4 and c is not None and c <= 4:
         wide = NARROW_WIDE_BWD
@@ -556,6 +709,8 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     if out is not None and (out.shape != (C, *src.shape[1:]) or not out.is_contiguous()):
         raise ValueError(f"summaries_bwd: out must be the contiguous outputs ({C}, {', '.join(map(str, src.shape[1:]))}),"
                          f" got {tuple(out.shape)}")
+    if t.bwd_split:
+        return dsrc, _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d)
     from_out = out is not None and not t.bwd_one_chunk  # one load of every source sums delta from it anyway
     meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
                 BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, DELTA_FROM_OUT=from_out)
@@ -568,6 +723,25 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
     _summaries_bwd_kernel[(programs,)](*args[:6], dqg, *args[7:], **meta, num_warps=warps)
     return dsrc, dqg.sum(0)
+
+
+def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d) -> Tensor:
+    """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients; returns dqg (C, d)."""
+    (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C)
+    block_s = _pow2(n)
+    w = torch.empty(C, n, N, device=src.device, dtype=torch.float32)
+    dlr = torch.empty_like(w)
+    coef = torch.empty(n, N, device=src.device, dtype=torch.float32) if key_norm else w
+    common = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, BLOCK_S=block_s)
+    _split_scores_kernel[(_cdiv(N, bt_a),)](src, qg, lse, douts, dlse, w, dlr, coef, n, N, d, eps, **common,
+                                            BLOCK_T=bt_a, BLOCK_D=chunk, num_warps=warps_a)
+    meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d)
+    args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
+    programs = _persistent_grid(_split_grads_kernel, args[:7] + (qg,) + args[8:], meta, warps_b, _cdiv(N, bt_b),
+                                src.device)
+    dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
+    _split_grads_kernel[(programs,)](*args[:7], dqg, *args[8:], **meta, num_warps=warps_b)
+    return dqg.sum(0)
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,6 +10,7 @@ Every gradient is taken with a random upstream gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -109,6 +110,50 @@ def test_one_pass_matches_reference(case):
 def test_two_phase_matches_reference(case):
     _, C, n, B, T, d, key_norm, gains = case
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains), key_norm, up_seed=2)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_split_backward_matches_reference(case, monkeypatch):
+    # The phase-1 backward as two kernels (per-token scalars from chunks of 16 channels, then the gradients two
+    # sources a load): every output and gradient against the reference, on every case (one source, T = 1, raw keys,
+    # 9 sources for one consumer, 6 consumers, d not a multiple of the chunk).
+    from kernels.depth_attn import fused
+
+    _, C, n, B, T, d, key_norm, gains = case
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    assert fused.tiles(n, d, C).bwd_split
+    assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=5), key_norm, up_seed=6)
+
+
+def test_split_backward_setting_is_explicit(monkeypatch):
+    """``SPLIT_BWD`` True or False overrides the rule for every call and keeps the rest of the tiles; anything else is
+    refused with its value and the choices, before any launch."""
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "interpreting", lambda: False)
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    assert fused.tiles(5, 1024, 4) == dataclasses.replace(fused._tiles(5, 1024), bwd_split=True)
+    assert fused.tiles(3, 512, 2).bwd_split
+    monkeypatch.setattr(fused, "SPLIT_BWD", False)
+    assert not any(fused.tiles(n, d, 4).bwd_split for n in (1, 3, 4, 8, 9) for d in (512, 1024, 2048))
+    assert fused.tiles(3, 1024, 4) == fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)  # the other rules still apply
+    monkeypatch.setattr(fused, "SPLIT_BWD", "yes")
+    with pytest.raises(ValueError, match=r"SPLIT_BWD='yes': choose None \(the rule\), True or False"):
+        fused.tiles(5, 1024, 4)
+
+
+@pytest.mark.parametrize("n, C", [(1, 4), (4, 4), (8, 4), (9, 1), (17, 2)])
+def test_split_tiles_hold_every_source_of_a_token(n, C, monkeypatch):
+    """The scores kernel reads every source of its tokens at once (its block covers n) in chunks that divide the
+    power-of-two width; the gradients kernel takes at most the sources there are."""
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "interpreting", lambda: False)
+    (bt_a, chunk, warps_a), (bt_b, block_d, per_load), warps_b = fused.split_tiles(n, 1000, C)
+    assert block_d == 1024 and block_d % chunk == 0 and chunk * fused._pow2(n) <= 2048
+    assert 1 <= per_load <= fused._pow2(n) and (per_load == 2) == (C >= 3 and n >= 2)
+    assert bt_b == 1 and warps_a == warps_b == 4
 
 
 @needs_interpreter
@@ -543,10 +588,15 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("split", [None, True, False], ids=["rule", "split", "one-kernel"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
-def test_gpu_bf16_matches_fp32_reference(case):
+def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
-    # every gradient against the fp32 reference on the same bf16-rounded inputs.
+    # every gradient against the fp32 reference on the same bf16-rounded inputs; the phase-1 backward as the rule
+    # picks it, split in two kernels, and in one.
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "SPLIT_BWD", split)
     _, C, n, B, T, d, key_norm, gains = case
     sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains, device="cuda")
     bf = [sources.bfloat16().requires_grad_(), partials.bfloat16().requires_grad_(),
@@ -596,7 +646,11 @@ def test_gpu_merge_sum_matches_the_reference(dtypes):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fp32_matches_reference():
+@pytest.mark.parametrize("split", [False, True], ids=["one-kernel", "split"])
+def test_gpu_fp32_matches_reference(split, monkeypatch):
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "SPLIT_BWD", split)
     sources, partials, queries, key_gains = make_inputs(4, 5, 2, 333, 768, True, device="cuda")
     leaves = [t.requires_grad_() for t in (sources, partials, queries, key_gains)]
     fused, _, _ = two_phase("triton", *leaves, True)
