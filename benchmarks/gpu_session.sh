@@ -218,6 +218,11 @@
 #   split_bwd one GPU (about 560 s with the start): the depth-attention GPU tests, the phase-1 backward at `medium` (bf16
 #            sources) split in two kernels (fused.SPLIT_BWD=True) against one, at each call of the step (SPLIT_OPS),
 #            then attnres_block's `medium` step with each beside vanilla, the one-kernel backward re-timed last
+#   rows_medium one GPU (about 480 s with the start): the depth-attention GPU tests, then attnres_block's `medium` step
+#            with its defaults, with fp32 row gradients (buffer.ROW_GRADIENTS=float32), and with those and the one-kernel
+#            phase-1 backward (the defaults before), beside vanilla, the default re-timed last
+#   rows_small one GPU (about 420 s with the start): the same at `small` without the split (not taken there), then 60
+#            training steps of attnres_block at `small` with bf16 row gradients against fp32 ones (2 seeds)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -225,7 +230,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -873,6 +878,23 @@ case "$PLAN" in
       "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=True" \
       "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" --compile model --graphs on --steps 6 --set $COMBO \
       --tag ${TAG:-_split}
+    ;;
+  rows_medium)
+    # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium
+    attnres_tests "${TEST_LIMIT:-90}"
+    step gpu0 medium "${MEDIUM_LIMIT:-340}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32" \
+      "attnres_block@py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32@py:kernels.depth_attn.fused.SPLIT_BWD=False" \
+      attnres_block --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_rows}
+    ;;
+  rows_small)
+    # the same at small (no split there), then training with bf16 row gradients against fp32 ones
+    step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      attnres_block "attnres_block@py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32" attnres_block --compile model \
+      --graphs on --steps 8 --set $COMBO --tag ${TAG:-_rows}
+    step gpu0 parity "${PARITY_LIMIT:-240}" python3 -m benchmarks.backend_training --residuals attnres_block \
+      --reference py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32 --candidate residual.backend=auto --steps 60 \
+      --seeds 0 1 --set model=small trainer=gpu trainer.compile=false --name small_attnres_block_row_gradients
     ;;
   wide)
     # the phase-1 backward's tiles at d = 1024 alone, then the step with the fastest

@@ -6,16 +6,33 @@ kernel reads rows [0, n) of that tensor in place; autograd sees each row as a vi
 ``StoreFunction`` whose gradient flows to the terms it was summed from. Pure PyTorch (no Triton).
 
 A row is read by every later phase-1 call, so its gradient is a sum over those calls. Summed by
-autograd that is one extra pass over a (B, T, d) fp32 tensor per extra reader (64 a backward in
+autograd that is one extra pass over a (B, T, d) tensor per extra reader (64 a backward in
 full AttnRes at 16 sublayers); instead the phase-1 backward kernel accumulates into
-:class:`RowGradients`, one fp32 (n_max, B, T, d) tensor, and the row's ``StoreFunction`` takes its
-gradient from there.
+:class:`RowGradients`, one (n_max, B, T, d) tensor in the rows' dtype (``ROW_GRADIENTS``), and the row's
+``StoreFunction`` takes its gradient from there. Each call adds its fp32 sum into a row once, rounded to the row's
+dtype: a bf16 row (Block AttnRes's sources under autocast) gets a bf16 gradient, as autograd gives any bf16 tensor.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+# The dtype of a buffer's row gradients: "rows" (the buffer's own: bf16 rows take bf16 gradients, half the bytes that
+# every phase-1 backward reads and writes back) or "float32" (the default before 2026-12-03: each call's sum added
+# in fp32). A module setting so that a benchmark row or arm can take either
+# (``py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32``); read when a buffer is made.
+ROW_GRADIENTS = "rows"
+ROW_GRADIENT_CHOICES = ("rows", "float32")
+
+
+def row_gradient_dtype(rows: torch.dtype) -> torch.dtype:
+    """The gradients' dtype for rows of ``rows`` dtype per ``ROW_GRADIENTS``."""
+    if ROW_GRADIENTS not in ROW_GRADIENT_CHOICES:
+        raise ValueError(f"buffer.ROW_GRADIENTS={ROW_GRADIENTS!r}: choose one of "
+                         + ", ".join(map(repr, ROW_GRADIENT_CHOICES)))
+    return rows if ROW_GRADIENTS == "rows" else torch.float32
 
 
 class RowGradients:
@@ -28,15 +45,15 @@ class RowGradients:
     through the same graph (``retain_graph``) starts from zero. Holds no reference to the buffer's rows
     (no reference cycle through the autograd graph)."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device):
-        self.shape, self.device = shape, device
-        self.data: Tensor | None = None  # fp32 (n_max, B, T, d), allocated by the first backward
+    def __init__(self, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype = torch.float32):
+        self.shape, self.device, self.dtype = shape, device, dtype
+        self.data: Tensor | None = None  # (n_max, B, T, d) in ``dtype``, allocated by the first backward
         self.rows = 0
 
     def target(self, n: int) -> tuple[Tensor, int]:
         """For a phase-1 backward over rows [0, n): the gradient tensor and how many of its rows to add into."""
         if self.data is None:
-            self.data = torch.empty(self.shape, device=self.device, dtype=torch.float32)
+            self.data = torch.empty(self.shape, device=self.device, dtype=self.dtype)
         n_add = min(n, self.rows)
         self.rows = max(self.rows, n)
         return self.data, n_add
@@ -97,7 +114,7 @@ class SourceBuffer:
     def __init__(self, n_max: int, like: Tensor, dtype: torch.dtype | None = None):
         self.data = torch.empty(n_max, *like.shape, device=like.device, dtype=dtype or like.dtype)
         self.rows: list[Tensor] = []
-        self.grads = RowGradients(tuple(self.data.shape), like.device)
+        self.grads = RowGradients(tuple(self.data.shape), like.device, row_gradient_dtype(self.data.dtype))
 
     def __len__(self) -> int:
         return len(self.rows)

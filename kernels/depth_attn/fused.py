@@ -560,15 +560,21 @@ NARROW_WIDE_BWD = (4, 4, False, 168)
 # nowhere, None where ``split_backward`` says. A module setting so that a benchmark row can time each
 # (``py:kernels.depth_attn.fused.SPLIT_BWD=False``).
 SPLIT_BWD: bool | None = None
+# Measured on an H200 (``benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 --phase1 default split one-kernel``,
+# bf16 sources, 2026-12-03): split against one kernel at d = 1024, 4 consumers, 2 / 3 / 4 / 6 / 8 sources: 1.39 / 1.08 /
+# 1.06 / 0.79 / 0.69x, and 0.70x for the final output's one consumer over 9. The rule splits from 5 to 9 sources at
+# d = 1024 (5 and 7 lie between measured counts; other widths and more sources were not measured).
+SPLIT_SOURCES = (5, 9)
 
 
 def split_backward(n: int, d: int, c: int | None) -> bool:
-    """Whether the phase-1 backward over n sources for c consumers at width d runs split (``SPLIT_BWD``)."""
+    """Whether the phase-1 backward over n sources for c consumers at width d runs split (``SPLIT_BWD``; unset:
+    ``SPLIT_SOURCES`` sources at d = 1024 on the GPU, never under the interpreter)."""
     if SPLIT_BWD not in (None, True, False):
         raise ValueError(f"fused.SPLIT_BWD={SPLIT_BWD!r}: choose None (the rule), True or False")
     if SPLIT_BWD is not None:
         return SPLIT_BWD
-    return False
+    return not interpreting() and _pow2(d) == 1024 and SPLIT_SOURCES[0] <= n <= SPLIT_SOURCES[1]
 
 
 def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:

@@ -1853,7 +1853,7 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     dx (S, B, T, d) in x's dtype (the partial's gradient last), [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two
     kernels: the stats and the source gradients, serial (a program per source walking its tokens; the default)
     or over all sources a program (``Blocks.stats_mode="tile"``, ``src_mode="ring"``). With
-    ``rows_grad = (grads, n_add)`` (x: rows of a buffer, ``grads`` the buffer's fp32 row gradients,
+    ``rows_grad = (grads, n_add)`` (x: rows of a buffer, ``grads`` the buffer's row gradients, in the rows' dtype,
     ``RowGradients.target``) the rows' gradients go into ``grads`` instead, added to rows below n_add (what later
     readers left) and written above, and dx is the partial's gradient (B, T, d) fp32 alone (None without a
     partial)."""

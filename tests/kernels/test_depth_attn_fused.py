@@ -135,12 +135,63 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
     assert fused.tiles(5, 1024, 4) == dataclasses.replace(fused._tiles(5, 1024), bwd_split=True)
     assert fused.tiles(3, 512, 2).bwd_split
+    monkeypatch.setattr(fused, "SPLIT_BWD", None)  # the rule: 5 to 9 sources at d = 1024, whatever the consumers
+    assert [n for n in range(1, 18) if fused.tiles(n, 1024, 4).bwd_split] == [5, 6, 7, 8, 9]
+    assert fused.tiles(9, 1000, 1).bwd_split and not fused.tiles(6, 512, 4).bwd_split
+    assert not fused.tiles(6, 2048, 4).bwd_split
     monkeypatch.setattr(fused, "SPLIT_BWD", False)
     assert not any(fused.tiles(n, d, 4).bwd_split for n in (1, 3, 4, 8, 9) for d in (512, 1024, 2048))
     assert fused.tiles(3, 1024, 4) == fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)  # the other rules still apply
     monkeypatch.setattr(fused, "SPLIT_BWD", "yes")
     with pytest.raises(ValueError, match=r"SPLIT_BWD='yes': choose None \(the rule\), True or False"):
         fused.tiles(5, 1024, 4)
+
+
+def test_row_gradients_take_the_rows_dtype_unless_set_to_fp32(monkeypatch):
+    """A buffer's row gradients are in its rows' dtype (bf16 rows: bf16 gradients, as autograd gives a bf16 tensor);
+    ``ROW_GRADIENTS="float32"`` keeps fp32 ones; another value is refused with the choices when a buffer is made."""
+    from kernels.depth_attn import buffer as buf
+
+    like = torch.zeros(2, 3, 8)
+    assert SourceBuffer(4, like, dtype=torch.bfloat16).grads.target(2)[0].dtype == torch.bfloat16
+    assert SourceBuffer(4, like).grads.target(2)[0].dtype == torch.float32
+    monkeypatch.setattr(buf, "ROW_GRADIENTS", "float32")
+    assert SourceBuffer(4, like, dtype=torch.bfloat16).grads.target(2)[0].dtype == torch.float32
+    assert SourceBuffer(4, like.double()).grads.target(2)[0].dtype == torch.float32
+    monkeypatch.setattr(buf, "ROW_GRADIENTS", "bf16")
+    with pytest.raises(ValueError, match=r"ROW_GRADIENTS='bf16': choose one of 'rows', 'float32'"):
+        SourceBuffer(4, like, dtype=torch.bfloat16)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("setting", ["rows", "float32"])
+def test_bf16_rows_read_by_many_calls_get_their_readers_gradient_sum(setting, monkeypatch):
+    """bf16 rows read by three phase-1 calls (2, 3 and 4 sources, as Block AttnRes reads its summaries): each row's
+    gradient is the sum of its readers', within bf16 rounding of the fp32 reference on the same rounded sources (one
+    rounding a call with bf16 row gradients), and in the setting's dtype."""
+    from kernels.depth_attn import buffer as buf
+
+    monkeypatch.setattr(buf, "ROW_GRADIENTS", setting)
+    sources, _, queries, _ = make_inputs(2, 4, 2, 9, 24, False, seed=11)
+    rounded = sources.bfloat16()
+    g = torch.Generator().manual_seed(12)
+    ups = [torch.randn(2, 2, 9, 24, generator=g) for _ in range(3)]
+    grads = {}
+    for backend in ("triton", "torch"):
+        leaves = [s.float().requires_grad_() for s in rounded.unbind(0)]
+        buffer = SourceBuffer(4, rounded[0], dtype=torch.bfloat16 if backend == "triton" else torch.float32)
+        loss = 0
+        for k, s in enumerate(leaves):
+            buffer.append(s)
+            if k >= 1:
+                outs, _ = depth_attn_summaries(buffer, queries, key_norm=True, backend=backend)
+                loss = loss + (torch.stack(outs).float() * ups[k - 1]).sum()
+        grads[backend] = torch.autograd.grad(loss, leaves)
+        if backend == "triton":
+            assert buffer.grads.data.dtype == (torch.bfloat16 if setting == "rows" else torch.float32)
+    tol = 2e-2 if setting == "rows" else 5e-3
+    for i, (a, b) in enumerate(zip(grads["triton"], grads["torch"])):
+        assert rel_err(a, b) < tol, f"row {i}: relative error {rel_err(a, b):.2e}"
 
 
 @pytest.mark.parametrize("n, C", [(1, 4), (4, 4), (8, 4), (9, 1), (17, 2)])
