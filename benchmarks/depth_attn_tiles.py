@@ -52,12 +52,23 @@ SPLIT = {"split": True, "one-kernel": False}
 
 
 def parse_tiles(text: str):
-    """``default`` -> None; ``split`` / ``one-kernel`` as is (the backward in two kernels or in one); ``1,4,8,8`` ->
+    """``default`` -> None; ``split`` / ``one-kernel`` as is (the backward in two kernels or in one), ``split:4,64,4,2,4``
+    too (split with those tiles, ``fused.SPLIT_TILES``); ``1,4,8,8`` ->
     (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling, a sixth the backward's warps (the forward's
     by default), a seventh its cap on registers a thread (0: none)."""
     if text == "default":
         return None
     if text in SPLIT:
+        return text
+    if text.startswith("split:"):  # the split backward with tiles of its own (fused.SPLIT_TILES)
+        try:
+            fields = tuple(int(f) for f in text[6:].split(","))
+        except ValueError:
+            fields = ()
+        if len(fields) != 5 or not all(f > 0 for f in fields):
+            raise SystemExit(f"--phase1 {text!r}: expected split:TOKENS,CHUNK,WARPS,SOURCES,WARPS (the scores kernel's "
+                             "tokens, channels a chunk and warps, the gradients kernel's sources a load and warps; "
+                             "positive integers), e.g. split:4,64,4,2,4")
         return text
     try:
         fields = [int(f) for f in text.split(",")]
@@ -126,11 +137,14 @@ def phase1_tiles(fused, cand, n, d):
         yield default(n, d)
         return
     if isinstance(cand, str):
-        before, fused.SPLIT_BWD = fused.SPLIT_BWD, SPLIT[cand]
+        mode, _, fields = cand.partition(":")
+        before = fused.SPLIT_BWD, fused.SPLIT_TILES
+        fused.SPLIT_BWD = SPLIT[mode]
+        fused.SPLIT_TILES = tuple(int(f) for f in fields.split(",")) if fields else before[1]
         try:
             yield fused.tiles(n, d)
         finally:
-            fused.SPLIT_BWD = before
+            fused.SPLIT_BWD, fused.SPLIT_TILES = before
         return
     bt, warps, bs, bbs, *rest = cand
     block_d = fused._pow2(d)

@@ -223,6 +223,8 @@
 #            phase-1 backward (the defaults before), beside vanilla, the default re-timed last
 #   rows_small one GPU (about 420 s with the start): the same at `small` without the split (not taken there), then 60
 #            training steps of attnres_block at `small` with bf16 row gradients against fp32 ones (2 seeds)
+#   split_sweep one GPU (about 150 s with the start): the split phase-1 backward's tiles (SPLIT_CANDIDATES, as
+#            fused.SPLIT_TILES) at each call of attnres_block's `medium` step, beside the one-kernel backward
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -230,7 +232,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -878,6 +880,13 @@ case "$PLAN" in
       "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=True" \
       "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" --compile model --graphs on --steps 6 --set $COMBO \
       --tag ${TAG:-_split}
+    ;;
+  split_sweep)
+    # the split backward's tiles (fused.SPLIT_TILES) at each call of medium's step, beside one kernel
+    step gpu0 split_tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 one-kernel split \
+      ${SPLIT_CANDIDATES:-split:4,32,4,2,4 split:4,64,4,1,4 split:4,32,4,1,4 split:8,64,8,2,8 split:4,128,4,2,4} \
+      --tag ${TAG:-_split_sweep}
     ;;
   rows_medium)
     # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium

@@ -565,6 +565,10 @@ SPLIT_BWD: bool | None = None
 # 1.06 / 0.79 / 0.69x, and 0.70x for the final output's one consumer over 9. The rule splits from 5 to 9 sources at
 # d = 1024 (5 and 7 lie between measured counts; other widths and more sources were not measured).
 SPLIT_SOURCES = (5, 9)
+# The split backward's tiles on the GPU: None (``split_tiles``'s) or (tokens, channels a chunk, warps of the scores
+# kernel, sources a load, warps of the gradients kernel), e.g. in a benchmark row or a sweep candidate
+# (``benchmarks.depth_attn_tiles --phase1 split:4,64,4,1,4``).
+SPLIT_TILES: tuple[int, int, int, int, int] | None = None
 
 
 def split_backward(n: int, d: int, c: int | None) -> bool:
@@ -587,6 +591,12 @@ def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int
     block_s, block_d = _pow2(n), _pow2(d)
     if interpreting():
         return (32, min(block_d, 16), 4), (32, block_d, min(block_s, 2)), 4
+    if SPLIT_TILES is not None:
+        if len(SPLIT_TILES) != 5 or not all(isinstance(v, int) and v > 0 for v in SPLIT_TILES):
+            raise ValueError(f"SPLIT_TILES={SPLIT_TILES!r}: expected (tokens, channels a chunk, warps of the scores kernel, "
+                             "sources a load, warps of the gradients kernel), positive integers, or None")
+        bt, chunk, warps_a, per_load, warps_b = SPLIT_TILES
+        return (bt, min(block_d, _pow2(chunk)), warps_a), (1, block_d, min(block_s, _pow2(per_load))), warps_b
     chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
     return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), 4
 

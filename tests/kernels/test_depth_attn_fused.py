@@ -205,6 +205,11 @@ def test_split_tiles_hold_every_source_of_a_token(n, C, monkeypatch):
     assert block_d == 1024 and block_d % chunk == 0 and chunk * fused._pow2(n) <= 2048
     assert 1 <= per_load <= fused._pow2(n) and (per_load == 2) == (C >= 3 and n >= 2)
     assert bt_b == 1 and warps_a == warps_b == 4
+    monkeypatch.setattr(fused, "SPLIT_TILES", (8, 512, 8, 8, 8))  # a setting: clamped to the width and the sources
+    assert fused.split_tiles(n, 1000, C) == ((8, 512, 8), (1, 1024, min(8, fused._pow2(n))), 8)
+    monkeypatch.setattr(fused, "SPLIT_TILES", (8, 0, 8, 8, 8))
+    with pytest.raises(ValueError, match=r"SPLIT_TILES=\(8, 0, 8, 8, 8\)"):
+        fused.split_tiles(n, 1000, C)
 
 
 @needs_interpreter
