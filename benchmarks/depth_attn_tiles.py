@@ -47,8 +47,10 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
          1024: [None, (1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 8)]}
 
 
-# the phase-1 backward as two kernels or one, whatever the rule says (``fused.SPLIT_BWD``), the tiles otherwise default
-SPLIT = {"split": True, "one-kernel": False}
+# the phase-1 backward as two kernels or one, and the forward in two passes or one, whatever the rules say
+# (``fused.SPLIT_BWD``, ``fused.SPLIT_FWD``), the tiles otherwise default
+SPLIT = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False}, "split-fwd": {"SPLIT_FWD": True},
+         "one-kernel-fwd": {"SPLIT_FWD": False}}
 
 
 def parse_tiles(text: str):
@@ -60,13 +62,14 @@ def parse_tiles(text: str):
         return None
     if text in SPLIT:
         return text
-    if text.startswith("split:"):  # the split backward with tiles of its own (fused.SPLIT_TILES)
+    mode, colon, rest = text.partition(":")
+    if colon and mode in SPLIT:  # with the split kernels' tiles of its own (fused.SPLIT_TILES)
         try:
-            fields = tuple(int(f) for f in text[6:].split(","))
+            fields = tuple(int(f) for f in rest.split(","))
         except ValueError:
             fields = ()
         if len(fields) != 5 or not all(f > 0 for f in fields):
-            raise SystemExit(f"--phase1 {text!r}: expected split:TOKENS,CHUNK,WARPS,SOURCES,WARPS (the scores kernel's "
+            raise SystemExit(f"--phase1 {text!r}: expected {mode}:TOKENS,CHUNK,WARPS,SOURCES,WARPS (the scores kernel's "
                              "tokens, channels a chunk and warps, the gradients kernel's sources a load and warps; "
                              "positive integers), e.g. split:4,64,4,2,4")
         return text
@@ -77,7 +80,7 @@ def parse_tiles(text: str):
     if (len(fields) not in (4, 5, 6, 7) or not all(f > 0 for f in fields[:4])
             or (len(fields) > 4 and fields[4] not in (0, 1)) or (len(fields) > 5 and fields[5] <= 0)
             or (len(fields) > 6 and fields[6] < 0)):
-        raise SystemExit(f"--phase1 {text!r}: expected 'default', 'split', 'one-kernel' or "
+        raise SystemExit(f"--phase1 {text!r}: expected 'default', one of {', '.join(SPLIT)} or "
                          "TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL[,"
                          "BWD_WARPS[,BWD_MAXNREG]]] (positive integers, UNROLL 0 or 1, BWD_MAXNREG 0 for none), e.g. "
                          "1,4,8,8 or 1,2,8,8,0,8,128")
@@ -138,13 +141,15 @@ def phase1_tiles(fused, cand, n, d):
         return
     if isinstance(cand, str):
         mode, _, fields = cand.partition(":")
-        before = fused.SPLIT_BWD, fused.SPLIT_TILES
-        fused.SPLIT_BWD = SPLIT[mode]
-        fused.SPLIT_TILES = tuple(int(f) for f in fields.split(",")) if fields else before[1]
+        settings = dict(SPLIT[mode], **({"SPLIT_TILES": tuple(int(f) for f in fields.split(","))} if fields else {}))
+        before = {name: getattr(fused, name) for name in settings}
+        for name, value in settings.items():
+            setattr(fused, name, value)
         try:
             yield fused.tiles(n, d)
         finally:
-            fused.SPLIT_BWD, fused.SPLIT_TILES = before
+            for name, value in before.items():
+                setattr(fused, name, value)
         return
     bt, warps, bs, bbs, *rest = cand
     block_d = fused._pow2(d)

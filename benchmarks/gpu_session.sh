@@ -225,6 +225,9 @@
 #            training steps of attnres_block at `small` with bf16 row gradients against fp32 ones (2 seeds)
 #   split_sweep one GPU (about 150 s with the start): the split phase-1 backward's tiles (SPLIT_CANDIDATES, as
 #            fused.SPLIT_TILES) at each call of attnres_block's `medium` step, beside the one-kernel backward
+#   split_fwd one GPU (about 560 s with the start): the phase-1 forward in two passes (fused.SPLIT_FWD) against one
+#            kernel at each call of attnres_block's `medium` step, where that step's time goes beside vanilla's (by
+#            kind of kernel), then the step with the two-pass forward beside vanilla and the defaults
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -232,7 +235,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep split_fwd"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -887,6 +890,18 @@ case "$PLAN" in
       --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 one-kernel split \
       ${SPLIT_CANDIDATES:-split:4,32,4,2,4 split:4,64,4,1,4 split:4,32,4,1,4 split:8,64,8,2,8 split:4,128,4,2,4} \
       --tag ${TAG:-_split_sweep}
+    ;;
+  split_fwd)
+    # the phase-1 forward in two passes (fused.SPLIT_FWD) at each call of medium's step, then where the step's time
+    # goes by kind of kernel, then the step with it beside vanilla and the defaults
+    step gpu0 fwd_tiles "${TILES_LIMIT:-90}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 one-kernel-fwd split-fwd \
+      ${SPLIT_CANDIDATES:-split-fwd:4,128,4,2,4 split-fwd:8,64,8,2,4 split-fwd:2,64,2,2,4} --tag ${TAG:-_split_fwd}
+    step gpu0 where_medium "${WHERE_LIMIT:-230}" python3 -m benchmarks.profile_step --model medium --residuals vanilla \
+      attnres_block --compile model --graphs on --top 40 --set $COMBO --tag ${TAG:-_split_fwd}
+    step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@py:kernels.depth_attn.fused.SPLIT_FWD=True" attnres_block --compile model --graphs on \
+      --steps 6 --set $COMBO --tag ${TAG:-_split_fwd}
     ;;
   rows_medium)
     # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium

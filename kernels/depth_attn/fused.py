@@ -150,6 +150,69 @@ def _summaries_fwd_kernel(
 
 
 @triton.jit
+def _split_fwd_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries q_c ⊙ g_c (C, d) fp32
+    out_ptr,  # result: normalised outputs (C, N, d), the sources' dtype (or out_dtype)
+    lse_ptr,  # result: log-sum-exp of the logits over sources (C, N) fp32
+    n, N, D, eps,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Phase 1 forward in two passes over chunks of BLOCK_D channels (one warp a token on the GPU: every logit is a
+    reduction inside a warp): the logits of every (source, consumer) pair and their softmax, then the weighted sums,
+    the sources read again (from the caches)."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    tok = offs_t.to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n
+    offs_c = tl.arange(0, BLOCK_C)
+    rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T)
+    mask_st = mask_s[:, None] & mask_t[None, :]
+    ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)
+    qx = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # (q_c ⊙ g_c)·x_s
+    d0 = pid * 0
+    while d0 < D:
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                    mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (S, T, Dc)
+        if KEY_NORM:
+            ss += tl.sum(x * x, axis=2)
+        for c in tl.static_range(C):
+            qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+            qx += tl.where(offs_c[None, None, :] == c, tl.sum(x * qg, axis=2)[:, :, None], 0.0)
+        d0 += BLOCK_D
+    if KEY_NORM:
+        r = tl.rsqrt(ss / D + eps)
+    else:
+        r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+    # softmax over the sources in fp32 (AttnRes §3)
+    logit = tl.where(mask_s[:, None, None], qx * r[:, :, None], float("-inf"))  # (S, T, C)
+    m = tl.max(logit, axis=0)  # (T, C): every token has at least one source
+    p = tl.exp(logit - m[None, :, :])
+    l_sum = tl.sum(p, axis=0)
+    p = p / l_sum[None, :, :]
+    ct = offs_c[None, :] * N + tok[:, None]  # (T, C) in (C, N)
+    tl.store(lse_ptr + ct, m + tl.log(l_sum), mask=(offs_c[None, :] < C) & mask_t[:, None])
+    d0 = pid * 0
+    while d0 < D:
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                    mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        for c in tl.static_range(C):
+            p_c = tl.sum(tl.where(offs_c[None, None, :] == c, p, 0.0), axis=2)  # (S, T)
+            o = tl.sum(p_c[:, :, None] * x, axis=0)  # (T, Dc)
+            tl.store(out_ptr + (tok + c * N)[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=mask_td)
+        d0 += BLOCK_D
+
+
+@triton.jit
 def _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t, mask_td, mask_d, N, D):
     """Consumer c over a chunk x (S, T, D): its query qg (D,), upstream gradient dO (T, D), the logits
     (S, T), the weights w = exp(logit − lse) (S, T) (0 past n) and a = dO·x_s (S, T)."""
@@ -539,6 +602,7 @@ class Tiles:
     bwd_warps: int = 0  # the backward's warps (0: num_warps)
     bwd_maxnreg: int = 0  # the backward's cap on registers a thread (0: the compiler's choice)
     bwd_split: bool = False  # the backward as two kernels, scalars then gradients (``split_tiles``)
+    fwd_split: bool = False  # the forward in two passes over chunks of channels, one warp a token (``SPLIT_FWD``)
 
 
 # The phase-1 backward at d > 512 (two or more warps a token): None keeps the tiles below (and ``NARROW_WIDE_BWD``);
@@ -569,6 +633,18 @@ SPLIT_SOURCES = (5, 9)
 # kernel, sources a load, warps of the gradients kernel), e.g. in a benchmark row or a sweep candidate
 # (``benchmarks.depth_attn_tiles --phase1 split:4,64,4,1,4``).
 SPLIT_TILES: tuple[int, int, int, int, int] | None = None
+# The phase-1 forward as ``_split_fwd_kernel`` (two passes over chunks of channels, one warp a token, the scores
+# kernel's tiles): True everywhere, False nowhere, None where ``split_forward`` says.
+SPLIT_FWD: bool | None = None
+
+
+def split_forward(n: int, d: int, c: int | None) -> bool:
+    """Whether phase 1's forward over n sources for c consumers at width d takes two passes (``SPLIT_FWD``)."""
+    if SPLIT_FWD not in (None, True, False):
+        raise ValueError(f"fused.SPLIT_FWD={SPLIT_FWD!r}: choose None (the rule), True or False")
+    if SPLIT_FWD is not None:
+        return SPLIT_FWD
+    return False
 
 
 def split_backward(n: int, d: int, c: int | None) -> bool:
@@ -609,7 +685,12 @@ def tiles(n: int, d: int, c: int | None = None) -> Tiles:
         block_d, block_t, warps = _pow2(d), 32, 4
         block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
         return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True,
-                     bwd_split=split_backward(n, d, c))
+                     bwd_split=split_backward(n, d, c), fwd_split=split_forward(n, d, c))
+    t = _gpu_tiles(n, d, c)
+    return dataclasses.replace(t, fwd_split=True) if split_forward(n, d, c) else t
+
+
+def _gpu_tiles(n: int, d: int, c: int | None) -> Tiles:
     if split_backward(n, d, c):
         return dataclasses.replace(_tiles(n, d), bwd_split=True)
     wide = None if _pow2(d) <= 512 else WIDE_BWD
@@ -694,9 +775,15 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     shape = src.shape[1:]
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
-    t = tiles(n, d)
+    t = tiles(n, d, C)
     out = torch.empty(C, *shape, device=src.device, dtype=out_dtype or src.dtype)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
+    if t.fwd_split and not store_logits:  # (the weights of a one-pass read come from the one-kernel forward)
+        block_t, chunk, warps = split_tiles(n, d, C)[0]
+        _split_fwd_kernel[(_cdiv(N, block_t),)](src, qg, out, lse, n, N, d, eps, C=C, BLOCK_C=_pow2(C),
+                                                KEY_NORM=key_norm, BLOCK_S=_pow2(n), BLOCK_T=block_t, BLOCK_D=chunk,
+                                                num_warps=warps)
+        return out, lse, None
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
         src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,

@@ -126,6 +126,20 @@ def test_split_backward_matches_reference(case, monkeypatch):
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=5), key_norm, up_seed=6)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_split_forward_matches_reference(case, monkeypatch):
+    # The phase-1 forward in two passes over 16-channel chunks (the interpreter's), with the split backward: every
+    # output, weight and gradient against the reference, on every case.
+    from kernels.depth_attn import fused
+
+    _, C, n, B, T, d, key_norm, gains = case
+    monkeypatch.setattr(fused, "SPLIT_FWD", True)
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    assert fused.tiles(n, d, C).fwd_split
+    assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=9), key_norm, up_seed=10)
+
+
 def test_split_backward_setting_is_explicit(monkeypatch):
     """``SPLIT_BWD`` True or False overrides the rule for every call and keeps the rest of the tiles; anything else is
     refused with its value and the choices, before any launch."""
@@ -144,6 +158,12 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     assert fused.tiles(3, 1024, 4) == fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)  # the other rules still apply
     monkeypatch.setattr(fused, "SPLIT_BWD", "yes")
     with pytest.raises(ValueError, match=r"SPLIT_BWD='yes': choose None \(the rule\), True or False"):
+        fused.tiles(5, 1024, 4)
+    monkeypatch.setattr(fused, "SPLIT_BWD", None)
+    monkeypatch.setattr(fused, "SPLIT_FWD", True)  # the forward's setting leaves the backward's tiles alone
+    assert fused.tiles(3, 1024, 4) == dataclasses.replace(fused._tiles(3, 1024, fused.NARROW_WIDE_BWD), fwd_split=True)
+    monkeypatch.setattr(fused, "SPLIT_FWD", 1.5)
+    with pytest.raises(ValueError, match=r"SPLIT_FWD=1.5: choose None \(the rule\), True or False"):
         fused.tiles(5, 1024, 4)
 
 
