@@ -78,6 +78,20 @@ def main(argv=None) -> int:
                     BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, DELTA_FROM_OUT=from_out), t.num_warps)
               for label, from_out in (("", False), (", delta from the outputs", True))
               if not (from_out and t.bwd_one_chunk)),
+            # the split backward where the rule takes it (fused.split_backward): its two kernels with their tiles
+            *((f"phase 1 backward, split: {label}", fn, types, dict(consts, C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True),
+               warps)
+              for (bt_a, chunk, warps_a), (bt_b, block_d, per_load), warps_b in
+              ([fused.split_tiles(n, d, C)] if t.bwd_split else [])
+              for label, fn, types, consts, warps in (
+                  ("scores", fused._split_scores_kernel,
+                   dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, w_ptr=f32, dlr_ptr=f32,
+                        coef_ptr=f32, eps="fp32"),
+                   dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=bool(fused.SCORES_ONCE)), warps_a),
+                  ("gradients", fused._split_grads_kernel,
+                   dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
+                        dsrc_ptr=bf16, dqg_ptr=f32),
+                   dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d), warps_b))),
             *((f"merge forward{label}", fused._merge_fwd_kernel,
                dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, new_ptr=bf16, psum_ptr=bf16,
                     eps="fp32"),

@@ -372,11 +372,13 @@ def _split_scores_kernel(
     coef_ptr,  # result (KEY_NORM): −r_s² Σ_c dlogit_cs logit_cs / d (n, N) fp32
     n, N, D, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, ONCE: tl.constexpr,
 ):
     """Split backward, first kernel: the per-token scalars of every (consumer, source) pair, from one read of the
     sources and upstream gradients in chunks of BLOCK_D channels (one warp a token on the GPU: every dot product is a
-    reduction inside a warp). Accumulators are (S, T, C): the consumer axis last, in the chunk's layout."""
+    reduction inside a warp). Accumulators are (S, T, C): the consumer axis last, in the chunk's layout. ``ONCE``:
+    the products are summed elementwise over the chunks in (S, T, C, BLOCK_D) accumulators and reduced over the
+    channels once, after the last chunk (one reduction a dot product instead of one a chunk)."""
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < N
@@ -387,25 +389,52 @@ def _split_scores_kernel(
     mask_c = offs_c < C
     rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T) in the (n, N) source-token grid
     mask_st = mask_s[:, None] & mask_t[None, :]
-    ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)  # Σ_d x² (S, T)
-    qx = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # (q_c ⊙ g_c)·x_s
-    a = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # dO_c·x_s
-    d0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
-    while d0 < D:
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-                    mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (S, T, Dc)
-        if KEY_NORM:
-            ss += tl.sum(x * x, axis=2)
-        for c in tl.static_range(C):
-            qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
-            do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :],
-                         mask=mask_t[None, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (1, T, Dc)
-            sel = offs_c[None, None, :] == c
-            qx += tl.where(sel, tl.sum(x * qg, axis=2)[:, :, None], 0.0)
-            a += tl.where(sel, tl.sum(x * do, axis=2)[:, :, None], 0.0)
-        d0 += BLOCK_D
+    if ONCE:
+        offs_k = tl.arange(0, BLOCK_D)
+        ss4 = tl.zeros((BLOCK_S, BLOCK_T, 1, BLOCK_D), dtype=tl.float32)  # x² summed over the chunks
+        qx4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # (q_c ⊙ g_c) ⊙ x_s summed likewise
+        a4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # dO_c ⊙ x_s
+        d0 = pid * 0
+        while d0 < D:
+            offs_d = d0 + offs_k
+            mask_d = offs_d < D
+            x = tl.load(src_ptr + rows[:, :, None, None] * D + offs_d[None, None, None, :],
+                        mask=mask_st[:, :, None, None] & mask_d[None, None, None, :], other=0.0).to(tl.float32)
+            qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
+                         mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
+            do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # the C upstream gradients side by side
+            for c in tl.static_range(C):
+                do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
+                               mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
+                do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
+            if KEY_NORM:
+                ss4 += x * x
+            qx4 += x * qg
+            a4 += x * do
+            d0 += BLOCK_D
+        ss = tl.sum(tl.sum(ss4, axis=3), axis=2)  # (S, T)
+        qx = tl.sum(qx4, axis=3)  # (S, T, C)
+        a = tl.sum(a4, axis=3)
+    else:
+        ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)  # Σ_d x² (S, T)
+        qx = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # (q_c ⊙ g_c)·x_s
+        a = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # dO_c·x_s
+        d0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
+        while d0 < D:
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                        mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (S, T, Dc)
+            if KEY_NORM:
+                ss += tl.sum(x * x, axis=2)
+            for c in tl.static_range(C):
+                qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+                do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :],
+                             mask=mask_t[None, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (1, T, Dc)
+                sel = offs_c[None, None, :] == c
+                qx += tl.where(sel, tl.sum(x * qg, axis=2)[:, :, None], 0.0)
+                a += tl.where(sel, tl.sum(x * do, axis=2)[:, :, None], 0.0)
+            d0 += BLOCK_D
     if KEY_NORM:
         r = tl.rsqrt(ss / D + eps)
     else:
@@ -633,6 +662,9 @@ SPLIT_SOURCES = (5, 9)
 # kernel, sources a load, warps of the gradients kernel), e.g. in a benchmark row or a sweep candidate
 # (``benchmarks.depth_attn_tiles --phase1 split:4,64,4,1,4``).
 SPLIT_TILES: tuple[int, int, int, int, int] | None = None
+# The split backward's scores kernel summing its products over the chunks elementwise and reducing over the channels
+# once (``_split_scores_kernel``'s ONCE) instead of one reduction a chunk. Not yet timed on a GPU: off by default.
+SCORES_ONCE = False
 # The phase-1 forward as ``_split_fwd_kernel`` (two passes over chunks of channels, one warp a token, the scores
 # kernel's tiles): True everywhere, False nowhere, None where ``split_forward`` says.
 SPLIT_FWD: bool | None = None
@@ -673,7 +705,10 @@ def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int
                              "sources a load, warps of the gradients kernel), positive integers, or None")
         bt, chunk, warps_a, per_load, warps_b = SPLIT_TILES
         return (bt, min(block_d, _pow2(chunk)), warps_a), (1, block_d, min(block_s, _pow2(per_load))), warps_b
-    chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
+    if SCORES_ONCE:  # (S, C, chunk) accumulators twice, about 32 fp32 a thread each: 126-168 registers, no spills
+        chunk = min(block_d, max(32, min(256, 1024 // (block_s * _pow2(c)))))
+    else:
+        chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
     return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), 4
 
 
@@ -837,7 +872,7 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
     coef = torch.empty(n, N, device=src.device, dtype=torch.float32) if key_norm else w
     common = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, BLOCK_S=block_s)
     _split_scores_kernel[(_cdiv(N, bt_a),)](src, qg, lse, douts, dlse, w, dlr, coef, n, N, d, eps, **common,
-                                            BLOCK_T=bt_a, BLOCK_D=chunk, num_warps=warps_a)
+                                            BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=bool(SCORES_ONCE), num_warps=warps_a)
     meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d)
     args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
     programs = _persistent_grid(_split_grads_kernel, args[:7] + (qg,) + args[8:], meta, warps_b, _cdiv(N, bt_b),

@@ -128,6 +128,19 @@ def test_split_backward_matches_reference(case, monkeypatch):
 
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_split_backward_reducing_once_matches_reference(case, monkeypatch):
+    # The scores kernel summing its products over the 16-channel chunks and reducing over the channels once
+    # (``SCORES_ONCE``): every output and gradient against the reference, on every case.
+    from kernels.depth_attn import fused
+
+    _, C, n, B, T, d, key_norm, gains = case
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    monkeypatch.setattr(fused, "SCORES_ONCE", True)
+    assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=13), key_norm, up_seed=14)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_split_forward_matches_reference(case, monkeypatch):
     # The phase-1 forward in two passes over 16-channel chunks (the interpreter's), with the split backward: every
     # output, weight and gradient against the reference, on every case.
@@ -746,7 +759,8 @@ def test_gpu_fp32_matches_reference(split, monkeypatch):
 def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     """Every depth-attention kernel compiles for an H100/H200 with the tiles ``fused.tiles`` and
     ``fused._row_tiles`` pick on a GPU (Triton's NVIDIA backend and ptxas, no GPU needed), at the widths of
-    `small` and `medium`: catches GPU-only compile errors on CPU CI. Phase 1 at d = 512 runs one warp a token,
+    `small` and `medium` (the split backward's kernels at `medium`): catches GPU-only compile errors on CPU CI. Phase 1
+    at d = 512 runs one warp a token,
     so its reductions over d need no shared memory, and its backward (one source a load) spills nothing (with two
     sources a load it spilled 332 bytes at block-small and was 0.336 against 0.272 ms on an H200), nor when it takes
     dO·o from the outputs (``DELTA_FROM_OUT``); spills elsewhere stay at a few hundred bytes."""
@@ -761,8 +775,13 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
-    # 3 shapes x (phase 1 fwd, bwd, bwd taking dO·o from the outputs, merge fwd, bwd, each alone and summing)
-    assert len(lines) == 21, res.stdout
+    # 3 shapes x (phase 1 fwd, bwd, bwd taking dO·o from the outputs, merge fwd, bwd, each alone and summing), and
+    # block-medium's split backward (5 sources at d = 1024: the rule takes it), its two kernels without spills
+    assert len(lines) == 23, res.stdout
+    split = [line for line in lines if "phase 1 backward, split" in line]
+    assert [line.split(" {")[0] for line in split] == ["phase 1 backward, split: scores",
+                                                       "phase 1 backward, split: gradients"], res.stdout
+    assert all(" 0 bytes spill stores" in line for line in split), res.stdout
     # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
     after = res.stdout.split("phase 1 backward", 1)[1].split("merge forward", 1)[0]
     assert re.search(r"loop depth \d+: \d+ instructions \(fp32 \d+", after), res.stdout
