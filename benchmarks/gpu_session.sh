@@ -228,6 +228,9 @@
 #   split_fwd one GPU (about 560 s with the start): the phase-1 forward in two passes (fused.SPLIT_FWD) against one
 #            kernel at each call of attnres_block's `medium` step, where that step's time goes beside vanilla's (by
 #            kind of kernel), then the step with the two-pass forward beside vanilla and the defaults
+#   scores_once one GPU (about 470 s with the start): the depth-attention GPU tests, the split backward's scores
+#            kernel reducing over the channels once (fused.SCORES_ONCE) against once a chunk at each call of
+#            attnres_block's `medium` step, then the step with it beside vanilla and the default (re-timed last)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -235,7 +238,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep split_fwd"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep split_fwd scores_once"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -902,6 +905,17 @@ case "$PLAN" in
     step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       attnres_block "attnres_block@py:kernels.depth_attn.fused.SPLIT_FWD=True" attnres_block --compile model --graphs on \
       --steps 6 --set $COMBO --tag ${TAG:-_split_fwd}
+    ;;
+  scores_once)
+    # the split scores kernel reducing once (fused.SCORES_ONCE) against once a chunk: GPU tests, each call of medium's
+    # step alone, then the step with it beside vanilla and the default
+    attnres_tests "${TEST_LIMIT:-90}"
+    step gpu0 split_tiles "${TILES_LIMIT:-120}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 one-kernel split split-once \
+      --tag ${TAG:-_scores_once}
+    step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      attnres_block "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True" attnres_block --compile model \
+      --graphs on --steps 6 --set $COMBO --tag ${TAG:-_scores_once}
     ;;
   rows_medium)
     # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium

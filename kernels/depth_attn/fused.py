@@ -37,6 +37,14 @@ outputs of fp32 sources, ``out_dtype``) phase 1 keeps them and dO_c·o_c comes f
 (each program loops over token blocks and writes one partial gradient of q ⊙ g) with as many
 programs as fit on the GPU at once, read from the compiled kernel's registers and shared memory.
 
+Split backward (``split_backward``: 5 to 9 sources at d = 1024; ``SPLIT_BWD`` sets it): ``_split_scores_kernel``
+reads every source and upstream gradient of 4 tokens (one warp each) in chunks of channels and writes the per-token
+scalars w_cs, dlogit_cs·r_s (C, n, N) and the key norm's −r_s² Σ_c dlogit_cs logit_cs / d (n, N) in fp32; then
+``_split_grads_kernel`` (persistent, one token over all d) forms dx_s and the query-gradient partials elementwise from
+them, reading the sources and upstream gradients again. Twice the reads of those, but no token's whole rows in
+registers and no reduction across warps: 0.69-0.79x the one kernel's time from 6 sources on at `medium`, slower at 2-4.
+The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
+
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
 resource report (``python -m benchmarks.depth_attn_ptxas``) and a sweep on an H200
 (``python -m benchmarks.depth_attn_tiles``): 16 fp32 per thread and row, up to 8 sources per load
