@@ -47,10 +47,10 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
          1024: [None, (1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 8)]}
 
 
-# the phase-1 backward as two kernels or one, and the forward in two passes or one, whatever the rules say
-# (``fused.SPLIT_BWD``, ``fused.SPLIT_FWD``), the tiles otherwise default
-SPLIT = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False}, "split-fwd": {"SPLIT_FWD": True},
-         "one-kernel-fwd": {"SPLIT_FWD": False}, "split-once": {"SPLIT_BWD": True, "SCORES_ONCE": True}}
+# the phase-1 backward as two kernels (its scores reduced a chunk at a time, or once: ``fused.SCORES_ONCE``) or one,
+# whatever the rule says (``fused.SPLIT_BWD``), the tiles otherwise default
+SPLIT = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
+         "split-once": {"SPLIT_BWD": True, "SCORES_ONCE": True}}
 
 
 def parse_tiles(text: str):

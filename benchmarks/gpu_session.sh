@@ -225,9 +225,6 @@
 #            training steps of attnres_block at `small` with bf16 row gradients against fp32 ones (2 seeds)
 #   split_sweep one GPU (about 150 s with the start): the split phase-1 backward's tiles (SPLIT_CANDIDATES, as
 #            fused.SPLIT_TILES) at each call of attnres_block's `medium` step, beside the one-kernel backward
-#   split_fwd one GPU (about 560 s with the start): the phase-1 forward in two passes (fused.SPLIT_FWD) against one
-#            kernel at each call of attnres_block's `medium` step, where that step's time goes beside vanilla's (by
-#            kind of kernel), then the step with the two-pass forward beside vanilla and the defaults
 #   scores_once one GPU (about 470 s with the start): the depth-attention GPU tests, the split backward's scores
 #            kernel reducing over the channels once (fused.SCORES_ONCE) against once a chunk at each call of
 #            attnres_block's `medium` step, then the step with it beside vanilla and the default (re-timed last)
@@ -238,7 +235,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep split_fwd scores_once"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -303,6 +300,16 @@ attnres_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -
   tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py; }
 attnres_small() { step gpu0 small "$1" python3 -m benchmarks.throughput --models small --residuals vanilla attnres_block \
   "attnres_block@$2" attnres_block --compile model --graphs on --steps 8 --set $COMBO --tag "$3"; }
+medium_calls() {  # LIMIT TAG CANDIDATES...: the phase-1 kernels alone at each call of attnres_block's medium step
+  local limit=$1 tag=$2; shift 2
+  step gpu0 split_tiles "$limit" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+    --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 "$@" --tag "$tag"
+}
+medium_step() {  # LIMIT TAG ROWS...: the medium step of vanilla and ROWS in one process
+  local limit=$1 tag=$2; shift 2
+  step gpu0 medium "$limit" python3 -m benchmarks.throughput --models medium --residuals vanilla "$@" --compile model \
+    --graphs on --steps 6 --set $COMBO --tag "$tag"
+}
 msar_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
   tests/kernels/test_msar_attn.py; }
 msar_step() {  # MODEL TAG LIMIT STEPS
@@ -879,51 +886,30 @@ case "$PLAN" in
     # the phase-1 backward in two kernels (scalars, then gradients) against one: GPU tests, each call of medium's step
     # alone, then the step with each in one process
     attnres_tests "${TEST_LIMIT:-90}"
-    step gpu0 split_tiles "${TILES_LIMIT:-130}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
-      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 default split one-kernel \
-      --tag ${TAG:-_split}
-    step gpu0 medium "${MEDIUM_LIMIT:-330}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=True" \
-      "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" --compile model --graphs on --steps 6 --set $COMBO \
-      --tag ${TAG:-_split}
+    medium_calls "${TILES_LIMIT:-130}" "${TAG:-_split}" default split one-kernel
+    medium_step "${MEDIUM_LIMIT:-330}" "${TAG:-_split}" "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False" \
+      "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=True" "attnres_block@py:kernels.depth_attn.fused.SPLIT_BWD=False"
     ;;
   split_sweep)
     # the split backward's tiles (fused.SPLIT_TILES) at each call of medium's step, beside one kernel
-    step gpu0 split_tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
-      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 one-kernel split \
-      ${SPLIT_CANDIDATES:-split:4,32,4,2,4 split:4,64,4,1,4 split:4,32,4,1,4 split:8,64,8,2,8 split:4,128,4,2,4} \
-      --tag ${TAG:-_split_sweep}
-    ;;
-  split_fwd)
-    # the phase-1 forward in two passes (fused.SPLIT_FWD) at each call of medium's step, then where the step's time
-    # goes by kind of kernel, then the step with it beside vanilla and the defaults
-    step gpu0 fwd_tiles "${TILES_LIMIT:-90}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
-      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 one-kernel-fwd split-fwd \
-      ${SPLIT_CANDIDATES:-split-fwd:4,128,4,2,4 split-fwd:8,64,8,2,4 split-fwd:2,64,2,2,4} --tag ${TAG:-_split_fwd}
-    step gpu0 where_medium "${WHERE_LIMIT:-230}" python3 -m benchmarks.profile_step --model medium --residuals vanilla \
-      attnres_block --compile model --graphs on --top 40 --set $COMBO --tag ${TAG:-_split_fwd}
-    step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      attnres_block "attnres_block@py:kernels.depth_attn.fused.SPLIT_FWD=True" attnres_block --compile model --graphs on \
-      --steps 6 --set $COMBO --tag ${TAG:-_split_fwd}
+    medium_calls "${TILES_LIMIT:-150}" "${TAG:-_split_sweep}" one-kernel split ${SPLIT_CANDIDATES:-split:4,32,4,2,4 \
+      split:4,64,4,1,4 split:4,32,4,1,4 split:8,64,8,2,8 split:4,128,4,2,4}
     ;;
   scores_once)
     # the split scores kernel reducing once (fused.SCORES_ONCE) against once a chunk: GPU tests, each call of medium's
     # step alone, then the step with it beside vanilla and the default
     attnres_tests "${TEST_LIMIT:-90}"
-    step gpu0 split_tiles "${TILES_LIMIT:-120}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
-      --ops ${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n6 block_n8 block_final9} --phase1 one-kernel split split-once \
-      --tag ${TAG:-_scores_once}
-    step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      attnres_block "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True" attnres_block --compile model \
-      --graphs on --steps 6 --set $COMBO --tag ${TAG:-_scores_once}
+    medium_calls "${TILES_LIMIT:-120}" "${TAG:-_scores_once}" one-kernel split split-once
+    medium_step "${MEDIUM_LIMIT:-200}" "${TAG:-_scores_once}" attnres_block \
+      "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True" attnres_block
     ;;
   rows_medium)
     # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium
     attnres_tests "${TEST_LIMIT:-90}"
-    step gpu0 medium "${MEDIUM_LIMIT:-340}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      attnres_block "attnres_block@py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32" \
+    medium_step "${MEDIUM_LIMIT:-340}" "${TAG:-_rows}" attnres_block \
+      "attnres_block@py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32" \
       "attnres_block@py:kernels.depth_attn.buffer.ROW_GRADIENTS=float32@py:kernels.depth_attn.fused.SPLIT_BWD=False" \
-      attnres_block --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_rows}
+      attnres_block
     ;;
   rows_small)
     # the same at small (no split there), then training with bf16 row gradients against fp32 ones

@@ -158,69 +158,6 @@ def _summaries_fwd_kernel(
 
 
 @triton.jit
-def _split_fwd_kernel(
-    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
-    qg_ptr,  # gain-folded queries q_c ⊙ g_c (C, d) fp32
-    out_ptr,  # result: normalised outputs (C, N, d), the sources' dtype (or out_dtype)
-    lse_ptr,  # result: log-sum-exp of the logits over sources (C, N) fp32
-    n, N, D, eps,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Phase 1 forward in two passes over chunks of BLOCK_D channels (one warp a token on the GPU: every logit is a
-    reduction inside a warp): the logits of every (source, consumer) pair and their softmax, then the weighted sums,
-    the sources read again (from the caches)."""
-    pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < N
-    tok = offs_t.to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < n
-    offs_c = tl.arange(0, BLOCK_C)
-    rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T)
-    mask_st = mask_s[:, None] & mask_t[None, :]
-    ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)
-    qx = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # (q_c ⊙ g_c)·x_s
-    d0 = pid * 0
-    while d0 < D:
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-                    mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (S, T, Dc)
-        if KEY_NORM:
-            ss += tl.sum(x * x, axis=2)
-        for c in tl.static_range(C):
-            qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
-            qx += tl.where(offs_c[None, None, :] == c, tl.sum(x * qg, axis=2)[:, :, None], 0.0)
-        d0 += BLOCK_D
-    if KEY_NORM:
-        r = tl.rsqrt(ss / D + eps)
-    else:
-        r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
-    # softmax over the sources in fp32 (AttnRes §3)
-    logit = tl.where(mask_s[:, None, None], qx * r[:, :, None], float("-inf"))  # (S, T, C)
-    m = tl.max(logit, axis=0)  # (T, C): every token has at least one source
-    p = tl.exp(logit - m[None, :, :])
-    l_sum = tl.sum(p, axis=0)
-    p = p / l_sum[None, :, :]
-    ct = offs_c[None, :] * N + tok[:, None]  # (T, C) in (C, N)
-    tl.store(lse_ptr + ct, m + tl.log(l_sum), mask=(offs_c[None, :] < C) & mask_t[:, None])
-    d0 = pid * 0
-    while d0 < D:
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
-                    mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        for c in tl.static_range(C):
-            p_c = tl.sum(tl.where(offs_c[None, None, :] == c, p, 0.0), axis=2)  # (S, T)
-            o = tl.sum(p_c[:, :, None] * x, axis=0)  # (T, Dc)
-            tl.store(out_ptr + (tok + c * N)[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=mask_td)
-        d0 += BLOCK_D
-
-
-@triton.jit
 def _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t, mask_td, mask_d, N, D):
     """Consumer c over a chunk x (S, T, D): its query qg (D,), upstream gradient dO (T, D), the logits
     (S, T), the weights w = exp(logit − lse) (S, T) (0 past n) and a = dO·x_s (S, T)."""
@@ -298,6 +235,22 @@ def _earlier_dsrc(dsrc_ptr, rows, offs_d, mask, n_add, N, D):
 
 
 @triton.jit
+def _persistent_start(N, D, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A persistent backward's program: its id, the number of programs, the channels' offsets (BLOCK_D,) and mask,
+    the consumers' offsets (BLOCK_C,), a zero query-gradient partial (BLOCK_C, BLOCK_D) and the token blocks' count."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return (tl.program_id(0), tl.num_programs(0), offs_d, tl.arange(0, BLOCK_C), offs_d < D,
+            tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32), tl.cdiv(N, BLOCK_T))
+
+
+@triton.jit
+def _store_partial(dqg_ptr, dqg, pid, offs_c, offs_d, mask_d, C, D):
+    """A program's query-gradient partial into row ``pid`` of (programs, C, d) fp32."""
+    tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
+             mask=(offs_c[:, None] < C) & mask_d[None, :])
+
+
+@triton.jit
 def _summaries_bwd_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries (C, d) fp32
@@ -312,13 +265,7 @@ def _summaries_bwd_kernel(
     UNROLL_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     DELTA_FROM_OUT: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_d = offs_d < D
-    dqg = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
-    n_tiles = tl.cdiv(N, BLOCK_T)
+    pid, n_prog, offs_d, offs_c, mask_d, dqg, n_tiles = _persistent_start(N, D, BLOCK_C, BLOCK_T, BLOCK_D)
     tile = pid
     while tile < n_tiles:  # as many programs as fit on the GPU at once, each over many token blocks
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -365,8 +312,8 @@ def _summaries_bwd_kernel(
                          mask=mask_x)
                 s0 += BLOCK_S
         tile += n_prog
-    tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
-             mask=(offs_c[:, None] < C) & mask_d[None, :])
+    _store_partial(dqg_ptr, dqg, pid, offs_c, offs_d, mask_d, C, D)
+
 
 @triton.jit
 def _split_scores_kernel(
@@ -479,13 +426,7 @@ def _split_grads_kernel(
     """Split backward, second kernel: elementwise over d from the first kernel's scalars (no reduction over d, so
     no communication between warps), persistent, with the per-program query-gradient partial in registers:
         dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c += Σ_s dlr_cs x_s."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_d = offs_d < D
-    dqg = tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32)
-    n_tiles = tl.cdiv(N, BLOCK_T)
+    pid, n_prog, offs_d, offs_c, mask_d, dqg, n_tiles = _persistent_start(N, D, BLOCK_C, BLOCK_T, BLOCK_D)
     tile = pid
     while tile < n_tiles:
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -513,8 +454,7 @@ def _split_grads_kernel(
                      mask=mask_x)
             s0 += BLOCK_S
         tile += n_prog
-    tl.store(dqg_ptr + (pid * C + offs_c[:, None]).to(tl.int64) * D + offs_d[None, :], dqg,
-             mask=(offs_c[:, None] < C) & mask_d[None, :])
+    _store_partial(dqg_ptr, dqg, pid, offs_c, offs_d, mask_d, C, D)
 
 
 @triton.jit
@@ -639,7 +579,6 @@ class Tiles:
     bwd_warps: int = 0  # the backward's warps (0: num_warps)
     bwd_maxnreg: int = 0  # the backward's cap on registers a thread (0: the compiler's choice)
     bwd_split: bool = False  # the backward as two kernels, scalars then gradients (``split_tiles``)
-    fwd_split: bool = False  # the forward in two passes over chunks of channels, one warp a token (``SPLIT_FWD``)
 
 
 # The phase-1 backward at d > 512 (two or more warps a token): None keeps the tiles below (and ``NARROW_WIDE_BWD``);
@@ -673,27 +612,18 @@ SPLIT_TILES: tuple[int, int, int, int, int] | None = None
 # The split backward's scores kernel summing its products over the chunks elementwise and reducing over the channels
 # once (``_split_scores_kernel``'s ONCE) instead of one reduction a chunk. Not yet timed on a GPU: off by default.
 SCORES_ONCE = False
-# The phase-1 forward as ``_split_fwd_kernel`` (two passes over chunks of channels, one warp a token, the scores
-# kernel's tiles): True everywhere, False nowhere, None where ``split_forward`` says.
-SPLIT_FWD: bool | None = None
-
-
-def split_forward(n: int, d: int, c: int | None) -> bool:
-    """Whether phase 1's forward over n sources for c consumers at width d takes two passes (``SPLIT_FWD``)."""
-    if SPLIT_FWD not in (None, True, False):
-        raise ValueError(f"fused.SPLIT_FWD={SPLIT_FWD!r}: choose None (the rule), True or False")
-    if SPLIT_FWD is not None:
-        return SPLIT_FWD
-    return False
 
 
 def split_backward(n: int, d: int, c: int | None) -> bool:
     """Whether the phase-1 backward over n sources for c consumers at width d runs split (``SPLIT_BWD``; unset:
-    ``SPLIT_SOURCES`` sources at d = 1024 on the GPU, never under the interpreter)."""
+    ``SPLIT_SOURCES`` sources at d = 1024 on the GPU unless ``WIDE_BWD`` sets the one kernel's tiles, never under the
+    interpreter)."""
     if SPLIT_BWD not in (None, True, False):
         raise ValueError(f"fused.SPLIT_BWD={SPLIT_BWD!r}: choose None (the rule), True or False")
     if SPLIT_BWD is not None:
         return SPLIT_BWD
+    if WIDE_BWD is not None:  # the one kernel's tiles set above 512 channels: the rule gives way to them
+        return False
     return not interpreting() and _pow2(d) == 1024 and SPLIT_SOURCES[0] <= n <= SPLIT_SOURCES[1]
 
 
@@ -721,19 +651,15 @@ def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int
 
 
 def tiles(n: int, d: int, c: int | None = None) -> Tiles:
-    """The tiles of a phase-1 call over n sources for c consumers at width d: the GPU's (``_tiles``; above 512
-    channels ``WIDE_BWD`` where set, else ``NARROW_WIDE_BWD`` for 3 or 4 sources of at most 4 consumers at d = 1024),
-    or the interpreter's: 32 tokens per program (each program costs milliseconds there)."""
+    """The tiles of a phase-1 call over n sources for c consumers at width d: the GPU's (``_tiles``, with the split
+    backward where ``split_backward`` says; else above 512 channels ``WIDE_BWD`` where set, else ``NARROW_WIDE_BWD``
+    for 3 or 4 sources of at most 4 consumers at d = 1024), or the interpreter's: 32 tokens per program (each program
+    costs milliseconds there; split only where ``SPLIT_BWD`` is True)."""
     if interpreting():
         block_d, block_t, warps = _pow2(d), 32, 4
         block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
         return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True,
-                     bwd_split=split_backward(n, d, c), fwd_split=split_forward(n, d, c))
-    t = _gpu_tiles(n, d, c)
-    return dataclasses.replace(t, fwd_split=True) if split_forward(n, d, c) else t
-
-
-def _gpu_tiles(n: int, d: int, c: int | None) -> Tiles:
+                     bwd_split=split_backward(n, d, c))
     if split_backward(n, d, c):
         return dataclasses.replace(_tiles(n, d), bwd_split=True)
     wide = None if _pow2(d) <= 512 else WIDE_BWD
@@ -821,12 +747,6 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     t = tiles(n, d, C)
     out = torch.empty(C, *shape, device=src.device, dtype=out_dtype or src.dtype)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
-    if t.fwd_split and not store_logits:  # (the weights of a one-pass read come from the one-kernel forward)
-        block_t, chunk, warps = split_tiles(n, d, C)[0]
-        _split_fwd_kernel[(_cdiv(N, block_t),)](src, qg, out, lse, n, N, d, eps, C=C, BLOCK_C=_pow2(C),
-                                                KEY_NORM=key_norm, BLOCK_S=_pow2(n), BLOCK_T=block_t, BLOCK_D=chunk,
-                                                num_warps=warps)
-        return out, lse, None
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
         src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,

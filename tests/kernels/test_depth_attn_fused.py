@@ -113,44 +113,20 @@ def test_two_phase_matches_reference(case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("once", [False, True], ids=["reduce-a-chunk", "reduce-once"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_split_backward_matches_reference(case, monkeypatch):
-    # The phase-1 backward as two kernels (per-token scalars from chunks of 16 channels, then the gradients two
-    # sources a load): every output and gradient against the reference, on every case (one source, T = 1, raw keys,
-    # 9 sources for one consumer, 6 consumers, d not a multiple of the chunk).
+def test_split_backward_matches_reference(case, once, monkeypatch):
+    # The phase-1 backward as two kernels (per-token scalars from chunks of 16 channels, reduced a chunk at a time or
+    # once after the last, ``SCORES_ONCE``; then the gradients two sources a load): every output and gradient against
+    # the reference, on every case (one source, T = 1, raw keys, 9 sources for one consumer, 6 consumers, d not a
+    # multiple of the chunk).
     from kernels.depth_attn import fused
 
     _, C, n, B, T, d, key_norm, gains = case
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    monkeypatch.setattr(fused, "SCORES_ONCE", once)
     assert fused.tiles(n, d, C).bwd_split
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=5), key_norm, up_seed=6)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_split_backward_reducing_once_matches_reference(case, monkeypatch):
-    # The scores kernel summing its products over the 16-channel chunks and reducing over the channels once
-    # (``SCORES_ONCE``): every output and gradient against the reference, on every case.
-    from kernels.depth_attn import fused
-
-    _, C, n, B, T, d, key_norm, gains = case
-    monkeypatch.setattr(fused, "SPLIT_BWD", True)
-    monkeypatch.setattr(fused, "SCORES_ONCE", True)
-    assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=13), key_norm, up_seed=14)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_split_forward_matches_reference(case, monkeypatch):
-    # The phase-1 forward in two passes over 16-channel chunks (the interpreter's), with the split backward: every
-    # output, weight and gradient against the reference, on every case.
-    from kernels.depth_attn import fused
-
-    _, C, n, B, T, d, key_norm, gains = case
-    monkeypatch.setattr(fused, "SPLIT_FWD", True)
-    monkeypatch.setattr(fused, "SPLIT_BWD", True)
-    assert fused.tiles(n, d, C).fwd_split
-    assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=9), key_norm, up_seed=10)
 
 
 def test_split_backward_setting_is_explicit(monkeypatch):
@@ -166,18 +142,16 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     assert [n for n in range(1, 18) if fused.tiles(n, 1024, 4).bwd_split] == [5, 6, 7, 8, 9]
     assert fused.tiles(9, 1000, 1).bwd_split and not fused.tiles(6, 512, 4).bwd_split
     assert not fused.tiles(6, 2048, 4).bwd_split
+    monkeypatch.setattr(fused, "WIDE_BWD", (8, 8, False, 128))  # the one kernel's tiles set: the rule gives way
+    assert fused.tiles(6, 1024, 4) == fused._tiles(6, 1024, (8, 8, False, 128))
+    monkeypatch.setattr(fused, "WIDE_BWD", None)
     monkeypatch.setattr(fused, "SPLIT_BWD", False)
     assert not any(fused.tiles(n, d, 4).bwd_split for n in (1, 3, 4, 8, 9) for d in (512, 1024, 2048))
     assert fused.tiles(3, 1024, 4) == fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)  # the other rules still apply
     monkeypatch.setattr(fused, "SPLIT_BWD", "yes")
     with pytest.raises(ValueError, match=r"SPLIT_BWD='yes': choose None \(the rule\), True or False"):
         fused.tiles(5, 1024, 4)
-    monkeypatch.setattr(fused, "SPLIT_BWD", None)
-    monkeypatch.setattr(fused, "SPLIT_FWD", True)  # the forward's setting leaves the backward's tiles alone
-    assert fused.tiles(3, 1024, 4) == dataclasses.replace(fused._tiles(3, 1024, fused.NARROW_WIDE_BWD), fwd_split=True)
-    monkeypatch.setattr(fused, "SPLIT_FWD", 1.5)
-    with pytest.raises(ValueError, match=r"SPLIT_FWD=1.5: choose None \(the rule\), True or False"):
-        fused.tiles(5, 1024, 4)
+
 
 
 def test_row_gradients_take_the_rows_dtype_unless_set_to_fp32(monkeypatch):
@@ -809,6 +783,7 @@ def test_wide_backward_tiles_apply_above_512_channels_and_name_a_bad_setting(mon
     assert fused._tiles(3, 1024, (2, 4, True, 0)).bwd_one_chunk is False  # 3 sources over two loads of 2
     assert fused._tiles(2, 1024, (8, 8, False, 128)).bwd_block_s == 2  # never more than the sources
     monkeypatch.setattr(fused, "interpreting", lambda: False)
+    monkeypatch.setattr(fused, "SPLIT_BWD", False)  # the one kernel's tiles (the split's rule: its own test)
     # unset: one load of 4 over 4 warps (NARROW_WIDE_BWD) for 3 or 4 sources of at most 4 consumers at d = 1024 alone
     narrow = fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)
     assert (narrow.bwd_block_s, narrow.bwd_one_chunk, narrow.bwd_warps, narrow.bwd_maxnreg) == (4, True, 4, 168)
