@@ -145,7 +145,8 @@ def summaries_keep_outputs(sources: SourceBuffer | Tensor, C: int, out_dtype: to
         return False
     from . import fused
 
-    return fused.keeps_outputs(x.dtype, out_dtype, C, x.shape[-1])
+    n = len(sources) if isinstance(sources, SourceBuffer) else x.shape[0]  # the rows a call reads now
+    return fused.keeps_outputs(x.dtype, out_dtype, n, C, x.shape[-1])
 
 
 def depth_attn_merge(out: Tensor, lse: Tensor, partial: Tensor | None, query: Tensor, key_gain: Tensor | None = None, *,

@@ -59,7 +59,6 @@ modified afterwards (so the backward may read them after later rows are filled).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -661,7 +660,7 @@ def tiles(n: int, d: int, c: int | None = None) -> Tiles:
         return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True,
                      bwd_split=split_backward(n, d, c))
     if split_backward(n, d, c):
-        return dataclasses.replace(_tiles(n, d), bwd_split=True)
+        return _tiles(n, d, split=True)
     wide = None if _pow2(d) <= 512 else WIDE_BWD
     if wide is None and _pow2(d) == 1024 and 3 <= n <= 4 and c is not None and c <= 4:
         wide = NARROW_WIDE_BWD
@@ -669,8 +668,9 @@ def tiles(n: int, d: int, c: int | None = None) -> Tiles:
 
 
 @functools.lru_cache(maxsize=None)
-def _tiles(n: int, d: int, wide: tuple | None = None) -> Tiles:
-    """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)).
+def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False) -> Tiles:
+    """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)); ``split``:
+    the backward as two kernels (its own tiles: ``split_tiles``).
 
     GPU: 16 fp32 of a row per thread: one token per program for d >= 512 with one warp per 512
     channels, else as many tokens as make a 512-value row in one warp. A reduction over d then stays
@@ -699,8 +699,9 @@ def _tiles(n: int, d: int, wide: tuple | None = None) -> Tiles:
                              "or 0), e.g. (8, 8, False, 128), or None")
         wide_s = min(_pow2(n), _pow2(wide[0]))
         return Tiles(block_t, block_d, block_s, n <= block_s, warps, wide_s, n <= wide_s, bool(wide[2]), wide[1],
-                     wide[3])
-    return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16)
+                     wide[3], split)
+    return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16,
+                 bwd_split=split)
 
 
 _RESIDENT: dict = {}
@@ -884,11 +885,13 @@ def delta_from_outputs(C: int, d: int) -> bool:
     return DELTA_FROM_OUTPUTS
 
 
-def keeps_outputs(src_dtype: torch.dtype, out_dtype: torch.dtype | None, C: int, d: int) -> bool:
-    """Whether phase 1 over sources of ``src_dtype`` keeps its C outputs of ``out_dtype`` for its backward: narrow
-    outputs (``out_dtype`` set and not the sources') where ``delta_from_outputs`` says. A merge of such an output
-    keeps it instead of its own result (``merge(keep_o=True)``): no tensor more."""
-    return out_dtype is not None and out_dtype != src_dtype and delta_from_outputs(C, d)
+def keeps_outputs(src_dtype: torch.dtype, out_dtype: torch.dtype | None, n: int, C: int, d: int) -> bool:
+    """Whether phase 1 over n sources of ``src_dtype`` keeps its C outputs of ``out_dtype`` for its backward: narrow
+    outputs (``out_dtype`` set and not the sources') where ``delta_from_outputs`` says, unless the backward runs split
+    (it sums dO·o from the sources). A merge of such an output keeps it instead of its own result
+    (``merge(keep_o=True)``): no tensor more."""
+    return (out_dtype is not None and out_dtype != src_dtype and delta_from_outputs(C, d)
+            and not tiles(n, d, C).bwd_split)
 
 
 class SummariesFunction(torch.autograd.Function):
@@ -913,7 +916,7 @@ class SummariesFunction(torch.autograd.Function):
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
         # narrow outputs are kept for the backward's delta_c = dO_c·o_c (``summaries_bwd(out=)``): no first pass over
         # the sources there; under autocast the consumer that reads its output as it is keeps their storage anyway
-        keep_out = keeps_outputs(src.dtype, out.dtype, qg.shape[0], src.shape[-1])
+        keep_out = keeps_outputs(src.dtype, out.dtype, n, qg.shape[0], src.shape[-1])
         ctx.keep_out = keep_out
         kept = (out,) if keep_out else ()
         if rows:

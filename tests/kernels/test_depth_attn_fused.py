@@ -137,6 +137,7 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "interpreting", lambda: False)
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
     assert fused.tiles(5, 1024, 4) == dataclasses.replace(fused._tiles(5, 1024), bwd_split=True)
+    assert fused.tiles(5, 1024, 4) is fused.tiles(5, 1024, 4)  # cached with the other tiles, not rebuilt a call
     assert fused.tiles(3, 512, 2).bwd_split
     monkeypatch.setattr(fused, "SPLIT_BWD", None)  # the rule: 5 to 9 sources at d = 1024, whatever the consumers
     assert [n for n in range(1, 18) if fused.tiles(n, 1024, 4).bwd_split] == [5, 6, 7, 8, 9]
@@ -308,6 +309,11 @@ def test_phase_one_keeps_its_outputs_for_the_backward_where_the_setting_says(set
     assert summaries_keep_outputs(sources, C, torch.bfloat16, backend="triton") == kept  # what a merge is told
     assert not summaries_keep_outputs(sources, C, None, backend="triton")  # outputs in the sources' dtype: not kept
     assert not summaries_keep_outputs(sources, C, torch.bfloat16, backend="torch")
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)  # the split backward sums dO·o from the sources: nothing kept
+    calls.clear()
+    source_grad()
+    assert calls == [None] and not summaries_keep_outputs(sources, C, torch.bfloat16, backend="triton")
+    monkeypatch.setattr(fused, "SPLIT_BWD", None)
     monkeypatch.setattr(fused, "DELTA_FROM_OUTPUTS", False)
     assert rel_err(ds, source_grad()) < 2e-2  # the outputs' bf16 rounding inside delta_c, at most
 
