@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from benchmarks.roofline import Ceilings, Table, bench_ms
+from benchmarks.roofline import Ceilings, Table, bench_ms, held
 
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "tiny": (1, 9, 20)}  # tiny: the CPU smoke test
 # (n sources, C consumers); block_n2 .. block_final: the phase-1 calls of Block AttnRes's step (16 sublayers, blocks of
@@ -142,14 +142,8 @@ def phase1_tiles(fused, cand, n, d):
     if isinstance(cand, str):
         mode, _, fields = cand.partition(":")
         settings = dict(SPLIT[mode], **({"SPLIT_TILES": tuple(int(f) for f in fields.split(","))} if fields else {}))
-        before = {name: getattr(fused, name) for name in settings}
-        for name, value in settings.items():
-            setattr(fused, name, value)
-        try:
+        with held((fused, name, value) for name, value in settings.items()):
             yield fused.tiles(n, d)
-        finally:
-            for name, value in before.items():
-                setattr(fused, name, value)
         return
     bt, warps, bs, bbs, *rest = cand
     block_d = fused._pow2(d)
