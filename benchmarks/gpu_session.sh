@@ -225,9 +225,10 @@
 #            training steps of attnres_block at `small` with bf16 row gradients against fp32 ones (2 seeds)
 #   split_sweep one GPU (about 150 s with the start): the split phase-1 backward's tiles (SPLIT_CANDIDATES, as
 #            fused.SPLIT_TILES) at each call of attnres_block's `medium` step, beside the one-kernel backward
-#   scores_once one GPU (about 470 s with the start): the depth-attention GPU tests, the split backward's scores
+#   scores_once one GPU (about 560 s with the start): the depth-attention GPU tests, the split backward's scores
 #            kernel reducing over the channels once (fused.SCORES_ONCE) against once a chunk at each call of
-#            attnres_block's `medium` step, then the step with it beside vanilla and the default (re-timed last)
+#            attnres_block's `medium` step, then the step with it beside vanilla, the default, and it with the
+#            split from 3 sources on (SPLIT_SOURCES=(3,9))
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -897,11 +898,13 @@ case "$PLAN" in
     ;;
   scores_once)
     # the split scores kernel reducing once (fused.SCORES_ONCE) against once a chunk: GPU tests, each call of medium's
-    # step alone, then the step with it beside vanilla and the default
-    attnres_tests "${TEST_LIMIT:-90}"
-    medium_calls "${TILES_LIMIT:-120}" "${TAG:-_scores_once}" one-kernel split split-once
-    medium_step "${MEDIUM_LIMIT:-200}" "${TAG:-_scores_once}" attnres_block \
-      "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True" attnres_block
+    # step alone (the forward at 4 warps a token too), then the step with it beside vanilla and the default, and with
+    # the split from 3 sources on
+    attnres_tests "${TEST_LIMIT:-110}"
+    medium_calls "${TILES_LIMIT:-130}" "${TAG:-_scores_once}" one-kernel split split-once 1,4,8,2
+    medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_scores_once}" "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True" \
+      attnres_block \
+      "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True@py:kernels.depth_attn.fused.SPLIT_SOURCES=(3,9)"
     ;;
   rows_medium)
     # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium

@@ -657,15 +657,16 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split", [None, True, False], ids=["rule", "split", "one-kernel"])
+@pytest.mark.parametrize("split", [None, True, "once", False], ids=["rule", "split", "split-once", "one-kernel"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
     # every gradient against the fp32 reference on the same bf16-rounded inputs; the phase-1 backward as the rule
-    # picks it, split in two kernels, and in one.
+    # picks it, split in two kernels (its scores reduced a chunk at a time, or once: SCORES_ONCE), and in one.
     from kernels.depth_attn import fused
 
-    monkeypatch.setattr(fused, "SPLIT_BWD", split)
+    monkeypatch.setattr(fused, "SPLIT_BWD", True if split == "once" else split)
+    monkeypatch.setattr(fused, "SCORES_ONCE", split == "once")
     _, C, n, B, T, d, key_norm, gains = case
     sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains, device="cuda")
     bf = [sources.bfloat16().requires_grad_(), partials.bfloat16().requires_grad_(),
