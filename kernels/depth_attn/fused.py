@@ -613,6 +613,13 @@ SPLIT_TILES: tuple[int, int, int, int, int] | None = None
 SCORES_ONCE = False
 
 
+# The phase-1 forward's warps a token at d > 512: None keeps one warp per 512 channels (2 at d = 1024); e.g. 4
+# (``py:kernels.depth_attn.fused.FWD_WARPS=4``; the backward keeps its own). By the sm_90 compiler (bf16 sources, 4
+# consumers, d = 1024) a thread then holds 148 registers instead of 227 with 8 sources in registers, 71 instead of 155
+# with 4: more programs an SM, at a reduction over 4 warps instead of 2. Not yet timed in a step: off by default.
+FWD_WARPS: int | None = None
+
+
 def split_backward(n: int, d: int, c: int | None) -> bool:
     """Whether the phase-1 backward over n sources for c consumers at width d runs split (``SPLIT_BWD``; unset:
     ``SPLIT_SOURCES`` sources at d = 1024 on the GPU unless ``WIDE_BWD`` sets the one kernel's tiles, never under the
@@ -659,18 +666,24 @@ def tiles(n: int, d: int, c: int | None = None) -> Tiles:
         block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
         return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True,
                      bwd_split=split_backward(n, d, c))
+    fwd_warps = 0
+    if FWD_WARPS is not None and _pow2(d) > 512:
+        if FWD_WARPS not in (1, 2, 4, 8, 16):
+            raise ValueError(f"fused.FWD_WARPS={FWD_WARPS!r}: choose None (one warp per 512 channels) or 1, 2, 4, 8, 16")
+        fwd_warps = FWD_WARPS
     if split_backward(n, d, c):
-        return _tiles(n, d, split=True)
+        return _tiles(n, d, split=True, fwd_warps=fwd_warps)
     wide = None if _pow2(d) <= 512 else WIDE_BWD
     if wide is None and _pow2(d) == 1024 and 3 <= n <= 4 and c is not None and c <= 4:
         wide = NARROW_WIDE_BWD
-    return _tiles(n, d, wide)
+    return _tiles(n, d, wide, fwd_warps=fwd_warps)
 
 
 @functools.lru_cache(maxsize=None)
-def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False) -> Tiles:
+def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False, fwd_warps: int = 0) -> Tiles:
     """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)); ``split``:
-    the backward as two kernels (its own tiles: ``split_tiles``).
+    the backward as two kernels (its own tiles: ``split_tiles``); ``fwd_warps`` (0: as below) the forward's warps, the
+    backward keeping its own.
 
     GPU: 16 fp32 of a row per thread: one token per program for d >= 512 with one warp per 512
     channels, else as many tokens as make a 512-value row in one warp. A reduction over d then stays
@@ -698,10 +711,10 @@ def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False) -> Ti
             raise ValueError(f"WIDE_BWD={wide!r}: expected (sources per load, warps, consumers unrolled, register cap "
                              "or 0), e.g. (8, 8, False, 128), or None")
         wide_s = min(_pow2(n), _pow2(wide[0]))
-        return Tiles(block_t, block_d, block_s, n <= block_s, warps, wide_s, n <= wide_s, bool(wide[2]), wide[1],
-                     wide[3], split)
-    return Tiles(block_t, block_d, block_s, n <= block_s, warps, bwd_block_s, n <= bwd_block_s, warps < 16,
-                 bwd_split=split)
+        return Tiles(block_t, block_d, block_s, n <= block_s, fwd_warps or warps, wide_s, n <= wide_s, bool(wide[2]),
+                     wide[1], wide[3], split)
+    return Tiles(block_t, block_d, block_s, n <= block_s, fwd_warps or warps, bwd_block_s, n <= bwd_block_s, warps < 16,
+                 bwd_warps=warps if fwd_warps else 0, bwd_split=split)
 
 
 _RESIDENT: dict = {}

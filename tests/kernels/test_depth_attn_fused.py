@@ -154,6 +154,27 @@ def test_split_backward_setting_is_explicit(monkeypatch):
         fused.tiles(5, 1024, 4)
 
 
+def test_forward_warps_setting_leaves_the_backward_alone(monkeypatch):
+    """``FWD_WARPS`` sets the forward's warps above 512 channels only; the backward keeps the warps it had (one kernel,
+    set by ``WIDE_BWD``, or split) and the tiles stay cached; a count that is not a power of two up to 16 is refused
+    with its value and the choices."""
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "interpreting", lambda: False)
+    before = {(n, d): fused.tiles(n, d, 4) for n in (2, 3, 6, 9) for d in (512, 1024, 2048)}
+    monkeypatch.setattr(fused, "FWD_WARPS", 4)
+    for (n, d), t in before.items():
+        now = fused.tiles(n, d, 4)
+        assert now is fused.tiles(n, d, 4)
+        assert (now.bwd_warps or now.num_warps) == (t.bwd_warps or t.num_warps), (n, d)
+        assert now.num_warps == (t.num_warps if d <= 512 else 4), (n, d)
+        assert dataclasses.replace(now, num_warps=t.num_warps, bwd_warps=t.bwd_warps) == t
+    monkeypatch.setattr(fused, "WIDE_BWD", (8, 8, False, 128))
+    assert fused.tiles(3, 1024, 4).num_warps == 4 and fused.tiles(3, 1024, 4).bwd_warps == 8
+    monkeypatch.setattr(fused, "FWD_WARPS", 3)
+    with pytest.raises(ValueError, match=r"FWD_WARPS=3: choose None .* or 1, 2, 4, 8, 16"):
+        fused.tiles(3, 1024, 4)
+
 
 def test_row_gradients_take_the_rows_dtype_unless_set_to_fp32(monkeypatch):
     """A buffer's row gradients are in its rows' dtype (bf16 rows: bf16 gradients, as autograd gives a bf16 tensor);
