@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         runs = [
             ("phase 1 forward", fused._summaries_fwd_kernel,
              dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, eps="fp32"),
-             dict(C=C, KEY_NORM=True, STORE_LOGITS=False, ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s,
+             dict(C=C, KEY_NORM=True, STORE_LOGITS=False, ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, TAIL_S=t.tail_s,
                   BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps),
             *((f"phase 1 backward{label}", fused._summaries_bwd_kernel,
                dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, dsrc_ptr=bf16,

@@ -47,20 +47,25 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
          1024: [None, (1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 8)]}
 
 
-# the phase-1 backward as two kernels (its scores reduced a chunk at a time, or once: ``fused.SCORES_ONCE``) or one,
-# whatever the rule says (``fused.SPLIT_BWD``), the tiles otherwise default
-SPLIT = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
-         "split-once": {"SPLIT_BWD": True, "SCORES_ONCE": True}}
+# code settings of fused held around a candidate, the tiles otherwise default: the phase-1 backward as two kernels (its
+# scores reduced a chunk at a time, or once: ``fused.SCORES_ONCE``) or one, whatever the rule says
+# (``fused.SPLIT_BWD``; these three take ``:TILES`` too); the forward at 4 warps a token (``fused.FWD_WARPS``), in two
+# loads for 3, 5, 6 sources (``fused.FWD_TAIL``), or both
+SETTINGS = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
+            "split-once": {"SPLIT_BWD": True, "SCORES_ONCE": True},
+            "fwd-tail": {"FWD_TAIL": True}, "fwd4": {"FWD_WARPS": 4}, "fwd4-tail": {"FWD_WARPS": 4, "FWD_TAIL": True}}
+SPLIT = ("split", "one-kernel", "split-once")
 
 
 def parse_tiles(text: str):
-    """``default`` -> None; ``split`` / ``one-kernel`` as is (the backward in two kernels or in one), ``split:4,64,4,2,4``
-    too (split with those tiles, ``fused.SPLIT_TILES``); ``1,4,8,8`` ->
+    """``default`` -> None; a name of ``SETTINGS`` as is (``split`` / ``one-kernel``: the backward in two kernels or in
+    one; ``fwd4``, ``fwd-tail``: the forward's), ``split:4,64,4,2,4`` too (split with those tiles, ``fused.SPLIT_TILES``);
+    ``1,4,8,8`` ->
     (1, 4, 8, 8); a fifth field 0/1 is the backward's consumer unrolling, a sixth the backward's warps (the forward's
     by default), a seventh its cap on registers a thread (0: none)."""
     if text == "default":
         return None
-    if text in SPLIT:
+    if text in SETTINGS:
         return text
     mode, colon, rest = text.partition(":")
     if colon and mode in SPLIT:  # with the split kernels' tiles of its own (fused.SPLIT_TILES)
@@ -80,7 +85,7 @@ def parse_tiles(text: str):
     if (len(fields) not in (4, 5, 6, 7) or not all(f > 0 for f in fields[:4])
             or (len(fields) > 4 and fields[4] not in (0, 1)) or (len(fields) > 5 and fields[5] <= 0)
             or (len(fields) > 6 and fields[6] < 0)):
-        raise SystemExit(f"--phase1 {text!r}: expected 'default', one of {', '.join(SPLIT)} or "
+        raise SystemExit(f"--phase1 {text!r}: expected 'default', one of {', '.join(SETTINGS)} or "
                          "TOKENS,WARPS,SOURCES_FWD,SOURCES_BWD[,UNROLL[,"
                          "BWD_WARPS[,BWD_MAXNREG]]] (positive integers, UNROLL 0 or 1, BWD_MAXNREG 0 for none), e.g. "
                          "1,4,8,8 or 1,2,8,8,0,8,128")
@@ -141,7 +146,7 @@ def phase1_tiles(fused, cand, n, d):
         return
     if isinstance(cand, str):
         mode, _, fields = cand.partition(":")
-        settings = dict(SPLIT[mode], **({"SPLIT_TILES": tuple(int(f) for f in fields.split(","))} if fields else {}))
+        settings = dict(SETTINGS[mode], **({"SPLIT_TILES": tuple(int(f) for f in fields.split(","))} if fields else {}))
         with held((fused, name, value) for name, value in settings.items()):
             yield fused.tiles(n, d)
         return

@@ -229,6 +229,10 @@
 #            kernel reducing over the channels once (fused.SCORES_ONCE) against once a chunk at each call of
 #            attnres_block's `medium` step, then the step with it beside vanilla, the default, and it with the
 #            split from 3 sources on (SPLIT_SOURCES=(3,9))
+#   scores_fwd one GPU (about 560 s with the start): SCORES_ONCE and the forward's FWD_WARPS=4 / FWD_TAIL alone at
+#            each call of attnres_block's `medium` step, then the step with each beside vanilla and the default
+#   fwd_check one GPU (about 450 s): the depth-attention GPU tests, then the `medium` step with CHECK_SET (code settings
+#            joined by @) beside the default, re-timed last
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -236,7 +240,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once scores_fwd fwd_check"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -276,6 +280,7 @@ throughput() {
     --ablations ${THROUGHPUT_ABLATIONS:-wo_conv attnres_conv} --compile on --steps 8 --tag _session
 }
 APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block AttnRes's partial by a separate add
+ONCE=py:kernels.depth_attn.fused.SCORES_ONCE=True  # the split scores kernel reducing once
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
 PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
 STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
@@ -905,6 +910,21 @@ case "$PLAN" in
     medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_scores_once}" "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True" \
       attnres_block \
       "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True@py:kernels.depth_attn.fused.SPLIT_SOURCES=(3,9)"
+    ;;
+  scores_fwd)
+    # SCORES_ONCE and the forward's settings (FWD_WARPS=4, FWD_TAIL) alone at each call of medium's step, then the
+    # step: the default, SCORES_ONCE, and SCORES_ONCE with the forward's two loads, at 2 and at 4 warps
+    SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
+      medium_calls "${TILES_LIMIT:-150}" "${TAG:-_scores_fwd}" one-kernel split split-once fwd4 fwd-tail fwd4-tail
+    medium_step "${MEDIUM_LIMIT:-380}" "${TAG:-_scores_fwd}" attnres_block "attnres_block@$ONCE" \
+      "attnres_block@$ONCE@py:kernels.depth_attn.fused.FWD_TAIL=True" \
+      "attnres_block@$ONCE@py:kernels.depth_attn.fused.FWD_TAIL=True@py:kernels.depth_attn.fused.FWD_WARPS=4"
+    ;;
+  fwd_check)
+    # the GPU tests, then the step with the settings FWD_SET and ONCE_SET picked from scores_fwd beside the default
+    attnres_tests "${TEST_LIMIT:-110}"
+    medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_fwd_check}" attnres_block "attnres_block@${CHECK_SET:?CHECK_SET}" \
+      attnres_block
     ;;
   rows_medium)
     # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium

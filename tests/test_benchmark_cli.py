@@ -182,14 +182,18 @@ def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatc
 
     split_before = fused.SPLIT_BWD
     depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n6", "--device", "cpu",
-                           "--phase1", "default", "split", "one-kernel", "split:4,64,4,1,4", "split-once", "--tag",
-                           "_split"])
+                           "--phase1", "default", "split", "one-kernel", "split:4,64,4,1,4", "split-once", "fwd-tail",
+                           "fwd4-tail", "--tag", "_split"])
     assert fused.SPLIT_BWD == split_before and fused.SPLIT_TILES is None and fused.SCORES_ONCE is False  # put back
+    assert fused.FWD_TAIL is False and fused.FWD_WARPS is None
+    with pytest.raises(SystemExit, match="'fwd-tail:1,2,3,4,5'"):  # only the split settings take tiles
+        depth_attn_tiles.parse_tiles("fwd-tail:1,2,3,4,5")
     with pytest.raises(SystemExit, match="'split:4,64,4'"):
         depth_attn_tiles.parse_tiles("split:4,64,4")
     split_rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_split.md").read_text().splitlines()
                   if line.startswith("| tiny") and " | phase 1 bwd | " in line]
-    assert [r[4] for r in split_rows] == ["default", "split", "one-kernel", "split:4,64,4,1,4", "split-once"] and all(
+    assert [r[4] for r in split_rows] == ["default", "split", "one-kernel", "split:4,64,4,1,4", "split-once", "fwd-tail",
+                                          "fwd4-tail"] and all(
         r[-1].endswith("ok |")
                                                                                   for r in split_rows), split_rows
     rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_given.md").read_text().splitlines()

@@ -117,8 +117,10 @@ def _summaries_fwd_kernel(
     logits_ptr,  # result: raw logits (C, n, N) fp32, only when STORE_LOGITS
     n, N, D, eps,
     C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_S: tl.constexpr = 0,
 ):
+    # TAIL_S > 0 (ONE_CHUNK only): the sources past the first BLOCK_S in a second load of TAIL_S rows, so n = 5 or 6
+    # holds 4 + 1 or 4 + 2 rows in registers instead of 8 (``FWD_TAIL``)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
@@ -129,6 +131,9 @@ def _summaries_fwd_kernel(
     if ONE_CHUNK:  # every source in registers: read once for all consumers
         x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
         r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+        if TAIL_S > 0:
+            x2, mask_s2, rows2 = _load_chunk(src_ptr, pid * 0 + BLOCK_S, n, tok, mask_td, offs_d, N, D, TAIL_S)
+            r2 = _chunk_rstd(x2, D, eps, KEY_NORM, TAIL_S, BLOCK_T)
     for c in tl.static_range(C):
         # in the chunk's layout (1, 1, D): loaded as a (D,) row and broadcast, it cost a layout conversion per
         # consumer (bf16 sources at `small` on an H200: 0.410 against 0.135 ms, depth_attn_tiles_nvidia_h200_small.md)
@@ -141,6 +146,10 @@ def _summaries_fwd_kernel(
             logit, m_i, l_i, acc = _fwd_chunk(x, r, mask_s, qg, m_i, l_i, acc)
             if STORE_LOGITS:
                 tl.store(logits_ptr + c * n * N + rows, logit, mask=mask_s[:, None] & mask_t[None, :])
+            if TAIL_S > 0:  # the tail holds at least one source (n > BLOCK_S)
+                logit2, m_i, l_i, acc = _fwd_chunk(x2, r2, mask_s2, qg, m_i, l_i, acc)
+                if STORE_LOGITS:
+                    tl.store(logits_ptr + c * n * N + rows2, logit2, mask=mask_s2[:, None] & mask_t[None, :])
         else:  # chunk by chunk; consumers after the first read them from L2
             s0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
             while s0 < n:
@@ -578,6 +587,7 @@ class Tiles:
     bwd_warps: int = 0  # the backward's warps (0: num_warps)
     bwd_maxnreg: int = 0  # the backward's cap on registers a thread (0: the compiler's choice)
     bwd_split: bool = False  # the backward as two kernels, scalars then gradients (``split_tiles``)
+    tail_s: int = 0  # the forward's second load when one_chunk (``FWD_TAIL``): sources block_s .. block_s + tail_s - 1
 
 
 # The phase-1 backward at d > 512 (two or more warps a token): None keeps the tiles below (and ``NARROW_WIDE_BWD``);
@@ -618,6 +628,23 @@ SCORES_ONCE = False
 # consumers, d = 1024) a thread then holds 148 registers instead of 227 with 8 sources in registers, 71 instead of 155
 # with 4: more programs an SM, at a reduction over 4 warps instead of 2. Not yet timed in a step: off by default.
 FWD_WARPS: int | None = None
+# The phase-1 forward over a source count that is not a power of two, up to 8 (3, 5, 6), in two loads held in registers
+# (2 + 1, 4 + 1, 4 + 2 rows) instead of one padded to the next power of two (4, 8, 8), whose padded rows cost registers
+# and arithmetic though no bytes (forward alone at `medium`, bf16: 6 sources 0.406 ms, 8 sources 0.411, 4 sources
+# 0.217). Not yet timed: off by default.
+FWD_TAIL = False
+
+
+def _fwd_tail(n: int, block_s: int, on: bool) -> tuple[int, int]:
+    """(head, tail) rows of the forward's loads for n sources whose one load is block_s rows: (block_s, 0) unless
+    ``on`` (``FWD_TAIL``) and two powers of two hold fewer rows than block_s (3 -> 2 + 1, 5 -> 4 + 1, 6 -> 4 + 2; 7
+    stays 8)."""
+    if not on or n > block_s:
+        return block_s, 0
+    head = 1 << (n.bit_length() - 1)
+    if head == n or head + _pow2(n - head) >= block_s:
+        return block_s, 0
+    return head, _pow2(n - head)
 
 
 def split_backward(n: int, d: int, c: int | None) -> bool:
@@ -664,26 +691,28 @@ def tiles(n: int, d: int, c: int | None = None) -> Tiles:
     if interpreting():
         block_d, block_t, warps = _pow2(d), 32, 4
         block_s = min(_pow2(n), 8, max(1, 32 * 32 * warps // (block_t * block_d)))
-        return Tiles(block_t, block_d, block_s, n <= block_s, warps, block_s, n <= block_s, True,
-                     bwd_split=split_backward(n, d, c))
+        head, tail = _fwd_tail(n, block_s, bool(FWD_TAIL))
+        return Tiles(block_t, block_d, head, n <= block_s, warps, block_s, n <= block_s, True,
+                     bwd_split=split_backward(n, d, c), tail_s=tail)
     fwd_warps = 0
     if FWD_WARPS is not None and _pow2(d) > 512:
         if FWD_WARPS not in (1, 2, 4, 8, 16):
             raise ValueError(f"fused.FWD_WARPS={FWD_WARPS!r}: choose None (one warp per 512 channels) or 1, 2, 4, 8, 16")
         fwd_warps = FWD_WARPS
     if split_backward(n, d, c):
-        return _tiles(n, d, split=True, fwd_warps=fwd_warps)
+        return _tiles(n, d, split=True, fwd_warps=fwd_warps, tail=bool(FWD_TAIL))
     wide = None if _pow2(d) <= 512 else WIDE_BWD
     if wide is None and _pow2(d) == 1024 and 3 <= n <= 4 and c is not None and c <= 4:
         wide = NARROW_WIDE_BWD
-    return _tiles(n, d, wide, fwd_warps=fwd_warps)
+    return _tiles(n, d, wide, fwd_warps=fwd_warps, tail=bool(FWD_TAIL))
 
 
 @functools.lru_cache(maxsize=None)
-def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False, fwd_warps: int = 0) -> Tiles:
+def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False, fwd_warps: int = 0,
+           tail: bool = False) -> Tiles:
     """Fixed tiles (no autotuning: nothing to time at the first call, one compile per (C, d, n-chunking)); ``split``:
     the backward as two kernels (its own tiles: ``split_tiles``); ``fwd_warps`` (0: as below) the forward's warps, the
-    backward keeping its own.
+    backward keeping its own; ``tail`` (``FWD_TAIL``, part of the cache's key) the forward in two loads.
 
     GPU: 16 fp32 of a row per thread: one token per program for d >= 512 with one warp per 512
     channels, else as many tokens as make a 512-value row in one warp. A reduction over d then stays
@@ -701,6 +730,7 @@ def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False, fwd_w
     block_t = max(1, 512 // block_d)
     warps = max(1, block_d // 512)
     block_s = min(_pow2(n), 8)
+    head, tail_s = _fwd_tail(n, block_s, tail)
     # one source per backward load at one warp (d <= 512), two above: Block AttnRes's backward at d = 512
     # 0.336 -> 0.272 ms (AttnRes's equal); at d = 1024 one source was slower (1.58 -> 1.76 ms)
     bwd_block_s = 1 if warps == 1 else min(block_s, 2)
@@ -711,10 +741,10 @@ def _tiles(n: int, d: int, wide: tuple | None = None, split: bool = False, fwd_w
             raise ValueError(f"WIDE_BWD={wide!r}: expected (sources per load, warps, consumers unrolled, register cap "
                              "or 0), e.g. (8, 8, False, 128), or None")
         wide_s = min(_pow2(n), _pow2(wide[0]))
-        return Tiles(block_t, block_d, block_s, n <= block_s, fwd_warps or warps, wide_s, n <= wide_s, bool(wide[2]),
-                     wide[1], wide[3], split)
-    return Tiles(block_t, block_d, block_s, n <= block_s, fwd_warps or warps, bwd_block_s, n <= bwd_block_s, warps < 16,
-                 bwd_warps=warps if fwd_warps else 0, bwd_split=split)
+        return Tiles(block_t, block_d, head, n <= block_s, fwd_warps or warps, wide_s, n <= wide_s, bool(wide[2]),
+                     wide[1], wide[3], split, tail_s)
+    return Tiles(block_t, block_d, head, n <= block_s, fwd_warps or warps, bwd_block_s, n <= bwd_block_s, warps < 16,
+                 bwd_warps=warps if fwd_warps else 0, bwd_split=split, tail_s=tail_s)
 
 
 _RESIDENT: dict = {}
@@ -764,7 +794,7 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
         src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
-        ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d,
+        ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, TAIL_S=t.tail_s,
         num_warps=t.num_warps)
     return out, lse, (logits if store_logits else None)
 

@@ -129,6 +129,22 @@ def test_split_backward_matches_reference(case, once, monkeypatch):
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=5), key_norm, up_seed=6)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("n", [3, 5, 6, 7])
+def test_forward_in_two_loads_matches_reference(n, monkeypatch):
+    # FWD_TAIL: 3, 5 and 6 sources in two loads held in registers (2 + 1, 4 + 1, 4 + 2 rows; 7 keeps one load of 8),
+    # the online softmax carried from the first to the second: outputs, weights (the logits the tail stores) and every
+    # gradient against the reference, at an odd width and token count.
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "FWD_TAIL", True)
+    t = fused.tiles(n, 13, 4)
+    assert t.one_chunk and (t.block_s, t.tail_s) == {3: (2, 1), 5: (4, 1), 6: (4, 2), 7: (8, 0)}[n]
+    assert_two_phase_matches_reference(*make_inputs(4, n, 2, 21, 13, True, seed=n), True, up_seed=n + 1)
+    monkeypatch.setattr(fused, "FWD_TAIL", False)
+    assert fused.tiles(n, 13, 4).tail_s == 0
+
+
 def test_split_backward_setting_is_explicit(monkeypatch):
     """``SPLIT_BWD`` True or False overrides the rule for every call and keeps the rest of the tiles; anything else is
     refused with its value and the choices, before any launch."""
@@ -171,6 +187,11 @@ def test_forward_warps_setting_leaves_the_backward_alone(monkeypatch):
         assert dataclasses.replace(now, num_warps=t.num_warps, bwd_warps=t.bwd_warps) == t
     monkeypatch.setattr(fused, "WIDE_BWD", (8, 8, False, 128))
     assert fused.tiles(3, 1024, 4).num_warps == 4 and fused.tiles(3, 1024, 4).bwd_warps == 8
+    monkeypatch.setattr(fused, "FWD_TAIL", True)  # the forward's two loads: part of the cached tiles' key
+    assert [(n, fused.tiles(n, 1024, 4).block_s, fused.tiles(n, 1024, 4).tail_s) for n in (3, 5, 6, 7)] == \
+        [(3, 2, 1), (5, 4, 1), (6, 4, 2), (7, 8, 0)]
+    monkeypatch.setattr(fused, "FWD_TAIL", False)
+    assert fused.tiles(5, 1024, 4).tail_s == 0
     monkeypatch.setattr(fused, "FWD_WARPS", 3)
     with pytest.raises(ValueError, match=r"FWD_WARPS=3: choose None .* or 1, 2, 4, 8, 16"):
         fused.tiles(3, 1024, 4)
