@@ -87,7 +87,7 @@ def main(argv=None) -> int:
                   ("scores", fused._split_scores_kernel,
                    dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, w_ptr=f32, dlr_ptr=f32,
                         coef_ptr=f32, eps="fp32"),
-                   dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=bool(fused.SCORES_ONCE)), warps_a),
+                   dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=fused.scores_once(C)), warps_a),
                   ("gradients", fused._split_grads_kernel,
                    dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                         dsrc_ptr=bf16, dqg_ptr=f32),

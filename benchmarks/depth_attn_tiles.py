@@ -48,13 +48,15 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
 
 
 # code settings of fused held around a candidate, the tiles otherwise default: the phase-1 backward as two kernels (its
-# scores reduced a chunk at a time, or once: ``fused.SCORES_ONCE``) or one, whatever the rule says
-# (``fused.SPLIT_BWD``; these three take ``:TILES`` too); the forward at 4 warps a token (``fused.FWD_WARPS``), in two
-# loads for 3, 5, 6 sources (``fused.FWD_TAIL``), or both
+# scores reduced as ``fused.scores_once`` says, once, or a chunk at a time: ``fused.SCORES_ONCE``) or one, whatever
+# the rule says (``fused.SPLIT_BWD``; these four take ``:TILES`` too); the forward at 4 warps a token
+# (``fused.FWD_WARPS``), in two loads for 3 and 5 sources or not (``fused.FWD_TAIL``), or at 4 warps in two loads
 SETTINGS = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
             "split-once": {"SPLIT_BWD": True, "SCORES_ONCE": True},
-            "fwd-tail": {"FWD_TAIL": True}, "fwd4": {"FWD_WARPS": 4}, "fwd4-tail": {"FWD_WARPS": 4, "FWD_TAIL": True}}
-SPLIT = ("split", "one-kernel", "split-once")
+            "split-chunks": {"SPLIT_BWD": True, "SCORES_ONCE": False},
+            "fwd-tail": {"FWD_TAIL": True}, "fwd-padded": {"FWD_TAIL": False}, "fwd4": {"FWD_WARPS": 4},
+            "fwd4-tail": {"FWD_WARPS": 4, "FWD_TAIL": True}}
+SPLIT = ("split", "one-kernel", "split-once", "split-chunks")
 
 
 def parse_tiles(text: str):

@@ -231,8 +231,8 @@
 #            split from 3 sources on (SPLIT_SOURCES=(3,9))
 #   scores_fwd one GPU (about 560 s with the start): SCORES_ONCE and the forward's FWD_WARPS=4 / FWD_TAIL alone at
 #            each call of attnres_block's `medium` step, then the step with each beside vanilla and the default
-#   fwd_check one GPU (about 450 s): the depth-attention GPU tests, then the `medium` step with CHECK_SET (code settings
-#            joined by @) beside the default, re-timed last
+#   fwd_check one GPU (about 420 s with the start): the depth-attention GPU tests, then the `medium` and `small` steps
+#            with the defaults of 2026-12-04 beside the settings before them (BEFORE_DEC4), the default re-timed last
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -281,6 +281,9 @@ throughput() {
 }
 APART=py:residuals.attnres_block.BlockSummaries.sum_in_merge=False  # Block AttnRes's partial by a separate add
 ONCE=py:kernels.depth_attn.fused.SCORES_ONCE=True  # the split scores kernel reducing once
+# Block AttnRes's phase-1 settings before 2026-12-04: scores a chunk at a time, the split from 5 sources, padded forward
+BEFORE_DEC4="py:kernels.depth_attn.fused.SCORES_ONCE=False@py:kernels.depth_attn.fused.SPLIT_SOURCES=(5,9)"
+BEFORE_DEC4="$BEFORE_DEC4@py:kernels.depth_attn.fused.FWD_TAIL=False"
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
 PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
 STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
@@ -921,10 +924,11 @@ case "$PLAN" in
       "attnres_block@$ONCE@py:kernels.depth_attn.fused.FWD_TAIL=True@py:kernels.depth_attn.fused.FWD_WARPS=4"
     ;;
   fwd_check)
-    # the GPU tests, then the step with the settings FWD_SET and ONCE_SET picked from scores_fwd beside the default
+    # the GPU tests, then the medium and small steps with the defaults of 2026-12-04 (SCORES_ONCE from 2 consumers,
+    # the split from 2 sources, the forward's one-row tails) beside those before (re-timed between)
     attnres_tests "${TEST_LIMIT:-110}"
-    medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_fwd_check}" attnres_block "attnres_block@${CHECK_SET:?CHECK_SET}" \
-      attnres_block
+    medium_step "${MEDIUM_LIMIT:-260}" "${TAG:-_fwd_check}" attnres_block "attnres_block@$BEFORE_DEC4" attnres_block
+    attnres_small "${SMALL_LIMIT:-120}" "$BEFORE_DEC4" "${TAG:-_fwd_check}"
     ;;
   rows_medium)
     # the row gradients in the rows' dtype (bf16 under autocast) and the split backward, each undone, at medium

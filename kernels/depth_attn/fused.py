@@ -119,8 +119,8 @@ def _summaries_fwd_kernel(
     C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, ONE_CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_S: tl.constexpr = 0,
 ):
-    # TAIL_S > 0 (ONE_CHUNK only): the sources past the first BLOCK_S in a second load of TAIL_S rows, so n = 5 or 6
-    # holds 4 + 1 or 4 + 2 rows in registers instead of 8 (``FWD_TAIL``)
+    # TAIL_S > 0 (ONE_CHUNK only): the sources past the first BLOCK_S in a second load of TAIL_S rows, so n = 3 or 5
+    # holds 2 + 1 or 4 + 1 rows in registers instead of 4 or 8 (``FWD_TAIL``)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
@@ -609,42 +609,52 @@ NARROW_WIDE_BWD = (4, 4, False, 168)
 # nowhere, None where ``split_backward`` says. A module setting so that a benchmark row can time each
 # (``py:kernels.depth_attn.fused.SPLIT_BWD=False``).
 SPLIT_BWD: bool | None = None
-# Measured on an H200 (``benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 --phase1 default split one-kernel``,
-# bf16 sources, 2026-12-03): split against one kernel at d = 1024, 4 consumers, 2 / 3 / 4 / 6 / 8 sources: 1.39 / 1.08 /
-# 1.06 / 0.79 / 0.69x, and 0.70x for the final output's one consumer over 9. The rule splits from 5 to 9 sources at
-# d = 1024 (5 and 7 lie between measured counts; other widths and more sources were not measured).
-SPLIT_SOURCES = (5, 9)
+# Measured on an H200 (``benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 --phase1 one-kernel split
+# split-once``, bf16 sources, 2026-12-04): split with its scores reduced once (``SCORES_ONCE``) against one kernel at
+# d = 1024, 4 consumers, 2 / 3 / 4 / 5 / 6 / 8 sources: 0.87 / 0.89 / 0.89 / 0.74 / 0.77 / 0.68x, and 0.69x for the
+# final output's one consumer over 9 (reduced a chunk at a time). The rule splits from 2 to 9 sources at d = 1024
+# (7 lies between measured counts; one source, other widths and more sources were not measured). Reduced a chunk at a
+# time, the split lost at 2-4 sources (1.39 / 1.09 / 1.06x): from 2026-12-03 night until then the rule was (5, 9).
+SPLIT_SOURCES = (2, 9)
 # The split backward's tiles on the GPU: None (``split_tiles``'s) or (tokens, channels a chunk, warps of the scores
 # kernel, sources a load, warps of the gradients kernel), e.g. in a benchmark row or a sweep candidate
 # (``benchmarks.depth_attn_tiles --phase1 split:4,64,4,1,4``).
 SPLIT_TILES: tuple[int, int, int, int, int] | None = None
 # The split backward's scores kernel summing its products over the chunks elementwise and reducing over the channels
-# once (``_split_scores_kernel``'s ONCE) instead of one reduction a chunk. Not yet timed on a GPU: off by default.
-SCORES_ONCE = False
+# once (``_split_scores_kernel``'s ONCE) instead of one reduction a chunk: None (``scores_once``'s rule: from 2
+# consumers), True or False. Alone at `medium` (2026-12-04, ms, chunk -> once): 4 consumers over 2 / 3 / 4 sources
+# 0.668 / 0.770 / 0.835 -> 0.417 / 0.628 / 0.697, over 5 / 6 / 8 sources 1.225 / 1.297 / 1.487 -> 1.173 / 1.248 /
+# 1.460; one consumer over 9 1.145 -> 1.173 (slower).
+SCORES_ONCE: bool | None = None
+
+
+def scores_once(c: int) -> bool:
+    """Whether the split scores kernel for c consumers reduces once (``SCORES_ONCE``; unset: from 2 consumers)."""
+    if SCORES_ONCE not in (None, True, False):
+        raise ValueError(f"fused.SCORES_ONCE={SCORES_ONCE!r}: choose None (the rule: from 2 consumers), True or False")
+    return c >= 2 if SCORES_ONCE is None else SCORES_ONCE
 
 
 # The phase-1 forward's warps a token at d > 512: None keeps one warp per 512 channels (2 at d = 1024); e.g. 4
 # (``py:kernels.depth_attn.fused.FWD_WARPS=4``; the backward keeps its own). By the sm_90 compiler (bf16 sources, 4
 # consumers, d = 1024) a thread then holds 148 registers instead of 227 with 8 sources in registers, 71 instead of 155
-# with 4: more programs an SM, at a reduction over 4 warps instead of 2. Not yet timed in a step: off by default.
+# with 4: more programs an SM, at a reduction over 4 warps instead of 2. Measured slower (2026-12-04, `medium`, bf16, 4
+# consumers): 1.04-1.22x alone at 2-9 sources, the step 0.950x against 0.957x without it: off by default.
 FWD_WARPS: int | None = None
-# The phase-1 forward over a source count that is not a power of two, up to 8 (3, 5, 6), in two loads held in registers
-# (2 + 1, 4 + 1, 4 + 2 rows) instead of one padded to the next power of two (4, 8, 8), whose padded rows cost registers
-# and arithmetic though no bytes (forward alone at `medium`, bf16: 6 sources 0.406 ms, 8 sources 0.411, 4 sources
-# 0.217). Not yet timed: off by default.
-FWD_TAIL = False
+# The phase-1 forward over 3 or 5 sources in two loads held in registers (2 + 1, 4 + 1 rows) instead of one padded to
+# the next power of two (4, 8), whose padded rows cost registers and arithmetic though no bytes. Alone at `medium`,
+# bf16, 4 consumers (2026-12-04): 3 sources 0.215 -> 0.191 ms, 5 sources 0.401 -> 0.292; 6 sources as 4 + 2 rows gained
+# nothing (0.405 -> 0.409), so a tail is one row. False: one padded load everywhere.
+FWD_TAIL = True
 
 
 def _fwd_tail(n: int, block_s: int, on: bool) -> tuple[int, int]:
     """(head, tail) rows of the forward's loads for n sources whose one load is block_s rows: (block_s, 0) unless
-    ``on`` (``FWD_TAIL``) and two powers of two hold fewer rows than block_s (3 -> 2 + 1, 5 -> 4 + 1, 6 -> 4 + 2; 7
-    stays 8)."""
-    if not on or n > block_s:
-        return block_s, 0
+    ``on`` (``FWD_TAIL``) and n is one past a power of two below block_s (3 -> 2 + 1, 5 -> 4 + 1; 6 and 7 stay 8)."""
     head = 1 << (n.bit_length() - 1)
-    if head == n or head + _pow2(n - head) >= block_s:
+    if not on or n > block_s or n - head != 1:
         return block_s, 0
-    return head, _pow2(n - head)
+    return head, 1
 
 
 def split_backward(n: int, d: int, c: int | None) -> bool:
@@ -676,7 +686,7 @@ def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int
                              "sources a load, warps of the gradients kernel), positive integers, or None")
         bt, chunk, warps_a, per_load, warps_b = SPLIT_TILES
         return (bt, min(block_d, _pow2(chunk)), warps_a), (1, block_d, min(block_s, _pow2(per_load))), warps_b
-    if SCORES_ONCE:  # (S, C, chunk) accumulators twice, about 32 fp32 a thread each: 126-168 registers, no spills
+    if scores_once(c):  # (S, C, chunk) accumulators twice, about 32 fp32 a thread each: 126-168 registers, no spills
         chunk = min(block_d, max(32, min(256, 1024 // (block_s * _pow2(c)))))
     else:
         chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
@@ -844,7 +854,7 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
     coef = torch.empty(n, N, device=src.device, dtype=torch.float32) if key_norm else w
     common = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, BLOCK_S=block_s)
     _split_scores_kernel[(_cdiv(N, bt_a),)](src, qg, lse, douts, dlse, w, dlr, coef, n, N, d, eps, **common,
-                                            BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=bool(SCORES_ONCE), num_warps=warps_a)
+                                            BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), num_warps=warps_a)
     meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d)
     args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
     programs = _persistent_grid(_split_grads_kernel, args[:7] + (qg,) + args[8:], meta, warps_b, _cdiv(N, bt_b),

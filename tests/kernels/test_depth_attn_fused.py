@@ -132,14 +132,14 @@ def test_split_backward_matches_reference(case, once, monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("n", [3, 5, 6, 7])
 def test_forward_in_two_loads_matches_reference(n, monkeypatch):
-    # FWD_TAIL: 3, 5 and 6 sources in two loads held in registers (2 + 1, 4 + 1, 4 + 2 rows; 7 keeps one load of 8),
+    # FWD_TAIL: 3 and 5 sources in two loads held in registers (2 + 1, 4 + 1 rows; 6 and 7 keep one load of 8),
     # the online softmax carried from the first to the second: outputs, weights (the logits the tail stores) and every
     # gradient against the reference, at an odd width and token count.
     from kernels.depth_attn import fused
 
     monkeypatch.setattr(fused, "FWD_TAIL", True)
     t = fused.tiles(n, 13, 4)
-    assert t.one_chunk and (t.block_s, t.tail_s) == {3: (2, 1), 5: (4, 1), 6: (4, 2), 7: (8, 0)}[n]
+    assert t.one_chunk and (t.block_s, t.tail_s) == {3: (2, 1), 5: (4, 1), 6: (8, 0), 7: (8, 0)}[n]
     assert_two_phase_matches_reference(*make_inputs(4, n, 2, 21, 13, True, seed=n), True, up_seed=n + 1)
     monkeypatch.setattr(fused, "FWD_TAIL", False)
     assert fused.tiles(n, 13, 4).tail_s == 0
@@ -152,11 +152,11 @@ def test_split_backward_setting_is_explicit(monkeypatch):
 
     monkeypatch.setattr(fused, "interpreting", lambda: False)
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
-    assert fused.tiles(5, 1024, 4) == dataclasses.replace(fused._tiles(5, 1024), bwd_split=True)
+    assert fused.tiles(5, 1024, 4) == dataclasses.replace(fused._tiles(5, 1024, tail=True), bwd_split=True)
     assert fused.tiles(5, 1024, 4) is fused.tiles(5, 1024, 4)  # cached with the other tiles, not rebuilt a call
     assert fused.tiles(3, 512, 2).bwd_split
-    monkeypatch.setattr(fused, "SPLIT_BWD", None)  # the rule: 5 to 9 sources at d = 1024, whatever the consumers
-    assert [n for n in range(1, 18) if fused.tiles(n, 1024, 4).bwd_split] == [5, 6, 7, 8, 9]
+    monkeypatch.setattr(fused, "SPLIT_BWD", None)  # the rule: 2 to 9 sources at d = 1024, whatever the consumers
+    assert [n for n in range(1, 18) if fused.tiles(n, 1024, 4).bwd_split] == [2, 3, 4, 5, 6, 7, 8, 9]
     assert fused.tiles(9, 1000, 1).bwd_split and not fused.tiles(6, 512, 4).bwd_split
     assert not fused.tiles(6, 2048, 4).bwd_split
     monkeypatch.setattr(fused, "WIDE_BWD", (8, 8, False, 128))  # the one kernel's tiles set: the rule gives way
@@ -164,10 +164,18 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "WIDE_BWD", None)
     monkeypatch.setattr(fused, "SPLIT_BWD", False)
     assert not any(fused.tiles(n, d, 4).bwd_split for n in (1, 3, 4, 8, 9) for d in (512, 1024, 2048))
-    assert fused.tiles(3, 1024, 4) == fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)  # the other rules still apply
+    assert fused.tiles(3, 1024, 4) == fused._tiles(3, 1024, fused.NARROW_WIDE_BWD, tail=True)  # the other rules apply
     monkeypatch.setattr(fused, "SPLIT_BWD", "yes")
     with pytest.raises(ValueError, match=r"SPLIT_BWD='yes': choose None \(the rule\), True or False"):
         fused.tiles(5, 1024, 4)
+    # the split scores kernel reduces once from 2 consumers (measured slower for one), unless SCORES_ONCE says
+    assert fused.scores_once(4) and fused.scores_once(2) and not fused.scores_once(1)
+    assert fused.split_tiles(5, 1024, 4)[0][1] != fused.split_tiles(5, 1024, 1)[0][1]  # its chunk follows
+    monkeypatch.setattr(fused, "SCORES_ONCE", False)
+    assert not fused.scores_once(4)
+    monkeypatch.setattr(fused, "SCORES_ONCE", "x")
+    with pytest.raises(ValueError, match=r"SCORES_ONCE='x': choose None \(the rule: from 2 consumers\), True or False"):
+        fused.scores_once(4)
 
 
 def test_forward_warps_setting_leaves_the_backward_alone(monkeypatch):
@@ -189,9 +197,9 @@ def test_forward_warps_setting_leaves_the_backward_alone(monkeypatch):
     assert fused.tiles(3, 1024, 4).num_warps == 4 and fused.tiles(3, 1024, 4).bwd_warps == 8
     monkeypatch.setattr(fused, "FWD_TAIL", True)  # the forward's two loads: part of the cached tiles' key
     assert [(n, fused.tiles(n, 1024, 4).block_s, fused.tiles(n, 1024, 4).tail_s) for n in (3, 5, 6, 7)] == \
-        [(3, 2, 1), (5, 4, 1), (6, 4, 2), (7, 8, 0)]
+        [(3, 2, 1), (5, 4, 1), (6, 8, 0), (7, 8, 0)]
     monkeypatch.setattr(fused, "FWD_TAIL", False)
-    assert fused.tiles(5, 1024, 4).tail_s == 0
+    assert fused.tiles(5, 1024, 4).tail_s == 0 and fused.tiles(5, 1024, 4).block_s == 8
     monkeypatch.setattr(fused, "FWD_WARPS", 3)
     with pytest.raises(ValueError, match=r"FWD_WARPS=3: choose None .* or 1, 2, 4, 8, 16"):
         fused.tiles(3, 1024, 4)
@@ -704,11 +712,12 @@ GPU_CASES = [
 def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
     # every gradient against the fp32 reference on the same bf16-rounded inputs; the phase-1 backward as the rule
-    # picks it, split in two kernels (its scores reduced a chunk at a time, or once: SCORES_ONCE), and in one.
+    # picks it (and its scores as scores_once does), split in two kernels (its scores reduced a chunk at a time, or
+    # once: SCORES_ONCE), and in one.
     from kernels.depth_attn import fused
 
     monkeypatch.setattr(fused, "SPLIT_BWD", True if split == "once" else split)
-    monkeypatch.setattr(fused, "SCORES_ONCE", split == "once")
+    monkeypatch.setattr(fused, "SCORES_ONCE", True if split == "once" else None if split is None else False)
     _, C, n, B, T, d, key_norm, gains = case
     sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains, device="cuda")
     bf = [sources.bfloat16().requires_grad_(), partials.bfloat16().requires_grad_(),
@@ -833,6 +842,7 @@ def test_wide_backward_tiles_apply_above_512_channels_and_name_a_bad_setting(mon
     assert fused._tiles(2, 1024, (8, 8, False, 128)).bwd_block_s == 2  # never more than the sources
     monkeypatch.setattr(fused, "interpreting", lambda: False)
     monkeypatch.setattr(fused, "SPLIT_BWD", False)  # the one kernel's tiles (the split's rule: its own test)
+    monkeypatch.setattr(fused, "FWD_TAIL", False)  # the forward's one load, as _tiles gives it unless told (own test)
     # unset: one load of 4 over 4 warps (NARROW_WIDE_BWD) for 3 or 4 sources of at most 4 consumers at d = 1024 alone
     narrow = fused._tiles(3, 1024, fused.NARROW_WIDE_BWD)
     assert (narrow.bwd_block_s, narrow.bwd_one_chunk, narrow.bwd_warps, narrow.bwd_maxnreg) == (4, True, 4, 168)
