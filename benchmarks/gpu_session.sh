@@ -233,6 +233,8 @@
 #            each call of attnres_block's `medium` step, then the step with each beside vanilla and the default
 #   fwd_check one GPU (about 420 s with the start): the depth-attention GPU tests, then the `medium` and `small` steps
 #            with the defaults of 2026-12-04 beside the settings before them (BEFORE_DEC4), the default re-timed last
+#   split_counters one GPU (about 300 s with the start): Nsight Compute's counters of Block AttnRes's kernels at
+#            `medium`'s width over 8 summaries (kernel_counters attnres_medium), tabulated
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -240,7 +242,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once scores_fwd fwd_check"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once scores_fwd fwd_check split_counters"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -922,6 +924,13 @@ case "$PLAN" in
     medium_step "${MEDIUM_LIMIT:-380}" "${TAG:-_scores_fwd}" attnres_block "attnres_block@$ONCE" \
       "attnres_block@$ONCE@py:kernels.depth_attn.fused.FWD_TAIL=True" \
       "attnres_block@$ONCE@py:kernels.depth_attn.fused.FWD_TAIL=True@py:kernels.depth_attn.fused.FWD_WARPS=4"
+    ;;
+  split_counters)
+    # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two
+    # kernels, the forward, the merges), then tabulated
+    COUNTER_LAUNCHES=${COUNTER_LAUNCHES:-16} counters_of attnres_medium "${COUNTER_LIMIT:-240}"
+    python3 -m benchmarks.kernel_counters --summarize "$OUTDIR/gpu0.ncu_attnres_medium.txt" --tag _split_medium \
+      > "$OUTDIR/gpu0.summary_counters.txt" 2>&1
     ;;
   fwd_check)
     # the GPU tests, then the medium and small steps with the defaults of 2026-12-04 (SCORES_ONCE from 2 consumers,

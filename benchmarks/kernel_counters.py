@@ -9,7 +9,8 @@ Runs ITERS forward+backward passes of each op in ``--ops`` and exits: no timing 
 replays every launch it captures finishes in seconds. ``mhc``: one sublayer's fused read and write
 (``kernels.mhc``: mhc_pre, mhc_post) on bf16 streams, n = 4. ``msar``: the fused MSAR read
 (``kernels.msar_attn.msar``) over S = 5 bf16 sources with kernels (4, 8, 12) and the mixer. ``attnres``: one
-block of Block AttnRes (phase 1 over 5 summaries, 3 merges). Shapes as in ``benchmarks.ops_mhc``,
+block of Block AttnRes (phase 1 over 5 summaries, 3 merges). ``attnres_medium``: the same at `medium`'s width over 8
+summaries (B = 16, T = 2048, d = 1024: the split phase-1 backward, ``fused.split_backward``). Shapes as in ``benchmarks.ops_mhc``,
 ``benchmarks.msar_attn`` and ``benchmarks.ops_attnres`` (B = 16, T = 1024, d = 512), inputs from their
 ``make_inputs``; every gradient is taken with a random upstream gradient.
 
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-OPS = ("mhc", "msar", "attnres")
+OPS = ("mhc", "msar", "attnres", "attnres_medium")
 B, T, D = 16, 1024, 512
 
 
@@ -56,10 +57,10 @@ def run_msar(iters: int) -> None:
         torch.autograd.grad(h, leaves, grad_outputs=torch.randn_like(h))
 
 
-def run_attnres(iters: int) -> None:
+def run_attnres(iters: int, n: int = 5, b: int = B, t: int = T, d: int = D) -> None:
     from benchmarks import ops_attnres
 
-    sources, partials, queries, gains = ops_attnres.make_inputs(5, 4, B, T, D)
+    sources, partials, queries, gains = ops_attnres.make_inputs(n, 4, b, t, d)
     leaves = ops_attnres.leaves_of(sources, partials, queries, gains)
     for _ in range(iters):
         hs = ops_attnres.run_fused(sources, partials, queries, gains)
@@ -124,7 +125,8 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.kernel_counters needs a CUDA GPU")
     for op in args.ops:
-        {"mhc": run_mhc, "msar": run_msar, "attnres": run_attnres}[op](args.iters)
+        {"mhc": run_mhc, "msar": run_msar, "attnres": run_attnres,
+         "attnres_medium": lambda iters: run_attnres(iters, n=8, b=16, t=2048, d=1024)}[op](args.iters)
         torch.cuda.synchronize()
         print(f"{op}: {args.iters} forward+backward passes", flush=True)
 
