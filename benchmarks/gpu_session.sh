@@ -235,6 +235,8 @@
 #            with the defaults of 2026-12-04 beside the settings before them (BEFORE_DEC4), the default re-timed last
 #   split_counters one GPU (about 300 s with the start): Nsight Compute's counters of Block AttnRes's kernels at
 #            `medium`'s width over 8 summaries (kernel_counters attnres_medium), tabulated
+#   scores_chunks one GPU (about 300 s with the start): the split scores kernel in chunks of 16 channels alone at 3,
+#            5 and 8 sources, then attnres_block's `medium` step with it beside the default
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -242,7 +244,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once scores_fwd fwd_check split_counters"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once scores_fwd fwd_check split_counters scores_chunks"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -924,6 +926,14 @@ case "$PLAN" in
     medium_step "${MEDIUM_LIMIT:-380}" "${TAG:-_scores_fwd}" attnres_block "attnres_block@$ONCE" \
       "attnres_block@$ONCE@py:kernels.depth_attn.fused.FWD_TAIL=True" \
       "attnres_block@$ONCE@py:kernels.depth_attn.fused.FWD_TAIL=True@py:kernels.depth_attn.fused.FWD_WARPS=4"
+    ;;
+  scores_chunks)
+    # the split scores kernel (reduced once) in chunks of 16 channels (80 registers and 3 layout conversions at 8
+    # sources by the sm_90 compiler, against 168 and 9 at 32) alone, then in the medium step beside the default
+    SPLIT_OPS=${SPLIT_OPS:-block_n3 block_n5 block_n8} medium_calls "${TILES_LIMIT:-60}" "${TAG:-_scores_chunks}" \
+      split-once split-once:4,16,4,2,4 split-once:8,16,8,2,4 split-once:2,16,2,2,4 split-once:4,32,4,2,4
+    medium_step "${MEDIUM_LIMIT:-200}" "${TAG:-_scores_chunks}" \
+      "attnres_block@py:kernels.depth_attn.fused.SPLIT_TILES=(4,16,4,2,4)" attnres_block
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two
