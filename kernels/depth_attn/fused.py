@@ -673,7 +673,8 @@ def split_backward(n: int, d: int, c: int | None) -> bool:
 def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
     """The split backward's tiles: ((tokens, channels a chunk, warps) of the scores kernel, (tokens, channels,
     sources a load) of the gradients kernel, its warps). Scores: one warp a token (its dot products are reductions
-    inside a warp), chunks of 256 channels for one source, 128 for two, 64 above. Gradients: one token a program over
+    inside a warp), chunks of 256 channels for one source, 128 for two, 64 above; reduced once (``scores_once``), 1024
+    values a token's chunk over sources and consumers, at least 32, and 16 from 5 sources on. Gradients: one token a program over
     all d, 2 sources a load for 3 or more consumers, else 4. From the sm_90 compiler's report (bf16 sources, d =
     1024, 4 warps): scores 80-128 registers, gradients 130-166, no spills. Under the interpreter: 32 tokens,
     16-channel chunks, 2 sources a load (the chunk loops and their ragged ends run in the CPU tests)."""
@@ -688,6 +689,8 @@ def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int
         return (bt, min(block_d, _pow2(chunk)), warps_a), (1, block_d, min(block_s, _pow2(per_load))), warps_b
     if scores_once(c):  # (S, C, chunk) accumulators twice, about 32 fp32 a thread each: 126-168 registers, no spills
         chunk = min(block_d, max(32, min(256, 1024 // (block_s * _pow2(c)))))
+        if block_s >= 8:  # 5-8 sources: chunks of 16 (80 registers, 3 layout conversions against 168 and 9 at 32):
+            chunk = min(block_d, 16)  # alone at `medium` 0.85-0.87x the time at 32; at 3 sources 16 was 1.13x
     else:
         chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
     return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), 4
