@@ -11,7 +11,8 @@ autograd) and sums per-program partial query gradients (deterministic, no atomic
 Phase 1, ``_summaries_fwd_kernel``: one program per block of BLOCK_T tokens (one token for
 d >= 512) with all d channels, one warp per 512 channels (``tiles``). A chunk of BLOCK_S (<= 8) sources
 is read in one load, so every source of a token is in flight at once; with n <= BLOCK_S (``ONE_CHUNK``: Block
-AttnRes up to 8 blocks at d <= 2048) the chunk is loaded once for all C consumers. Per consumer (a
+AttnRes up to 8 blocks at d <= 2048) the chunk is loaded once for all C consumers (3 or 5 sources as two loads of
+2 + 1 or 4 + 1 rows rather than one padded to 4 or 8: ``FWD_TAIL``). Per consumer (a
 static loop): the logits (q_c ⊙ g_c)·x_s·r_s (the sums of squares r_s are shared), the softmax over
 the sources in fp32 (online across chunks when n > BLOCK_S, the later consumers then read the chunks
 from L2), and the weighted sum. Writes each consumer's normalised output (C, N, d) in the sources'
@@ -37,12 +38,14 @@ outputs of fp32 sources, ``out_dtype``) phase 1 keeps them and dO_c·o_c comes f
 (each program loops over token blocks and writes one partial gradient of q ⊙ g) with as many
 programs as fit on the GPU at once, read from the compiled kernel's registers and shared memory.
 
-Split backward (``split_backward``: 5 to 9 sources at d = 1024; ``SPLIT_BWD`` sets it): ``_split_scores_kernel``
-reads every source and upstream gradient of 4 tokens (one warp each) in chunks of channels and writes the per-token
+Split backward (``split_backward``: 2 to 9 sources at d = 1024; ``SPLIT_BWD`` sets it): ``_split_scores_kernel``
+reads every source and upstream gradient of 4 tokens (one warp each) in chunks of channels (its products summed over
+the chunks and reduced once for 2 or more consumers, ``scores_once``) and writes the per-token
 scalars w_cs, dlogit_cs·r_s (C, n, N) and the key norm's −r_s² Σ_c dlogit_cs logit_cs / d (n, N) in fp32; then
 ``_split_grads_kernel`` (persistent, one token over all d) forms dx_s and the query-gradient partials elementwise from
 them, reading the sources and upstream gradients again. Twice the reads of those, but no token's whole rows in
-registers and no reduction across warps: 0.69-0.79x the one kernel's time from 6 sources on at `medium`, slower at 2-4.
+registers and no reduction across warps: at `medium` 0.87-0.89x the one kernel's time at 2-4 sources and 0.5-0.7x
+from 5 on (with 16-channel chunks there).
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
 
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
