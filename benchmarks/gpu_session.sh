@@ -225,10 +225,6 @@
 #            training steps of attnres_block at `small` with bf16 row gradients against fp32 ones (2 seeds)
 #   split_sweep one GPU (about 150 s with the start): the split phase-1 backward's tiles (SPLIT_CANDIDATES, as
 #            fused.SPLIT_TILES) at each call of attnres_block's `medium` step, beside the one-kernel backward
-#   scores_once one GPU (about 560 s with the start): the depth-attention GPU tests, the split backward's scores
-#            kernel reducing over the channels once (fused.SCORES_ONCE) against once a chunk at each call of
-#            attnres_block's `medium` step, then the step with it beside vanilla, the default, and it with the
-#            split from 3 sources on (SPLIT_SOURCES=(3,9))
 #   scores_fwd one GPU (about 560 s with the start): SCORES_ONCE and the forward's FWD_WARPS=4 / FWD_TAIL alone at
 #            each call of attnres_block's `medium` step, then the step with each beside vanilla and the default
 #   fwd_check one GPU (about 420 s with the start): the depth-attention GPU tests, then the `medium` and `small` steps
@@ -244,7 +240,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_once scores_fwd fwd_check split_counters scores_chunks"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -907,16 +903,6 @@ case "$PLAN" in
     # the split backward's tiles (fused.SPLIT_TILES) at each call of medium's step, beside one kernel
     medium_calls "${TILES_LIMIT:-150}" "${TAG:-_split_sweep}" one-kernel split ${SPLIT_CANDIDATES:-split:4,32,4,2,4 \
       split:4,64,4,1,4 split:4,32,4,1,4 split:8,64,8,2,8 split:4,128,4,2,4}
-    ;;
-  scores_once)
-    # the split scores kernel reducing once (fused.SCORES_ONCE) against once a chunk: GPU tests, each call of medium's
-    # step alone (the forward at 4 warps a token too), then the step with it beside vanilla and the default, and with
-    # the split from 3 sources on
-    attnres_tests "${TEST_LIMIT:-110}"
-    medium_calls "${TILES_LIMIT:-130}" "${TAG:-_scores_once}" one-kernel split split-once 1,4,8,2
-    medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_scores_once}" "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True" \
-      attnres_block \
-      "attnres_block@py:kernels.depth_attn.fused.SCORES_ONCE=True@py:kernels.depth_attn.fused.SPLIT_SOURCES=(3,9)"
     ;;
   scores_fwd)
     # SCORES_ONCE and the forward's settings (FWD_WARPS=4, FWD_TAIL) alone at each call of medium's step, then the

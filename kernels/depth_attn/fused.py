@@ -691,9 +691,9 @@ def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int
         bt, chunk, warps_a, per_load, warps_b = SPLIT_TILES
         return (bt, min(block_d, _pow2(chunk)), warps_a), (1, block_d, min(block_s, _pow2(per_load))), warps_b
     if scores_once(c):  # (S, C, chunk) accumulators twice, about 32 fp32 a thread each: 126-168 registers, no spills
-        chunk = min(block_d, max(32, min(256, 1024 // (block_s * _pow2(c)))))
-        if block_s >= 8:  # 5-8 sources: chunks of 16 (80 registers, 3 layout conversions against 168 and 9 at 32):
-            chunk = min(block_d, 16)  # alone at `medium` 0.85-0.87x the time at 32; at 3 sources 16 was 1.13x
+        # from 5 sources (a load of 8 rows) chunks of 16: 80 registers and 3 layout conversions against 168 and 9 at 32,
+        # alone at `medium` 0.85-0.87x the time at 32; at 3 sources 16 was 1.13x its chunk of 64
+        chunk = min(block_d, 16 if block_s >= 8 else max(32, min(256, 1024 // (block_s * _pow2(c)))))
     else:
         chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
     return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), 4
@@ -710,11 +710,9 @@ def tiles(n: int, d: int, c: int | None = None) -> Tiles:
         head, tail = _fwd_tail(n, block_s, bool(FWD_TAIL))
         return Tiles(block_t, block_d, head, n <= block_s, warps, block_s, n <= block_s, True,
                      bwd_split=split_backward(n, d, c), tail_s=tail)
-    fwd_warps = 0
-    if FWD_WARPS is not None and _pow2(d) > 512:
-        if FWD_WARPS not in (1, 2, 4, 8, 16):
-            raise ValueError(f"fused.FWD_WARPS={FWD_WARPS!r}: choose None (one warp per 512 channels) or 1, 2, 4, 8, 16")
-        fwd_warps = FWD_WARPS
+    if FWD_WARPS not in (None, 1, 2, 4, 8, 16):  # refused at any width, though it applies above 512 channels only
+        raise ValueError(f"fused.FWD_WARPS={FWD_WARPS!r}: choose None (one warp per 512 channels) or 1, 2, 4, 8, 16")
+    fwd_warps = FWD_WARPS if FWD_WARPS is not None and _pow2(d) > 512 else 0
     if split_backward(n, d, c):
         return _tiles(n, d, split=True, fwd_warps=fwd_warps, tail=bool(FWD_TAIL))
     wide = None if _pow2(d) <= 512 else WIDE_BWD
