@@ -22,6 +22,7 @@ from benchmarks.ptxas import compile_sm90, launch_attrs, layout_conversions, loo
 # name -> (consumers C, sources n, d): the ops of benchmarks.ops_attnres at its widths, and the limits
 SHAPES = {
     "block-small": (4, 5, 512), "block-medium": (4, 5, 1024), "block-d2048": (4, 5, 2048),
+    "block3-medium": (4, 3, 1024), "block8-medium": (4, 8, 1024),
     "full-small": (2, 17, 512), "full-medium": (2, 17, 1024), "full-d2048": (2, 17, 2048),
     "block8-d4096": (8, 9, 4096), "one-d8192": (1, 9, 8192),
 }
@@ -65,12 +66,13 @@ def main(argv=None) -> int:
     for shape in args.shapes:
         C, n, d = SHAPES[shape]
         t = fused.tiles(n, d, C)
+        keep = fused.scores_from_logits(n, d, C)  # the forward keeps its logits for the split backward's scores
         bt, bd, mw = fused._row_tiles(d)
         runs = [
             ("phase 1 forward", fused._summaries_fwd_kernel,
-             dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, eps="fp32"),
-             dict(C=C, KEY_NORM=True, STORE_LOGITS=False, ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, TAIL_S=t.tail_s,
-                  BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps),
+             dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32, eps="fp32"),
+             dict(C=C, KEY_NORM=True, STORE_LOGITS=keep, STORE_RSTD=keep, ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s,
+                  TAIL_S=t.tail_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps),
             *((f"phase 1 backward{label}", fused._summaries_bwd_kernel,
                dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, dsrc_ptr=bf16,
                     dqg_ptr=f32, out_ptr=bf16, eps="fp32"),
@@ -84,10 +86,12 @@ def main(argv=None) -> int:
               for (bt_a, chunk, warps_a), (bt_b, block_d, per_load), warps_b in
               ([fused.split_tiles(n, d, C)] if t.bwd_split else [])
               for label, fn, types, consts, warps in (
-                  ("scores", fused._split_scores_kernel,
-                   dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, w_ptr=f32, dlr_ptr=f32,
-                        coef_ptr=f32, eps="fp32"),
-                   dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=fused.scores_once(C)), warps_a),
+                  *((f"scores{'' if from_logits else ', logits summed again'}", fused._split_scores_kernel,
+                     dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, w_ptr=f32,
+                          dlr_ptr=f32, coef_ptr=f32, logit_in_ptr=f32, rstd_in_ptr=f32, eps="fp32"),
+                     dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=fused.scores_once(C),
+                          FROM_LOGITS=from_logits), warps_a)
+                    for from_logits in dict.fromkeys((keep, False))),
                   ("gradients", fused._split_grads_kernel,
                    dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                         dsrc_ptr=bf16, dqg_ptr=f32),

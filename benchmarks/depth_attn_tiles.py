@@ -48,15 +48,18 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
 
 
 # code settings of fused held around a candidate, the tiles otherwise default: the phase-1 backward as two kernels (its
-# scores reduced as ``fused.scores_once`` says, once, or a chunk at a time: ``fused.SCORES_ONCE``) or one, whatever
-# the rule says (``fused.SPLIT_BWD``; these four take ``:TILES`` too); the forward at 4 warps a token
+# scores reduced as ``fused.scores_once`` says, once, or a chunk at a time: ``fused.SCORES_ONCE``; taking the forward's
+# logits or summing them again: ``fused.SCORES_FROM_LOGITS``) or one, whatever the rule says (``fused.SPLIT_BWD``;
+# these six take ``:TILES`` too); the forward at 4 warps a token
 # (``fused.FWD_WARPS``), in two loads for 3 and 5 sources or not (``fused.FWD_TAIL``), or at 4 warps in two loads
 SETTINGS = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
             "split-once": {"SPLIT_BWD": True, "SCORES_ONCE": True},
             "split-chunks": {"SPLIT_BWD": True, "SCORES_ONCE": False},
+            "split-logits": {"SPLIT_BWD": True, "SCORES_FROM_LOGITS": True},
+            "split-recompute": {"SPLIT_BWD": True, "SCORES_FROM_LOGITS": False},
             "fwd-tail": {"FWD_TAIL": True}, "fwd-padded": {"FWD_TAIL": False}, "fwd4": {"FWD_WARPS": 4},
             "fwd4-tail": {"FWD_WARPS": 4, "FWD_TAIL": True}}
-SPLIT = ("split", "one-kernel", "split-once", "split-chunks")
+SPLIT = ("split", "one-kernel", "split-once", "split-chunks", "split-logits", "split-recompute")
 
 
 def parse_tiles(text: str):
@@ -245,7 +248,7 @@ def main(argv=None) -> None:
 
                 fwd_bytes = (n + C) * N * d * e
                 bwd_bytes = (n + C) * N * d * e + (2 * (n - 1) + 1) * N * d * 4
-                ref_out, ref_lse, _ = fused.summaries_fwd(src, n, qg, store_logits=False, **kw)
+                ref_out, ref_lse, _, _ = fused.summaries_fwd(src, n, qg, store_logits=False, **kw)
                 dsrc = grads0.clone()
                 fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1, **kw)
                 ref_dsrc = dsrc.clone()
@@ -256,16 +259,22 @@ def main(argv=None) -> None:
                     label = "default" if cand is None else str(cand)
                     try:
                         with phase1_tiles(fused, cand, n, d):
-                            out, lse, _ = fused.summaries_fwd(src, n, qg, store_logits=False, **kw)
+                            # as training runs it: the forward keeps the logits and r_s where its split backward
+                            # takes them (``fused.scores_from_logits``), and its time counts their stores
+                            keep = fused.scores_from_logits(n, d, C)
+                            out, lse, logits, rstd = fused.summaries_fwd(src, n, qg, store_logits=keep,
+                                                                         store_rstd=keep, **kw)
                             err = max(rel(out, ref_out), rel(lse, ref_lse))
-                            ms = timer(lambda: fused.summaries_fwd(src, n, qg, store_logits=False, **kw))
+                            ms = timer(lambda: fused.summaries_fwd(src, n, qg, store_logits=keep, store_rstd=keep,
+                                                                   **kw))
                             base_f = base_f or ms
                             row("phase 1 fwd", label, ms, base_f, fwd_bytes, err)
+                            sc = dict(logits=logits, rstd=rstd, **kw)
                             dsrc = grads0.clone()
-                            _, dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1, **kw)
+                            _, dqg = fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc, n_add=n - 1, **sc)
                             err = max(rel(dsrc, ref_dsrc), rel(dqg, ref_dqg))
                             ms = timer(lambda: fused.summaries_bwd(src, n, qg, ref_lse, douts, dlse, dsrc=dsrc,
-                                                                   n_add=n - 1, **kw))
+                                                                   n_add=n - 1, **sc))
                             base_b = base_b or ms
                             row("phase 1 bwd", label, ms, base_b, bwd_bytes, err)
                             # dO·o from the outputs, as stored in the sources' dtype, and in bf16 as training keeps

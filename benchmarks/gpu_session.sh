@@ -233,6 +233,11 @@
 #            `medium`'s width over 8 summaries (kernel_counters attnres_medium), tabulated
 #   scores_chunks one GPU (about 300 s with the start): the split scores kernel in chunks of 16 channels alone at 3,
 #            5 and 8 sources, then attnres_block's `medium` step with it beside the default
+#   logits   one GPU (about 500 s with the start): the split backward with its scores kernel taking the forward's logits
+#            (SCORES_FROM_LOGITS) against summing them again, and its chunks and the gradients kernel's tiles, alone at
+#            each call of attnres_block's `medium` step; then that step with each beside vanilla, the default re-timed
+#   logits_check one GPU (about 400 s with the start): the depth-attention GPU tests, the `medium` step with the
+#            default beside LOGITS_ROWS (default: the logits summed again), and the `small` step
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -240,7 +245,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -284,6 +289,7 @@ ONCE=py:kernels.depth_attn.fused.SCORES_ONCE=True  # the split scores kernel red
 # Block AttnRes's phase-1 settings before 2026-12-04: scores a chunk at a time, the split from 5 sources, padded forward
 BEFORE_DEC4="py:kernels.depth_attn.fused.SCORES_ONCE=False@py:kernels.depth_attn.fused.SPLIT_SOURCES=(5,9)"
 BEFORE_DEC4="$BEFORE_DEC4@py:kernels.depth_attn.fused.FWD_TAIL=False"
+RECOMPUTE=py:kernels.depth_attn.fused.SCORES_FROM_LOGITS=False  # the split scores kernel sums the logits again
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
 PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
 STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
@@ -920,6 +926,21 @@ case "$PLAN" in
       split-once split-once:4,16,4,2,4 split-once:8,16,8,2,4 split-once:2,16,2,2,4 split-once:4,32,4,2,4
     medium_step "${MEDIUM_LIMIT:-200}" "${TAG:-_scores_chunks}" \
       "attnres_block@py:kernels.depth_attn.fused.SPLIT_TILES=(4,16,4,2,4)" attnres_block
+    ;;
+  logits)
+    # the scores kernel from the forward's logits (half its accumulators: 48-72 registers and 2-3 layout conversions by
+    # the sm_90 compiler, against 72-126 and 3-8 summing them again) and the gradients kernel at 1 source a load (95
+    # registers) or 8 warps (128), alone; then the medium step with the logits and without
+    SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
+      medium_calls "${TILES_LIMIT:-150}" "${TAG:-_logits}" split-recompute split-logits ${LOGITS_CANDIDATES:-\
+      split-logits:4,32,4,2,4 split-logits:4,64,4,2,4 split-logits:4,16,4,1,4 split-logits:4,16,4,2,8}
+    medium_step "${MEDIUM_LIMIT:-270}" "${TAG:-_logits}" attnres_block "attnres_block@$RECOMPUTE" attnres_block
+    ;;
+  logits_check)
+    attnres_tests "${TEST_LIMIT:-110}"
+    medium_step "${MEDIUM_LIMIT:-270}" "${TAG:-_logits_check}" attnres_block ${LOGITS_ROWS:-"attnres_block@$RECOMPUTE"} \
+      attnres_block
+    attnres_small "${SMALL_LIMIT:-120}" "$RECOMPUTE" "${TAG:-_logits_check}"
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

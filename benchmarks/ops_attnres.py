@@ -204,7 +204,7 @@ def kernel_breakdown(n, C, B, T, d) -> list[tuple[str, float]]:
 
     sources, partials, queries, gains = make_inputs(n, C, B, T, d)
     src, qg = torch.stack(sources).detach(), (queries * gains).detach().float().contiguous()
-    out, lse, _ = fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6, store_logits=False)
+    out, lse, _, _ = fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6, store_logits=False)
     douts = tuple(torch.randn_like(out[c]) for c in range(C))
     dlse = torch.randn_like(lse)
     p, o, lse1, q1 = partials[0].detach(), out[1], lse[1].contiguous(), qg[1].contiguous()

@@ -118,9 +118,11 @@ def _summaries_fwd_kernel(
     out_ptr,  # result: normalised outputs (C, N, d), the sources' dtype
     lse_ptr,  # result: log-sum-exp of the logits over sources (C, N) fp32
     logits_ptr,  # result: raw logits (C, n, N) fp32, only when STORE_LOGITS
+    rstd_ptr,  # result: the key norm's r_s (n, N) fp32, only when STORE_RSTD (for the split backward)
     n, N, D, eps,
     C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, ONE_CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, TAIL_S: tl.constexpr = 0,
+    STORE_RSTD: tl.constexpr = False,
 ):
     # TAIL_S > 0 (ONE_CHUNK only): the sources past the first BLOCK_S in a second load of TAIL_S rows, so n = 3 or 5
     # holds 2 + 1 or 4 + 1 rows in registers instead of 4 or 8 (``FWD_TAIL``)
@@ -134,9 +136,13 @@ def _summaries_fwd_kernel(
     if ONE_CHUNK:  # every source in registers: read once for all consumers
         x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
         r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+        if STORE_RSTD:
+            tl.store(rstd_ptr + rows, r, mask=mask_s[:, None] & mask_t[None, :])
         if TAIL_S > 0:
             x2, mask_s2, rows2 = _load_chunk(src_ptr, pid * 0 + BLOCK_S, n, tok, mask_td, offs_d, N, D, TAIL_S)
             r2 = _chunk_rstd(x2, D, eps, KEY_NORM, TAIL_S, BLOCK_T)
+            if STORE_RSTD:
+                tl.store(rstd_ptr + rows2, r2, mask=mask_s2[:, None] & mask_t[None, :])
     for c in tl.static_range(C):
         # in the chunk's layout (1, 1, D): loaded as a (D,) row and broadcast, it cost a layout conversion per
         # consumer (bf16 sources at `small` on an H200: 0.410 against 0.135 ms, depth_attn_tiles_nvidia_h200_small.md)
@@ -158,6 +164,8 @@ def _summaries_fwd_kernel(
             while s0 < n:
                 xc, mask_sc, rows_c = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
                 rc = _chunk_rstd(xc, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+                if STORE_RSTD and c == 0:  # shared by every consumer: stored once
+                    tl.store(rstd_ptr + rows_c, rc, mask=mask_sc[:, None] & mask_t[None, :])
                 logit, m_i, l_i, acc = _fwd_chunk(xc, rc, mask_sc, qg, m_i, l_i, acc)
                 if STORE_LOGITS:
                     tl.store(logits_ptr + c * n * N + rows_c, logit, mask=mask_sc[:, None] & mask_t[None, :])
@@ -336,15 +344,19 @@ def _split_scores_kernel(
     w_ptr,  # result: softmax weights w_cs (C, n, N) fp32
     dlr_ptr,  # result: dlogit_cs · r_s (C, n, N) fp32
     coef_ptr,  # result (KEY_NORM): −r_s² Σ_c dlogit_cs logit_cs / d (n, N) fp32
+    logit_in_ptr,  # FROM_LOGITS: the forward's logits (C, n, N) fp32
+    rstd_in_ptr,  # FROM_LOGITS and KEY_NORM: the forward's r_s (n, N) fp32
     n, N, D, eps,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, ONCE: tl.constexpr,
+    BLOCK_D: tl.constexpr, ONCE: tl.constexpr, FROM_LOGITS: tl.constexpr = False,
 ):
     """Split backward, first kernel: the per-token scalars of every (consumer, source) pair, from one read of the
     sources and upstream gradients in chunks of BLOCK_D channels (one warp a token on the GPU: every dot product is a
     reduction inside a warp). Accumulators are (S, T, C): the consumer axis last, in the chunk's layout. ``ONCE``:
     the products are summed elementwise over the chunks in (S, T, C, BLOCK_D) accumulators and reduced over the
-    channels once, after the last chunk (one reduction a dot product instead of one a chunk)."""
+    channels once, after the last chunk (one reduction a dot product instead of one a chunk). ``FROM_LOGITS``: the
+    logits and r_s come from the forward (``SCORES_FROM_LOGITS``), so only the dot products dO_c·x_s are summed here
+    (no query loads, no sums of squares: half the accumulators)."""
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < N
@@ -366,20 +378,22 @@ def _split_scores_kernel(
             mask_d = offs_d < D
             x = tl.load(src_ptr + rows[:, :, None, None] * D + offs_d[None, None, None, :],
                         mask=mask_st[:, :, None, None] & mask_d[None, None, None, :], other=0.0).to(tl.float32)
-            qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
-                         mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
             do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # the C upstream gradients side by side
             for c in tl.static_range(C):
                 do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
                                mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
                 do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
-            if KEY_NORM:
-                ss4 += x * x
-            qx4 += x * qg
+            if not FROM_LOGITS:
+                qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
+                             mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
+                if KEY_NORM:
+                    ss4 += x * x
+                qx4 += x * qg
             a4 += x * do
             d0 += BLOCK_D
-        ss = tl.sum(tl.sum(ss4, axis=3), axis=2)  # (S, T)
-        qx = tl.sum(qx4, axis=3)  # (S, T, C)
+        if not FROM_LOGITS:
+            ss = tl.sum(tl.sum(ss4, axis=3), axis=2)  # (S, T)
+            qx = tl.sum(qx4, axis=3)  # (S, T, C)
         a = tl.sum(a4, axis=3)
     else:
         ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)  # Σ_d x² (S, T)
@@ -391,31 +405,39 @@ def _split_scores_kernel(
             mask_d = offs_d < D
             x = tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
                         mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (S, T, Dc)
-            if KEY_NORM:
+            if KEY_NORM and not FROM_LOGITS:
                 ss += tl.sum(x * x, axis=2)
             for c in tl.static_range(C):
-                qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
                 do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :],
                              mask=mask_t[None, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)  # (1, T, Dc)
                 sel = offs_c[None, None, :] == c
-                qx += tl.where(sel, tl.sum(x * qg, axis=2)[:, :, None], 0.0)
+                if not FROM_LOGITS:
+                    qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+                    qx += tl.where(sel, tl.sum(x * qg, axis=2)[:, :, None], 0.0)
                 a += tl.where(sel, tl.sum(x * do, axis=2)[:, :, None], 0.0)
             d0 += BLOCK_D
-    if KEY_NORM:
-        r = tl.rsqrt(ss / D + eps)
+    valid = mask_s[:, None, None] & mask_c[None, None, :]
+    out = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
+    mask_out = valid & mask_t[None, :, None]
+    if FROM_LOGITS:
+        logit = tl.load(logit_in_ptr + out, mask=mask_out, other=0.0)  # (S, T, C), as the forward computed them
+        if KEY_NORM:
+            r = tl.load(rstd_in_ptr + rows, mask=mask_st, other=1.0)
+        else:
+            r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
     else:
-        r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+        if KEY_NORM:
+            r = tl.rsqrt(ss / D + eps)
+        else:
+            r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+        logit = qx * r[:, :, None]  # (S, T, C)
     ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
     mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
     lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
     dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
-    logit = qx * r[:, :, None]  # (S, T, C)
-    valid = mask_s[:, None, None] & mask_c[None, None, :]
     w = tl.where(valid, tl.exp(logit - lse), 0.0)
     delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C), from the sources in fp32
     dl = w * (a - delta[None, :, :] + dlse)  # softmax backward (S, T, C)
-    out = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
-    mask_out = valid & mask_t[None, :, None]
     tl.store(w_ptr + out, w, mask=mask_out)
     tl.store(dlr_ptr + out, dl * r[:, :, None], mask=mask_out)
     if KEY_NORM:  # through r = rsqrt(mean x² + eps)
@@ -631,6 +653,20 @@ SPLIT_TILES: tuple[int, int, int, int, int] | None = None
 SCORES_ONCE: bool | None = None
 
 
+# The split backward's scores kernel taking the logits and the key norm's r_s from the forward (which stores them,
+# (C, n, N) and (n, N) fp32, where its backward will run split) instead of summing q_c ⊙ g_c · x_s and x_s² again:
+# True or False (``py:kernels.depth_attn.fused.SCORES_FROM_LOGITS=False`` in a benchmark row times the pass before).
+SCORES_FROM_LOGITS = True
+
+
+def scores_from_logits(n: int, d: int, c: int) -> bool:
+    """Whether phase 1 over n sources for c consumers at width d keeps its logits and r_s for the split backward
+    (``SCORES_FROM_LOGITS`` where the backward runs split)."""
+    if SCORES_FROM_LOGITS not in (True, False):
+        raise ValueError(f"fused.SCORES_FROM_LOGITS={SCORES_FROM_LOGITS!r}: choose True or False")
+    return SCORES_FROM_LOGITS and tiles(n, d, c).bwd_split
+
+
 def scores_once(c: int) -> bool:
     """Whether the split scores kernel for c consumers reduces once (``SCORES_ONCE``; unset: from 2 consumers)."""
     if SCORES_ONCE not in (None, True, False):
@@ -796,9 +832,10 @@ def _persistent_grid(kernel, args, meta, num_warps: int, n_tiles: int, device: t
 
 
 def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float, store_logits: bool,
-                  out_dtype: torch.dtype | None = None):
+                  out_dtype: torch.dtype | None = None, store_rstd: bool = False):
     """src (n_max, B, T, d) contiguous, qg (C, d) fp32 -> out (C, B, T, d) in ``out_dtype`` (default: the
-    sources'), lse (C, B, T) fp32, logits (C, n, B, T) fp32 or None."""
+    sources'), lse (C, B, T) fp32, logits (C, n, B, T) fp32 or None, and the key norm's r_s (n, B, T) fp32 with
+    ``store_rstd`` (else, and for raw keys, None)."""
     shape = src.shape[1:]
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
@@ -806,22 +843,27 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     out = torch.empty(C, *shape, device=src.device, dtype=out_dtype or src.dtype)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
+    store_rstd = store_rstd and key_norm
+    rstd = torch.empty(n, *shape[:-1], device=src.device, dtype=torch.float32) if store_rstd else lse
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
-        src, qg, out, lse, logits, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
+        src, qg, out, lse, logits, rstd, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
         ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, TAIL_S=t.tail_s,
-        num_warps=t.num_warps)
-    return out, lse, (logits if store_logits else None)
+        STORE_RSTD=store_rstd, num_warps=t.num_warps)
+    return out, lse, (logits if store_logits else None), (rstd if store_rstd else None)
 
 
 def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Tensor, ...], dlse: Tensor,
                   *, key_norm: bool, eps: float, dsrc: Tensor | None = None, n_add: int = 0,
-                  out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  out: Tensor | None = None, logits: Tensor | None = None,
+                  rstd: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """-> dsrc (n, B, T, d) in the sources' dtype, dqg (C, d) fp32.
 
     ``dsrc`` given (a buffer's :class:`~kernels.depth_attn.buffer.RowGradients`, (n_max, B, T, d) like
     ``src``): rows [0, n) are written into it, rows [0, n_add) added to what they hold; returned as is.
     ``out`` given (the forward's outputs, (C, B, T, d) contiguous): delta_c = dO_c·o_c is taken from them as
-    stored, instead of from a first pass over the sources (where the sources take more than one load)."""
+    stored, instead of from a first pass over the sources (where the sources take more than one load).
+    ``logits`` (C, n, B, T) and, with the key norm, ``rstd`` (n, B, T) given (the forward's, ``scores_from_logits``):
+    the split backward's scores kernel takes them instead of recomputing them; the one kernel ignores them."""
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
     t = tiles(n, d, C)
@@ -834,7 +876,10 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
         raise ValueError(f"summaries_bwd: out must be the contiguous outputs ({C}, {', '.join(map(str, src.shape[1:]))}),"
                          f" got {tuple(out.shape)}")
     if t.bwd_split:
-        return dsrc, _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d)
+        if logits is not None and (logits.shape != (C, n, *src.shape[1:-1]) or (key_norm and rstd is None)):
+            raise ValueError(f"summaries_bwd: logits must be ({C}, {n}, {', '.join(map(str, src.shape[1:-1]))}) with "
+                             f"rstd for the key norm; got {tuple(logits.shape)}, rstd {rstd is not None}")
+        return dsrc, _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d, logits, rstd)
     from_out = out is not None and not t.bwd_one_chunk  # one load of every source sums delta from it anyway
     meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, ONE_CHUNK=t.bwd_one_chunk, UNROLL_C=t.bwd_unroll_c,
                 BLOCK_S=t.bwd_block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, DELTA_FROM_OUT=from_out)
@@ -849,16 +894,20 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
     return dsrc, dqg.sum(0)
 
 
-def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d) -> Tensor:
-    """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients; returns dqg (C, d)."""
+def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d, logits=None, rstd=None) -> Tensor:
+    """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients; returns dqg (C, d). With the
+    forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
     (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C)
     block_s = _pow2(n)
     w = torch.empty(C, n, N, device=src.device, dtype=torch.float32)
     dlr = torch.empty_like(w)
     coef = torch.empty(n, N, device=src.device, dtype=torch.float32) if key_norm else w
     common = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, BLOCK_S=block_s)
-    _split_scores_kernel[(_cdiv(N, bt_a),)](src, qg, lse, douts, dlse, w, dlr, coef, n, N, d, eps, **common,
-                                            BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), num_warps=warps_a)
+    from_logits = logits is not None
+    _split_scores_kernel[(_cdiv(N, bt_a),)](src, qg, lse, douts, dlse, w, dlr, coef, logits if from_logits else w,
+                                            rstd if from_logits and key_norm else w, n, N, d, eps, **common,
+                                            BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,
+                                            num_warps=warps_a)
     meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d)
     args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
     programs = _persistent_grid(_split_grads_kernel, args[:7] + (qg,) + args[8:], meta, warps_b, _cdiv(N, bt_b),
@@ -968,8 +1017,14 @@ class SummariesFunction(torch.autograd.Function):
     def forward(ctx, src, n, split, key_norm, eps, store_logits, out_dtype, qg, grads, *rows):
         if rows and grads is None:
             raise ValueError("summaries: buffered rows need their buffer's RowGradients (SourceBuffer.grads), got None")
-        out, lse, logits = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps, store_logits=store_logits,
-                                         out_dtype=out_dtype)
+        # the split backward's scores kernel takes the logits and r_s from here (``scores_from_logits``)
+        for_bwd = scores_from_logits(n, src.shape[-1], qg.shape[0])
+        out, lse, logits, rstd = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps,
+                                               store_logits=store_logits or for_bwd, out_dtype=out_dtype,
+                                               store_rstd=for_bwd)
+        ctx.scores = (logits, rstd) if for_bwd else None
+        if for_bwd and not store_logits:
+            logits = None  # kept for the backward only
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
         # narrow outputs are kept for the backward's delta_c = dO_c·o_c (``summaries_bwd(out=)``): no first pass over
         # the sources there; under autocast the consumer that reads its output as it is keeps their storage anyway
@@ -1000,12 +1055,15 @@ class SummariesFunction(torch.autograd.Function):
         else:
             douts = tuple(grads[0].contiguous().unbind(0))
             dlse = grads[1].float().contiguous()
+        logits, rstd = ctx.scores or (None, None)
+        ctx.scores = None
         if ctx.buffered:
             dst, n_add = ctx.grads.target(ctx.n)
             _, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, dsrc=dst,
-                                   n_add=n_add, out=out)
+                                   n_add=n_add, out=out, logits=logits, rstd=rstd)
             return (None, None, None, None, None, None, None, dqg, None, *(None for _ in range(ctx.n)))
-        dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, out=out)
+        dsrc, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, out=out,
+                                  logits=logits, rstd=rstd)
         return (dsrc, None, None, None, None, None, None, dqg, None)
 
 

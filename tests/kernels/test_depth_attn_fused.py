@@ -113,20 +113,69 @@ def test_two_phase_matches_reference(case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("from_logits", [True, False], ids=["forward-logits", "logits-again"])
 @pytest.mark.parametrize("once", [False, True], ids=["reduce-a-chunk", "reduce-once"])
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_split_backward_matches_reference(case, once, monkeypatch):
+def test_split_backward_matches_reference(case, once, from_logits, monkeypatch):
     # The phase-1 backward as two kernels (per-token scalars from chunks of 16 channels, reduced a chunk at a time or
-    # once after the last, ``SCORES_ONCE``; then the gradients two sources a load): every output and gradient against
-    # the reference, on every case (one source, T = 1, raw keys, 9 sources for one consumer, 6 consumers, d not a
-    # multiple of the chunk).
+    # once after the last, ``SCORES_ONCE``; the logits and r_s taken from the forward or summed again,
+    # ``SCORES_FROM_LOGITS``; then the gradients two sources a load): every output and gradient against the reference,
+    # on every case (one source, T = 1, raw keys, 9 sources for one consumer, 6 consumers, d not a multiple of the
+    # chunk).
     from kernels.depth_attn import fused
 
     _, C, n, B, T, d, key_norm, gains = case
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
     monkeypatch.setattr(fused, "SCORES_ONCE", once)
-    assert fused.tiles(n, d, C).bwd_split
+    monkeypatch.setattr(fused, "SCORES_FROM_LOGITS", from_logits)
+    assert fused.tiles(n, d, C).bwd_split and fused.scores_from_logits(n, d, C) == from_logits
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=5), key_norm, up_seed=6)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n, C, key_norm", [(5, 4, True), (9, 2, True), (3, 3, False)])
+def test_split_backward_takes_the_forward_logits(n, C, key_norm, monkeypatch):
+    # Training asks for no weights: the forward then stores its logits and r_s for the split backward alone, which
+    # takes them (not summed again) and gives the reference's gradients; 9 sources take two chunks of the forward,
+    # whose r_s is stored by its first consumer. The forward's stores against the reference's logits and key norm.
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    seen = []
+    split_bwd = fused._split_bwd
+
+    def spy(*args):
+        seen.append((args[-2], args[-1]))
+        return split_bwd(*args)
+
+    monkeypatch.setattr(fused, "_split_bwd", spy)
+    sources, _, queries, key_gains = make_inputs(C, n, 2, 23, 19, True, seed=n)
+    buffer = SourceBuffer(n + 1, sources[0])
+    for s in sources.unbind(0):
+        buffer.append(s)
+    leaves = [t.requires_grad_() for t in (queries, key_gains)]
+    outs, lses = depth_attn_summaries(buffer, queries, key_gains, key_norm=key_norm, backend="triton")
+    ref, ref_lse = depth_attn_summaries(buffer, queries, key_gains, key_norm=key_norm, backend="torch")
+    for a, b in zip(outs, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(n + 1)
+    ups = [torch.randn(o.shape, generator=g) for o in ref]
+    ups_lse = [torch.randn(o.shape, generator=g) for o in ref_lse]
+    loss = sum((o * u).sum() for o, u in zip(outs, ups)) + sum((o * u).sum() for o, u in zip(lses, ups_lse))
+    ref_loss = sum((o * u).sum() for o, u in zip(ref, ups)) + sum((o * u).sum() for o, u in zip(ref_lse, ups_lse))
+    for a, b in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(ref_loss, leaves)):
+        assert rel_err(a, b) < 1e-5
+    assert len(seen) == 1 and seen[0][0] is not None and (seen[0][1] is not None) == key_norm
+    logits, rstd = seen[0]
+    qg = queries.detach() * key_gains.detach()
+    x = sources.reshape(n, -1, 19)
+    r = torch.rsqrt(x.pow(2).mean(-1) + 1e-6) if key_norm else torch.ones(n, x.shape[1])
+    if key_norm:
+        torch.testing.assert_close(rstd.reshape(n, -1), r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logits.reshape(C, n, -1), torch.einsum("cd,snd->csn", qg, x) * r, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=rf"logits must be \({C}, {n}, 2, 23\) with rstd"):  # another call's
+        fused.summaries_bwd(sources.detach(), n, qg, torch.stack(ref_lse).detach(), tuple(ups), torch.zeros(C, 2, 23),
+                            key_norm=key_norm, eps=1e-6, logits=logits[:, 1:])
 
 
 @needs_interpreter
@@ -176,6 +225,17 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "SCORES_ONCE", "x")
     with pytest.raises(ValueError, match=r"SCORES_ONCE='x': choose None \(the rule: from 2 consumers\), True or False"):
         fused.scores_once(4)
+    # the forward keeps its logits for the split backward only, and only where SCORES_FROM_LOGITS is True
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    assert fused.scores_from_logits(5, 1024, 4)
+    monkeypatch.setattr(fused, "SCORES_FROM_LOGITS", False)
+    assert not fused.scores_from_logits(5, 1024, 4)
+    monkeypatch.setattr(fused, "SCORES_FROM_LOGITS", True)
+    monkeypatch.setattr(fused, "SPLIT_BWD", False)
+    assert not fused.scores_from_logits(5, 1024, 4)
+    monkeypatch.setattr(fused, "SCORES_FROM_LOGITS", 1.5)
+    with pytest.raises(ValueError, match=r"SCORES_FROM_LOGITS=1.5: choose True or False"):
+        fused.scores_from_logits(5, 1024, 4)
 
 
 def test_forward_warps_setting_leaves_the_backward_alone(monkeypatch):
@@ -615,7 +675,7 @@ def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, one_ch
     n, n_max, B, T, d = 4, 6, 2, 19, 37
     sources, _, queries, _ = make_inputs(3, n_max, B, T, d, False, seed=7)
     g = torch.Generator().manual_seed(8)
-    out, lse, _ = fused.summaries_fwd(sources, n, queries, key_norm=True, eps=1e-6, store_logits=False)
+    out, lse, _, _ = fused.summaries_fwd(sources, n, queries, key_norm=True, eps=1e-6, store_logits=False)
     douts = tuple(torch.randn(out[0].shape, generator=g) for _ in range(3))
     dlse = torch.randn(lse.shape, generator=g)
     fresh, dqg = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6)
@@ -643,7 +703,7 @@ def test_summaries_backward_takes_delta_from_the_outputs_it_is_given(monkeypatch
     n, B, T, d = 5, 2, 19, 37
     sources, _, queries, _ = make_inputs(3, n, B, T, d, False, seed=11)
     g = torch.Generator().manual_seed(12)
-    out, lse, _ = fused.summaries_fwd(sources, n, queries, key_norm=True, eps=1e-6, store_logits=False)
+    out, lse, _, _ = fused.summaries_fwd(sources, n, queries, key_norm=True, eps=1e-6, store_logits=False)
     douts = tuple(torch.randn(out[0].shape, generator=g) for _ in range(3))
     dlse = torch.randn(lse.shape, generator=g)
     kw = dict(key_norm=True, eps=1e-6)
@@ -808,10 +868,12 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
     # 3 shapes x (phase 1 fwd, bwd, bwd taking dO·o from the outputs, merge fwd, bwd, each alone and summing), and
-    # block-medium's split backward (5 sources at d = 1024: the rule takes it), its two kernels without spills
-    assert len(lines) == 23, res.stdout
+    # block-medium's split backward (5 sources at d = 1024: the rule takes it), its scores kernel taking the forward's
+    # logits and summing them again, and its gradients kernel, without spills
+    assert len(lines) == 24, res.stdout
     split = [line for line in lines if "phase 1 backward, split" in line]
     assert [line.split(" {")[0] for line in split] == ["phase 1 backward, split: scores",
+                                                       "phase 1 backward, split: scores, logits summed again",
                                                        "phase 1 backward, split: gradients"], res.stdout
     assert all(" 0 bytes spill stores" in line for line in split), res.stdout
     # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
