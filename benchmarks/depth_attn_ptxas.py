@@ -83,15 +83,16 @@ def main(argv=None) -> int:
             # the split backward where the rule takes it (fused.split_backward): its two kernels with their tiles
             *((f"phase 1 backward, split: {label}", fn, types, dict(consts, C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True),
                warps)
-              for (bt_a, chunk, warps_a), (bt_b, block_d, per_load), warps_b in
+              for _, (bt_b, block_d, per_load), warps_b in
               ([fused.split_tiles(n, d, C)] if t.bwd_split else [])
               for label, fn, types, consts, warps in (
                   *((f"scores{'' if from_logits else ', logits summed again'}", fused._split_scores_kernel,
                      dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, w_ptr=f32,
                           dlr_ptr=f32, coef_ptr=f32, logit_in_ptr=f32, rstd_in_ptr=f32, eps="fp32"),
-                     dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=fused.scores_once(C),
-                          FROM_LOGITS=from_logits), warps_a)
-                    for from_logits in dict.fromkeys((keep, False))),
+                     dict(BLOCK_S=fused._pow2(n), BLOCK_T=tiles_a[0], BLOCK_D=tiles_a[1], ONCE=fused.scores_once(C),
+                          FROM_LOGITS=from_logits), tiles_a[2])
+                    for from_logits in dict.fromkeys((keep, False))
+                    for tiles_a in [fused.split_tiles(n, d, C, from_logits)[0]]),
                   ("gradients", fused._split_grads_kernel,
                    dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                         dsrc_ptr=bf16, dqg_ptr=f32),

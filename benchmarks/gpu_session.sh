@@ -236,8 +236,8 @@
 #   logits   one GPU (about 500 s with the start): the split backward with its scores kernel taking the forward's logits
 #            (SCORES_FROM_LOGITS) against summing them again, and its chunks and the gradients kernel's tiles, alone at
 #            each call of attnres_block's `medium` step; then that step with each beside vanilla, the default re-timed
-#   logits_check one GPU (about 400 s with the start): the depth-attention GPU tests, the `medium` step with the
-#            default beside LOGITS_ROWS (default: the logits summed again), and the `small` step
+#   logits_check one GPU (about 480 s with the start): the depth-attention GPU tests, then the `medium` step with the
+#            default alternating with the logits summed again, vanilla re-timed last
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -937,10 +937,12 @@ case "$PLAN" in
     medium_step "${MEDIUM_LIMIT:-270}" "${TAG:-_logits}" attnres_block "attnres_block@$RECOMPUTE" attnres_block
     ;;
   logits_check)
+    # the GPU tests, then the medium step with the scores from the forward's logits (chunks of 64 from 5 sources)
+    # alternating with the logits summed again (the split applies at d = 1024 only: `small` is unchanged), vanilla
+    # re-timed last to show the drift of the process
     attnres_tests "${TEST_LIMIT:-110}"
-    medium_step "${MEDIUM_LIMIT:-270}" "${TAG:-_logits_check}" attnres_block ${LOGITS_ROWS:-"attnres_block@$RECOMPUTE"} \
-      attnres_block
-    attnres_small "${SMALL_LIMIT:-120}" "$RECOMPUTE" "${TAG:-_logits_check}"
+    medium_step "${MEDIUM_LIMIT:-330}" "${TAG:-_logits_check}" attnres_block "attnres_block@$RECOMPUTE" attnres_block \
+      "attnres_block@$RECOMPUTE" attnres_block vanilla
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

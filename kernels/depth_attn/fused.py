@@ -709,14 +709,17 @@ def split_backward(n: int, d: int, c: int | None) -> bool:
     return not interpreting() and _pow2(d) == 1024 and SPLIT_SOURCES[0] <= n <= SPLIT_SOURCES[1]
 
 
-def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
+def split_tiles(n: int, d: int, c: int, from_logits: bool | None = None
+                ) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
     """The split backward's tiles: ((tokens, channels a chunk, warps) of the scores kernel, (tokens, channels,
     sources a load) of the gradients kernel, its warps). Scores: one warp a token (its dot products are reductions
     inside a warp), chunks of 256 channels for one source, 128 for two, 64 above; reduced once (``scores_once``), 1024
-    values a token's chunk over sources and consumers, at least 32, and 16 from 5 sources on. Gradients: one token a program over
-    all d, 2 sources a load for 3 or more consumers, else 4. From the sm_90 compiler's report (bf16 sources, d =
-    1024, 4 warps): scores 80-128 registers, gradients 130-166, no spills. Under the interpreter: 32 tokens,
-    16-channel chunks, 2 sources a load (the chunk loops and their ragged ends run in the CPU tests)."""
+    values a token's chunk over sources and consumers, at least 64 when the logits come from the forward
+    (``from_logits``, default ``SCORES_FROM_LOGITS``), else at least 32 and 16 from 5 sources on. Gradients: one
+    token a program over all d, 2 sources a load for 3 or more consumers, else 4. From the sm_90 compiler's report
+    (bf16 sources, d = 1024, 4 warps, 4 consumers): scores 72-114 registers from the logits (48 at chunks of 16),
+    gradients 168, no spills. Under the interpreter: 32 tokens, 16-channel chunks, 2 sources a load (the chunk loops
+    and their ragged ends run in the CPU tests)."""
     block_s, block_d = _pow2(n), _pow2(d)
     if interpreting():
         return (32, min(block_d, 16), 4), (32, block_d, min(block_s, 2)), 4
@@ -726,7 +729,13 @@ def split_tiles(n: int, d: int, c: int) -> tuple[tuple[int, int, int], tuple[int
                              "sources a load, warps of the gradients kernel), positive integers, or None")
         bt, chunk, warps_a, per_load, warps_b = SPLIT_TILES
         return (bt, min(block_d, _pow2(chunk)), warps_a), (1, block_d, min(block_s, _pow2(per_load))), warps_b
-    if scores_once(c):  # (S, C, chunk) accumulators twice, about 32 fp32 a thread each: 126-168 registers, no spills
+    if from_logits is None:
+        from_logits = bool(SCORES_FROM_LOGITS)
+    if scores_once(c) and from_logits:  # one (S, T, C, chunk) accumulator: alone at `medium` (2026-12-04, 4
+        # consumers) chunks of 64 from 5 sources on took 0.94-0.95x the time at 16 and 0.94-0.96x at 32; at 2-4 sources
+        # the rule's 128 / 64 / 64 beat 32 (0.82-0.87x)
+        chunk = min(block_d, max(64, min(256, 1024 // (block_s * _pow2(c)))))
+    elif scores_once(c):  # (S, C, chunk) accumulators twice, about 32 fp32 a thread each: 126-168 registers, no spills
         # from 5 sources (a load of 8 rows) chunks of 16: 80 registers and 3 layout conversions against 168 and 9 at 32,
         # alone at `medium` 0.85-0.87x the time at 32; at 3 sources 16 was 1.13x its chunk of 64
         chunk = min(block_d, 16 if block_s >= 8 else max(32, min(256, 1024 // (block_s * _pow2(c)))))
@@ -897,13 +906,13 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
 def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d, logits=None, rstd=None) -> Tensor:
     """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients; returns dqg (C, d). With the
     forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
-    (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C)
+    (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C, logits is not None)
     block_s = _pow2(n)
     w = torch.empty(C, n, N, device=src.device, dtype=torch.float32)
     dlr = torch.empty_like(w)
     coef = torch.empty(n, N, device=src.device, dtype=torch.float32) if key_norm else w
     common = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, BLOCK_S=block_s)
-    from_logits = logits is not None
+    from_logits = logits is not None  # the forward's logits and r_s (``scores_from_logits``)
     _split_scores_kernel[(_cdiv(N, bt_a),)](src, qg, lse, douts, dlse, w, dlr, coef, logits if from_logits else w,
                                             rstd if from_logits and key_norm else w, n, N, d, eps, **common,
                                             BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,

@@ -219,7 +219,10 @@ def test_split_backward_setting_is_explicit(monkeypatch):
         fused.tiles(5, 1024, 4)
     # the split scores kernel reduces once from 2 consumers (measured slower for one), unless SCORES_ONCE says
     assert fused.scores_once(4) and fused.scores_once(2) and not fused.scores_once(1)
-    assert fused.split_tiles(5, 1024, 4)[0][1] != fused.split_tiles(5, 1024, 1)[0][1]  # its chunk follows
+    assert fused.split_tiles(5, 1024, 4, False)[0][1] != fused.split_tiles(5, 1024, 1, False)[0][1]  # its chunk follows
+    # from the forward's logits (one accumulator) chunks of 64 or more; summing them again, 16 from 5 sources on
+    assert [fused.split_tiles(n, 1024, 4, True)[0][1] for n in (2, 3, 5, 8)] == [128, 64, 64, 64]
+    assert [fused.split_tiles(n, 1024, 4, False)[0][1] for n in (2, 3, 5, 8)] == [128, 64, 16, 16]
     monkeypatch.setattr(fused, "SCORES_ONCE", False)
     assert not fused.scores_once(4)
     monkeypatch.setattr(fused, "SCORES_ONCE", "x")
