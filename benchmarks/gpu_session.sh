@@ -238,6 +238,8 @@
 #            each call of attnres_block's `medium` step; then that step with each beside vanilla, the default re-timed
 #   logits_check one GPU (about 480 s with the start): the depth-attention GPU tests, then the `medium` step with the
 #            default alternating with the logits summed again, vanilla re-timed last
+#   logits_where one GPU (about 330 s with the start): the split backward's tiles around the default alone, then where
+#            the `medium` step goes by kind of kernel (benchmarks.profile_step)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -245,7 +247,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -943,6 +945,16 @@ case "$PLAN" in
     attnres_tests "${TEST_LIMIT:-110}"
     medium_step "${MEDIUM_LIMIT:-330}" "${TAG:-_logits_check}" attnres_block "attnres_block@$RECOMPUTE" attnres_block \
       "attnres_block@$RECOMPUTE" attnres_block vanilla
+    ;;
+  logits_where)
+    # the split backward's tiles around the default with the forward's logits (the gradients kernel 4 or 8 sources a
+    # load, the scores kernel 2 or 8 tokens a program, chunks of 128) alone, then the medium step by kind of kernel
+    SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
+      medium_calls "${TILES_LIMIT:-120}" "${TAG:-_logits_where}" split-logits ${LOGITS_CANDIDATES:-\
+      split-logits:4,64,4,4,4 split-logits:4,64,4,8,4 split-logits:8,64,8,2,4 split-logits:2,64,2,2,4 \
+      split-logits:4,128,4,2,4}
+    step gpu0 where_medium "${MEDIUM_LIMIT:-260}" python3 -m benchmarks.profile_step --model medium --residuals vanilla \
+      attnres_block --compile model --graphs on --top 40 --set $COMBO --tag ${TAG:-_logits}
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two
