@@ -240,6 +240,8 @@
 #            default alternating with the logits summed again, vanilla re-timed last
 #   logits_where one GPU (about 330 s with the start): the split backward's tiles around the default alone, then where
 #            the `medium` step goes by kind of kernel (benchmarks.profile_step)
+#   grads_cap one GPU (about 420 s with the start): the split gradients kernel under a register cap alone, then the
+#            `medium` step with the cap of 128 alternating with the default
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -247,7 +249,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -292,6 +294,7 @@ ONCE=py:kernels.depth_attn.fused.SCORES_ONCE=True  # the split scores kernel red
 BEFORE_DEC4="py:kernels.depth_attn.fused.SCORES_ONCE=False@py:kernels.depth_attn.fused.SPLIT_SOURCES=(5,9)"
 BEFORE_DEC4="$BEFORE_DEC4@py:kernels.depth_attn.fused.FWD_TAIL=False"
 RECOMPUTE=py:kernels.depth_attn.fused.SCORES_FROM_LOGITS=False  # the split scores kernel sums the logits again
+CAP128=py:kernels.depth_attn.fused.SPLIT_GRADS_MAXNREG=128  # the split gradients kernel at 128 registers a thread
 UNPAIRED="py:kernels.msar_attn.fused.FIELDS={'stats_pairs':False}"  # MSAR's stats kernel one token a trip (before)
 PHASE1=py:residuals.attnres.DepthAttentionResidual.phase1_dtype=bfloat16  # phase-1 outputs in bf16 (full AttnRes)
 STREAM1=py:residuals.attnres_block.AttnResBlock.phase1_dtype=stream  # Block AttnRes's phase-1 outputs in fp32 (before)
@@ -955,6 +958,15 @@ case "$PLAN" in
       split-logits:4,128,4,2,4}
     step gpu0 where_medium "${MEDIUM_LIMIT:-260}" python3 -m benchmarks.profile_step --model medium --residuals vanilla \
       attnres_block --compile model --graphs on --top 40 --set $COMBO --tag ${TAG:-_logits}
+    ;;
+  grads_cap)
+    # the split gradients kernel capped at 128 registers (no spills by the sm_90 compiler: 4 programs an SM against 3)
+    # or 96 (184 bytes of spills) alone, then the medium step with the cap alternating with the default, vanilla again
+    # last
+    SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
+      medium_calls "${TILES_LIMIT:-80}" "${TAG:-_grads_cap}" split-logits split-cap128 split-cap96
+    medium_step "${MEDIUM_LIMIT:-320}" "${TAG:-_grads_cap}" attnres_block "attnres_block@$CAP128" attnres_block \
+      "attnres_block@$CAP128" vanilla
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

@@ -667,6 +667,22 @@ def scores_from_logits(n: int, d: int, c: int) -> bool:
     return SCORES_FROM_LOGITS and tiles(n, d, c).bwd_split
 
 
+# The split backward's gradients kernel under a cap on registers a thread (a launch option, part of its
+# specialisation): None leaves them to the compiler (168 at d = 1024 with 2 sources a load: 3 programs of 4 warps an
+# SM); 128 compiles without spills by the sm_90 compiler (4 programs), 96 spills 184 bytes.
+SPLIT_GRADS_MAXNREG: int | None = None
+
+
+def split_grads_maxnreg() -> int:
+    """The split gradients kernel's register cap (``SPLIT_GRADS_MAXNREG``; 0: none, and always none under the
+    interpreter)."""
+    cap = SPLIT_GRADS_MAXNREG
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or not 32 <= cap <= 255):
+        raise ValueError(f"fused.SPLIT_GRADS_MAXNREG={cap!r}: choose None (the compiler's choice) or a register count "
+                         "from 32 to 255")
+    return 0 if cap is None or interpreting() else cap
+
+
 def scores_once(c: int) -> bool:
     """Whether the split scores kernel for c consumers reduces once (``SCORES_ONCE``; unset: from 2 consumers)."""
     if SCORES_ONCE not in (None, True, False):
@@ -918,6 +934,9 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
                                             BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,
                                             num_warps=warps_a)
     meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d)
+    cap = split_grads_maxnreg()
+    if cap:  # compiled into the kernel; the persistent grid reads the capped kernel's registers
+        meta["maxnreg"] = cap
     args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
     programs = _persistent_grid(_split_grads_kernel, args[:7] + (qg,) + args[8:], meta, warps_b, _cdiv(N, bt_b),
                                 src.device)

@@ -239,6 +239,15 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "SCORES_FROM_LOGITS", 1.5)
     with pytest.raises(ValueError, match=r"SCORES_FROM_LOGITS=1.5: choose True or False"):
         fused.scores_from_logits(5, 1024, 4)
+    # the gradients kernel's register cap: none unless set, a count from 32 to 255 (never under the interpreter)
+    assert fused.split_grads_maxnreg() == 0
+    monkeypatch.setattr(fused, "SPLIT_GRADS_MAXNREG", 128)
+    assert fused.split_grads_maxnreg() == 128
+    for bad in (16, 300, 128.0, True):
+        monkeypatch.setattr(fused, "SPLIT_GRADS_MAXNREG", bad)
+        with pytest.raises(ValueError, match=rf"SPLIT_GRADS_MAXNREG={bad!r}: choose None \(the compiler's choice\) or a "
+                                             "register count from 32 to 255"):
+            fused.split_grads_maxnreg()
 
 
 def test_forward_warps_setting_leaves_the_backward_alone(monkeypatch):
