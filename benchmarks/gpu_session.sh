@@ -242,6 +242,7 @@
 #            the `medium` step goes by kind of kernel (benchmarks.profile_step)
 #   grads_cap one GPU (about 420 s with the start): the split gradients kernel under a register cap alone, then the
 #            `medium` step with the cap of 128 alternating with the default
+#   grads_cap2 one GPU (about 300 s with the start): grads_cap's step in the opposite order
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -249,7 +250,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -967,6 +968,12 @@ case "$PLAN" in
       medium_calls "${TILES_LIMIT:-80}" "${TAG:-_grads_cap}" split-logits split-cap128 split-cap96
     medium_step "${MEDIUM_LIMIT:-320}" "${TAG:-_grads_cap}" attnres_block "attnres_block@$CAP128" attnres_block \
       "attnres_block@$CAP128" vanilla
+    ;;
+  grads_cap2)
+    # the medium step with the gradients kernel's cap of 128 and without, in the order opposite to grads_cap's (the
+    # cap first), so that a drift of the process over its rows does not read as the cap's gain
+    medium_step "${MEDIUM_LIMIT:-260}" "${TAG:-_grads_cap2}" "attnres_block@$CAP128" attnres_block \
+      "attnres_block@$CAP128" attnres_block
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two
