@@ -40,12 +40,13 @@ programs as fit on the GPU at once, read from the compiled kernel's registers an
 
 Split backward (``split_backward``: 2 to 9 sources at d = 1024; ``SPLIT_BWD`` sets it): ``_split_scores_kernel``
 reads every source and upstream gradient of 4 tokens (one warp each) in chunks of channels (its products summed over
-the chunks and reduced once for 2 or more consumers, ``scores_once``) and writes the per-token
+the chunks and reduced once for 2 or more consumers, ``scores_once``; the logits and the key norm's r_s taken from
+the forward, which stores them for it, ``SCORES_FROM_LOGITS``, so it sums only dO_c·x_s) and writes the per-token
 scalars w_cs, dlogit_cs·r_s (C, n, N) and the key norm's −r_s² Σ_c dlogit_cs logit_cs / d (n, N) in fp32; then
 ``_split_grads_kernel`` (persistent, one token over all d) forms dx_s and the query-gradient partials elementwise from
 them, reading the sources and upstream gradients again. Twice the reads of those, but no token's whole rows in
 registers and no reduction across warps: at `medium` 0.87-0.89x the one kernel's time at 2-4 sources and 0.5-0.7x
-from 5 on (with 16-channel chunks there).
+from 5 on with the logits summed again; taking them from the forward, 0.66-0.89x that again (2026-12-04).
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
 
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
@@ -656,6 +657,9 @@ SCORES_ONCE: bool | None = None
 # The split backward's scores kernel taking the logits and the key norm's r_s from the forward (which stores them,
 # (C, n, N) and (n, N) fp32, where its backward will run split) instead of summing q_c ⊙ g_c · x_s and x_s² again:
 # True or False (``py:kernels.depth_attn.fused.SCORES_FROM_LOGITS=False`` in a benchmark row times the pass before).
+# Alone at `medium` (2026-12-04, 4 consumers, the split backward with the chunks of each): 0.66-0.89x the time summing
+# them again at 2-8 sources, 0.91x for one consumer over 9; the step about 1 ms faster in the same process (0.958 /
+# 0.961x -> 0.964 / 0.970 / 0.964x vanilla's).
 SCORES_FROM_LOGITS = True
 
 
@@ -669,7 +673,9 @@ def scores_from_logits(n: int, d: int, c: int) -> bool:
 
 # The split backward's gradients kernel under a cap on registers a thread (a launch option, part of its
 # specialisation): None leaves them to the compiler (168 at d = 1024 with 2 sources a load: 3 programs of 4 warps an
-# SM); 128 compiles without spills by the sm_90 compiler (4 programs), 96 spills 184 bytes.
+# SM); 128 compiles without spills by the sm_90 compiler (4 programs), 96 spills 184 bytes. Measured (2026-12-04,
+# `medium`): 128 alone 0.95x at 2 sources, 1.00-1.01x from 3 on, and the step no faster with the rows' order reversed;
+# 96 1.10-1.42x. Off.
 SPLIT_GRADS_MAXNREG: int | None = None
 
 
