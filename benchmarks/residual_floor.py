@@ -38,11 +38,11 @@ TARGETS = {
 VANILLA_MS = {"small": 15.5, "medium": 154.0}  # H200, 2026-12-02, beside msar_block in one process
 # the latest measured tokens/s ratios to vanilla on the H200 (same process), for the plot: (ratio, results file)
 MEASURED = {
-    ("small", "attnres_block"): (0.857, "throughput_small_lean3.md"),
+    ("small", "attnres_block"): (0.948, "throughput_small_fwd_check.md"),
     ("small", "mhc"): (0.549, "throughput_small_lean3.md"),
     ("small", "msar_block"): (0.388, "throughput_small_lean3.md"),
     ("small", "msar"): (0.213, "throughput_small_lean3.md"),
-    ("medium", "attnres_block"): (0.874, "throughput_medium_medium_all.md"),
+    ("medium", "attnres_block"): (0.964, "throughput_medium_logits_check_cut.txt"),
     ("medium", "mhc"): (0.650, "throughput_medium_medium_all.md"),
     ("medium", "msar_block"): (0.396, "throughput_medium_lean3_medium.md"),
     ("medium", "msar"): (0.168, "throughput_medium_medium_all.md"),
