@@ -204,7 +204,10 @@ def kernel_breakdown(n, C, B, T, d) -> list[tuple[str, float]]:
 
     sources, partials, queries, gains = make_inputs(n, C, B, T, d)
     src, qg = torch.stack(sources).detach(), (queries * gains).detach().float().contiguous()
-    out, lse, _, _ = fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6, store_logits=False)
+    # as training runs it: the forward keeps its logits and r_s where the split backward takes them
+    keep = fused.scores_from_logits(n, d, C)
+    out, lse, logits, rstd = fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6, store_logits=keep,
+                                                 store_rstd=keep)
     douts = tuple(torch.randn_like(out[c]) for c in range(C))
     dlse = torch.randn_like(lse)
     p, o, lse1, q1 = partials[0].detach(), out[1], lse[1].contiguous(), qg[1].contiguous()
@@ -213,12 +216,12 @@ def kernel_breakdown(n, C, B, T, d) -> list[tuple[str, float]]:
     grads = torch.randn(src.shape, device=src.device)  # a buffer's RowGradients (fp32), every row reached before
     times = [
         ("phase 1 forward", bench_ms(lambda: fused.summaries_fwd(src, n, qg, key_norm=True, eps=1e-6,
-                                                                 store_logits=False))),
+                                                                 store_logits=keep, store_rstd=keep))),
         ("phase 1 backward", bench_ms(lambda: fused.summaries_bwd(src, n, qg, lse, douts, dlse, key_norm=True,
-                                                                  eps=1e-6))),
+                                                                  eps=1e-6, logits=logits, rstd=rstd))),
         # as the residuals run it: every call but the last reads back what the later calls' backward left
         ("phase 1 backward, adding into the rows' gradients", bench_ms(lambda: fused.summaries_bwd(
-            src, n, qg, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=grads, n_add=n))),
+            src, n, qg, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=grads, n_add=n, logits=logits, rstd=rstd))),
         ("merge forward (one consumer)", bench_ms(lambda: fused.merge_fwd(o, lse1, p, q1, key_norm=True, eps=1e-6))),
         ("merge backward (one consumer)", bench_ms(lambda: fused.merge_bwd(h, p, q1, w, dh, o_dtype=o.dtype,
                                                                            key_norm=True, eps=1e-6))),
