@@ -620,6 +620,108 @@ class Tiles:
 # (sources per load, warps, consumers unrolled, register cap or 0) replaces them, e.g. in a benchmark row
 # ``py:kernels.depth_attn.fused.WIDE_BWD=(8,8,False,128)``; (2,2,True,0) gives the tiles before ``NARROW_WIDE_BWD``
 # (benchmarks.depth_attn_tiles times such tiles alone: a seventh field there is the cap).
+@triton.jit
+def _split_one_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries (C, d) fp32
+    lse_ptr,  # forward log-sum-exp (C, N) fp32
+    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
+    dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
+    logit_ptr,  # the forward's logits (C, n, N) fp32
+    rstd_ptr,  # KEY_NORM: the forward's r_s (n, N) fp32
+    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
+    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32, summed into a chunk at a time
+    n, n_add, N, D,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The split backward's two passes in one persistent kernel (``SPLIT_ONE_KERNEL``), in the scores kernel's shape
+    (one warp a token, chunks of BLOCK_D channels, (S, T, C, chunk) products): per token block, a first pass over the
+    chunks sums dO_c·x_s and forms the scalars w_cs, dlogit_cs·r_s and the key norm's coefficient in registers (the
+    logits and r_s from the forward); a second pass reads the same chunks again (from L2 when the tokens in flight fit
+    there) and writes dx_s, adding Σ_s dlogit_cs r_s x_s into the program's own row of the query-gradient partials a
+    chunk at a time. No (C, n, N) scalars in memory, one launch instead of two."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    offs_k = tl.arange(0, BLOCK_D)
+    part = dqg_ptr + (pid * C).to(tl.int64) * D  # this program's (C, d) partial
+    d0 = pid * 0
+    while d0 < D:  # zeroed first: the token blocks add into it
+        offs_d = d0 + offs_k
+        tl.store(part + offs_c[:, None] * D + offs_d[None, :], tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32),
+                 mask=mask_c[:, None] & (offs_d < D)[None, :])
+        d0 += BLOCK_D
+    tile = pid
+    while tile < tl.cdiv(N, BLOCK_T):
+        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < N
+        tok = offs_t.to(tl.int64)
+        rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T) in the (n, N) source-token grid
+        mask_st = mask_s[:, None] & mask_t[None, :]
+        a4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # dO_c ⊙ x_s summed over the chunks
+        d0 = pid * 0
+        while d0 < D:
+            offs_d = d0 + offs_k
+            mask_d = offs_d < D
+            x = tl.load(src_ptr + rows[:, :, None, None] * D + offs_d[None, None, None, :],
+                        mask=mask_st[:, :, None, None] & mask_d[None, None, None, :], other=0.0).to(tl.float32)
+            do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # the C upstream gradients side by side
+            for c in tl.static_range(C):
+                do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
+                               mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
+                do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
+            a4 += x * do
+            d0 += BLOCK_D
+        a = tl.sum(a4, axis=3)  # (S, T, C)
+        valid = mask_s[:, None, None] & mask_c[None, None, :]
+        sc = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
+        logit = tl.load(logit_ptr + sc, mask=valid & mask_t[None, :, None], other=0.0)
+        if KEY_NORM:
+            r = tl.load(rstd_ptr + rows, mask=mask_st, other=1.0)
+        else:
+            r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+        ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
+        mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
+        lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
+        dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
+        w = tl.where(valid, tl.exp(logit - lse), 0.0)
+        delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C)
+        dl = w * (a - delta[None, :, :] + dlse)  # softmax backward (S, T, C)
+        dlr4 = (dl * r[:, :, None])[:, :, :, None]  # (S, T, C, 1)
+        w4 = w[:, :, :, None]
+        if KEY_NORM:  # through r = rsqrt(mean x² + eps)
+            coef4 = (-(r * r * tl.sum(dl * logit, axis=2) / D))[:, :, None, None]  # (S, T, 1, 1)
+        d0 = pid * 0
+        while d0 < D:  # the same chunks again
+            offs_d = d0 + offs_k
+            mask_d = offs_d < D
+            ptrs = rows[:, :, None, None] * D + offs_d[None, None, None, :]  # (S, T, 1, Dc)
+            mask_x = mask_st[:, :, None, None] & mask_d[None, None, None, :]
+            x = tl.load(src_ptr + ptrs, mask=mask_x, other=0.0).to(tl.float32)
+            do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)
+            for c in tl.static_range(C):
+                do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
+                               mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
+                do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
+            qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
+                         mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
+            dx = tl.sum(w4 * do + dlr4 * qg, axis=2, keep_dims=True)  # (S, T, 1, Dc)
+            if KEY_NORM:
+                dx += coef4 * x
+            dx += tl.load(dsrc_ptr + ptrs, mask=mask_x & (rows < n_add * N)[:, :, None, None], other=0.0).to(tl.float32)
+            tl.store(dsrc_ptr + ptrs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask_x)
+            dq = tl.sum(tl.sum(dlr4 * x, axis=0), axis=0)  # (C, Dc)
+            pq = part + offs_c[:, None] * D + offs_d[None, :]
+            mask_q = mask_c[:, None] & mask_d[None, :]
+            tl.store(pq, tl.load(pq, mask=mask_q, other=0.0) + dq, mask=mask_q)
+            d0 += BLOCK_D
+        tile += n_prog
+
+
 WIDE_BWD: tuple[int, int, bool, int] | None = None
 
 
@@ -687,6 +789,43 @@ def split_grads_maxnreg() -> int:
         raise ValueError(f"fused.SPLIT_GRADS_MAXNREG={cap!r}: choose None (the compiler's choice) or a register count "
                          "from 32 to 255")
     return 0 if cap is None or interpreting() else cap
+
+
+# The split backward's two passes in one kernel (``_split_one_kernel``) where the forward kept its logits: True or
+# False. Built and tested against the reference on the CPU; not yet timed on a GPU, so off. Its second pass reads the
+# sources and upstream gradients again, from L2 only while the token blocks in flight fit there (about 24 KB a token at
+# 8 sources and 4 consumers): ``SPLIT_ONE_PER_SM`` caps its persistent programs an SM (None: as many as fit).
+SPLIT_ONE_KERNEL = False
+SPLIT_ONE_PER_SM: int | None = None
+
+
+def split_one_kernel() -> bool:
+    """Whether the split backward runs as one kernel where the forward kept its logits (``SPLIT_ONE_KERNEL``)."""
+    if SPLIT_ONE_KERNEL not in (True, False):
+        raise ValueError(f"fused.SPLIT_ONE_KERNEL={SPLIT_ONE_KERNEL!r}: choose True or False")
+    return SPLIT_ONE_KERNEL
+
+
+def split_one_tiles(n: int, d: int, c: int) -> tuple[int, int, int]:
+    """(tokens, channels a chunk, warps) of ``_split_one_kernel``: the scores kernel's tokens and warps, chunks of
+    512 values over a token's sources and consumers, at least 16 (it holds the scalars and a second pass's products
+    too). By the sm_90 compiler (bf16 sources, 4 consumers, d = 1024): 96 registers at 2 sources (chunk 64), 115 at
+    3 (32), 64 at 5-8 (16), no spills; chunks of 64 from 5 sources spilled at 255. Under the interpreter the scores
+    kernel's."""
+    (bt, chunk, warps), _, _ = split_tiles(n, d, c, True)
+    if interpreting():
+        return bt, chunk, warps
+    return bt, min(_pow2(d), max(16, 512 // (_pow2(n) * _pow2(c)))), warps
+
+
+def split_one_programs(resident: int, device: torch.device) -> int:
+    """The one kernel's persistent programs: ``resident`` (as many as fit), at most ``SPLIT_ONE_PER_SM`` an SM."""
+    cap = SPLIT_ONE_PER_SM
+    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+        raise ValueError(f"fused.SPLIT_ONE_PER_SM={cap!r}: choose None (as many as fit) or a positive count")
+    if cap is None or interpreting():
+        return resident
+    return max(1, min(resident, cap * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
 def scores_once(c: int) -> bool:
@@ -930,6 +1069,15 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
     forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
     (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C, logits is not None)
     block_s = _pow2(n)
+    if split_one_kernel() and logits is not None:  # the two passes in one kernel
+        bt_1, chunk_1, warps_1 = split_one_tiles(n, d, C)
+        meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, BLOCK_S=block_s, BLOCK_T=bt_1, BLOCK_D=chunk_1)
+        args = (src, qg, lse, douts, dlse, logits, rstd if key_norm else logits, dsrc, None, n, n_add, N, d)
+        programs = split_one_programs(_persistent_grid(_split_one_kernel, args[:8] + (qg,) + args[9:], meta, warps_1,
+                                                       _cdiv(N, bt_1), src.device), src.device)
+        dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
+        _split_one_kernel[(programs,)](*args[:8], dqg, *args[9:], **meta, num_warps=warps_1)
+        return dqg.sum(0)
     w = torch.empty(C, n, N, device=src.device, dtype=torch.float32)
     dlr = torch.empty_like(w)
     coef = torch.empty(n, N, device=src.device, dtype=torch.float32) if key_norm else w

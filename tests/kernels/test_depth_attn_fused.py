@@ -133,6 +133,27 @@ def test_split_backward_matches_reference(case, once, from_logits, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("case", CASES + [("C4-n5-T100", 4, 5, 2, 50, 20, True, True)],
+                         ids=IDS + ["C4-n5-T100"])
+def test_split_backward_in_one_kernel_matches_reference(case, monkeypatch):
+    # SPLIT_ONE_KERNEL: the split backward's two passes in one persistent kernel (the scalars from a first pass over
+    # 16-channel chunks, the gradients from a second, the query-gradient partials added into each program's row a chunk
+    # at a time): every output and gradient against the reference, on every case; two programs under the interpreter
+    # (32 tokens a block), so at 100 tokens a program walks two token blocks and adds into its partial twice.
+    from kernels.depth_attn import fused
+
+    _, C, n, B, T, d, key_norm, gains = case
+    monkeypatch.setattr(fused, "SPLIT_BWD", True)
+    monkeypatch.setattr(fused, "SPLIT_ONE_KERNEL", True)
+    launched = []
+    one = fused._split_one_kernel
+    monkeypatch.setattr(fused, "_split_one_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), one[grid])[1]})())
+    assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=7), key_norm, up_seed=8)
+    assert launched  # the one kernel ran, not the two
+
+
+@needs_interpreter
 @pytest.mark.parametrize("n, C, key_norm", [(5, 4, True), (9, 2, True), (3, 3, False)])
 def test_split_backward_takes_the_forward_logits(n, C, key_norm, monkeypatch):
     # Training asks for no weights: the forward then stores its logits and r_s for the split backward alone, which
@@ -239,6 +260,17 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "SCORES_FROM_LOGITS", 1.5)
     with pytest.raises(ValueError, match=r"SCORES_FROM_LOGITS=1.5: choose True or False"):
         fused.scores_from_logits(5, 1024, 4)
+    # the split's two passes in one kernel: only with the forward's logits, its chunks 512 values over a token's
+    # sources and consumers (at least 16), its programs an SM capped where set; bad settings refused with the choices
+    monkeypatch.setattr(fused, "SCORES_ONCE", None)
+    assert [fused.split_one_tiles(n, 1024, 4)[1] for n in (2, 3, 5, 8)] == [64, 32, 16, 16]
+    assert not fused.split_one_kernel() and fused.split_one_programs(528, torch.device("cpu")) == 528
+    monkeypatch.setattr(fused, "SPLIT_ONE_KERNEL", "yes")
+    with pytest.raises(ValueError, match=r"SPLIT_ONE_KERNEL='yes': choose True or False"):
+        fused.split_one_kernel()
+    monkeypatch.setattr(fused, "SPLIT_ONE_PER_SM", 0)
+    with pytest.raises(ValueError, match=r"SPLIT_ONE_PER_SM=0: choose None \(as many as fit\) or a positive count"):
+        fused.split_one_programs(528, torch.device("cpu"))
     # the gradients kernel's register cap: none unless set, a count from 32 to 255 (never under the interpreter)
     assert fused.split_grads_maxnreg() == 0
     monkeypatch.setattr(fused, "SPLIT_GRADS_MAXNREG", 128)
@@ -779,17 +811,20 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split", [None, True, "once", False], ids=["rule", "split", "split-once", "one-kernel"])
+@pytest.mark.parametrize("split", [None, True, "once", "split-one", False],
+                         ids=["rule", "split", "split-once", "split-one", "one-kernel"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
     # every gradient against the fp32 reference on the same bf16-rounded inputs; the phase-1 backward as the rule
     # picks it (and its scores as scores_once does), split in two kernels (its scores reduced a chunk at a time, or
-    # once: SCORES_ONCE), and in one.
+    # once: SCORES_ONCE), the split's two passes in one kernel (SPLIT_ONE_KERNEL), and the one kernel of before.
     from kernels.depth_attn import fused
 
-    monkeypatch.setattr(fused, "SPLIT_BWD", True if split == "once" else split)
-    monkeypatch.setattr(fused, "SCORES_ONCE", True if split == "once" else None if split is None else False)
+    monkeypatch.setattr(fused, "SPLIT_BWD", True if split in ("once", "split-one") else split)
+    monkeypatch.setattr(fused, "SCORES_ONCE", True if split == "once" else None if split in (None, "split-one")
+                        else False)
+    monkeypatch.setattr(fused, "SPLIT_ONE_KERNEL", split == "split-one")
     _, C, n, B, T, d, key_norm, gains = case
     sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains, device="cuda")
     bf = [sources.bfloat16().requires_grad_(), partials.bfloat16().requires_grad_(),
@@ -881,11 +916,13 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
     # 3 shapes x (phase 1 fwd, bwd, bwd taking dO·o from the outputs, merge fwd, bwd, each alone and summing), and
     # block-medium's split backward (5 sources at d = 1024: the rule takes it), its scores kernel taking the forward's
-    # logits and summing them again, and its gradients kernel, without spills
-    assert len(lines) == 24, res.stdout
+    # logits and summing them again, the two passes as one kernel (``SPLIT_ONE_KERNEL``), and its gradients kernel,
+    # without spills
+    assert len(lines) == 25, res.stdout
     split = [line for line in lines if "phase 1 backward, split" in line]
     assert [line.split(" {")[0] for line in split] == ["phase 1 backward, split: scores",
                                                        "phase 1 backward, split: scores, logits summed again",
+                                                       "phase 1 backward, split: one kernel (SPLIT_ONE_KERNEL)",
                                                        "phase 1 backward, split: gradients"], res.stdout
     assert all(" 0 bytes spill stores" in line for line in split), res.stdout
     # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
