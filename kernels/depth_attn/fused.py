@@ -47,6 +47,7 @@ scalars w_cs, dlogit_cs·r_s (C, n, N) and the key norm's −r_s² Σ_c dlogit_c
 them, reading the sources and upstream gradients again. Twice the reads of those, but no token's whole rows in
 registers and no reduction across warps: at `medium` 0.87-0.89x the one kernel's time at 2-4 sources and 0.5-0.7x
 from 5 on with the logits summed again; taking them from the forward, 0.66-0.89x that again (2026-12-04).
+``SPLIT_ONE_KERNEL`` (off, not yet timed) runs both passes in one persistent kernel, ``_split_one_kernel``.
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
 
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
