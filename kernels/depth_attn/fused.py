@@ -1205,7 +1205,7 @@ class SummariesFunction(torch.autograd.Function):
         out, lse, logits, rstd = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps,
                                                store_logits=store_logits or for_bwd, out_dtype=out_dtype,
                                                store_rstd=for_bwd)
-        ctx.scores = (logits, rstd) if for_bwd else None
+        scores = ((logits,) + ((rstd,) if rstd is not None else ())) if for_bwd else ()  # saved for the backward
         if for_bwd and not store_logits:
             logits = None  # kept for the backward only
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
@@ -1214,11 +1214,12 @@ class SummariesFunction(torch.autograd.Function):
         keep_out = keeps_outputs(src.dtype, out.dtype, n, qg.shape[0], src.shape[-1])
         ctx.keep_out = keep_out
         kept = (out,) if keep_out else ()
+        ctx.n_scores = len(scores)
         if rows:
             ctx.src, ctx.grads = src, grads
-            ctx.save_for_backward(qg, lse, *kept)
+            ctx.save_for_backward(qg, lse, *kept, *scores)
         else:
-            ctx.save_for_backward(qg, lse, *kept, src)
+            ctx.save_for_backward(qg, lse, *kept, *scores, src)
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(logits)
@@ -1238,8 +1239,8 @@ class SummariesFunction(torch.autograd.Function):
         else:
             douts = tuple(grads[0].contiguous().unbind(0))
             dlse = grads[1].float().contiguous()
-        logits, rstd = ctx.scores or (None, None)
-        ctx.scores = None
+        at = 2 + int(ctx.keep_out)
+        logits, rstd = (tuple(saved[at: at + ctx.n_scores]) + (None, None))[:2]  # the forward's, where it kept them
         if ctx.buffered:
             dst, n_add = ctx.grads.target(ctx.n)
             _, dqg = summaries_bwd(src, ctx.n, qg, lse, douts, dlse, key_norm=ctx.key_norm, eps=ctx.eps, dsrc=dst,
