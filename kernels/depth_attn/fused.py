@@ -337,6 +337,22 @@ def _summaries_bwd_kernel(
 
 
 @triton.jit
+def _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C: tl.constexpr,
+            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A chunk of channels in the (S, T, C, chunk) shape of the split kernels: the sources x (S, T, 1, chunk) and the
+    C upstream gradients side by side (1, T, C, chunk), fp32, with the pointers of x (S, T, 1, chunk) and its mask."""
+    ptrs = rows[:, :, None, None] * D + offs_d[None, None, None, :]
+    mask_x = mask_st[:, :, None, None] & mask_d[None, None, None, :]
+    x = tl.load(src_ptr + ptrs, mask=mask_x, other=0.0).to(tl.float32)
+    do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)
+    for c in tl.static_range(C):
+        do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
+                       mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
+        do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
+    return x, do, ptrs, mask_x
+
+
+@triton.jit
 def _split_scores_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries (C, d) fp32
@@ -378,13 +394,8 @@ def _split_scores_kernel(
         while d0 < D:
             offs_d = d0 + offs_k
             mask_d = offs_d < D
-            x = tl.load(src_ptr + rows[:, :, None, None] * D + offs_d[None, None, None, :],
-                        mask=mask_st[:, :, None, None] & mask_d[None, None, None, :], other=0.0).to(tl.float32)
-            do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # the C upstream gradients side by side
-            for c in tl.static_range(C):
-                do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
-                               mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
-                do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
+            x, do, _, _ = _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C, BLOCK_T,
+                                  BLOCK_C, BLOCK_D)  # (S, T, 1, Dc), the C upstream gradients (1, T, C, Dc)
             if not FROM_LOGITS:
                 qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
                              mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
@@ -490,6 +501,97 @@ def _split_grads_kernel(
             s0 += BLOCK_S
         tile += n_prog
     _store_partial(dqg_ptr, dqg, pid, offs_c, offs_d, mask_d, C, D)
+
+
+@triton.jit
+def _split_one_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries (C, d) fp32
+    lse_ptr,  # forward log-sum-exp (C, N) fp32
+    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
+    dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
+    logit_ptr,  # the forward's logits (C, n, N) fp32
+    rstd_ptr,  # KEY_NORM: the forward's r_s (n, N) fp32
+    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
+    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32, summed into a chunk at a time
+    n, n_add, N, D,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """The split backward's two passes in one persistent kernel (``SPLIT_ONE_KERNEL``), in the scores kernel's shape
+    (one warp a token, chunks of BLOCK_D channels, (S, T, C, chunk) products): per token block, a first pass over the
+    chunks sums dO_c·x_s and forms the scalars w_cs, dlogit_cs·r_s and the key norm's coefficient in registers (the
+    logits and r_s from the forward); a second pass reads the same chunks again (from L2 when the tokens in flight fit
+    there) and writes dx_s, adding Σ_s dlogit_cs r_s x_s into the program's own row of the query-gradient partials a
+    chunk at a time. No (C, n, N) scalars in memory, one launch instead of two."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < C
+    offs_k = tl.arange(0, BLOCK_D)
+    part = dqg_ptr + (pid * C).to(tl.int64) * D  # this program's (C, d) partial
+    d0 = pid * 0
+    while d0 < D:  # zeroed first: the token blocks add into it
+        offs_d = d0 + offs_k
+        tl.store(part + offs_c[:, None] * D + offs_d[None, :], tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32),
+                 mask=mask_c[:, None] & (offs_d < D)[None, :])
+        d0 += BLOCK_D
+    tile = pid
+    while tile < tl.cdiv(N, BLOCK_T):
+        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < N
+        tok = offs_t.to(tl.int64)
+        rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T) in the (n, N) source-token grid
+        mask_st = mask_s[:, None] & mask_t[None, :]
+        a4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # dO_c ⊙ x_s summed over the chunks
+        d0 = pid * 0
+        while d0 < D:
+            offs_d = d0 + offs_k
+            mask_d = offs_d < D
+            x, do, _, _ = _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C, BLOCK_T,
+                                  BLOCK_C, BLOCK_D)  # (S, T, 1, Dc), the C upstream gradients (1, T, C, Dc)
+            a4 += x * do
+            d0 += BLOCK_D
+        a = tl.sum(a4, axis=3)  # (S, T, C)
+        valid = mask_s[:, None, None] & mask_c[None, None, :]
+        sc = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
+        logit = tl.load(logit_ptr + sc, mask=valid & mask_t[None, :, None], other=0.0)
+        if KEY_NORM:
+            r = tl.load(rstd_ptr + rows, mask=mask_st, other=1.0)
+        else:
+            r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+        ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
+        mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
+        lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
+        dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
+        w = tl.where(valid, tl.exp(logit - lse), 0.0)
+        delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C)
+        dl = w * (a - delta[None, :, :] + dlse)  # softmax backward (S, T, C)
+        dlr4 = (dl * r[:, :, None])[:, :, :, None]  # (S, T, C, 1)
+        w4 = w[:, :, :, None]
+        if KEY_NORM:  # through r = rsqrt(mean x² + eps)
+            coef4 = (-(r * r * tl.sum(dl * logit, axis=2) / D))[:, :, None, None]  # (S, T, 1, 1)
+        d0 = pid * 0
+        while d0 < D:  # the same chunks again
+            offs_d = d0 + offs_k
+            mask_d = offs_d < D
+            x, do, ptrs, mask_x = _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C,
+                                          BLOCK_T, BLOCK_C, BLOCK_D)
+            qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
+                         mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
+            dx = tl.sum(w4 * do + dlr4 * qg, axis=2, keep_dims=True)  # (S, T, 1, Dc)
+            if KEY_NORM:
+                dx += coef4 * x
+            dx += tl.load(dsrc_ptr + ptrs, mask=mask_x & (rows < n_add * N)[:, :, None, None], other=0.0).to(tl.float32)
+            tl.store(dsrc_ptr + ptrs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask_x)
+            dq = tl.sum(tl.sum(dlr4 * x, axis=0), axis=0)  # (C, Dc)
+            pq = part + offs_c[:, None] * D + offs_d[None, :]
+            mask_q = mask_c[:, None] & mask_d[None, :]
+            tl.store(pq, tl.load(pq, mask=mask_q, other=0.0) + dq, mask=mask_q)
+            d0 += BLOCK_D
+        tile += n_prog
 
 
 @triton.jit
@@ -621,108 +723,6 @@ class Tiles:
 # (sources per load, warps, consumers unrolled, register cap or 0) replaces them, e.g. in a benchmark row
 # ``py:kernels.depth_attn.fused.WIDE_BWD=(8,8,False,128)``; (2,2,True,0) gives the tiles before ``NARROW_WIDE_BWD``
 # (benchmarks.depth_attn_tiles times such tiles alone: a seventh field there is the cap).
-@triton.jit
-def _split_one_kernel(
-    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
-    qg_ptr,  # gain-folded queries (C, d) fp32
-    lse_ptr,  # forward log-sum-exp (C, N) fp32
-    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
-    dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
-    logit_ptr,  # the forward's logits (C, n, N) fp32
-    rstd_ptr,  # KEY_NORM: the forward's r_s (n, N) fp32
-    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
-    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32, summed into a chunk at a time
-    n, n_add, N, D,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The split backward's two passes in one persistent kernel (``SPLIT_ONE_KERNEL``), in the scores kernel's shape
-    (one warp a token, chunks of BLOCK_D channels, (S, T, C, chunk) products): per token block, a first pass over the
-    chunks sums dO_c·x_s and forms the scalars w_cs, dlogit_cs·r_s and the key norm's coefficient in registers (the
-    logits and r_s from the forward); a second pass reads the same chunks again (from L2 when the tokens in flight fit
-    there) and writes dx_s, adding Σ_s dlogit_cs r_s x_s into the program's own row of the query-gradient partials a
-    chunk at a time. No (C, n, N) scalars in memory, one launch instead of two."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < n
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_c = offs_c < C
-    offs_k = tl.arange(0, BLOCK_D)
-    part = dqg_ptr + (pid * C).to(tl.int64) * D  # this program's (C, d) partial
-    d0 = pid * 0
-    while d0 < D:  # zeroed first: the token blocks add into it
-        offs_d = d0 + offs_k
-        tl.store(part + offs_c[:, None] * D + offs_d[None, :], tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32),
-                 mask=mask_c[:, None] & (offs_d < D)[None, :])
-        d0 += BLOCK_D
-    tile = pid
-    while tile < tl.cdiv(N, BLOCK_T):
-        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < N
-        tok = offs_t.to(tl.int64)
-        rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T) in the (n, N) source-token grid
-        mask_st = mask_s[:, None] & mask_t[None, :]
-        a4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # dO_c ⊙ x_s summed over the chunks
-        d0 = pid * 0
-        while d0 < D:
-            offs_d = d0 + offs_k
-            mask_d = offs_d < D
-            x = tl.load(src_ptr + rows[:, :, None, None] * D + offs_d[None, None, None, :],
-                        mask=mask_st[:, :, None, None] & mask_d[None, None, None, :], other=0.0).to(tl.float32)
-            do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # the C upstream gradients side by side
-            for c in tl.static_range(C):
-                do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
-                               mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
-                do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
-            a4 += x * do
-            d0 += BLOCK_D
-        a = tl.sum(a4, axis=3)  # (S, T, C)
-        valid = mask_s[:, None, None] & mask_c[None, None, :]
-        sc = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
-        logit = tl.load(logit_ptr + sc, mask=valid & mask_t[None, :, None], other=0.0)
-        if KEY_NORM:
-            r = tl.load(rstd_ptr + rows, mask=mask_st, other=1.0)
-        else:
-            r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
-        ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
-        mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
-        lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
-        dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
-        w = tl.where(valid, tl.exp(logit - lse), 0.0)
-        delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C)
-        dl = w * (a - delta[None, :, :] + dlse)  # softmax backward (S, T, C)
-        dlr4 = (dl * r[:, :, None])[:, :, :, None]  # (S, T, C, 1)
-        w4 = w[:, :, :, None]
-        if KEY_NORM:  # through r = rsqrt(mean x² + eps)
-            coef4 = (-(r * r * tl.sum(dl * logit, axis=2) / D))[:, :, None, None]  # (S, T, 1, 1)
-        d0 = pid * 0
-        while d0 < D:  # the same chunks again
-            offs_d = d0 + offs_k
-            mask_d = offs_d < D
-            ptrs = rows[:, :, None, None] * D + offs_d[None, None, None, :]  # (S, T, 1, Dc)
-            mask_x = mask_st[:, :, None, None] & mask_d[None, None, None, :]
-            x = tl.load(src_ptr + ptrs, mask=mask_x, other=0.0).to(tl.float32)
-            do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)
-            for c in tl.static_range(C):
-                do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
-                               mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
-                do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
-            qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
-                         mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
-            dx = tl.sum(w4 * do + dlr4 * qg, axis=2, keep_dims=True)  # (S, T, 1, Dc)
-            if KEY_NORM:
-                dx += coef4 * x
-            dx += tl.load(dsrc_ptr + ptrs, mask=mask_x & (rows < n_add * N)[:, :, None, None], other=0.0).to(tl.float32)
-            tl.store(dsrc_ptr + ptrs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask_x)
-            dq = tl.sum(tl.sum(dlr4 * x, axis=0), axis=0)  # (C, Dc)
-            pq = part + offs_c[:, None] * D + offs_d[None, :]
-            mask_q = mask_c[:, None] & mask_d[None, :]
-            tl.store(pq, tl.load(pq, mask=mask_q, other=0.0) + dq, mask=mask_q)
-            d0 += BLOCK_D
-        tile += n_prog
-
-
 WIDE_BWD: tuple[int, int, bool, int] | None = None
 
 
