@@ -94,11 +94,11 @@ def main(argv=None) -> int:
                     for from_logits in dict.fromkeys((keep, False))
                     for tiles_a in [fused.split_tiles(n, d, C, from_logits)[0]]),
                   # the two passes as one kernel (fused.SPLIT_ONE_KERNEL, off until timed), in its own tiles
-                  ("one kernel (SPLIT_ONE_KERNEL)", fused._split_one_kernel,
-                   dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, logit_ptr=f32,
-                        rstd_ptr=f32, dsrc_ptr=bf16, dqg_ptr=f32),
-                   dict(BLOCK_S=fused._pow2(n), BLOCK_T=fused.split_one_tiles(n, d, C)[0],
-                        BLOCK_D=fused.split_one_tiles(n, d, C)[1]), fused.split_one_tiles(n, d, C)[2]),
+                  *(("one kernel (SPLIT_ONE_KERNEL)", fused._split_one_kernel,
+                     dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, logit_ptr=f32,
+                          rstd_ptr=f32, dsrc_ptr=bf16, dqg_ptr=f32),
+                     dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_1, BLOCK_D=chunk_1), warps_1)
+                    for bt_1, chunk_1, warps_1 in [fused.split_one_tiles(n, d, C)]),
                   ("gradients", fused._split_grads_kernel,
                    dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                         dsrc_ptr=bf16, dqg_ptr=f32),

@@ -353,6 +353,31 @@ def _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, 
 
 
 @triton.jit
+def _forward_logits(logit_ptr, rstd_ptr, sc, mask_sc, rows, mask_st, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_T: tl.constexpr):
+    """The forward's logits (S, T, C) at ``sc`` in (C, n, N) and its r_s (S, T) (1 for raw keys)."""
+    logit = tl.load(logit_ptr + sc, mask=mask_sc, other=0.0)
+    if KEY_NORM:
+        r = tl.load(rstd_ptr + rows, mask=mask_st, other=1.0)
+    else:
+        r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+    return logit, r
+
+
+@triton.jit
+def _softmax_bwd(a, logit, lse_ptr, dlse_ptr, valid, offs_c, mask_c, tok, mask_t, N):
+    """From a = dO_c·x_s and the logits (S, T, C): the weights w_cs and dlogit_cs = w_cs (a_cs − dO_c·o_c + dlse_c),
+    with dO_c·o_c = Σ_s w_cs a_cs from the sources in fp32."""
+    ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
+    mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
+    lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
+    dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
+    w = tl.where(valid, tl.exp(logit - lse), 0.0)
+    delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C)
+    return w, w * (a - delta[None, :, :] + dlse)
+
+
+@triton.jit
 def _split_scores_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries (C, d) fp32
@@ -387,8 +412,9 @@ def _split_scores_kernel(
     mask_st = mask_s[:, None] & mask_t[None, :]
     if ONCE:
         offs_k = tl.arange(0, BLOCK_D)
-        ss4 = tl.zeros((BLOCK_S, BLOCK_T, 1, BLOCK_D), dtype=tl.float32)  # x² summed over the chunks
-        qx4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # (q_c ⊙ g_c) ⊙ x_s summed likewise
+        if not FROM_LOGITS:
+            ss4 = tl.zeros((BLOCK_S, BLOCK_T, 1, BLOCK_D), dtype=tl.float32)  # x² summed over the chunks
+            qx4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # (q_c ⊙ g_c) ⊙ x_s likewise
         a4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # dO_c ⊙ x_s
         d0 = pid * 0
         while d0 < D:
@@ -409,8 +435,9 @@ def _split_scores_kernel(
             qx = tl.sum(qx4, axis=3)  # (S, T, C)
         a = tl.sum(a4, axis=3)
     else:
-        ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)  # Σ_d x² (S, T)
-        qx = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # (q_c ⊙ g_c)·x_s
+        if not FROM_LOGITS:
+            ss = tl.zeros((BLOCK_S, BLOCK_T), dtype=tl.float32)  # Σ_d x² (S, T)
+            qx = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # (q_c ⊙ g_c)·x_s
         a = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C), dtype=tl.float32)  # dO_c·x_s
         d0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
         while d0 < D:
@@ -432,25 +459,15 @@ def _split_scores_kernel(
     valid = mask_s[:, None, None] & mask_c[None, None, :]
     out = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
     mask_out = valid & mask_t[None, :, None]
-    if FROM_LOGITS:
-        logit = tl.load(logit_in_ptr + out, mask=mask_out, other=0.0)  # (S, T, C), as the forward computed them
-        if KEY_NORM:
-            r = tl.load(rstd_in_ptr + rows, mask=mask_st, other=1.0)
-        else:
-            r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
+    if FROM_LOGITS:  # (S, T, C), as the forward computed them
+        logit, r = _forward_logits(logit_in_ptr, rstd_in_ptr, out, mask_out, rows, mask_st, KEY_NORM, BLOCK_S, BLOCK_T)
     else:
         if KEY_NORM:
             r = tl.rsqrt(ss / D + eps)
         else:
             r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
         logit = qx * r[:, :, None]  # (S, T, C)
-    ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
-    mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
-    lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
-    dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
-    w = tl.where(valid, tl.exp(logit - lse), 0.0)
-    delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C), from the sources in fp32
-    dl = w * (a - delta[None, :, :] + dlse)  # softmax backward (S, T, C)
+    w, dl = _softmax_bwd(a, logit, lse_ptr, dlse_ptr, valid, offs_c, mask_c, tok, mask_t, N)  # (S, T, C)
     tl.store(w_ptr + out, w, mask=mask_out)
     tl.store(dlr_ptr + out, dl * r[:, :, None], mask=mask_out)
     if KEY_NORM:  # through r = rsqrt(mean x² + eps)
@@ -557,18 +574,9 @@ def _split_one_kernel(
         a = tl.sum(a4, axis=3)  # (S, T, C)
         valid = mask_s[:, None, None] & mask_c[None, None, :]
         sc = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
-        logit = tl.load(logit_ptr + sc, mask=valid & mask_t[None, :, None], other=0.0)
-        if KEY_NORM:
-            r = tl.load(rstd_ptr + rows, mask=mask_st, other=1.0)
-        else:
-            r = tl.full((BLOCK_S, BLOCK_T), 1.0, tl.float32)
-        ct = offs_c[None, None, :] * N + tok[None, :, None]  # (1, T, C) in (C, N)
-        mask_ct = mask_c[None, None, :] & mask_t[None, :, None]
-        lse = tl.load(lse_ptr + ct, mask=mask_ct, other=0.0)
-        dlse = tl.load(dlse_ptr + ct, mask=mask_ct, other=0.0)
-        w = tl.where(valid, tl.exp(logit - lse), 0.0)
-        delta = tl.sum(w * a, axis=0)  # dO_c·o_c (T, C)
-        dl = w * (a - delta[None, :, :] + dlse)  # softmax backward (S, T, C)
+        logit, r = _forward_logits(logit_ptr, rstd_ptr, sc, valid & mask_t[None, :, None], rows, mask_st, KEY_NORM,
+                                   BLOCK_S, BLOCK_T)
+        w, dl = _softmax_bwd(a, logit, lse_ptr, dlse_ptr, valid, offs_c, mask_c, tok, mask_t, N)  # (S, T, C)
         dlr4 = (dl * r[:, :, None])[:, :, :, None]  # (S, T, C, 1)
         w4 = w[:, :, :, None]
         if KEY_NORM:  # through r = rsqrt(mean x² + eps)
@@ -1068,7 +1076,6 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
 def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d, logits=None, rstd=None) -> Tensor:
     """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients; returns dqg (C, d). With the
     forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
-    (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C, logits is not None)
     block_s = _pow2(n)
     if split_one_kernel() and logits is not None:  # the two passes in one kernel
         bt_1, chunk_1, warps_1 = split_one_tiles(n, d, C)
@@ -1079,6 +1086,7 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
         dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
         _split_one_kernel[(programs,)](*args[:8], dqg, *args[9:], **meta, num_warps=warps_1)
         return dqg.sum(0)
+    (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C, logits is not None)
     w = torch.empty(C, n, N, device=src.device, dtype=torch.float32)
     dlr = torch.empty_like(w)
     coef = torch.empty(n, N, device=src.device, dtype=torch.float32) if key_norm else w
