@@ -93,16 +93,14 @@ def main(argv=None) -> int:
                           FROM_LOGITS=from_logits), tiles_a[2])
                     for from_logits in dict.fromkeys((keep, False))
                     for tiles_a in [fused.split_tiles(n, d, C, from_logits)[0]]),
-                  # the two passes as one kernel (fused.SPLIT_ONE_KERNEL, off until timed), in its own tiles
-                  *(("one kernel (SPLIT_ONE_KERNEL)", fused._split_one_kernel,
-                     dict(src_ptr=bf16, qg_ptr=f32, lse_ptr=f32, douts=(bf16,) * C, dlse_ptr=f32, logit_ptr=f32,
-                          rstd_ptr=f32, dsrc_ptr=bf16, dqg_ptr=f32),
-                     dict(BLOCK_S=fused._pow2(n), BLOCK_T=bt_1, BLOCK_D=chunk_1), warps_1)
-                    for bt_1, chunk_1, warps_1 in [fused.split_one_tiles(n, d, C)]),
-                  ("gradients", fused._split_grads_kernel,
-                   dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
-                        dsrc_ptr=bf16, dqg_ptr=f32),
-                   dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d), warps_b))),
+                  # the gradients kernel as the setting says, then the other way (fused.SPLIT_GRADS_ROWS)
+                  *((f"gradients{'' if rows == fused.split_grads_rows() else ', sources ' + way}",
+                     fused._split_grads_kernel,
+                     dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
+                          dsrc_ptr=bf16, dqg_ptr=f32),
+                     dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=rows), warps_b)
+                    for rows, way in ((fused.split_grads_rows(), ""), (not fused.split_grads_rows(),
+                                      "as rows" if not fused.split_grads_rows() else "in one load"))))),
             *((f"merge forward{label}", fused._merge_fwd_kernel,
                dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, new_ptr=bf16, psum_ptr=bf16,
                     eps="fp32"),
@@ -121,7 +119,7 @@ def main(argv=None) -> int:
                 print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {exc}", flush=True)
                 continue
             smem = int(info.split("shared ", 1)[1].split(" ", 1)[0])
-            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C")}
+            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C", "ROWS")}
             head, _, loops = info.partition("\n")
             print(f"{name} {tiles} warps={warps}: {head} | {per_sm(regs, warps, smem)} programs/SM", flush=True)
             if loops:

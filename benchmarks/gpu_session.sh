@@ -243,8 +243,9 @@
 #   grads_cap one GPU (about 420 s with the start): the split gradients kernel under a register cap alone, then the
 #            `medium` step with the cap of 128 alternating with the default
 #   grads_cap2 one GPU (about 300 s with the start): grads_cap's step in the opposite order
-#   split_one one GPU (about 550 s with the start): the split backward as one kernel (SPLIT_ONE_KERNEL): GPU tests
-#            with it, alone at each call of medium's step with 1-4 programs an SM, then the step alternating
+#   rows     one GPU (about 480 s with the start): the split gradients kernel over its sources as rows
+#            (SPLIT_GRADS_ROWS): GPU tests with it, alone at each call of medium's step, then the step alternating
+#            (the split as one kernel, timed by plan split_one on 2026-12-04 and 2.2-12x slower alone, is removed)
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -252,7 +253,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 split_one"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -977,17 +978,16 @@ case "$PLAN" in
     medium_step "${MEDIUM_LIMIT:-260}" "${TAG:-_grads_cap2}" "attnres_block@$CAP128" attnres_block \
       "attnres_block@$CAP128" attnres_block
     ;;
-  split_one)
-    # the split backward's two passes as one kernel (fused.SPLIT_ONE_KERNEL, built 2026-12-04 and tested on the CPU
-    # only): the GPU tests (with it among them), then alone at each call of medium's step beside the two kernels, with at most
-    # 1-4 programs an SM (its second pass from L2 only while the token blocks in flight fit there), then the step
-    SPLIT_ONE=py:kernels.depth_attn.fused.SPLIT_ONE_KERNEL=True
-    attnres_tests "${TEST_LIMIT:-110}"  # the bf16 test takes the one kernel too (split-one)
+  rows)
+    # the split gradients kernel over a trip's sources as separate rows, each consumer's query-gradient partial apart
+    # (fused.SPLIT_GRADS_ROWS: 476 instructions a trip of 2 sources against 581 by the sm_90 compiler): the GPU tests
+    # (with it among them), alone at each call of medium's step (also 4 sources a trip), then the step alternating
+    ROWS=py:kernels.depth_attn.fused.SPLIT_GRADS_ROWS=True
+    attnres_tests "${TEST_LIMIT:-110}"  # the bf16 test takes the rows too (split-rows)
     SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
-      medium_calls "${TILES_LIMIT:-120}" "${TAG:-_split_one}" split-logits split-one split-one-1 split-one-2 \
-      split-one-3 split-one-4
-    medium_step "${MEDIUM_LIMIT:-260}" "${TAG:-_split_one}" "attnres_block@$SPLIT_ONE" attnres_block \
-      "attnres_block@$SPLIT_ONE" attnres_block
+      medium_calls "${TILES_LIMIT:-100}" "${TAG:-_rows}" split-blocks split-rows split-rows:4,64,4,4,4 split-blocks
+    medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_rows}" "attnres_block@$ROWS" attnres_block "attnres_block@$ROWS" \
+      attnres_block
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

@@ -47,7 +47,9 @@ scalars w_cs, dlogit_cs·r_s (C, n, N) and the key norm's −r_s² Σ_c dlogit_c
 them, reading the sources and upstream gradients again. Twice the reads of those, but no token's whole rows in
 registers and no reduction across warps: at `medium` 0.87-0.89x the one kernel's time at 2-4 sources and 0.5-0.7x
 from 5 on with the logits summed again; taking them from the forward, 0.66-0.89x that again (2026-12-04).
-``SPLIT_ONE_KERNEL`` (off, not yet timed) runs both passes in one persistent kernel, ``_split_one_kernel``.
+``SPLIT_GRADS_ROWS`` (off, not yet timed) takes the gradients kernel's sources as separate rows, one fused multiply-add
+a term. Both passes in one kernel (the scalars of a token block from a first pass over its chunks, the gradients from a
+second) was measured 2.2-12x slower alone and removed (2026-12-04, docs/kernel_attnres.md).
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
 
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
@@ -339,17 +341,16 @@ def _summaries_bwd_kernel(
 @triton.jit
 def _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C: tl.constexpr,
             BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A chunk of channels in the (S, T, C, chunk) shape of the split kernels: the sources x (S, T, 1, chunk) and the
-    C upstream gradients side by side (1, T, C, chunk), fp32, with the pointers of x (S, T, 1, chunk) and its mask."""
-    ptrs = rows[:, :, None, None] * D + offs_d[None, None, None, :]
-    mask_x = mask_st[:, :, None, None] & mask_d[None, None, None, :]
-    x = tl.load(src_ptr + ptrs, mask=mask_x, other=0.0).to(tl.float32)
+    """A chunk of channels in the (S, T, C, chunk) shape of the split scores kernel: the sources x (S, T, 1, chunk) and the
+    C upstream gradients side by side (1, T, C, chunk), fp32."""
+    x = tl.load(src_ptr + rows[:, :, None, None] * D + offs_d[None, None, None, :],
+                mask=mask_st[:, :, None, None] & mask_d[None, None, None, :], other=0.0).to(tl.float32)
     do = tl.zeros((1, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)
     for c in tl.static_range(C):
         do_c = tl.load(douts[c] + tok[None, :, None, None] * D + offs_d[None, None, None, :],
                        mask=mask_t[None, :, None, None] & mask_d[None, None, None, :], other=0.0)
         do += tl.where(offs_c[None, None, :, None] == c, do_c.to(tl.float32), 0.0)
-    return x, do, ptrs, mask_x
+    return x, do
 
 
 @triton.jit
@@ -420,7 +421,7 @@ def _split_scores_kernel(
         while d0 < D:
             offs_d = d0 + offs_k
             mask_d = offs_d < D
-            x, do, _, _ = _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C, BLOCK_T,
+            x, do = _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C, BLOCK_T,
                                   BLOCK_C, BLOCK_D)  # (S, T, 1, Dc), the C upstream gradients (1, T, C, Dc)
             if not FROM_LOGITS:
                 qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
@@ -475,6 +476,44 @@ def _split_scores_kernel(
 
 
 @triton.jit
+def _grads_rows(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n, n_add, tok, mask_t, mask_td,
+                offs_d, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The split gradients of sources s0 .. s0 + BLOCK_S - 1 as separate rows (1, T, D) (``ROWS``): each loaded,
+    every consumer's terms added to each, one fused multiply-add a term, and written; returns the consumers'
+    query-gradient partials (a tuple of C (1, T, D)) with this trip's terms."""
+    xs = ()
+    dxs = ()
+    for j in tl.static_range(BLOCK_S):  # every row's loads first, so that they are in flight together
+        x, mask_s, rows = _load_chunk(src_ptr, s0 + j, n, tok, mask_td, offs_d, N, D, 1)  # (1, T, D)
+        dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_s[:, None, None] & mask_td[None, :, :], n_add, N, D)
+        if KEY_NORM:
+            dx += tl.load(coef_ptr + rows, mask=mask_s[:, None] & mask_t[None, :], other=0.0)[:, :, None] * x
+        xs = xs + (x,)
+        dxs = dxs + (dx,)
+    for c in tl.static_range(C):
+        # no fill values: past d or the last token they reach only dx there, which is not stored (no zeroing of
+        # registers before the loads)
+        qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :])
+        do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :]).to(tl.float32)
+        dq = dqs[c]
+        for j in tl.static_range(BLOCK_S):
+            row = (s0 + j).to(tl.int64) * N + tok  # (T,)
+            mask_r = mask_t & (s0 + j < n)
+            w = tl.load(w_ptr + c * n * N + row, mask=mask_r, other=0.0)[None, :, None]
+            dlr = tl.load(dlr_ptr + c * n * N + row, mask=mask_r, other=0.0)[None, :, None]
+            dx = dxs[j] + w * do
+            dx += dlr * qg
+            dxs = dxs[:j] + (dx,) + dxs[j + 1:]
+            dq += dlr * xs[j]
+        dqs = dqs[:c] + (dq,) + dqs[c + 1:]
+    for j in tl.static_range(BLOCK_S):
+        rows = (s0 + j).to(tl.int64) * N + tok  # (T,)
+        tl.store(dsrc_ptr + rows[None, :, None] * D + offs_d[None, None, :], dxs[j].to(dsrc_ptr.dtype.element_ty),
+                 mask=mask_td[None, :, :] & (s0 + j < n))
+    return dqs
+
+
+@triton.jit
 def _split_grads_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries (C, d) fp32
@@ -484,12 +523,17 @@ def _split_grads_kernel(
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
     n, n_add, N, D,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr = False,
 ):
     """Split backward, second kernel: elementwise over d from the first kernel's scalars (no reduction over d, so
     no communication between warps), persistent, with the per-program query-gradient partial in registers:
-        dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c += Σ_s dlr_cs x_s."""
+        dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c += Σ_s dlr_cs x_s.
+    ``ROWS`` (``SPLIT_GRADS_ROWS``): the BLOCK_S sources of a trip as BLOCK_S separate rows and each consumer's
+    partial apart (a tuple), so that every term is one fused multiply-add into its accumulator; else one
+    (BLOCK_S, T, D) load, whose products are summed over the sources before they are added."""
     pid, n_prog, offs_d, offs_c, mask_d, dqg, n_tiles = _persistent_start(N, D, BLOCK_C, BLOCK_T, BLOCK_D)
+    if ROWS:
+        dqs = (tl.zeros((1, BLOCK_T, BLOCK_D), dtype=tl.float32),) * C  # consumer c's partial, summed over T at the end
     tile = pid
     while tile < n_tiles:
         offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -498,108 +542,35 @@ def _split_grads_kernel(
         tok = offs_t.to(tl.int64)
         s0 = pid * 0  # BLOCK_S sources at a time (the upstream gradients again from L1 after the first chunk)
         while s0 < n:
-            x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
-            mask_x = mask_s[:, None, None] & mask_td[None, :, :]
-            mask_st = mask_s[:, None] & mask_t[None, :]
-            dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
-            if KEY_NORM:
-                dx += tl.load(coef_ptr + rows, mask=mask_st, other=0.0)[:, :, None] * x
-            for c in tl.static_range(C):
-                qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
-                do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :],
-                             other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + c * n * N + rows, mask=mask_st, other=0.0)
-                dlr = tl.load(dlr_ptr + c * n * N + rows, mask=mask_st, other=0.0)
-                dx += w[:, :, None] * do + dlr[:, :, None] * qg
-                dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,)
-                dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
-            tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
-                     mask=mask_x)
+            if ROWS:
+                dqs = _grads_rows(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n, n_add, tok,
+                                  mask_t, mask_td, offs_d, mask_d, N, D, C, KEY_NORM, BLOCK_S)
+            else:
+                x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
+                mask_x = mask_s[:, None, None] & mask_td[None, :, :]
+                mask_st = mask_s[:, None] & mask_t[None, :]
+                dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
+                if KEY_NORM:
+                    dx += tl.load(coef_ptr + rows, mask=mask_st, other=0.0)[:, :, None] * x
+                for c in tl.static_range(C):
+                    qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+                    do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :],
+                                 other=0.0).to(tl.float32)
+                    w = tl.load(w_ptr + c * n * N + rows, mask=mask_st, other=0.0)
+                    dlr = tl.load(dlr_ptr + c * n * N + rows, mask=mask_st, other=0.0)
+                    dx += w[:, :, None] * do + dlr[:, :, None] * qg
+                    dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,)
+                    dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
+                tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
+                         mask=mask_x)
             s0 += BLOCK_S
         tile += n_prog
-    _store_partial(dqg_ptr, dqg, pid, offs_c, offs_d, mask_d, C, D)
-
-
-@triton.jit
-def _split_one_kernel(
-    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
-    qg_ptr,  # gain-folded queries (C, d) fp32
-    lse_ptr,  # forward log-sum-exp (C, N) fp32
-    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
-    dlse_ptr,  # upstream gradient of the log-sum-exp (C, N) fp32
-    logit_ptr,  # the forward's logits (C, n, N) fp32
-    rstd_ptr,  # KEY_NORM: the forward's r_s (n, N) fp32
-    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
-    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32, summed into a chunk at a time
-    n, n_add, N, D,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The split backward's two passes in one persistent kernel (``SPLIT_ONE_KERNEL``), in the scores kernel's shape
-    (one warp a token, chunks of BLOCK_D channels, (S, T, C, chunk) products): per token block, a first pass over the
-    chunks sums dO_c·x_s and forms the scalars w_cs, dlogit_cs·r_s and the key norm's coefficient in registers (the
-    logits and r_s from the forward); a second pass reads the same chunks again (from L2 when the tokens in flight fit
-    there) and writes dx_s, adding Σ_s dlogit_cs r_s x_s into the program's own row of the query-gradient partials a
-    chunk at a time. No (C, n, N) scalars in memory, one launch instead of two."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < n
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_c = offs_c < C
-    offs_k = tl.arange(0, BLOCK_D)
-    part = dqg_ptr + (pid * C).to(tl.int64) * D  # this program's (C, d) partial
-    d0 = pid * 0
-    while d0 < D:  # zeroed first: the token blocks add into it
-        offs_d = d0 + offs_k
-        tl.store(part + offs_c[:, None] * D + offs_d[None, :], tl.zeros((BLOCK_C, BLOCK_D), dtype=tl.float32),
-                 mask=mask_c[:, None] & (offs_d < D)[None, :])
-        d0 += BLOCK_D
-    tile = pid
-    while tile < tl.cdiv(N, BLOCK_T):
-        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < N
-        tok = offs_t.to(tl.int64)
-        rows = offs_s.to(tl.int64)[:, None] * N + tok[None, :]  # (S, T) in the (n, N) source-token grid
-        mask_st = mask_s[:, None] & mask_t[None, :]
-        a4 = tl.zeros((BLOCK_S, BLOCK_T, BLOCK_C, BLOCK_D), dtype=tl.float32)  # dO_c ⊙ x_s summed over the chunks
-        d0 = pid * 0
-        while d0 < D:
-            offs_d = d0 + offs_k
-            mask_d = offs_d < D
-            x, do, _, _ = _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C, BLOCK_T,
-                                  BLOCK_C, BLOCK_D)  # (S, T, 1, Dc), the C upstream gradients (1, T, C, Dc)
-            a4 += x * do
-            d0 += BLOCK_D
-        a = tl.sum(a4, axis=3)  # (S, T, C)
-        valid = mask_s[:, None, None] & mask_c[None, None, :]
-        sc = offs_c[None, None, :].to(tl.int64) * n * N + rows[:, :, None]  # (S, T, C) in (C, n, N)
-        logit, r = _forward_logits(logit_ptr, rstd_ptr, sc, valid & mask_t[None, :, None], rows, mask_st, KEY_NORM,
-                                   BLOCK_S, BLOCK_T)
-        w, dl = _softmax_bwd(a, logit, lse_ptr, dlse_ptr, valid, offs_c, mask_c, tok, mask_t, N)  # (S, T, C)
-        dlr4 = (dl * r[:, :, None])[:, :, :, None]  # (S, T, C, 1)
-        w4 = w[:, :, :, None]
-        if KEY_NORM:  # through r = rsqrt(mean x² + eps)
-            coef4 = (-(r * r * tl.sum(dl * logit, axis=2) / D))[:, :, None, None]  # (S, T, 1, 1)
-        d0 = pid * 0
-        while d0 < D:  # the same chunks again
-            offs_d = d0 + offs_k
-            mask_d = offs_d < D
-            x, do, ptrs, mask_x = _chunk4(src_ptr, douts, rows, mask_st, tok, mask_t, offs_c, offs_d, mask_d, D, C,
-                                          BLOCK_T, BLOCK_C, BLOCK_D)
-            qg = tl.load(qg_ptr + offs_c[None, None, :, None] * D + offs_d[None, None, None, :],
-                         mask=mask_c[None, None, :, None] & mask_d[None, None, None, :], other=0.0)  # (1, 1, C, Dc)
-            dx = tl.sum(w4 * do + dlr4 * qg, axis=2, keep_dims=True)  # (S, T, 1, Dc)
-            if KEY_NORM:
-                dx += coef4 * x
-            dx += tl.load(dsrc_ptr + ptrs, mask=mask_x & (rows < n_add * N)[:, :, None, None], other=0.0).to(tl.float32)
-            tl.store(dsrc_ptr + ptrs, dx.to(dsrc_ptr.dtype.element_ty), mask=mask_x)
-            dq = tl.sum(tl.sum(dlr4 * x, axis=0), axis=0)  # (C, Dc)
-            pq = part + offs_c[:, None] * D + offs_d[None, :]
-            mask_q = mask_c[:, None] & mask_d[None, :]
-            tl.store(pq, tl.load(pq, mask=mask_q, other=0.0) + dq, mask=mask_q)
-            d0 += BLOCK_D
-        tile += n_prog
+    if ROWS:
+        for c in tl.static_range(C):  # row pid·C + c of (programs, C, d), in the rows' layout
+            dq = tl.sum(tl.sum(dqs[c], axis=0, keep_dims=True), axis=1, keep_dims=True)  # (1, 1, D)
+            tl.store(dqg_ptr + (pid * C + c).to(tl.int64) * D + offs_d[None, None, :], dq, mask=mask_d[None, None, :])
+    else:
+        _store_partial(dqg_ptr, dqg, pid, offs_c, offs_d, mask_d, C, D)
 
 
 @triton.jit
@@ -800,41 +771,19 @@ def split_grads_maxnreg() -> int:
     return 0 if cap is None or interpreting() else cap
 
 
-# The split backward's two passes in one kernel (``_split_one_kernel``) where the forward kept its logits: True or
-# False. Built and tested against the reference on the CPU; not yet timed on a GPU, so off. Its second pass reads the
-# sources and upstream gradients again, from L2 only while the token blocks in flight fit there (about 24 KB a token at
-# 8 sources and 4 consumers): ``SPLIT_ONE_PER_SM`` caps its persistent programs an SM (None: as many as fit).
-SPLIT_ONE_KERNEL = False
-SPLIT_ONE_PER_SM: int | None = None
+# The split backward's gradients kernel over a trip's sources as separate rows, each consumer's query-gradient
+# partial apart (``_split_grads_kernel``'s ROWS): True or False. Every term is then one fused multiply-add into its
+# accumulator, where one (S, T, D) load multiplies, sums over the sources, then adds; by the sm_90 compiler (bf16
+# sources, 4 consumers, d = 1024, 2 sources a trip) 476 instructions a trip against 581, fp32 208 against 312, 164
+# registers against 168. Not yet timed on a GPU: off.
+SPLIT_GRADS_ROWS = False
 
 
-def split_one_kernel() -> bool:
-    """Whether the split backward runs as one kernel where the forward kept its logits (``SPLIT_ONE_KERNEL``)."""
-    if SPLIT_ONE_KERNEL not in (True, False):
-        raise ValueError(f"fused.SPLIT_ONE_KERNEL={SPLIT_ONE_KERNEL!r}: choose True or False")
-    return SPLIT_ONE_KERNEL
-
-
-def split_one_tiles(n: int, d: int, c: int) -> tuple[int, int, int]:
-    """(tokens, channels a chunk, warps) of ``_split_one_kernel``: the scores kernel's tokens and warps, chunks of
-    512 values over a token's sources and consumers, at least 16 (it holds the scalars and a second pass's products
-    too). By the sm_90 compiler (bf16 sources, 4 consumers, d = 1024): 96 registers at 2 sources (chunk 64), 115 at
-    3 (32), 64 at 5-8 (16), no spills; chunks of 64 from 5 sources spilled at 255. Under the interpreter the scores
-    kernel's."""
-    (bt, chunk, warps), _, _ = split_tiles(n, d, c, True)
-    if interpreting():
-        return bt, chunk, warps
-    return bt, min(_pow2(d), max(16, 512 // (_pow2(n) * _pow2(c)))), warps
-
-
-def split_one_programs(resident: int, device: torch.device) -> int:
-    """The one kernel's persistent programs: ``resident`` (as many as fit), at most ``SPLIT_ONE_PER_SM`` an SM."""
-    cap = SPLIT_ONE_PER_SM
-    if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-        raise ValueError(f"fused.SPLIT_ONE_PER_SM={cap!r}: choose None (as many as fit) or a positive count")
-    if cap is None or interpreting():
-        return resident
-    return max(1, min(resident, cap * torch.cuda.get_device_properties(device).multi_processor_count))
+def split_grads_rows() -> bool:
+    """Whether the split gradients kernel takes a trip's sources as separate rows (``SPLIT_GRADS_ROWS``)."""
+    if SPLIT_GRADS_ROWS not in (True, False):
+        raise ValueError(f"fused.SPLIT_GRADS_ROWS={SPLIT_GRADS_ROWS!r}: choose True or False")
+    return SPLIT_GRADS_ROWS
 
 
 def scores_once(c: int) -> bool:
@@ -1077,15 +1026,6 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
     """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients; returns dqg (C, d). With the
     forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
     block_s = _pow2(n)
-    if split_one_kernel() and logits is not None:  # the two passes in one kernel
-        bt_1, chunk_1, warps_1 = split_one_tiles(n, d, C)
-        meta = dict(C=C, BLOCK_C=_pow2(C), KEY_NORM=key_norm, BLOCK_S=block_s, BLOCK_T=bt_1, BLOCK_D=chunk_1)
-        args = (src, qg, lse, douts, dlse, logits, rstd if key_norm else logits, dsrc, None, n, n_add, N, d)
-        programs = split_one_programs(_persistent_grid(_split_one_kernel, args[:8] + (qg,) + args[9:], meta, warps_1,
-                                                       _cdiv(N, bt_1), src.device), src.device)
-        dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
-        _split_one_kernel[(programs,)](*args[:8], dqg, *args[9:], **meta, num_warps=warps_1)
-        return dqg.sum(0)
     (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C, logits is not None)
     w = torch.empty(C, n, N, device=src.device, dtype=torch.float32)
     dlr = torch.empty_like(w)
@@ -1096,7 +1036,7 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
                                             rstd if from_logits and key_norm else w, n, N, d, eps, **common,
                                             BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,
                                             num_warps=warps_a)
-    meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d)
+    meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=split_grads_rows())
     cap = split_grads_maxnreg()
     if cap:  # compiled into the kernel; the persistent grid reads the capped kernel's registers
         meta["maxnreg"] = cap

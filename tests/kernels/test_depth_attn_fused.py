@@ -135,22 +135,22 @@ def test_split_backward_matches_reference(case, once, from_logits, monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES + [("C4-n5-T100", 4, 5, 2, 50, 20, True, True)],
                          ids=IDS + ["C4-n5-T100"])
-def test_split_backward_in_one_kernel_matches_reference(case, monkeypatch):
-    # SPLIT_ONE_KERNEL: the split backward's two passes in one persistent kernel (the scalars from a first pass over
-    # 16-channel chunks, the gradients from a second, the query-gradient partials added into each program's row a chunk
-    # at a time): every output and gradient against the reference, on every case; two programs under the interpreter
-    # (32 tokens a block), so at 100 tokens a program walks two token blocks and adds into its partial twice.
+def test_split_gradients_by_rows_match_reference(case, monkeypatch):
+    # SPLIT_GRADS_ROWS: the split gradients kernel takes a trip's sources as separate rows (the last trip ragged at an
+    # odd count) and keeps each consumer's query-gradient partial apart: every output and gradient against the
+    # reference, on every case; two programs under the interpreter (32 tokens a block), so at 100 tokens a program
+    # walks two token blocks and adds into its partials twice. The kernel is checked to run that way.
     from kernels.depth_attn import fused
 
     _, C, n, B, T, d, key_norm, gains = case
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
-    monkeypatch.setattr(fused, "SPLIT_ONE_KERNEL", True)
+    monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", True)
     launched = []
-    one = fused._split_one_kernel
-    monkeypatch.setattr(fused, "_split_one_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (launched.append(grid), one[grid])[1]})())
+    grads = fused._split_grads_kernel
+    monkeypatch.setattr(fused, "_split_grads_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: lambda *a, **k: (launched.append(k["ROWS"]), grads[grid](*a, **k))[1]})())
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=7), key_norm, up_seed=8)
-    assert launched  # the one kernel ran, not the two
+    assert launched and all(launched)
 
 
 @needs_interpreter
@@ -260,17 +260,12 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "SCORES_FROM_LOGITS", 1.5)
     with pytest.raises(ValueError, match=r"SCORES_FROM_LOGITS=1.5: choose True or False"):
         fused.scores_from_logits(5, 1024, 4)
-    # the split's two passes in one kernel: only with the forward's logits, its chunks 512 values over a token's
-    # sources and consumers (at least 16), its programs an SM capped where set; bad settings refused with the choices
-    monkeypatch.setattr(fused, "SCORES_ONCE", None)
-    assert [fused.split_one_tiles(n, 1024, 4)[1] for n in (2, 3, 5, 8)] == [64, 32, 16, 16]
-    assert not fused.split_one_kernel() and fused.split_one_programs(528, torch.device("cpu")) == 528
-    monkeypatch.setattr(fused, "SPLIT_ONE_KERNEL", "yes")
-    with pytest.raises(ValueError, match=r"SPLIT_ONE_KERNEL='yes': choose True or False"):
-        fused.split_one_kernel()
-    monkeypatch.setattr(fused, "SPLIT_ONE_PER_SM", 0)
-    with pytest.raises(ValueError, match=r"SPLIT_ONE_PER_SM=0: choose None \(as many as fit\) or a positive count"):
-        fused.split_one_programs(528, torch.device("cpu"))
+    # the gradients kernel's sources as rows or in one load: a bool, anything else refused with the choices
+    monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", True)
+    assert fused.split_grads_rows()
+    monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", "yes")
+    with pytest.raises(ValueError, match=r"SPLIT_GRADS_ROWS='yes': choose True or False"):
+        fused.split_grads_rows()
     # the gradients kernel's register cap: none unless set, a count from 32 to 255 (never under the interpreter)
     assert fused.split_grads_maxnreg() == 0
     monkeypatch.setattr(fused, "SPLIT_GRADS_MAXNREG", 128)
@@ -705,25 +700,28 @@ def test_rows_read_by_many_calls_get_the_sum_of_their_readers_gradients(device):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("one_chunk", [True, False], ids=["one-chunk", "chunks-of-2"])
-def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, one_chunk):
+@pytest.mark.parametrize("way", ["one-chunk", "chunks-of-2", "split", "split-rows"])
+def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, way):
     # summaries_bwd with a gradient buffer: rows [0, n_add) get the buffer's earlier content plus this
-    # call's gradient, rows [n_add, n) this call's gradient alone, rows past n are untouched; with every
-    # source in one chunk and in chunks of 2 (the two-pass backward).
+    # call's gradient, rows [n_add, n) this call's gradient alone, rows past n are untouched (n = 5: the last load of
+    # 2 ragged); with every source in one chunk, in chunks of 2 (the two-pass backward), and split (its gradients
+    # kernel in loads of 2 sources or as rows, ``SPLIT_GRADS_ROWS``).
     from kernels.depth_attn import fused
 
-    if not one_chunk:
+    if way == "chunks-of-2":
         monkeypatch.setattr(fused, "tiles", lambda n_, d_, c_=None: fused.Tiles(32, fused._pow2(d_), 8, True, 4, 2, False,
                                                                        False))
+    monkeypatch.setattr(fused, "SPLIT_BWD", way.startswith("split"))
+    monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", way == "split-rows")
 
-    n, n_max, B, T, d = 4, 6, 2, 19, 37
+    n, n_max, B, T, d = 5, 7, 2, 19, 37
     sources, _, queries, _ = make_inputs(3, n_max, B, T, d, False, seed=7)
     g = torch.Generator().manual_seed(8)
     out, lse, _, _ = fused.summaries_fwd(sources, n, queries, key_norm=True, eps=1e-6, store_logits=False)
     douts = tuple(torch.randn(out[0].shape, generator=g) for _ in range(3))
     dlse = torch.randn(lse.shape, generator=g)
     fresh, dqg = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6)
-    for n_add in (0, 1, 3, 4):
+    for n_add in (0, 1, 4, 5):
         before = torch.randn(n_max, B, T, d, generator=g)
         dst = before.clone()
         _, dqg2 = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=dst,
@@ -731,8 +729,8 @@ def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, one_ch
         torch.testing.assert_close(dst[:n_add], before[:n_add] + fresh[:n_add], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(dst[n_add:n], fresh[n_add:], rtol=0, atol=0)
         assert torch.equal(dst[n:], before[n:]) and torch.equal(dqg2, dqg)
-    with pytest.raises(ValueError, match="n_add=5"):
-        fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=before, n_add=5)
+    with pytest.raises(ValueError, match="n_add=6"):
+        fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=True, eps=1e-6, dsrc=before, n_add=6)
 
 
 @needs_interpreter
@@ -811,20 +809,21 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split", [None, True, "once", "split-one", False],
-                         ids=["rule", "split", "split-once", "split-one", "one-kernel"])
+@pytest.mark.parametrize("split", [None, True, "once", "split-rows", False],
+                         ids=["rule", "split", "split-once", "split-rows", "one-kernel"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
     # every gradient against the fp32 reference on the same bf16-rounded inputs; the phase-1 backward as the rule
     # picks it (and its scores as scores_once does), split in two kernels (its scores reduced a chunk at a time, or
-    # once: SCORES_ONCE), the split's two passes in one kernel (SPLIT_ONE_KERNEL), and the one kernel of before.
+    # once: SCORES_ONCE), the split's gradients kernel over its sources as rows (SPLIT_GRADS_ROWS), and the one kernel
+    # of before.
     from kernels.depth_attn import fused
 
-    monkeypatch.setattr(fused, "SPLIT_BWD", True if split in ("once", "split-one") else split)
-    monkeypatch.setattr(fused, "SCORES_ONCE", True if split == "once" else None if split in (None, "split-one")
+    monkeypatch.setattr(fused, "SPLIT_BWD", True if split in ("once", "split-rows") else split)
+    monkeypatch.setattr(fused, "SCORES_ONCE", True if split == "once" else None if split in (None, "split-rows")
                         else False)
-    monkeypatch.setattr(fused, "SPLIT_ONE_KERNEL", split == "split-one")
+    monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", split == "split-rows")
     _, C, n, B, T, d, key_norm, gains = case
     sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains, device="cuda")
     bf = [sources.bfloat16().requires_grad_(), partials.bfloat16().requires_grad_(),
@@ -916,14 +915,14 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
     # 3 shapes x (phase 1 fwd, bwd, bwd taking dO·o from the outputs, merge fwd, bwd, each alone and summing), and
     # block-medium's split backward (5 sources at d = 1024: the rule takes it), its scores kernel taking the forward's
-    # logits and summing them again, the two passes as one kernel (``SPLIT_ONE_KERNEL``), and its gradients kernel,
-    # without spills
+    # logits and summing them again, and its gradients kernel in one load of a trip's sources and as rows
+    # (``SPLIT_GRADS_ROWS``), without spills
     assert len(lines) == 25, res.stdout
     split = [line for line in lines if "phase 1 backward, split" in line]
     assert [line.split(" {")[0] for line in split] == ["phase 1 backward, split: scores",
                                                        "phase 1 backward, split: scores, logits summed again",
-                                                       "phase 1 backward, split: one kernel (SPLIT_ONE_KERNEL)",
-                                                       "phase 1 backward, split: gradients"], res.stdout
+                                                       "phase 1 backward, split: gradients",
+                                                       "phase 1 backward, split: gradients, sources as rows"], res.stdout
     assert all(" 0 bytes spill stores" in line for line in split), res.stdout
     # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
     after = res.stdout.split("phase 1 backward", 1)[1].split("merge forward", 1)[0]
