@@ -246,6 +246,8 @@
 #   rows     one GPU (about 480 s with the start): the split gradients kernel over its sources as rows
 #            (SPLIT_GRADS_ROWS): GPU tests with it, alone at each call of medium's step, then the step alternating
 #            (the split as one kernel, timed by plan split_one on 2026-12-04 and 2.2-12x slower alone, is removed)
+#   prefetch one GPU (about 380 s with the start): the split gradients kernel loading each trip's sources a trip ahead
+#            (SPLIT_GRADS_PREFETCH): GPU tests with it, alone at each call of medium's step, then the step alternating
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
 #            (default small), fp32 and bf16 sources; DTILES_ARGS adds options (e.g. --dtypes fp32)
 # Wheels: installed from .whl/ into /tmp/site when present (`make gpu-bundle`). At the end the new
@@ -253,7 +255,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -988,6 +990,18 @@ case "$PLAN" in
       medium_calls "${TILES_LIMIT:-100}" "${TAG:-_rows}" split-blocks split-rows split-rows:4,64,4,4,4 split-blocks
     medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_rows}" "attnres_block@$ROWS" attnres_block "attnres_block@$ROWS" \
       attnres_block
+    ;;
+  prefetch)
+    # the split gradients kernel loading each trip's sources a trip ahead (fused.SPLIT_GRADS_PREFETCH, capped at 168
+    # registers: 3 programs an SM as without): the GPU tests (with it among them), alone at each call of medium's step
+    # (also one source a trip), then the step alternating
+    PREFETCH=py:kernels.depth_attn.fused.SPLIT_GRADS_PREFETCH=True
+    attnres_tests "${TEST_LIMIT:-110}"  # the bf16 test takes the prefetch too (split-prefetch)
+    SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
+      medium_calls "${TILES_LIMIT:-100}" "${TAG:-_prefetch}" split-blocks split-prefetch split-prefetch:4,64,4,1,4 \
+      split-blocks
+    medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_prefetch}" "attnres_block@$PREFETCH" attnres_block \
+      "attnres_block@$PREFETCH" attnres_block
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

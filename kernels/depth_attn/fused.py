@@ -476,6 +476,41 @@ def _split_scores_kernel(
 
 
 @triton.jit
+def _load_raw(src_ptr, tile, s0, n, N, D, n_tiles, offs_d, mask_d, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Sources s0 .. s0 + BLOCK_S - 1 of token block ``tile`` (S, T, D) in their own dtype (nothing past n, the last
+    token or the last block: the prefetch past a program's last trip reads nothing)."""
+    offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    idx = s0 + tl.arange(0, BLOCK_S)
+    rows = idx.to(tl.int64)[:, None] * N + offs_t.to(tl.int64)[None, :]
+    mask = (idx < n)[:, None, None] & ((offs_t < N) & (tile < n_tiles))[None, :, None] & mask_d[None, None, :]
+    return tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _grads_block(x, mask_s, rows, dqg, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, n, n_add, tok, mask_t,
+                 mask_td, offs_c, offs_d, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr):
+    """A trip of the split gradients kernel over the sources of x (S, T, D) fp32 at ``rows`` (S, T): their
+    gradients written (added to what rows [0, n_add) hold) and the query-gradient partial dqg (BLOCK_C, D) returned
+    with their terms."""
+    mask_x = mask_s[:, None, None] & mask_td[None, :, :]
+    mask_st = mask_s[:, None] & mask_t[None, :]
+    dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
+    if KEY_NORM:
+        dx += tl.load(coef_ptr + rows, mask=mask_st, other=0.0)[:, :, None] * x
+    for c in tl.static_range(C):
+        qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+        do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :],
+                     other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c * n * N + rows, mask=mask_st, other=0.0)
+        dlr = tl.load(dlr_ptr + c * n * N + rows, mask=mask_st, other=0.0)
+        dx += w[:, :, None] * do + dlr[:, :, None] * qg
+        dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,)
+        dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
+    tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty), mask=mask_x)
+    return dqg
+
+
+@triton.jit
 def _grads_rows(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n, n_add, tok, mask_t, mask_td,
                 offs_d, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr):
     """The split gradients of sources s0 .. s0 + BLOCK_S - 1 as separate rows (1, T, D) (``ROWS``): each loaded,
@@ -523,48 +558,57 @@ def _split_grads_kernel(
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
     n, n_add, N, D,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, ROWS: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """Split backward, second kernel: elementwise over d from the first kernel's scalars (no reduction over d, so
     no communication between warps), persistent, with the per-program query-gradient partial in registers:
         dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c += Σ_s dlr_cs x_s.
     ``ROWS`` (``SPLIT_GRADS_ROWS``): the BLOCK_S sources of a trip as BLOCK_S separate rows and each consumer's
     partial apart (a tuple), so that every term is one fused multiply-add into its accumulator; else one
-    (BLOCK_S, T, D) load, whose products are summed over the sources before they are added."""
+    (BLOCK_S, T, D) load, whose products are summed over the sources before they are added. ``PREFETCH``
+    (``SPLIT_GRADS_PREFETCH``, not with ROWS): the next trip's sources are loaded before this trip's arithmetic, so that
+    a program has a trip's loads in flight while it computes (else each trip waits for its own)."""
     pid, n_prog, offs_d, offs_c, mask_d, dqg, n_tiles = _persistent_start(N, D, BLOCK_C, BLOCK_T, BLOCK_D)
     if ROWS:
         dqs = (tl.zeros((1, BLOCK_T, BLOCK_D), dtype=tl.float32),) * C  # consumer c's partial, summed over T at the end
     tile = pid
-    while tile < n_tiles:
-        offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < N
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        tok = offs_t.to(tl.int64)
-        s0 = pid * 0  # BLOCK_S sources at a time (the upstream gradients again from L1 after the first chunk)
-        while s0 < n:
-            if ROWS:
-                dqs = _grads_rows(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n, n_add, tok,
-                                  mask_t, mask_td, offs_d, mask_d, N, D, C, KEY_NORM, BLOCK_S)
-            else:
-                x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
-                mask_x = mask_s[:, None, None] & mask_td[None, :, :]
-                mask_st = mask_s[:, None] & mask_t[None, :]
-                dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
-                if KEY_NORM:
-                    dx += tl.load(coef_ptr + rows, mask=mask_st, other=0.0)[:, :, None] * x
-                for c in tl.static_range(C):
-                    qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
-                    do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :],
-                                 other=0.0).to(tl.float32)
-                    w = tl.load(w_ptr + c * n * N + rows, mask=mask_st, other=0.0)
-                    dlr = tl.load(dlr_ptr + c * n * N + rows, mask=mask_st, other=0.0)
-                    dx += w[:, :, None] * do + dlr[:, :, None] * qg
-                    dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,)
-                    dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
-                tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty),
-                         mask=mask_x)
-            s0 += BLOCK_S
-        tile += n_prog
+    if PREFETCH:  # one loop over the program's (token block, trip) pairs, each trip's sources loaded a trip ahead
+        s0 = pid * 0
+        xr = _load_raw(src_ptr, tile, s0, n, N, D, n_tiles, offs_d, mask_d, BLOCK_S, BLOCK_T)
+        while tile < n_tiles:
+            offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < N
+            mask_td = mask_t[:, None] & mask_d[None, :]
+            tok = offs_t.to(tl.int64)
+            idx = s0 + tl.arange(0, BLOCK_S)
+            mask_s = idx < n
+            rows = idx.to(tl.int64)[:, None] * N + tok[None, :]
+            wrap = s0 + BLOCK_S >= n  # the next trip: this token block's next sources, or the next block's first
+            s1 = tl.where(wrap, 0, s0 + BLOCK_S)
+            tile1 = tl.where(wrap, tile + n_prog, tile)
+            xr_next = _load_raw(src_ptr, tile1, s1, n, N, D, n_tiles, offs_d, mask_d, BLOCK_S, BLOCK_T)
+            dqg = _grads_block(xr.to(tl.float32), mask_s, rows, dqg, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr,
+                               dsrc_ptr, n, n_add, tok, mask_t, mask_td, offs_c, offs_d, mask_d, N, D, C, KEY_NORM)
+            xr = xr_next
+            s0 = s1
+            tile = tile1
+    else:
+        while tile < n_tiles:
+            offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            mask_t = offs_t < N
+            mask_td = mask_t[:, None] & mask_d[None, :]
+            tok = offs_t.to(tl.int64)
+            s0 = pid * 0  # BLOCK_S sources at a time (the upstream gradients again from L1 after the first chunk)
+            while s0 < n:
+                if ROWS:
+                    dqs = _grads_rows(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n, n_add,
+                                      tok, mask_t, mask_td, offs_d, mask_d, N, D, C, KEY_NORM, BLOCK_S)
+                else:
+                    x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
+                    dqg = _grads_block(x, mask_s, rows, dqg, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, n,
+                                       n_add, tok, mask_t, mask_td, offs_c, offs_d, mask_d, N, D, C, KEY_NORM)
+                s0 += BLOCK_S
+            tile += n_prog
     if ROWS:
         for c in tl.static_range(C):  # row pid·C + c of (programs, C, d), in the rows' layout
             dq = tl.sum(tl.sum(dqs[c], axis=0, keep_dims=True), axis=1, keep_dims=True)  # (1, 1, D)
@@ -779,9 +823,29 @@ def split_grads_maxnreg() -> int:
 SPLIT_GRADS_ROWS = False
 
 
+# The split gradients kernel loading each trip's sources a trip ahead (``_split_grads_kernel``'s PREFETCH, in loads of
+# BLOCK_S sources, not as rows): True or False. A program's trips are serial and each waits for its loads (one token,
+# 2 sources a trip at d = 1024); prefetched, one trip's loads are in flight while the last computes. The held sources
+# take 12 registers more (180 by the sm_90 compiler: 2 programs an SM), so the kernel is capped at 168 (no spills,
+# 3 programs an SM, as without) unless ``SPLIT_GRADS_MAXNREG`` sets a cap. Not yet timed on a GPU: off.
+SPLIT_GRADS_PREFETCH = False
+PREFETCH_MAXNREG = 168
+
+
+def split_grads_prefetch() -> bool:
+    """Whether the split gradients kernel loads a trip's sources a trip ahead (``SPLIT_GRADS_PREFETCH``); refused
+    with ``SPLIT_GRADS_ROWS``, which it does not apply to."""
+    if not isinstance(SPLIT_GRADS_PREFETCH, bool):
+        raise ValueError(f"fused.SPLIT_GRADS_PREFETCH={SPLIT_GRADS_PREFETCH!r}: choose True or False")
+    if SPLIT_GRADS_PREFETCH and split_grads_rows():
+        raise ValueError("fused.SPLIT_GRADS_PREFETCH=True applies to loads of a trip's sources, not to "
+                         "SPLIT_GRADS_ROWS=True: set one of them")
+    return SPLIT_GRADS_PREFETCH
+
+
 def split_grads_rows() -> bool:
     """Whether the split gradients kernel takes a trip's sources as separate rows (``SPLIT_GRADS_ROWS``)."""
-    if SPLIT_GRADS_ROWS not in (True, False):
+    if not isinstance(SPLIT_GRADS_ROWS, bool):
         raise ValueError(f"fused.SPLIT_GRADS_ROWS={SPLIT_GRADS_ROWS!r}: choose True or False")
     return SPLIT_GRADS_ROWS
 
@@ -1036,8 +1100,9 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
                                             rstd if from_logits and key_norm else w, n, N, d, eps, **common,
                                             BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,
                                             num_warps=warps_a)
-    meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=split_grads_rows())
-    cap = split_grads_maxnreg()
+    prefetch = split_grads_prefetch()
+    meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=split_grads_rows(), PREFETCH=prefetch)
+    cap = split_grads_maxnreg() or (PREFETCH_MAXNREG if prefetch and not interpreting() else 0)
     if cap:  # compiled into the kernel; the persistent grid reads the capped kernel's registers
         meta["maxnreg"] = cap
     args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
