@@ -47,9 +47,10 @@ scalars w_cs, dlogit_cs·r_s (C, n, N) and the key norm's −r_s² Σ_c dlogit_c
 them, reading the sources and upstream gradients again. Twice the reads of those, but no token's whole rows in
 registers and no reduction across warps: at `medium` 0.87-0.89x the one kernel's time at 2-4 sources and 0.5-0.7x
 from 5 on with the logits summed again; taking them from the forward, 0.66-0.89x that again (2026-12-04).
-``SPLIT_GRADS_ROWS`` (off, not yet timed) takes the gradients kernel's sources as separate rows, one fused multiply-add
-a term. Both passes in one kernel (the scalars of a token block from a first pass over its chunks, the gradients from a
-second) was measured 2.2-12x slower alone and removed (2026-12-04, docs/kernel_attnres.md).
+``SPLIT_GRADS_ROWS`` (off: slower) takes the gradients kernel's sources as separate rows, one fused multiply-add a
+term; ``SPLIT_GRADS_PREFETCH`` (off: no gain in the step) loads each trip's sources a trip ahead. Both passes in one
+kernel (the scalars of a token block from a first pass over its chunks, the gradients from a second) was measured
+2.2-12x slower alone and removed (2026-12-04, docs/kernel_attnres.md).
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
 
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
@@ -819,7 +820,10 @@ def split_grads_maxnreg() -> int:
 # partial apart (``_split_grads_kernel``'s ROWS): True or False. Every term is then one fused multiply-add into its
 # accumulator, where one (S, T, D) load multiplies, sums over the sources, then adds; by the sm_90 compiler (bf16
 # sources, 4 consumers, d = 1024, 2 sources a trip) 476 instructions a trip against 581, fp32 208 against 312, 164
-# registers against 168. Not yet timed on a GPU: off.
+# registers against 168. Measured slower (2026-12-04, `medium`, the split backward alone): 0.95x at 2 sources but
+# 1.08-1.11x at 3-8 and 1.01x for one consumer over 9; the step unchanged (157.0 / 157.6 ms against 157.8 / 157.1). The
+# kernel is not bound by its instructions: by the counters it waits on its loads (54% of its stalls) with 3 warps a
+# scheduler. Off.
 SPLIT_GRADS_ROWS = False
 
 
@@ -827,7 +831,9 @@ SPLIT_GRADS_ROWS = False
 # BLOCK_S sources, not as rows): True or False. A program's trips are serial and each waits for its loads (one token,
 # 2 sources a trip at d = 1024); prefetched, one trip's loads are in flight while the last computes. The held sources
 # take 12 registers more (180 by the sm_90 compiler: 2 programs an SM), so the kernel is capped at 168 (no spills,
-# 3 programs an SM, as without) unless ``SPLIT_GRADS_MAXNREG`` sets a cap. Not yet timed on a GPU: off.
+# 3 programs an SM, as without) unless ``SPLIT_GRADS_MAXNREG`` sets a cap. Measured (2026-12-04, `medium`, 4 consumers,
+# the split backward alone): 0.95x / 0.97x at 2 / 3 sources, 0.99-1.02x from 4 on, 1.00x for one consumer over 9; the
+# step unchanged (160.3 / 159.6 ms against 159.7 / 160.1, alternating). Off.
 SPLIT_GRADS_PREFETCH = False
 PREFETCH_MAXNREG = 168
 
