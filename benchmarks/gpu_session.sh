@@ -246,6 +246,8 @@
 #   rows     one GPU (about 480 s with the start): the split gradients kernel over its sources as rows
 #            (SPLIT_GRADS_ROWS): GPU tests with it, alone at each call of medium's step, then the step alternating
 #            (the split as one kernel, timed by plan split_one on 2026-12-04 and 2.2-12x slower alone, is removed)
+#   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token (the rule of
+#            SPLIT_GRADS_ROWS since 2026-12-04, last): GPU tests, alone at each call (also 1 source a trip), the step
 #   prefetch one GPU (about 380 s with the start): the split gradients kernel loading each trip's sources a trip ahead
 #            (SPLIT_GRADS_PREFETCH): GPU tests with it, alone at each call of medium's step, then the step alternating
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
@@ -255,7 +257,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1002,6 +1004,17 @@ case "$PLAN" in
       split-blocks
     medium_step "${MEDIUM_LIMIT:-300}" "${TAG:-_prefetch}" "attnres_block@$PREFETCH" attnres_block \
       "attnres_block@$PREFETCH" attnres_block
+    ;;
+  rows8)
+    # the split gradients kernel as rows at 8 warps a token (no sum over the sources, so nothing crosses a warp: 78
+    # registers, 3 programs of 8 warps an SM against 3 of 4): the GPU tests, alone at each call of medium's step (also 1
+    # source a trip, 64 registers: 4 programs), then the step alternating (the last row 1 source a trip)
+    ROWS=py:kernels.depth_attn.fused.SPLIT_GRADS_ROWS=True
+    attnres_tests "${TEST_LIMIT:-110}"
+    SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
+      medium_calls "${TILES_LIMIT:-100}" "${TAG:-_rows8}" split-blocks split-rows split-rows:4,64,4,1,8 split-blocks
+    medium_step "${MEDIUM_LIMIT:-290}" "${TAG:-_rows8}" "attnres_block@$ROWS" attnres_block "attnres_block@$ROWS" \
+      attnres_block "attnres_block@$ROWS@py:kernels.depth_attn.fused.SPLIT_TILES=(4,64,4,1,8)"
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

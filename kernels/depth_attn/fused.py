@@ -930,7 +930,14 @@ def split_tiles(n: int, d: int, c: int, from_logits: bool | None = None
         chunk = min(block_d, 16 if block_s >= 8 else max(32, min(256, 1024 // (block_s * _pow2(c)))))
     else:
         chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
-    return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), 4
+    return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), split_grads_warps(split_grads_rows())
+
+
+def split_grads_warps(rows: bool) -> int:
+    """The split gradients kernel's warps a token at d = 1024: 4 over one load of a trip's sources (its sum over them
+    stays in a thread: 8 warps made it cross warps, 1.9-4.9x); 8 as rows (``SPLIT_GRADS_ROWS``: no sum over the
+    sources, so nothing crosses a warp: 78 registers at 2 sources a trip, 3 programs of 8 warps an SM against 3 of 4)."""
+    return 8 if rows else 4
 
 
 def tiles(n: int, d: int, c: int | None = None) -> Tiles:
