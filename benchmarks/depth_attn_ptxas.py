@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             # the split backward where the rule takes it (fused.split_backward): its two kernels with their tiles
             *((f"phase 1 backward, split: {label}", fn, types, dict(consts, C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True),
                warps)
-              for _, (bt_b, block_d, per_load), _ in
+              for _, (bt_b, block_d, per_load), warps_b in
               ([fused.split_tiles(n, d, C)] if t.bwd_split else [])
               for label, fn, types, consts, warps in (
                   *((f"scores{'' if from_logits else ', logits summed again'}", fused._split_scores_kernel,
@@ -98,8 +98,7 @@ def main(argv=None) -> int:
                      fused._split_grads_kernel,
                      dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                           dsrc_ptr=bf16, dqg_ptr=f32),
-                     dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=rows, PREFETCH=False),
-                     fused.split_grads_warps(rows))
+                     dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=rows, PREFETCH=False), warps_b)
                     for rows, way in ((fused.split_grads_rows(), ""), (not fused.split_grads_rows(),
                                       "as rows" if not fused.split_grads_rows() else "in one load"))))),
             *((f"merge forward{label}", fused._merge_fwd_kernel,

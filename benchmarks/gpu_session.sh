@@ -246,8 +246,8 @@
 #   rows     one GPU (about 480 s with the start): the split gradients kernel over its sources as rows
 #            (SPLIT_GRADS_ROWS): GPU tests with it, alone at each call of medium's step, then the step alternating
 #            (the split as one kernel, timed by plan split_one on 2026-12-04 and 2.2-12x slower alone, is removed)
-#   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token (the rule of
-#            SPLIT_GRADS_ROWS since 2026-12-04, last): GPU tests, alone at each call (also 1 source a trip), the step
+#   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
+#            (SPLIT_GRADS_ROWS with SPLIT_TILES' warps): GPU tests, alone at each call (also 1 source a trip), the step
 #   prefetch one GPU (about 380 s with the start): the split gradients kernel loading each trip's sources a trip ahead
 #            (SPLIT_GRADS_PREFETCH): GPU tests with it, alone at each call of medium's step, then the step alternating
 #   dtiles   one GPU: the depth-attention kernels' tile sweep (benchmarks.depth_attn_tiles) at DTILES_SHAPES
@@ -1008,13 +1008,16 @@ case "$PLAN" in
   rows8)
     # the split gradients kernel as rows at 8 warps a token (no sum over the sources, so nothing crosses a warp: 78
     # registers, 3 programs of 8 warps an SM against 3 of 4): the GPU tests, alone at each call of medium's step (also 1
-    # source a trip, 64 registers: 4 programs), then the step alternating (the last row 1 source a trip)
-    ROWS=py:kernels.depth_attn.fused.SPLIT_GRADS_ROWS=True
+    # source a trip, 64 registers: 4 programs), then the step alternating (the last row 1 source a trip). On 2026-12-04
+    # a rule gave the rows 8 warps; since it is gone SPLIT_TILES sets them (its scores chunk at 2 sources is 64, the
+    # rule's 128)
+    ROWS=py:kernels.depth_attn.fused.SPLIT_GRADS_ROWS=True@py:kernels.depth_attn.fused.SPLIT_TILES=
     attnres_tests "${TEST_LIMIT:-110}"
     SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9} \
-      medium_calls "${TILES_LIMIT:-100}" "${TAG:-_rows8}" split-blocks split-rows split-rows:4,64,4,1,8 split-blocks
-    medium_step "${MEDIUM_LIMIT:-290}" "${TAG:-_rows8}" "attnres_block@$ROWS" attnres_block "attnres_block@$ROWS" \
-      attnres_block "attnres_block@$ROWS@py:kernels.depth_attn.fused.SPLIT_TILES=(4,64,4,1,8)"
+      medium_calls "${TILES_LIMIT:-100}" "${TAG:-_rows8}" split-blocks split-rows:4,64,4,2,8 split-rows:4,64,4,1,8 \
+      split-blocks
+    medium_step "${MEDIUM_LIMIT:-290}" "${TAG:-_rows8}" "attnres_block@$ROWS(4,64,4,2,8)" attnres_block \
+      "attnres_block@$ROWS(4,64,4,2,8)" attnres_block "attnres_block@$ROWS(4,64,4,1,8)"
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

@@ -823,7 +823,9 @@ def split_grads_maxnreg() -> int:
 # registers against 168. Measured slower (2026-12-04, `medium`, the split backward alone): 0.95x at 2 sources but
 # 1.08-1.11x at 3-8 and 1.01x for one consumer over 9; the step unchanged (157.0 / 157.6 ms against 157.8 / 157.1). The
 # kernel is not bound by its instructions: by the counters it waits on its loads (54% of its stalls) with 3 warps a
-# scheduler. Off.
+# scheduler. At 8 warps a token (78 registers, no barrier: twice the warps an SM, the same tokens in flight) the rows
+# were slower still, 1.13-1.24x alone (1.03x over 9 sources), and the step 158.8 / 158.9 ms against 158.7 / 157.8
+# (``SPLIT_TILES``' fifth field sets the warps). Off.
 SPLIT_GRADS_ROWS = False
 
 
@@ -930,14 +932,7 @@ def split_tiles(n: int, d: int, c: int, from_logits: bool | None = None
         chunk = min(block_d, 16 if block_s >= 8 else max(32, min(256, 1024 // (block_s * _pow2(c)))))
     else:
         chunk = min(block_d, 256 if block_s == 1 else 128 if block_s == 2 else 64)
-    return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), split_grads_warps(split_grads_rows())
-
-
-def split_grads_warps(rows: bool) -> int:
-    """The split gradients kernel's warps a token at d = 1024: 4 over one load of a trip's sources (its sum over them
-    stays in a thread: 8 warps made it cross warps, 1.9-4.9x); 8 as rows (``SPLIT_GRADS_ROWS``: no sum over the
-    sources, so nothing crosses a warp: 78 registers at 2 sources a trip, 3 programs of 8 warps an SM against 3 of 4)."""
-    return 8 if rows else 4
+    return (4, chunk, 4), (1, block_d, min(block_s, 2 if c >= 3 else 4)), 4
 
 
 def tiles(n: int, d: int, c: int | None = None) -> Tiles:
