@@ -48,9 +48,9 @@ them, reading the sources and upstream gradients again. Twice the reads of those
 registers and no reduction across warps: at `medium` 0.87-0.89x the one kernel's time at 2-4 sources and 0.5-0.7x
 from 5 on with the logits summed again; taking them from the forward, 0.66-0.89x that again (2026-12-04).
 ``SPLIT_GRADS_ROWS`` (off: slower) takes the gradients kernel's sources as separate rows, one fused multiply-add a
-term; ``SPLIT_GRADS_PREFETCH`` (off: no gain in the step) loads each trip's sources a trip ahead. Both passes in one
-kernel (the scalars of a token block from a first pass over its chunks, the gradients from a second) was measured
-2.2-12x slower alone and removed (2026-12-04, docs/kernel_attnres.md).
+term; ``SPLIT_GRADS_PREFETCH`` (off: no gain in the step) loads each trip's sources (and with "all" its scalars) a trip
+ahead. Both passes in one kernel (the scalars of a token block from a first pass over its chunks, the gradients from a
+second) was measured 2.2-12x slower alone and removed (2026-12-04, docs/kernel_attnres.md).
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
 
 Tiles are fixed (``tiles``, ``_row_tiles``; no autotuning), chosen from the sm_90 compiler's
@@ -477,34 +477,55 @@ def _split_scores_kernel(
 
 
 @triton.jit
-def _load_raw(src_ptr, tile, s0, n, N, D, n_tiles, offs_d, mask_d, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Sources s0 .. s0 + BLOCK_S - 1 of token block ``tile`` (S, T, D) in their own dtype (nothing past n, the last
-    token or the last block: the prefetch past a program's last trip reads nothing)."""
+def _trip_rows(tile, s0, n, N, n_tiles, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The rows s·N + t (S, T) int64 of sources s0 .. s0 + BLOCK_S - 1 of token block ``tile`` and their mask (none
+    past n, the last token or the last block)."""
     offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     idx = s0 + tl.arange(0, BLOCK_S)
     rows = idx.to(tl.int64)[:, None] * N + offs_t.to(tl.int64)[None, :]
-    mask = (idx < n)[:, None, None] & ((offs_t < N) & (tile < n_tiles))[None, :, None] & mask_d[None, None, :]
-    return tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :], mask=mask, other=0.0)
+    return rows, (idx < n)[:, None] & ((offs_t < N) & (tile < n_tiles))[None, :]
 
 
 @triton.jit
-def _grads_block(x, mask_s, rows, dqg, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, n, n_add, tok, mask_t,
-                 mask_td, offs_c, offs_d, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr):
-    """A trip of the split gradients kernel over the sources of x (S, T, D) fp32 at ``rows`` (S, T): their
-    gradients written (added to what rows [0, n_add) hold) and the query-gradient partial dqg (BLOCK_C, D) returned
-    with their terms."""
+def _load_raw(src_ptr, rows, mask_st, offs_d, mask_d, D):
+    """The sources at ``rows`` (S, T) (``_trip_rows``) as (S, T, D) in their own dtype, nothing where masked (the
+    prefetch past a program's last trip reads nothing)."""
+    return tl.load(src_ptr + rows[:, :, None] * D + offs_d[None, None, :],
+                   mask=mask_st[:, :, None] & mask_d[None, None, :], other=0.0)
+
+
+@triton.jit
+def _trip_scalars(w_ptr, dlr_ptr, coef_ptr, rows, mask_st, n, N, C: tl.constexpr, KEY_NORM: tl.constexpr):
+    """The first kernel's scalars of a trip's sources at ``rows`` (S, T): w and dlogit·r of each consumer (two tuples
+    of C (S, T)) and the key norm's coefficient (S, T) (w's first for raw keys, unused), fp32, 0 where masked."""
+    ws = ()
+    dlrs = ()
+    for c in tl.static_range(C):
+        ws = ws + (tl.load(w_ptr + c * n * N + rows, mask=mask_st, other=0.0),)
+        dlrs = dlrs + (tl.load(dlr_ptr + c * n * N + rows, mask=mask_st, other=0.0),)
+    if KEY_NORM:
+        coef = tl.load(coef_ptr + rows, mask=mask_st, other=0.0)
+    else:
+        coef = ws[0]
+    return ws, dlrs, coef
+
+
+@triton.jit
+def _grads_block(x, ws, dlrs, coef, mask_s, rows, dqg, qg_ptr, douts, dsrc_ptr, n_add, tok, mask_t, mask_td, offs_c,
+                 offs_d, mask_d, N, D, C: tl.constexpr, KEY_NORM: tl.constexpr):
+    """A trip of the split gradients kernel over the sources of x (S, T, D) fp32 at ``rows`` (S, T), with their
+    scalars (``_trip_scalars``): their gradients written (added to what rows [0, n_add) hold) and the query-gradient
+    partial dqg (BLOCK_C, D) returned with their terms."""
     mask_x = mask_s[:, None, None] & mask_td[None, :, :]
-    mask_st = mask_s[:, None] & mask_t[None, :]
     dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
     if KEY_NORM:
-        dx += tl.load(coef_ptr + rows, mask=mask_st, other=0.0)[:, :, None] * x
+        dx += coef[:, :, None] * x
     for c in tl.static_range(C):
         qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
         do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :],
                      other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c * n * N + rows, mask=mask_st, other=0.0)
-        dlr = tl.load(dlr_ptr + c * n * N + rows, mask=mask_st, other=0.0)
-        dx += w[:, :, None] * do + dlr[:, :, None] * qg
+        dlr = dlrs[c]
+        dx += ws[c][:, :, None] * do + dlr[:, :, None] * qg
         dq = tl.sum(tl.sum(dlr[:, :, None] * x, axis=0), axis=0)  # (D,)
         dqg += tl.where(offs_c[:, None] == c, dq[None, :], 0.0)
     tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty), mask=mask_x)
@@ -559,7 +580,7 @@ def _split_grads_kernel(
     dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
     n, n_add, N, D,
     C: tl.constexpr, BLOCK_C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr, ROWS: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, ROWS: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """Split backward, second kernel: elementwise over d from the first kernel's scalars (no reduction over d, so
     no communication between warps), persistent, with the per-program query-gradient partial in registers:
@@ -567,30 +588,42 @@ def _split_grads_kernel(
     ``ROWS`` (``SPLIT_GRADS_ROWS``): the BLOCK_S sources of a trip as BLOCK_S separate rows and each consumer's
     partial apart (a tuple), so that every term is one fused multiply-add into its accumulator; else one
     (BLOCK_S, T, D) load, whose products are summed over the sources before they are added. ``PREFETCH``
-    (``SPLIT_GRADS_PREFETCH``, not with ROWS): the next trip's sources are loaded before this trip's arithmetic, so that
-    a program has a trip's loads in flight while it computes (else each trip waits for its own)."""
+    (``SPLIT_GRADS_PREFETCH``, not with ROWS): 1, the next trip's sources are loaded before this trip's arithmetic, so
+    that a program has a trip's loads in flight while it computes (else each trip waits for its own); 2, its scalars
+    (w, dlogit·r, the key norm's coefficient) too; 0, none."""
     pid, n_prog, offs_d, offs_c, mask_d, dqg, n_tiles = _persistent_start(N, D, BLOCK_C, BLOCK_T, BLOCK_D)
     if ROWS:
         dqs = (tl.zeros((1, BLOCK_T, BLOCK_D), dtype=tl.float32),) * C  # consumer c's partial, summed over T at the end
     tile = pid
-    if PREFETCH:  # one loop over the program's (token block, trip) pairs, each trip's sources loaded a trip ahead
+    if PREFETCH > 0:  # one loop over the program's (token block, trip) pairs, each trip's loads a trip ahead
         s0 = pid * 0
-        xr = _load_raw(src_ptr, tile, s0, n, N, D, n_tiles, offs_d, mask_d, BLOCK_S, BLOCK_T)
+        rows, mask_st = _trip_rows(tile, s0, n, N, n_tiles, BLOCK_S, BLOCK_T)
+        xr = _load_raw(src_ptr, rows, mask_st, offs_d, mask_d, D)
+        if PREFETCH == 2:
+            ws, dlrs, coef = _trip_scalars(w_ptr, dlr_ptr, coef_ptr, rows, mask_st, n, N, C, KEY_NORM)
         while tile < n_tiles:
             offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
             mask_t = offs_t < N
             mask_td = mask_t[:, None] & mask_d[None, :]
             tok = offs_t.to(tl.int64)
-            idx = s0 + tl.arange(0, BLOCK_S)
-            mask_s = idx < n
-            rows = idx.to(tl.int64)[:, None] * N + tok[None, :]
+            mask_s = s0 + tl.arange(0, BLOCK_S) < n
+            rows, mask_st = _trip_rows(tile, s0, n, N, n_tiles, BLOCK_S, BLOCK_T)
             wrap = s0 + BLOCK_S >= n  # the next trip: this token block's next sources, or the next block's first
             s1 = tl.where(wrap, 0, s0 + BLOCK_S)
             tile1 = tl.where(wrap, tile + n_prog, tile)
-            xr_next = _load_raw(src_ptr, tile1, s1, n, N, D, n_tiles, offs_d, mask_d, BLOCK_S, BLOCK_T)
-            dqg = _grads_block(xr.to(tl.float32), mask_s, rows, dqg, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr,
-                               dsrc_ptr, n, n_add, tok, mask_t, mask_td, offs_c, offs_d, mask_d, N, D, C, KEY_NORM)
+            rows1, mask_st1 = _trip_rows(tile1, s1, n, N, n_tiles, BLOCK_S, BLOCK_T)
+            xr_next = _load_raw(src_ptr, rows1, mask_st1, offs_d, mask_d, D)
+            if PREFETCH == 2:  # the next trip's scalars too
+                ws1, dlrs1, coef1 = _trip_scalars(w_ptr, dlr_ptr, coef_ptr, rows1, mask_st1, n, N, C, KEY_NORM)
+            else:
+                ws, dlrs, coef = _trip_scalars(w_ptr, dlr_ptr, coef_ptr, rows, mask_st, n, N, C, KEY_NORM)
+            dqg = _grads_block(xr.to(tl.float32), ws, dlrs, coef, mask_s, rows, dqg, qg_ptr, douts, dsrc_ptr, n_add,
+                               tok, mask_t, mask_td, offs_c, offs_d, mask_d, N, D, C, KEY_NORM)
             xr = xr_next
+            if PREFETCH == 2:
+                ws = ws1
+                dlrs = dlrs1
+                coef = coef1
             s0 = s1
             tile = tile1
     else:
@@ -606,8 +639,10 @@ def _split_grads_kernel(
                                       tok, mask_t, mask_td, offs_d, mask_d, N, D, C, KEY_NORM, BLOCK_S)
                 else:
                     x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
-                    dqg = _grads_block(x, mask_s, rows, dqg, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, n,
-                                       n_add, tok, mask_t, mask_td, offs_c, offs_d, mask_d, N, D, C, KEY_NORM)
+                    ws, dlrs, coef = _trip_scalars(w_ptr, dlr_ptr, coef_ptr, rows, mask_s[:, None] & mask_t[None, :],
+                                                   n, N, C, KEY_NORM)
+                    dqg = _grads_block(x, ws, dlrs, coef, mask_s, rows, dqg, qg_ptr, douts, dsrc_ptr, n_add, tok,
+                                       mask_t, mask_td, offs_c, offs_d, mask_d, N, D, C, KEY_NORM)
                 s0 += BLOCK_S
             tile += n_prog
     if ROWS:
@@ -830,25 +865,29 @@ SPLIT_GRADS_ROWS = False
 
 
 # The split gradients kernel loading each trip's sources a trip ahead (``_split_grads_kernel``'s PREFETCH, in loads of
-# BLOCK_S sources, not as rows): True or False. A program's trips are serial and each waits for its loads (one token,
-# 2 sources a trip at d = 1024); prefetched, one trip's loads are in flight while the last computes. The held sources
-# take 12 registers more (180 by the sm_90 compiler: 2 programs an SM), so the kernel is capped at 168 (no spills,
-# 3 programs an SM, as without) unless ``SPLIT_GRADS_MAXNREG`` sets a cap. Measured (2026-12-04, `medium`, 4 consumers,
-# the split backward alone): 0.95x / 0.97x at 2 / 3 sources, 0.99-1.02x from 4 on, 1.00x for one consumer over 9; the
-# step unchanged (160.3 / 159.6 ms against 159.7 / 160.1, alternating). Off.
-SPLIT_GRADS_PREFETCH = False
+# BLOCK_S sources, not as rows): False, True, or "all" (the trip's scalars w, dlogit·r and the key norm's coefficient
+# a trip ahead too). A program's trips are serial and each waits for its loads (one token, 2 sources a trip at
+# d = 1024); prefetched, one trip's loads are in flight while the last computes. The held sources take 12 registers
+# more (180 by the sm_90 compiler: 2 programs an SM), so the kernel is capped at 168 (no spills, 3 programs an SM, as
+# without) unless ``SPLIT_GRADS_MAXNREG`` sets a cap. Measured with True (2026-12-04, `medium`, 4 consumers, the split
+# backward alone): 0.95x / 0.97x at 2 / 3 sources, 0.99-1.02x from 4 on, 1.00x for one consumer over 9; the step
+# unchanged (160.3 / 159.6 ms against 159.7 / 160.1, alternating). "all" (168 registers, no spills, 10 layout
+# conversions: the next trip's scalars come in their own layout) is built and tested on the CPU, not timed. Off.
+SPLIT_GRADS_PREFETCH: bool | str = False
 PREFETCH_MAXNREG = 168
 
 
-def split_grads_prefetch() -> bool:
-    """Whether the split gradients kernel loads a trip's sources a trip ahead (``SPLIT_GRADS_PREFETCH``); refused
-    with ``SPLIT_GRADS_ROWS``, which it does not apply to."""
-    if not isinstance(SPLIT_GRADS_PREFETCH, bool):
-        raise ValueError(f"fused.SPLIT_GRADS_PREFETCH={SPLIT_GRADS_PREFETCH!r}: choose True or False")
-    if SPLIT_GRADS_PREFETCH and split_grads_rows():
-        raise ValueError("fused.SPLIT_GRADS_PREFETCH=True applies to loads of a trip's sources, not to "
+def split_grads_prefetch() -> int:
+    """What the split gradients kernel loads a trip ahead (``SPLIT_GRADS_PREFETCH``): 0 nothing, 1 the sources, 2 the
+    sources and the scalars ("all"); refused with ``SPLIT_GRADS_ROWS``, which it does not apply to."""
+    setting = SPLIT_GRADS_PREFETCH
+    if not (isinstance(setting, bool) or setting == "all"):
+        raise ValueError(f"fused.SPLIT_GRADS_PREFETCH={setting!r}: choose False, True (the sources) or 'all' (the "
+                         "sources and the scalars)")
+    if setting is not False and split_grads_rows():
+        raise ValueError(f"fused.SPLIT_GRADS_PREFETCH={setting!r} applies to loads of a trip's sources, not to "
                          "SPLIT_GRADS_ROWS=True: set one of them")
-    return SPLIT_GRADS_PREFETCH
+    return 2 if setting == "all" else int(setting)
 
 
 def split_grads_rows() -> bool:
@@ -1108,7 +1147,7 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
                                             rstd if from_logits and key_norm else w, n, N, d, eps, **common,
                                             BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,
                                             num_warps=warps_a)
-    prefetch = split_grads_prefetch()
+    prefetch = split_grads_prefetch()  # 0, 1 or 2
     meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=split_grads_rows(), PREFETCH=prefetch)
     cap = split_grads_maxnreg() or (PREFETCH_MAXNREG if prefetch and not interpreting() else 0)
     if cap:  # compiled into the kernel; the persistent grid reads the capped kernel's registers

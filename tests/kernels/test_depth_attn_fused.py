@@ -135,11 +135,12 @@ def test_split_backward_matches_reference(case, once, from_logits, monkeypatch):
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES + [("C4-n5-T100", 4, 5, 2, 50, 20, True, True)],
                          ids=IDS + ["C4-n5-T100"])
-@pytest.mark.parametrize("way", ["ROWS", "PREFETCH"])
+@pytest.mark.parametrize("way", ["ROWS", "PREFETCH", "PREFETCH-all"])
 def test_split_gradients_by_rows_or_prefetched_match_reference(case, way, monkeypatch):
     # SPLIT_GRADS_ROWS: the split gradients kernel takes a trip's sources as separate rows (the last trip ragged at an
     # odd count) and keeps each consumer's query-gradient partial apart; SPLIT_GRADS_PREFETCH: it loads each trip's
-    # sources a trip ahead (across token blocks too, and past the program's last, where nothing is read). Every output
+    # sources a trip ahead (across token blocks too, and past the program's last, where nothing is read), with "all"
+    # their scalars too. Every output
     # and gradient against the reference, on every case; two programs under the interpreter (32 tokens a block), so
     # at 100 tokens a program walks two token blocks and adds into its partials twice. The kernel is checked to run
     # that way.
@@ -147,13 +148,14 @@ def test_split_gradients_by_rows_or_prefetched_match_reference(case, way, monkey
 
     _, C, n, B, T, d, key_norm, gains = case
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
-    monkeypatch.setattr(fused, f"SPLIT_GRADS_{way}", True)
+    name, _, value = way.partition("-")
+    monkeypatch.setattr(fused, f"SPLIT_GRADS_{name}", value or True)
     launched = []
     grads = fused._split_grads_kernel
     monkeypatch.setattr(fused, "_split_grads_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: lambda *a, **k: (launched.append(k[way]), grads[grid](*a, **k))[1]})())
+        "__getitem__": lambda self, grid: lambda *a, **k: (launched.append(k[name]), grads[grid](*a, **k))[1]})())
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=7), key_norm, up_seed=8)
-    assert launched and all(launched)
+    assert launched and all(v == (2 if value else True) for v in launched)
 
 
 @needs_interpreter
@@ -269,16 +271,23 @@ def test_split_backward_setting_is_explicit(monkeypatch):
     monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", "yes")
     with pytest.raises(ValueError, match=r"SPLIT_GRADS_ROWS='yes': choose True or False"):
         fused.split_grads_rows()
-    # prefetching: a bool, and not with the rows, which it does not apply to
+    # prefetching: False, True (the sources) or "all" (their scalars too), and not with the rows, which it does not
+    # apply to
     monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", True)
     monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", True)
     with pytest.raises(ValueError, match=r"SPLIT_GRADS_PREFETCH=True applies to loads .* set one of them"):
         fused.split_grads_prefetch()
     monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", False)
-    assert fused.split_grads_prefetch()
-    monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", 1)
-    with pytest.raises(ValueError, match=r"SPLIT_GRADS_PREFETCH=1: choose True or False"):
-        fused.split_grads_prefetch()
+    assert fused.split_grads_prefetch() == 1
+    monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", "all")
+    assert fused.split_grads_prefetch() == 2
+    monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", False)
+    assert fused.split_grads_prefetch() == 0
+    for bad in (1, "sources"):
+        monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", bad)
+        with pytest.raises(ValueError, match=rf"SPLIT_GRADS_PREFETCH={bad!r}: choose False, True \(the sources\) or "
+                                             r"'all' \(the sources and the scalars\)"):
+            fused.split_grads_prefetch()
     # the gradients kernel's register cap: none unless set, a count from 32 to 255 (never under the interpreter)
     assert fused.split_grads_maxnreg() == 0
     monkeypatch.setattr(fused, "SPLIT_GRADS_MAXNREG", 128)
@@ -713,12 +722,14 @@ def test_rows_read_by_many_calls_get_the_sum_of_their_readers_gradients(device):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("way", ["one-chunk", "chunks-of-2", "split", "split-rows", "split-prefetch"])
+@pytest.mark.parametrize("way", ["one-chunk", "chunks-of-2", "split", "split-rows", "split-prefetch",
+                                 "split-prefetch-all"])
 def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, way):
     # summaries_bwd with a gradient buffer: rows [0, n_add) get the buffer's earlier content plus this
     # call's gradient, rows [n_add, n) this call's gradient alone, rows past n are untouched (n = 5: the last load of
     # 2 ragged); with every source in one chunk, in chunks of 2 (the two-pass backward), and split (its gradients
-    # kernel in loads of 2 sources, as rows, ``SPLIT_GRADS_ROWS``, or loaded a trip ahead, ``SPLIT_GRADS_PREFETCH``).
+    # kernel in loads of 2 sources, as rows, ``SPLIT_GRADS_ROWS``, or loaded a trip ahead with their scalars or not,
+    # ``SPLIT_GRADS_PREFETCH``).
     from kernels.depth_attn import fused
 
     if way == "chunks-of-2":
@@ -726,7 +737,7 @@ def test_summaries_backward_adds_into_the_rows_it_is_told_to(monkeypatch, way):
                                                                        False))
     monkeypatch.setattr(fused, "SPLIT_BWD", way.startswith("split"))
     monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", way == "split-rows")
-    monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", way == "split-prefetch")
+    monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", {"split-prefetch": True, "split-prefetch-all": "all"}.get(way, False))
 
     n, n_max, B, T, d = 5, 7, 2, 19, 37
     sources, _, queries, _ = make_inputs(3, n_max, B, T, d, False, seed=7)
@@ -823,8 +834,9 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split", [None, True, "once", "split-rows", "split-prefetch", False],
-                         ids=["rule", "split", "split-once", "split-rows", "split-prefetch", "one-kernel"])
+@pytest.mark.parametrize("split", [None, True, "once", "split-rows", "split-prefetch", "split-prefetch-all", False],
+                         ids=["rule", "split", "split-once", "split-rows", "split-prefetch", "split-prefetch-all",
+                              "one-kernel"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
@@ -834,11 +846,11 @@ def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # trip ahead (SPLIT_GRADS_PREFETCH), and the one kernel of before.
     from kernels.depth_attn import fused
 
-    monkeypatch.setattr(fused, "SPLIT_BWD", True if split in ("once", "split-rows", "split-prefetch") else split)
-    monkeypatch.setattr(fused, "SCORES_ONCE", True if split == "once" else None
-                        if split in (None, "split-rows", "split-prefetch") else False)
+    named = ("split-rows", "split-prefetch", "split-prefetch-all")
+    monkeypatch.setattr(fused, "SPLIT_BWD", True if split in ("once", *named) else split)
+    monkeypatch.setattr(fused, "SCORES_ONCE", True if split == "once" else None if split in (None, *named) else False)
     monkeypatch.setattr(fused, "SPLIT_GRADS_ROWS", split == "split-rows")
-    monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", split == "split-prefetch")
+    monkeypatch.setattr(fused, "SPLIT_GRADS_PREFETCH", {"split-prefetch": True, "split-prefetch-all": "all"}.get(split, False))
     _, C, n, B, T, d, key_norm, gains = case
     sources, partials, queries, key_gains = make_inputs(C, n, B, T, d, gains, device="cuda")
     bf = [sources.bfloat16().requires_grad_(), partials.bfloat16().requires_grad_(),
