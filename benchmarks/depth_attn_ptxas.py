@@ -32,13 +32,16 @@ MERGES = (("", False), (" + partial sum", True))
 
 def compile_report(fn, types: dict, constexprs: dict, num_warps: int, loops: bool = False) -> tuple[str, int]:
     """Compile ``fn`` for sm_90a -> (ptxas's register/spill summary, registers per thread); with ``loops`` the
-    summary ends with one line per SASS loop."""
+    summary ends with one line per SASS loop. A ``maxnreg`` among ``constexprs`` is the launch's register cap, not an
+    argument."""
     from triton.compiler import ASTSource
 
+    constexprs = dict(constexprs)
+    cap = constexprs.pop("maxnreg", 0)
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
     attrs = launch_attrs(fn.arg_names, sig, ("D", "N"))  # d and N are multiples of 16 at every shape here
     kernel = compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                          {"num_warps": num_warps})
+                          dict(num_warps=num_warps, **({"maxnreg": cap} if cap else {})))
     report = ptxas_report(kernel)
     info = [ln.split(":", 1)[-1].strip() for ln in report.splitlines() if "registers" in ln or "spill" in ln]
     regs = registers(report)
@@ -98,9 +101,17 @@ def main(argv=None) -> int:
                      fused._split_grads_kernel,
                      dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                           dsrc_ptr=bf16, dqg_ptr=f32),
-                     dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=rows, PREFETCH=False), warps_b)
+                     dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=rows, PREFETCH=0), warps_b)
                     for rows, way in ((fused.split_grads_rows(), ""), (not fused.split_grads_rows(),
-                                      "as rows" if not fused.split_grads_rows() else "in one load"))))),
+                                      "as rows" if not fused.split_grads_rows() else "in one load"))),
+                  # its loads a trip ahead (fused.SPLIT_GRADS_PREFETCH: True the sources, "all" their scalars too), under
+                  # the cap the launch sets
+                  *((f"gradients, prefetched{label}", fused._split_grads_kernel,
+                     dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
+                          dsrc_ptr=bf16, dqg_ptr=f32),
+                     dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=False, PREFETCH=level,
+                          maxnreg=fused.PREFETCH_MAXNREG), warps_b)
+                    for level, label in ((1, ""), (2, " with its scalars"))))),
             *((f"merge forward{label}", fused._merge_fwd_kernel,
                dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, new_ptr=bf16, psum_ptr=bf16,
                     eps="fp32"),
@@ -119,7 +130,7 @@ def main(argv=None) -> int:
                 print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {exc}", flush=True)
                 continue
             smem = int(info.split("shared ", 1)[1].split(" ", 1)[0])
-            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C", "ROWS")}
+            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C", "ROWS", "PREFETCH", "maxnreg")}
             head, _, loops = info.partition("\n")
             print(f"{name} {tiles} warps={warps}: {head} | {per_sm(regs, warps, smem)} programs/SM", flush=True)
             if loops:

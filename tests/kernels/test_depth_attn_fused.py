@@ -942,14 +942,19 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     lines = [line for line in res.stdout.splitlines() if "registers" in line]
     # 3 shapes x (phase 1 fwd, bwd, bwd taking dO·o from the outputs, merge fwd, bwd, each alone and summing), and
     # block-medium's split backward (5 sources at d = 1024: the rule takes it), its scores kernel taking the forward's
-    # logits and summing them again, and its gradients kernel in one load of a trip's sources and as rows
-    # (``SPLIT_GRADS_ROWS``), without spills
-    assert len(lines) == 25, res.stdout
+    # logits and summing them again, and its gradients kernel in one load of a trip's sources, as rows
+    # (``SPLIT_GRADS_ROWS``) and loading a trip ahead its sources or its scalars too (``SPLIT_GRADS_PREFETCH``, under
+    # the launch's cap), without spills
+    assert len(lines) == 27, res.stdout
     split = [line for line in lines if "phase 1 backward, split" in line]
     assert [line.split(" {")[0] for line in split] == ["phase 1 backward, split: scores",
                                                        "phase 1 backward, split: scores, logits summed again",
                                                        "phase 1 backward, split: gradients",
-                                                       "phase 1 backward, split: gradients, sources as rows"], res.stdout
+                                                       "phase 1 backward, split: gradients, sources as rows",
+                                                       "phase 1 backward, split: gradients, prefetched",
+                                                       "phase 1 backward, split: gradients, prefetched with its scalars"
+                                                       ], res.stdout
+    assert all("Used 168 registers" in line for line in split if "prefetched" in line), res.stdout  # the cap holds
     assert all(" 0 bytes spill stores" in line for line in split), res.stdout
     # --sass: each kernel's loops follow its line (the phase-1 backward loops over its sources and consumers)
     after = res.stdout.split("phase 1 backward", 1)[1].split("merge forward", 1)[0]
