@@ -69,24 +69,37 @@ def run_attnres(iters: int, n: int = 5, b: int = B, t: int = T, d: int = D) -> N
 
 METRICS = {"Duration": "duration", "DRAM Throughput": "DRAM %", "L1/TEX Cache Throughput": "L1/shared %",
            "Registers Per Thread": "registers", "Achieved Occupancy": "occupancy %",
+           "Active Warps Per Scheduler": "warps a scheduler", "Eligible Warps Per Scheduler": "eligible",
            "Issued Warp Per Scheduler": "issued / cycle"}
+STALL = "top stall (share of the cycles between issues)"
+# the profiler's Warp State Statistics advice names the largest stall reason and its share, wrapped over lines
+_STALL = re.compile(r"being stalled (.+?)\. .*?This stall type represents about ([\d.]+)% of the total", re.S)
 
 
 def parse_report(text: str) -> list[dict[str, str]]:
-    """One dict per profiled launch of a text report: its kernel, grid x block, and METRICS (with units)."""
+    """One dict per profiled launch of a text report: its kernel, grid x block, METRICS (with units) and, where the
+    profiler's advice names it, its top stall reason with its share (``STALL``)."""
     launches: list[dict[str, str]] = []
+    bodies: list[list[str]] = []
     for line in text.splitlines():
         head = re.match(r"^  (\w+) \(([\d, ]+)\)x\(([\d, ]+)\), Context", line)
         if head:
             grid = "×".join(x.strip() for x in head.group(2).split(",") if x.strip() != "1") or "1"
             launches.append({"kernel": head.group(1), "grid × block": f"{grid} × {head.group(3).split(',')[0]}"})
+            bodies.append([])
             continue
         cells = line.split()
         if launches and cells:
+            bodies[-1].append(line.strip())
             for name, key in METRICS.items():
                 if line.strip().startswith(name + " ") and key not in launches[-1]:
                     value, unit = cells[-1], cells[-2] if len(cells) >= 2 + len(name.split()) else ""
                     launches[-1][key] = f"{value} {unit}" if key == "duration" else value
+    for launch, body in zip(launches, bodies):
+        stall = _STALL.search(" ".join(body))
+        if stall:  # "waiting for a scoreboard dependency on a L1TEX (local, ...) operation" without the parentheses
+            reason = re.sub(r"\s*\([^)]*\)", "", re.sub(r"\s+", " ", stall.group(1)))
+            launch[STALL] = f"{stall.group(2)}%: {reason}"
     return launches
 
 
@@ -94,7 +107,7 @@ def summarize(paths: list[str], tag: str) -> Path:
     from benchmarks.roofline import Table
 
     table = Table("Hardware counters of the residuals' fused kernels (Nsight Compute)",
-                  ["report", "kernel", "grid × block", *METRICS.values()],
+                  ["report", "kernel", "grid × block", *METRICS.values(), STALL],
                   notes=["reports: " + ", ".join(Path(p).name for p in paths) + " (the GPU line above is the machine "
                          "that tabulated them; each report's own device and command follow)",
                          "DRAM / L1-shared: throughput in % of the unit's peak; a kernel whose L1/shared column is "
@@ -108,7 +121,7 @@ def summarize(paths: list[str], tag: str) -> Path:
                            + (f", {first.lstrip('# ')}" if first.startswith("# `") else ""))
         for launch in parse_report(text):
             table.add(Path(path).stem, launch["kernel"], launch["grid × block"],
-                      *(launch.get(k, "") for k in METRICS.values()))
+                      *(launch.get(k, "") for k in (*METRICS.values(), STALL)))
     return table.write(f"kernel_counters{tag}")
 
 

@@ -247,6 +247,14 @@ def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):
         "    L1/TEX Cache Throughput           %        89.37",
         "    Registers Per Thread             register/thread              48",
         "    Achieved Occupancy                        %        43.93",
+        "    Active Warps Per Scheduler          warp         2.96",
+        "    Eligible Warps Per Scheduler        warp         0.89",
+        "    OPT   Est. Speedup: 45.43%",
+        "          On average, each warp of this workload spends 2.9 cycles being stalled waiting for a scoreboard "
+        "dependency on",
+        "          a L1TEX (local, global, surface, texture) operation. Find the instruction producing the data being",
+        "          upon to identify the culprit. This stall type represents about 54.2% of the total average of 5.4 "
+        "cycles",
         "  _post_fwd_kernel (2048, 4, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0",
         "    Duration                         ms         2.30",
         "    DRAM Throughput                   %        71.67",
@@ -257,11 +265,16 @@ def test_kernel_counter_reports_are_tabulated_per_launch(tmp_path, monkeypatch):
     assert launches[0]["duration"] == "182.62 us" and launches[1]["duration"] == "2.30 ms"
     assert launches[0]["DRAM %"] == "15.26" and launches[0]["registers"] == "48"
     assert "registers" not in launches[1]
+    # the top stall reason of the profiler's advice, its parenthesis dropped, on its own launch only
+    stall = kernel_counters.STALL
+    assert launches[0][stall] == "54.2%: waiting for a scoreboard dependency on a L1TEX operation"
+    assert stall not in launches[1]
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
     path = tmp_path / "r.txt"
     path.write_text(report)
     text = kernel_counters.summarize([str(path)], "_t").read_text()
-    assert "| r | _pre_fwd_kernel | 1024 × 128 | 182.62 us | 15.26 | 89.37 | 48 | 43.93 |" in text
+    assert ("| r | _pre_fwd_kernel | 1024 × 128 | 182.62 us | 15.26 | 89.37 | 48 | 43.93 | 2.96 | 0.89 |  | 54.2%: "
+            "waiting for a scoreboard dependency on a L1TEX operation |") in text
     assert "compute capability 9.0" in text and "--ops mhc" in text
 
 
