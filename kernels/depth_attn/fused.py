@@ -607,6 +607,8 @@ def _split_grads_kernel(
             mask_td = mask_t[:, None] & mask_d[None, :]
             tok = offs_t.to(tl.int64)
             mask_s = s0 + tl.arange(0, BLOCK_S) < n
+            # recomputed, not carried from the last trip's rows1: carried, they cross the loop in another layout (22
+            # layout conversions against 1 by the sm_90 compiler)
             rows, mask_st = _trip_rows(tile, s0, n, N, n_tiles, BLOCK_S, BLOCK_T)
             wrap = s0 + BLOCK_S >= n  # the next trip: this token block's next sources, or the next block's first
             s1 = tl.where(wrap, 0, s0 + BLOCK_S)
