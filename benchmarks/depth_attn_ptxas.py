@@ -71,6 +71,8 @@ def main(argv=None) -> int:
         t = fused.tiles(n, d, C)
         keep = fused.scores_from_logits(n, d, C)  # the forward keeps its logits for the split backward's scores
         bt, bd, mw = fused._row_tiles(d)
+        grads_types = dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
+                           dsrc_ptr=bf16, dqg_ptr=f32)  # the split gradients kernel's arguments, for each of its ways
         runs = [
             ("phase 1 forward", fused._summaries_fwd_kernel,
              dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32, eps="fp32"),
@@ -98,17 +100,13 @@ def main(argv=None) -> int:
                     for tiles_a in [fused.split_tiles(n, d, C, from_logits)[0]]),
                   # the gradients kernel as the setting says, then the other way (fused.SPLIT_GRADS_ROWS)
                   *((f"gradients{'' if rows == fused.split_grads_rows() else ', sources ' + way}",
-                     fused._split_grads_kernel,
-                     dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
-                          dsrc_ptr=bf16, dqg_ptr=f32),
+                     fused._split_grads_kernel, grads_types,
                      dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=rows, PREFETCH=0), warps_b)
                     for rows, way in ((fused.split_grads_rows(), ""), (not fused.split_grads_rows(),
                                       "as rows" if not fused.split_grads_rows() else "in one load"))),
                   # its loads a trip ahead (fused.SPLIT_GRADS_PREFETCH: True the sources, "all" their scalars too), under
                   # the cap the launch sets
-                  *((f"gradients, prefetched{label}", fused._split_grads_kernel,
-                     dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
-                          dsrc_ptr=bf16, dqg_ptr=f32),
+                  *((f"gradients, prefetched{label}", fused._split_grads_kernel, grads_types,
                      dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=False, PREFETCH=level,
                           maxnreg=fused.PREFETCH_MAXNREG), warps_b)
                     for level, label in ((1, ""), (2, " with its scalars"))))),
