@@ -246,6 +246,8 @@
 #   rows     one GPU (about 480 s with the start): the split gradients kernel over its sources as rows
 #            (SPLIT_GRADS_ROWS): GPU tests with it, alone at each call of medium's step, then the step alternating
 #            (the split as one kernel, timed by plan split_one on 2026-12-04 and 2.2-12x slower alone, is removed)
+#   stream   one GPU (about 500 s with the start): the phase-1 forward with its sources streamed (FWD_STREAM): GPU
+#            tests, alone at each call of medium's step (1 or 2 rows a load, prefetched or not), the step alternating
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -259,7 +261,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1033,6 +1035,19 @@ case "$PLAN" in
       split-blocks
     medium_step "${MEDIUM_LIMIT:-290}" "${TAG:-_prefetch_all}" "attnres_block@$ALL" attnres_block \
       "attnres_block@$ALL" attnres_block
+    ;;
+  stream)
+    # the phase-1 forward with its sources streamed (fused.FWD_STREAM, built 2026-12-04 and tested on the CPU only: 1 or
+    # 2 rows a load folded into every consumer's online softmax, 127 / 187 registers against 151-219): the GPU tests
+    # (the bf16 test takes fwd-stream1 and fwd-stream2-prefetch), alone at each call of medium's step with 1 and 2 rows
+    # a load, the next load in flight or not, then the step alternating with 1 row a load at every source count
+    S1="py:kernels.depth_attn.fused.FWD_STREAM=1@py:kernels.depth_attn.fused.FWD_STREAM_FROM=1"
+    attnres_tests "${TEST_LIMIT:-130}"
+    SPLIT_OPS=${SPLIT_OPS:-block_n2 block_n3 block_n4 block_n5 block_n6 block_n7 block_n8 block_final9} \
+      medium_calls "${TILES_LIMIT:-120}" "${TAG:-_stream}" default fwd-stream1 fwd-stream1-prefetch fwd-stream2 \
+      fwd-stream2-prefetch default
+    medium_step "${MEDIUM_LIMIT:-290}" "${TAG:-_stream}" "attnres_block@$S1" attnres_block \
+      "attnres_block@$S1@py:kernels.depth_attn.fused.FWD_STREAM_PREFETCH=True" attnres_block
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

@@ -183,9 +183,9 @@ def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatc
     split_before = fused.SPLIT_BWD
     depth_attn_tiles.main(["--shapes", "tiny", "--dtypes", "fp32", "--ops", "block_n6", "--device", "cpu",
                            "--phase1", "default", "split", "one-kernel", "split:4,64,4,1,4", "split-once", "fwd-tail",
-                           "fwd4-tail", "--tag", "_split"])
+                           "fwd4-tail", "fwd-stream2-prefetch", "--tag", "_split"])
     assert fused.SPLIT_BWD == split_before and fused.SPLIT_TILES is None and fused.SCORES_ONCE is None  # put back
-    assert fused.FWD_TAIL is True and fused.FWD_WARPS is None
+    assert fused.FWD_TAIL is True and fused.FWD_WARPS is None and fused.FWD_STREAM == 0
     with pytest.raises(SystemExit, match="'fwd-tail:1,2,3,4,5'"):  # only the split settings take tiles
         depth_attn_tiles.parse_tiles("fwd-tail:1,2,3,4,5")
     with pytest.raises(SystemExit, match="'split:4,64,4'"):
@@ -193,7 +193,7 @@ def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatc
     split_rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_split.md").read_text().splitlines()
                   if line.startswith("| tiny") and " | phase 1 bwd | " in line]
     assert [r[4] for r in split_rows] == ["default", "split", "one-kernel", "split:4,64,4,1,4", "split-once", "fwd-tail",
-                                          "fwd4-tail"] and all(
+                                          "fwd4-tail", "fwd-stream2-prefetch"] and all(
         r[-1].endswith("ok |")
                                                                                   for r in split_rows), split_rows
     rows = [line.split(" | ") for line in (tmp_path / "depth_attn_tiles_cpu_tiny_given.md").read_text().splitlines()

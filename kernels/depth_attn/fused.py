@@ -182,6 +182,79 @@ def _summaries_fwd_kernel(
 
 
 @triton.jit
+def _stream_states(C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every consumer's online-softmax state at the start: running max, sum and accumulator, a tuple of C each."""
+    m_s = ()
+    l_s = ()
+    acc_s = ()
+    for c in tl.static_range(C):
+        m_s = m_s + (tl.full((BLOCK_T,), float("-inf"), dtype=tl.float32),)
+        l_s = l_s + (tl.zeros((BLOCK_T,), dtype=tl.float32),)
+        acc_s = acc_s + (tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32),)
+    return m_s, l_s, acc_s
+
+
+@triton.jit
+def _stream_chunk(x, r, mask_s, rows, mask_t, qg_ptr, logits_ptr, m_s, l_s, acc_s, n, N, offs_d, mask_d, D,
+                  C: tl.constexpr, STORE_LOGITS: tl.constexpr):
+    """One load of sources x (S, T, D) folded into every consumer's state (the queries from L1 at each load)."""
+    nm = ()
+    nl = ()
+    na = ()
+    for c in tl.static_range(C):
+        qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
+        logit, m_c, l_c, a_c = _fwd_chunk(x, r, mask_s, qg, m_s[c], l_s[c], acc_s[c])
+        if STORE_LOGITS:
+            tl.store(logits_ptr + c * n * N + rows, logit, mask=mask_s[:, None] & mask_t[None, :])
+        nm = nm + (m_c,)
+        nl = nl + (l_c,)
+        na = na + (a_c,)
+    return nm, nl, na
+
+
+@triton.jit
+def _summaries_fwd_stream_kernel(
+    src_ptr, qg_ptr, out_ptr, lse_ptr, logits_ptr, rstd_ptr,  # as ``_summaries_fwd_kernel``'s
+    n, N, D, eps,
+    C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, STORE_RSTD: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Phase 1's forward with the sources streamed (``FWD_STREAM``): the sources in loads of BLOCK_S rows, each
+    folded into all C consumers' online-softmax states (C × BLOCK_T × BLOCK_D fp32 accumulators in registers), so a
+    source is read once and the registers hold one load of rows instead of all n. With PREFETCH the next load is
+    issued before this one's arithmetic (two loads in flight a program)."""
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_t = offs_t < N
+    mask_d = offs_d < D
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    tok = offs_t.to(tl.int64)
+    m_s, l_s, acc_s = _stream_states(C, BLOCK_T, BLOCK_D)
+    s0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
+    if PREFETCH:
+        x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+    while s0 < n:
+        if PREFETCH:  # the next load (masked off past n) in flight during this one's arithmetic
+            x_next, mask_next, rows_next = _load_chunk(src_ptr, s0 + BLOCK_S, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+        else:
+            x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)
+        r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
+        if STORE_RSTD:
+            tl.store(rstd_ptr + rows, r, mask=mask_s[:, None] & mask_t[None, :])
+        m_s, l_s, acc_s = _stream_chunk(x, r, mask_s, rows, mask_t, qg_ptr, logits_ptr, m_s, l_s, acc_s, n, N,
+                                        offs_d, mask_d, D, C, STORE_LOGITS)
+        if PREFETCH:
+            x, mask_s, rows = x_next, mask_next, rows_next
+        s0 += BLOCK_S
+    for c in tl.static_range(C):
+        out_rows = tok + c * N  # (T,) int64 in (C, N)
+        tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :],
+                 (acc_s[c] / l_s[c][:, None]).to(out_ptr.dtype.element_ty), mask=mask_td)
+        tl.store(lse_ptr + c * N + tok, m_s[c] + tl.log(l_s[c]), mask=mask_t)
+
+
+@triton.jit
 def _consumer_scores(x, r, mask_s, qg_ptr, do_ptr, lse_ptr, c, tok, td, offs_d, mask_t, mask_td, mask_d, N, D):
     """Consumer c over a chunk x (S, T, D): its query qg (D,), upstream gradient dO (T, D), the logits
     (S, T), the weights w = exp(logit − lse) (S, T) (0 past n) and a = dO·x_s (S, T)."""
@@ -919,6 +992,29 @@ FWD_WARPS: int | None = None
 FWD_TAIL = True
 
 
+# The phase-1 forward with its sources streamed (``_summaries_fwd_stream_kernel``): 0 keeps every source of a token in
+# registers at once (one load, or two with ``FWD_TAIL``); 1, 2 or 4 takes them in loads of that many rows, each
+# folded into every consumer's online-softmax state, so a thread holds C accumulators and one load's rows (by the
+# sm_90 compiler, bf16 sources, 4 consumers, d = 1024: see ``python -m benchmarks.depth_attn_ptxas``) instead of up
+# to 8 rows. ``FWD_STREAM_PREFETCH`` issues the next load before a load's arithmetic. Applies from
+# ``FWD_STREAM_FROM`` sources on (fewer keep the one load). Not timed yet: off.
+FWD_STREAM = 0
+FWD_STREAM_PREFETCH = False
+FWD_STREAM_FROM = 6
+
+
+def fwd_stream(n: int) -> int:
+    """Rows a load of the streamed forward over n sources (``FWD_STREAM``), 0 where it does not apply."""
+    if FWD_STREAM not in (0, 1, 2, 4) or isinstance(FWD_STREAM, bool):
+        raise ValueError(f"fused.FWD_STREAM={FWD_STREAM!r}: choose 0 (every source in registers at once) or 1, 2, 4 "
+                         "(rows a load, streamed)")
+    if not isinstance(FWD_STREAM_PREFETCH, bool):
+        raise ValueError(f"fused.FWD_STREAM_PREFETCH={FWD_STREAM_PREFETCH!r}: choose True or False")
+    if not isinstance(FWD_STREAM_FROM, int) or isinstance(FWD_STREAM_FROM, bool) or FWD_STREAM_FROM < 1:
+        raise ValueError(f"fused.FWD_STREAM_FROM={FWD_STREAM_FROM!r}: choose a source count >= 1")
+    return min(FWD_STREAM, _pow2(n)) if FWD_STREAM and n >= FWD_STREAM_FROM else 0
+
+
 def _fwd_tail(n: int, block_s: int, on: bool) -> tuple[int, int]:
     """(head, tail) rows of the forward's loads for n sources whose one load is block_s rows: (block_s, 0) unless
     ``on`` (``FWD_TAIL``) and n is one past a power of two below block_s (3 -> 2 + 1, 5 -> 4 + 1; 6 and 7 stay 8)."""
@@ -1086,6 +1182,13 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
     store_rstd = store_rstd and key_norm
     rstd = torch.empty(n, *shape[:-1], device=src.device, dtype=torch.float32) if store_rstd else lse
+    stream = fwd_stream(n)
+    if stream:
+        _summaries_fwd_stream_kernel[(_cdiv(N, t.block_t),)](
+            src, qg, out, lse, logits, rstd, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
+            STORE_RSTD=store_rstd, BLOCK_S=stream, BLOCK_T=t.block_t, BLOCK_D=t.block_d, PREFETCH=FWD_STREAM_PREFETCH,
+            num_warps=t.num_warps)
+        return out, lse, (logits if store_logits else None), (rstd if store_rstd else None)
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
         src, qg, out, lse, logits, rstd, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
         ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, TAIL_S=t.tail_s,

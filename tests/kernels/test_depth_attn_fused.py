@@ -220,6 +220,56 @@ def test_forward_in_two_loads_matches_reference(n, monkeypatch):
     assert fused.tiles(n, 13, 4).tail_s == 0
 
 
+@needs_interpreter
+@pytest.mark.parametrize("rows, prefetch, n, split", [(1, False, 5, False), (2, True, 6, True), (2, False, 7, True),
+                                                      (4, True, 9, True), (4, False, 3, False), (1, True, 1, True)],
+                         ids=["1-n5", "2-prefetch-n6-split", "2-n7-split", "4-prefetch-n9-split", "4-n3", "1-prefetch-n1"])
+def test_streamed_forward_matches_reference(rows, prefetch, n, split, monkeypatch):
+    # FWD_STREAM: the sources in loads of 1, 2 or 4 rows, each folded into every consumer's online-softmax state
+    # (a ragged last load at 5, 7, 9 and 3 sources; with and without the next load in flight): outputs, weights and
+    # every gradient against the reference, at an odd width and token count. With the split backward the forward also
+    # stores the logits and the key norm's r_s that the split scores kernel takes, so those are checked through it.
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "FWD_STREAM", rows)
+    monkeypatch.setattr(fused, "FWD_STREAM_PREFETCH", prefetch)
+    monkeypatch.setattr(fused, "FWD_STREAM_FROM", 1)
+    monkeypatch.setattr(fused, "SPLIT_BWD", split)
+    assert fused.fwd_stream(n) == min(rows, fused._pow2(n))
+    launched = []
+    kernel = fused._summaries_fwd_stream_kernel
+    monkeypatch.setattr(fused, "_summaries_fwd_stream_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), kernel[grid])[1]})())
+    assert_two_phase_matches_reference(*make_inputs(4, n, 2, 21, 13, True, seed=n), True, up_seed=n + 1)
+    assert launched, "the streamed forward did not run"
+
+
+def test_streamed_forward_setting_is_explicit(monkeypatch):
+    """``FWD_STREAM`` applies from ``FWD_STREAM_FROM`` sources, at most the sources' power of two a load; a value
+    outside the choices is refused with the value and the choices."""
+    from kernels.depth_attn import fused
+
+    monkeypatch.setattr(fused, "FWD_STREAM", 0)
+    assert [fused.fwd_stream(n) for n in (1, 6, 9)] == [0, 0, 0]
+    monkeypatch.setattr(fused, "FWD_STREAM", 4)
+    monkeypatch.setattr(fused, "FWD_STREAM_FROM", 6)
+    assert [fused.fwd_stream(n) for n in (1, 5, 6, 9)] == [0, 0, 4, 4]
+    monkeypatch.setattr(fused, "FWD_STREAM_FROM", 1)
+    assert [fused.fwd_stream(n) for n in (1, 2, 3, 5)] == [1, 2, 4, 4]
+    for bad, match in ((3, r"FWD_STREAM=3: choose 0 .* or 1, 2, 4"), (True, r"FWD_STREAM=True: choose 0")):
+        monkeypatch.setattr(fused, "FWD_STREAM", bad)
+        with pytest.raises(ValueError, match=match):
+            fused.fwd_stream(6)
+    monkeypatch.setattr(fused, "FWD_STREAM", 2)
+    monkeypatch.setattr(fused, "FWD_STREAM_PREFETCH", "yes")
+    with pytest.raises(ValueError, match=r"FWD_STREAM_PREFETCH='yes': choose True or False"):
+        fused.fwd_stream(6)
+    monkeypatch.setattr(fused, "FWD_STREAM_PREFETCH", False)
+    monkeypatch.setattr(fused, "FWD_STREAM_FROM", 0)
+    with pytest.raises(ValueError, match=r"FWD_STREAM_FROM=0: choose a source count >= 1"):
+        fused.fwd_stream(6)
+
+
 def test_split_backward_setting_is_explicit(monkeypatch):
     """``SPLIT_BWD`` True or False overrides the rule for every call and keeps the rest of the tiles; anything else is
     refused with its value and the choices, before any launch."""
@@ -834,17 +884,25 @@ GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("split", [None, True, "once", "split-rows", "split-prefetch", "split-prefetch-all", False],
+@pytest.mark.parametrize("split", [None, True, "once", "split-rows", "split-prefetch", "split-prefetch-all", False,
+                                   "fwd-stream1", "fwd-stream2-prefetch"],
                          ids=["rule", "split", "split-once", "split-rows", "split-prefetch", "split-prefetch-all",
-                              "one-kernel"])
+                              "one-kernel", "fwd-stream1", "fwd-stream2-prefetch"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, split, monkeypatch):
     # bf16 sources and partials, fp32 queries/gains (parameters); relative error < 1e-2 for h and
     # every gradient against the fp32 reference on the same bf16-rounded inputs; the phase-1 backward as the rule
     # picks it (and its scores as scores_once does), split in two kernels (its scores reduced a chunk at a time, or
     # once: SCORES_ONCE), the split's gradients kernel over its sources as rows (SPLIT_GRADS_ROWS) or loading them a
-    # trip ahead (SPLIT_GRADS_PREFETCH), and the one kernel of before.
+    # trip ahead (SPLIT_GRADS_PREFETCH), and the one kernel of before; the rule's backward after the forward with its
+    # sources streamed 1 or 2 rows a load (FWD_STREAM, the second with the next load in flight) at every source count.
     from kernels.depth_attn import fused
+
+    if split in ("fwd-stream1", "fwd-stream2-prefetch"):
+        monkeypatch.setattr(fused, "FWD_STREAM", 1 if split == "fwd-stream1" else 2)
+        monkeypatch.setattr(fused, "FWD_STREAM_PREFETCH", split.endswith("prefetch"))
+        monkeypatch.setattr(fused, "FWD_STREAM_FROM", 1)
+        split = None
 
     named = ("split-rows", "split-prefetch", "split-prefetch-all")
     monkeypatch.setattr(fused, "SPLIT_BWD", True if split in ("once", *named) else split)
@@ -944,8 +1002,19 @@ def test_kernels_compile_for_sm90_with_the_gpu_tiles():
     # block-medium's split backward (5 sources at d = 1024: the rule takes it), its scores kernel taking the forward's
     # logits and summing them again, and its gradients kernel in one load of a trip's sources, as rows
     # (``SPLIT_GRADS_ROWS``) and loading a trip ahead its sources or its scalars too (``SPLIT_GRADS_PREFETCH``, under
-    # the launch's cap), without spills
-    assert len(lines) == 27, res.stdout
+    # the launch's cap), without spills; block-medium's forward with its sources streamed (``FWD_STREAM``) 1 or 2 rows
+    # a load, with the next load in flight or not
+    assert len(lines) == 31, res.stdout
+    stream = [line for line in lines if "phase 1 forward, streamed" in line]
+    assert [line.split(" {")[0] for line in stream] == ["phase 1 forward, streamed 1 a load",
+                                                        "phase 1 forward, streamed 1 a load, prefetched",
+                                                        "phase 1 forward, streamed 2 a load",
+                                                        "phase 1 forward, streamed 2 a load, prefetched"], res.stdout
+    # one row a load holds far fewer registers than every source at once (8 programs an SM instead of 6 at 5 sources)
+    assert all(" 0 bytes spill stores" in line for line in stream), res.stdout
+    regs = {line.split(" {")[0]: int(re.search(r"Used (\d+) registers", line).group(1)) for line in lines
+            if "phase 1 forward" in line and "warps=2" in line}
+    assert regs["phase 1 forward, streamed 1 a load"] <= 128 < regs["phase 1 forward"], res.stdout
     split = [line for line in lines if "phase 1 backward, split" in line]
     assert [line.split(" {")[0] for line in split] == ["phase 1 backward, split: scores",
                                                        "phase 1 backward, split: scores, logits summed again",
