@@ -68,7 +68,9 @@ SETTINGS = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
             "split-prefetch-all": {"SPLIT_BWD": True, "SPLIT_GRADS_PREFETCH": "all"},
             "fwd-tail": {"FWD_TAIL": True}, "fwd-padded": {"FWD_TAIL": False}, "fwd4": {"FWD_WARPS": 4},
             "fwd4-tail": {"FWD_WARPS": 4, "FWD_TAIL": True},
-            # the forward's sources streamed (fused.FWD_STREAM) at every source count, 1 or 2 rows a load
+            # the forward's sources streamed (fused.FWD_STREAM) at every source count, 1 or 2 rows a load; or nowhere
+            # (beyond one load of 8 the sources then go chunk by chunk, the later consumers reading them again)
+            "fwd-chunks": {"FWD_STREAM": 0},
             **{f"fwd-stream{rows}{'-prefetch' if pre else ''}": {"FWD_STREAM": rows, "FWD_STREAM_PREFETCH": pre,
                                                                  "FWD_STREAM_FROM": 1}
                for rows in (1, 2) for pre in (False, True)}}

@@ -248,6 +248,8 @@
 #            (the split as one kernel, timed by plan split_one on 2026-12-04 and 2.2-12x slower alone, is removed)
 #   stream   one GPU (about 500 s with the start): the phase-1 forward with its sources streamed (FWD_STREAM): GPU
 #            tests, alone at each call of medium's step (1 or 2 rows a load, prefetched or not), the step alternating
+#   stream_rule one GPU (about 450 s with the start): the forward streamed from 9 sources (the rule) against the chunks
+#            of before: the bf16 GPU test, full AttnRes and the final call alone, full AttnRes's small and medium steps
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -261,7 +263,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1048,6 +1050,21 @@ case "$PLAN" in
       fwd-stream2-prefetch default
     medium_step "${MEDIUM_LIMIT:-290}" "${TAG:-_stream}" "attnres_block@$S1" attnres_block \
       "attnres_block@$S1@py:kernels.depth_attn.fused.FWD_STREAM_PREFETCH=True" attnres_block
+    ;;
+  stream_rule)
+    # the rule of 2026-12-04 evening (the forward streams 1 row a load, prefetched, from 9 sources): the bf16 GPU test,
+    # full AttnRes and Block AttnRes's final call alone at small and medium against the chunks of before, then full
+    # AttnRes's step at small and medium with and without it
+    CHUNKS="py:kernels.depth_attn.fused.FWD_STREAM=0"
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_depth_attn_fused.py -k "bf16_matches_fp32_reference and (rule or one-kernel)"
+    step gpu0 tiles "${TILES_LIMIT:-60}" python3 -m benchmarks.depth_attn_tiles --shapes small medium --dtypes bf16 \
+      --ops full block_final9 --phase1 default fwd-chunks default --tag "${TAG:-_stream_rule}"
+    step gpu0 small "${SMALL_LIMIT:-120}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+      "attnres@$CHUNKS" attnres --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_stream_rule}"
+    [ "${MEDIUM_LIMIT:-170}" != 0 ] && step gpu0 medium "${MEDIUM_LIMIT:-170}" python3 -m benchmarks.throughput \
+      --models medium --residuals vanilla attnres "attnres@$CHUNKS" --compile model --graphs on --steps 6 --set $COMBO \
+      --tag "${TAG:-_stream_rule}"
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

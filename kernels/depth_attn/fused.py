@@ -16,7 +16,9 @@ AttnRes up to 8 blocks at d <= 2048) the chunk is loaded once for all C consumer
 static loop): the logits (q_c ⊙ g_c)·x_s·r_s (the sums of squares r_s are shared), the softmax over
 the sources in fp32 (online across chunks when n > BLOCK_S, the later consumers then read the chunks
 from L2), and the weighted sum. Writes each consumer's normalised output (C, N, d) in the sources'
-dtype and its log-sum-exp (C, N) fp32 (N = B·T tokens).
+dtype and its log-sum-exp (C, N) fp32 (N = B·T tokens). From 9 sources (more than one load holds) the forward
+streams them instead (``_summaries_fwd_stream_kernel``, ``FWD_STREAM``): one row a load, the next in flight, each
+folded into every consumer's online-softmax state, so each source is read once for all consumers.
 
 Phase 2, ``_merge_fwd_kernel``: for one consumer and its partial p, z = (q ⊙ g)·RMSNorm(p) and
 w = σ(z − lse) (the partial's share of the merged softmax), h = o + w·(p − o). Reads o and p,
@@ -992,15 +994,21 @@ FWD_WARPS: int | None = None
 FWD_TAIL = True
 
 
-# The phase-1 forward with its sources streamed (``_summaries_fwd_stream_kernel``): 0 keeps every source of a token in
-# registers at once (one load, or two with ``FWD_TAIL``); 1, 2 or 4 takes them in loads of that many rows, each
-# folded into every consumer's online-softmax state, so a thread holds C accumulators and one load's rows (by the
-# sm_90 compiler, bf16 sources, 4 consumers, d = 1024: see ``python -m benchmarks.depth_attn_ptxas``) instead of up
-# to 8 rows. ``FWD_STREAM_PREFETCH`` issues the next load before a load's arithmetic. Applies from
-# ``FWD_STREAM_FROM`` sources on (fewer keep the one load). Not timed yet: off.
-FWD_STREAM = 0
-FWD_STREAM_PREFETCH = False
-FWD_STREAM_FROM = 6
+# The phase-1 forward with its sources streamed (``_summaries_fwd_stream_kernel``): 1, 2 or 4 rows a load, each
+# folded into every consumer's online-softmax state, so a thread holds C accumulators and one load's rows instead of
+# up to 8 rows, and every source is read once for all consumers; 0 keeps the kernel of before (every source of a token
+# in registers at once when they fit one load of 8, else chunk by chunk with the later consumers reading the chunks
+# again). ``FWD_STREAM_PREFETCH`` issues the next load before a load's arithmetic. Applies from ``FWD_STREAM_FROM``
+# sources on. By the sm_90 compiler (bf16 sources, 4 consumers, d = 1024; ``python -m benchmarks.depth_attn_ptxas``):
+# 127 / 128 registers at 1 row a load without / with the prefetch, 187 / 199 at 2, against 151 (5 sources as 4 + 1)
+# and 219 (8). Measured on an H200 (2026-12-04, `medium`, bf16, alone, ms; ``depth_attn_tiles_nvidia_h200_medium_stream.md``):
+# 4 consumers over 2-8 sources the one load wins everywhere (1 row prefetched 1.01-1.39x its time, 2 rows 1.11-1.83x;
+# the step 0.958x / 0.953x against 0.963x / 0.954x without), but the final output's one consumer over 9 sources, which
+# took two chunks, is 0.2949 -> 0.2053 ms with 1 row prefetched (0.2140 without the prefetch, 0.3445 / 0.2773 at 2
+# rows). So the rule streams 1 row a load, prefetched, where the sources do not fit one load (from 9).
+FWD_STREAM = 1
+FWD_STREAM_PREFETCH = True
+FWD_STREAM_FROM = 9
 
 
 def fwd_stream(n: int) -> int:

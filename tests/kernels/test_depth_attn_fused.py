@@ -222,13 +222,16 @@ def test_forward_in_two_loads_matches_reference(n, monkeypatch):
 
 @needs_interpreter
 @pytest.mark.parametrize("rows, prefetch, n, split", [(1, False, 5, False), (2, True, 6, True), (2, False, 7, True),
-                                                      (4, True, 9, True), (4, False, 3, False), (1, True, 1, True)],
-                         ids=["1-n5", "2-prefetch-n6-split", "2-n7-split", "4-prefetch-n9-split", "4-n3", "1-prefetch-n1"])
+                                                      (4, True, 9, True), (4, False, 3, False), (1, True, 1, True),
+                                                      (0, False, 10, True)],
+                         ids=["1-n5", "2-prefetch-n6-split", "2-n7-split", "4-prefetch-n9-split", "4-n3", "1-prefetch-n1",
+                              "chunks-n10-split"])
 def test_streamed_forward_matches_reference(rows, prefetch, n, split, monkeypatch):
     # FWD_STREAM: the sources in loads of 1, 2 or 4 rows, each folded into every consumer's online-softmax state
     # (a ragged last load at 5, 7, 9 and 3 sources; with and without the next load in flight): outputs, weights and
     # every gradient against the reference, at an odd width and token count. With the split backward the forward also
     # stores the logits and the key norm's r_s that the split scores kernel takes, so those are checked through it.
+    # FWD_STREAM = 0: the kernel of before, its 10 sources chunk by chunk (the rule streams them by default).
     from kernels.depth_attn import fused
 
     monkeypatch.setattr(fused, "FWD_STREAM", rows)
@@ -236,12 +239,13 @@ def test_streamed_forward_matches_reference(rows, prefetch, n, split, monkeypatc
     monkeypatch.setattr(fused, "FWD_STREAM_FROM", 1)
     monkeypatch.setattr(fused, "SPLIT_BWD", split)
     assert fused.fwd_stream(n) == min(rows, fused._pow2(n))
+    assert rows or not fused.tiles(n, 13, 4).one_chunk
     launched = []
     kernel = fused._summaries_fwd_stream_kernel
     monkeypatch.setattr(fused, "_summaries_fwd_stream_kernel", type("Spy", (), {
         "__getitem__": lambda self, grid: (launched.append(grid), kernel[grid])[1]})())
     assert_two_phase_matches_reference(*make_inputs(4, n, 2, 21, 13, True, seed=n), True, up_seed=n + 1)
-    assert launched, "the streamed forward did not run"
+    assert bool(launched) == bool(rows), launched
 
 
 def test_streamed_forward_setting_is_explicit(monkeypatch):
@@ -249,6 +253,8 @@ def test_streamed_forward_setting_is_explicit(monkeypatch):
     outside the choices is refused with the value and the choices."""
     from kernels.depth_attn import fused
 
+    assert [fused.fwd_stream(n) for n in (1, 5, 8, 9, 17)] == [0, 0, 0, 1, 1]  # the rule: 1 row from 9 sources
+    assert fused.FWD_STREAM_PREFETCH is True
     monkeypatch.setattr(fused, "FWD_STREAM", 0)
     assert [fused.fwd_stream(n) for n in (1, 6, 9)] == [0, 0, 0]
     monkeypatch.setattr(fused, "FWD_STREAM", 4)
