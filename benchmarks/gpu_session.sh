@@ -250,6 +250,8 @@
 #            tests, alone at each call of medium's step (1 or 2 rows a load, prefetched or not), the step alternating
 #   stream_rule one GPU (about 450 s with the start): the forward streamed from 9 sources (the rule) against the chunks
 #            of before: the bf16 GPU test, full AttnRes and the final call alone, full AttnRes's small and medium steps
+#   stream_pairs one GPU (about 600 s with the start): stream_rule's timings (no pytest) and MSAR's pass 2 two tokens a
+#            trip (Blocks.split_pairs): alone at small and medium, msar_block's small step alternating
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -263,7 +265,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1063,6 +1065,26 @@ case "$PLAN" in
     step gpu0 small "${SMALL_LIMIT:-120}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
       "attnres@$CHUNKS" attnres --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_stream_rule}"
     [ "${MEDIUM_LIMIT:-170}" != 0 ] && step gpu0 medium "${MEDIUM_LIMIT:-170}" python3 -m benchmarks.throughput \
+      --models medium --residuals vanilla attnres "attnres@$CHUNKS" --compile model --graphs on --steps 6 --set $COMBO \
+      --tag "${TAG:-_stream_rule}"
+    ;;
+  stream_pairs)
+    # in one call: the forward's streaming rule against the chunks of before (as stream_rule, without its pytest step:
+    # the tiles check every candidate against the reference) and MSAR's pass 2 two tokens a trip (Blocks.split_pairs,
+    # built 2026-12-04 and tested on the CPU only): alone at small and medium (each checked against the default first),
+    # then msar_block's small step alternating
+    CHUNKS="py:kernels.depth_attn.fused.FWD_STREAM=0"
+    PAIRS2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':True}"
+    step gpu0 tiles "${TILES_LIMIT:-60}" python3 -m benchmarks.depth_attn_tiles --shapes small medium --dtypes bf16 \
+      --ops full block_final9 --phase1 default fwd-chunks default --tag "${TAG:-_stream_rule}"
+    step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward --only split_pairs=True split_pairs=True,split_ch=128 --tag "${TAG:-_pass2_pairs}"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-130}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$PAIRS2" msar_block "msar_block@$PAIRS2" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_pass2_pairs}"
+    step gpu0 small "${SMALL_LIMIT:-110}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
+      "attnres@$CHUNKS" attnres --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_stream_rule}"
+    [ "${MEDIUM_LIMIT:-150}" != 0 ] && step gpu0 medium "${MEDIUM_LIMIT:-150}" python3 -m benchmarks.throughput \
       --models medium --residuals vanilla attnres "attnres@$CHUNKS" --compile model --graphs on --steps 6 --set $COMBO \
       --tag "${TAG:-_stream_rule}"
     ;;

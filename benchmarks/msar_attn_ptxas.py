@@ -110,14 +110,22 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
                dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type, mpart_ptr=F32,
                     p_off="i64"),
-               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=False, DK=0),
+               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=False, DK=0, PAIRS=False),
                blk.split_warps)
         if "LEAN" in fused._streams_split_kernel.arg_names:  # Blocks.split_lean (2026-12-02)
             lean = getattr(blk, "split_lean", False)
             yield (f"split forward, pass 2 lean{'' if lean else ' (candidate)'}", fused._streams_split_kernel,
                    dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
                         mpart_ptr=F32, p_off="i64"),
-                   dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d),
+                   dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
+                        PAIRS=False), blk.split_warps)
+        if "PAIRS" in fused._streams_split_kernel.arg_names:  # Blocks.split_pairs: the lean pass two tokens a trip
+            pairs = getattr(blk, "split_pairs", False) and getattr(blk, "split_lean", False)
+            yield (f"split forward, pass 2 lean pairs{'' if pairs else ' (candidate)'}", fused._streams_split_kernel,
+                   dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
+                        mpart_ptr=F32, p_off="i64"),
+                   dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
+                        PAIRS=True),
                    blk.split_warps)
         if hasattr(fused, "_softmax_parts_kernel"):  # Blocks.glue="triton" (2026-12-02): the steps between kernels
             tag = "" if getattr(blk, "glue", "torch") == "triton" else " (candidate)"

@@ -185,7 +185,7 @@ def test_depth_attn_tiles_times_the_phase1_candidates_given(tmp_path, monkeypatc
                            "--phase1", "default", "split", "one-kernel", "split:4,64,4,1,4", "split-once", "fwd-tail",
                            "fwd4-tail", "fwd-stream2-prefetch", "--tag", "_split"])
     assert fused.SPLIT_BWD == split_before and fused.SPLIT_TILES is None and fused.SCORES_ONCE is None  # put back
-    assert fused.FWD_TAIL is True and fused.FWD_WARPS is None and fused.FWD_STREAM == 0
+    assert fused.FWD_TAIL is True and fused.FWD_WARPS is None and fused.FWD_STREAM == 1
     with pytest.raises(SystemExit, match="'fwd-tail:1,2,3,4,5'"):  # only the split settings take tiles
         depth_attn_tiles.parse_tiles("fwd-tail:1,2,3,4,5")
     with pytest.raises(SystemExit, match="'split:4,64,4'"):

@@ -1118,6 +1118,101 @@ def _split_sources(x_src, x_step, w_tok, c, acc, s, s_end, D, mask_d, bits,
     return acc
 
 
+@triton.jit
+def _split_sources_pair(x_src, x_step, w_tok, w_next, c, acc, s, s_end, D, mask_d, bits, bits_next,
+                        KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FULL: tl.constexpr,
+                        EVEN: tl.constexpr):
+    """``_split_sources`` for two tokens t and t+1 at once (``Blocks.split_pairs``). x_src: where source s's BD
+    channels of token t+1 start; w_tok, w_next: the two tokens' weights ((S, m) side by side each); acc: a flat
+    tuple of 2·m (BD,) fp32, token t's m accumulators then token t+1's; bits, bits_next: the two tokens' window bits
+    (``doc_window``: bit σ of token u's says u-σ is in the row and in u's document). Each view is summed in the
+    one-token loop's order, so the sums are its sums.
+
+    FULL (neither token's window holds a document boundary): the KW + 1 rows x_s[t+1-σ], σ = 0..KW, are loaded once,
+    without document masks; token t+1's views take rows 0..KW-1 and token t's rows 1..KW (x_s[t-σ] is row σ + 1).
+    Every one of them is then in the row (t's bit KW-1 says t+1-KW >= 0) and in both tokens' document.
+
+    Otherwise a shared row can be in one token's document and not in the other's (when t+1 starts a document, rows
+    1..KW are t's and not t+1's), so each token loads its own KW rows under its own bits, as ``_split_sources``
+    does (a set bit implies the row is in [0, T): nothing before the row's start is read; the second token's loads
+    of rows shared with the first are L1 hits). Loading the KW + 1 rows once under the union of both tokens' bits
+    and selecting each token's by its own bit was the other way: compiled for sm_90a at `small` its 2·KW selects
+    needed a predicate each, more than the predicate registers hold, and the compiler rebuilt them every source
+    (96 selects and 96 predicate operations: 616 instructions a trip of the masked loop over the buffer rows and
+    255 registers, against 476 and 241 for loading twice; one token a trip: 243)."""
+    M: tl.constexpr = len(KS)
+    while s < s_end:
+        x_tok = x_src + tl.arange(0, BD)
+        if FULL:
+            xs = ()
+            for sg in tl.static_range(KW + 1):
+                if EVEN:
+                    xs = xs + (tl.load(x_tok - sg * D).to(tl.float32),)
+                else:
+                    xs = xs + (tl.load(x_tok - sg * D, mask=mask_d, other=0.0).to(tl.float32),)
+            x0 = xs[1:]
+            x1 = xs[:KW]
+        else:
+            x0 = ()
+            x1 = ()
+            for sg in tl.static_range(KW):
+                x0 = x0 + (tl.load(x_tok - (sg + 1) * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
+                           .to(tl.float32),)
+                x1 = x1 + (tl.load(x_tok - sg * D, mask=mask_d & (((bits_next >> sg) & 1) != 0), other=0.0)
+                           .to(tl.float32),)
+        w_s = w_tok + s * M
+        w_s1 = w_next + s * M
+        nacc = ()
+        for j in tl.static_range(M):
+            e = c[KOFF[j]] * x0[0]
+            for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                e += c[KOFF[j] + tau] * x0[tau]
+            nacc = nacc + (acc[j] + tl.load(w_s + j) * e,)
+        for j in tl.static_range(M):
+            e = c[KOFF[j]] * x1[0]
+            for tau in tl.static_range(1, tl.constexpr(KS[j])):
+                e += c[KOFF[j] + tau] * x1[tau]
+            nacc = nacc + (acc[M + j] + tl.load(w_s1 + j) * e,)
+        acc = nacc
+        x_src += x_step
+        s += 1
+    return acc
+
+
+@triton.jit
+def _split_store(acc, t, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr,
+                 KS: tl.constexpr, MIXER: tl.constexpr, LEAN: tl.constexpr):
+    """The epilogue of one token of ``_streams_split_kernel``: R_j[t] from acc (a tuple of m (BD,) fp32), and with
+    MIXER the channel tile's ‖R[t]‖² and R[t]·φ_i."""
+    for j in tl.static_range(len(KS)):
+        tl.store(r_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, acc[j].to(r_ptr.dtype.element_ty),
+                 mask=mask_d)
+    if MIXER:
+        plane = B * T
+        base = mpart_ptr + (dt * (1 + len(KS))).to(tl.int64) * plane + b * T + t
+        if LEAN:  # each lane's views summed first: 1 + m cross-lane reductions a token
+            sq = acc[0] * acc[0]
+            for j in tl.static_range(1, len(KS)):
+                sq += acc[j] * acc[j]
+            tl.store(base, tl.sum(sq, axis=0))
+            for i in tl.static_range(len(KS)):
+                zv = acc[0] * tl.load(phi_ptr + i * (len(KS) * D) + offs_d, mask=mask_d, other=0.0)
+                for j in tl.static_range(1, len(KS)):
+                    zv += acc[j] * tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)
+                tl.store(base + (1 + i) * plane, tl.sum(zv, axis=0))
+        else:
+            rr = 0.0
+            for j in tl.static_range(len(KS)):
+                rr += tl.sum(acc[j] * acc[j], axis=0)
+            tl.store(base, rr)
+            for i in tl.static_range(len(KS)):
+                zi = 0.0
+                for j in tl.static_range(len(KS)):
+                    ph = tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)  # φ[j·d + c, i]
+                    zi += tl.sum(acc[j] * ph, axis=0)
+                tl.store(base + (1 + i) * plane, zi)
+
+
 @triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
 def _streams_split_kernel(
     x_ptr,  # sources (S, B, T, d) (or n_buf rows of them and the partial: _src_off)
@@ -1131,6 +1226,7 @@ def _streams_split_kernel(
     KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, MIXER: tl.constexpr,
     LEAN: tl.constexpr = False,  # fewer instructions a (token, source), below (``Blocks.split_lean``)
     DK: tl.constexpr = 0,  # with LEAN: d as a compile-time constant (one compile per model width)
+    PAIRS: tl.constexpr = False,  # with LEAN: two tokens a trip of the token loop (``Blocks.split_pairs``), below
 ):
     """The split forward's pass 2: R_j[t] = Σ_s w_js[t] E_j(x_s)[t] on BD channels, one program per (channel tile,
     chunk of CH tokens, row), the taps in registers for the whole program, tokens outer and sources inner. A source's
@@ -1144,7 +1240,12 @@ def _streams_split_kernel(
     a source instead of m int64 index computations); a token whose window holds no document boundary (nearly every
     token) takes a loop over the sources without masks or predicates; the mixer's sums add each lane's m views
     first, so a token costs 1 + m cross-lane reductions instead of m + m². The instruction counts of both, compiled
-    for sm_90a: ``python -m benchmarks.msar_attn_ptxas --sass`` (docs/kernel_msar.md, "The lean pass 2")."""
+    for sm_90a: ``python -m benchmarks.msar_attn_ptxas --sass`` (docs/kernel_msar.md, "The lean pass 2").
+
+    PAIRS (with LEAN) walks the chunk two tokens a trip (``_split_sources_pair``): where neither token's window
+    holds a document boundary a source's KW + 1 rows x_s[t+1-σ] are loaded once for both tokens' views (a token
+    alone loads KW, and the next token KW - 1 of them again), else each token loads its own under its own mask;
+    then both tokens' epilogues run. A chunk's odd last token takes the one-token loop below."""
     if LEAN:
         D = DK
     dt = tl.program_id(0)
@@ -1159,6 +1260,34 @@ def _streams_split_kernel(
     near_row = near_ptr + b.to(tl.int64) * T
     t = chunk * CH
     t1 = tl.minimum(t + CH, T)
+    if LEAN and PAIRS:  # tokens t and t+1 a trip; an odd last token falls through to the loop below
+        M: tl.constexpr = len(KS)
+        EVEN: tl.constexpr = DK % BD == 0
+        ones = (1 << KW) - 1
+        n_rows = tl.minimum(S, n_buf)
+        step = B.to(tl.int64) * T * D
+        while t + 1 < t1:
+            bits = tl.load(near_row + t)
+            bits_next = tl.load(near_row + t + 1)
+            acc = _zeros(2 * M, BD)
+            w_tok = w_ptr + (b * T + t).to(tl.int64) * S * M
+            w_next = w_tok + S * M
+            full = ((bits & ones) == ones) & ((bits_next & ones) == ones)  # neither window holds a boundary
+            row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + (t + 1) * D + dt * BD  # source 0 at t+1
+            part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + (t + 1) * D + dt * BD  # the partial at t+1
+            # as the one-token path: rows, then the partial, each loop without masks or with them, one of the two
+            # running no trip
+            acc = _split_sources_pair(row0, step, w_tok, w_next, c, acc, tl.where(full, 0, n_rows), n_rows, D,
+                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, True, EVEN)
+            acc = _split_sources_pair(row0, step, w_tok, w_next, c, acc, tl.where(full, n_rows, 0), n_rows, D,
+                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, False, EVEN)
+            acc = _split_sources_pair(part, 0, w_tok, w_next, c, acc, tl.where(full, n_rows, S), S, D,
+                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, True, EVEN)
+            acc = _split_sources_pair(part, 0, w_tok, w_next, c, acc, tl.where(full, S, n_rows), S, D,
+                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, False, EVEN)
+            _split_store(acc[:M], t, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS, MIXER, LEAN)
+            _split_store(acc[M:], t + 1, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS, MIXER, LEAN)
+            t += 2
     while t < t1:
         bits = tl.load(near_row + t)
         acc = _zeros(len(KS), BD)
@@ -1196,33 +1325,7 @@ def _streams_split_kernel(
                     nacc = nacc + (acc[j] + wj * e,)
                 acc = nacc
                 s += 1
-        for j in tl.static_range(len(KS)):
-            tl.store(r_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, acc[j].to(r_ptr.dtype.element_ty),
-                     mask=mask_d)
-        if MIXER:
-            plane = B * T
-            base = mpart_ptr + (dt * (1 + len(KS))).to(tl.int64) * plane + b * T + t
-            if LEAN:  # each lane's views summed first: 1 + m cross-lane reductions a token
-                sq = acc[0] * acc[0]
-                for j in tl.static_range(1, len(KS)):
-                    sq += acc[j] * acc[j]
-                tl.store(base, tl.sum(sq, axis=0))
-                for i in tl.static_range(len(KS)):
-                    zv = acc[0] * tl.load(phi_ptr + i * (len(KS) * D) + offs_d, mask=mask_d, other=0.0)
-                    for j in tl.static_range(1, len(KS)):
-                        zv += acc[j] * tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)
-                    tl.store(base + (1 + i) * plane, tl.sum(zv, axis=0))
-            else:
-                rr = 0.0
-                for j in tl.static_range(len(KS)):
-                    rr += tl.sum(acc[j] * acc[j], axis=0)
-                tl.store(base, rr)
-                for i in tl.static_range(len(KS)):
-                    zi = 0.0
-                    for j in tl.static_range(len(KS)):
-                        ph = tl.load(phi_ptr + i * (len(KS) * D) + j * D + offs_d, mask=mask_d, other=0.0)  # φ[j·d + c, i]
-                        zi += tl.sum(acc[j] * ph, axis=0)
-                    tl.store(base + (1 + i) * plane, zi)
+        _split_store(acc, t, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS, MIXER, LEAN)
         t += 1
 
 
@@ -1511,6 +1614,11 @@ class Blocks:
     # H200, one process (msar_tiles_nvidia_h200_lean.md): forward 0.657 -> 0.613 ms at `small`, 2.314 -> 2.145 ms at
     # `medium` (S = 5); on 64 or 256 channels, 2 warps or 32 / 128 tokens a program: slower
     split_lean: bool = True
+    # the lean pass 2 two tokens a trip of its token loop (``_streams_split_kernel``'s PAIRS): a source's K_MAX + 1
+    # shifted rows loaded once for both tokens' views instead of K_MAX for each (``_split_sources_pair``); an odd
+    # last token of a chunk takes the one-token loop. Compiled for sm_90a only, not timed on a GPU yet: off
+    # (docs/kernel_msar.md, "Two tokens a trip of pass 2")
+    split_pairs: bool = False
     # the split forward's small steps between its kernels (the softmax over the sources, the gate): "torch"
     # (PyTorch operations, about 20 launches a forward; the spec) or "triton" (one kernel each: ``softmax_parts``,
     # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean2.md), the forward with both switches at once and each
@@ -1779,7 +1887,8 @@ def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None):
     _streams_split_kernel[(n_dt, triton.cdiv(T, ch), B)](
         x, packed, near, w, r if phi is None else phi, r, r if mparts is None else mparts, S, n_buf,
         offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=pair_offsets(ks), KW=k_max, BD=blk.split_bd,
-        MIXER=phi is not None, LEAN=blk.split_lean, DK=d if blk.split_lean else 0, num_warps=blk.split_warps)
+        MIXER=phi is not None, LEAN=blk.split_lean, DK=d if blk.split_lean else 0,
+        PAIRS=blk.split_lean and blk.split_pairs, num_warps=blk.split_warps)
     return r, mparts
 
 

@@ -747,8 +747,8 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
     lines = [line for line in stdout.splitlines() if "registers" in line]
     # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 2
-    # plain and lean), the three glue kernels and its h, the mixer, the stats, the sources
-    assert len(lines) == 13, stdout
+    # plain, lean, and lean two tokens a trip), the three glue kernels and its h, the mixer, the stats, the sources
+    assert len(lines) == 14, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -890,7 +890,10 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     lean pass 2's unmasked loop over the sources (the one nearly every token takes) has at most 75% of the plain
     loop's instructions, the same fp32 arithmetic (the same sums), fewer integer instructions by half, and no
     trip through shared memory (a loop-carried tensor of pointers once cost a layout conversion and a barrier).
-    Equal sums: test_split_forward_equals_the_tile_forward_and_keeps_r_narrow[...-lean]."""
+    Two tokens a trip (Blocks.split_pairs): the unmasked loop does both tokens' fp32 arithmetic in at most 85% of
+    twice the one-token loop's instructions (a pair's shifted rows are loaded once).
+    Equal sums: test_split_forward_equals_the_tile_forward_and_keeps_r_narrow[...-lean],
+    test_pass_2_two_tokens_a_trip_equals_one_token_a_trip."""
     code = (
         "import json\n"
         "from benchmarks.msar_attn_ptxas import compile_launch, kernels_for\n"
@@ -901,7 +904,7 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
         "        continue\n"
         "    k = compile_launch(fn, types, consts, warps)\n"
         "    loops = [lp for lp in sass_loops(sass(k)) if lp['depth'] > 0]\n"
-        "    out['lean' if 'lean' in name else 'plain'] = dict(\n"
+        "    out['pairs' if 'pairs' in name else 'lean' if 'lean' in name else 'plain'] = dict(\n"
         "        loops=[dict(total=lp['total'], **sass_classes(lp['ops'])) for lp in loops],\n"
         "        shared=k.metadata.shared)\n"
         "print(json.dumps(out))\n")
@@ -915,6 +918,9 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     assert fast["fp32"] == plain["fp32"] > 0, (fast, plain)
     assert fast["total"] <= 0.75 * plain["total"] and 2 * fast["integer"] <= plain["integer"], (fast, plain)
     assert out["lean"]["shared"] == 0, out
+    # two tokens a trip: its four loops over the sources, then the one-token path's four for a chunk's odd last token
+    pair_fast = min((lp for lp in out["pairs"]["loops"] if lp["fp32"] == 2 * fast["fp32"]), key=lambda lp: lp["total"])
+    assert pair_fast["total"] <= 0.85 * 2 * fast["total"] and out["pairs"]["shared"] == 0, (pair_fast, fast)
 
 
 def test_sass_loops_finds_nested_loops_and_counts_their_bodies():
@@ -1052,8 +1058,8 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
     saved for the backward's stats, R·φ, ‖vec R‖², and the kept R (the fp32 streams rounded once: h is combined
     from the fp32 streams, not from the bf16 copy), over several channel tiles (d = 24: 16 does not divide it, the
     lean pass 2's masked tail tile) and chunks, documents at odd offsets (tokens whose window holds a boundary, the
-    lean pass's masked loop, and tokens whose window does not); with ``pairs``, pass 1 two tokens a trip
-    (Blocks.stats_pairs; chunks of 4 tokens and a last one of 3)."""
+    lean pass's masked loop, and tokens whose window does not); with ``pairs``, both passes two tokens a trip
+    (Blocks.stats_pairs, Blocks.split_pairs; chunks of 4 tokens and a last one of 3)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -1070,7 +1076,7 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
     out = {}
     for mode in ("tile", "split"):
         blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4, split_lean=lean,
-                                  stats_pairs=pairs)
+                                  stats_pairs=pairs, split_pairs=pairs)
         monkeypatch.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
         out[mode] = fused.forward(x, packed, ks, len(ks), qg, near, **kw)
     (h, lse, logits, (r, z, rr), (lg, rho)), (h0, lse0, logits0, (r0, z0, rr0), (lg0, rho0)) = out["split"], out["tile"]
@@ -1083,6 +1089,87 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
         assert rel_err(rho, rho0) < 1e-5
     assert (r.float() - r0.float()).abs().max() <= 2 ** -7 * r0.float().abs().max()  # one bf16 rounding apart
     assert rel_err(r.float(), r0.float()) < 1e-2 and r.float().abs().max() > 0
+
+
+def _pass_2_reference(xs, packed, ks, doc_ids, w, phi_t, bd):
+    """R (m, B, T, d) fp64 and the mixer's per-tile sums (n_dt, 1 + m, B, T) of pass 2 written out: R_j[t] =
+    Σ_s w[t, s, j] Σ_τ c_j[τ] x_s[t-τ] over the t-τ >= 0 in t's document; w (B, T, S, m), φᵀ (m, m·d)."""
+    S, B, T, d = xs.shape
+    m = len(ks)
+    x, c, w = xs.double(), packed.double(), w.double()
+    r = torch.zeros(m, B, T, d, dtype=torch.float64)
+    for tau in range(min(max(ks), T)):  # (a tap past the row's start reads nothing)
+        shifted = torch.zeros_like(x)
+        shifted[:, :, tau:] = x[:, :, :T - tau]
+        same = torch.zeros(B, T, dtype=torch.bool)
+        same[:, tau:] = doc_ids[:, tau:] == doc_ids[:, :T - tau]
+        shifted = shifted * same[None, :, :, None]
+        for j in range(m):
+            if tau < ks[j]:
+                r[j] += torch.einsum("sbtc,bts,c->btc", shifted, w[..., j], c[j, tau])
+    tiles = []
+    for lo in range(0, d, bd):
+        rt, ph = r[..., lo:lo + bd], phi_t.double().reshape(m, m, d)[..., lo:lo + bd]  # φᵀ[i, j·d + c]
+        tiles.append(torch.stack([(rt * rt).sum((0, 3)), *torch.einsum("jbtc,ijc->ibt", rt, ph)]))
+    return r, torch.stack(tiles)
+
+
+# (id, n_buf, partial, B, T, d, split_bd, split_ch, kernels, mixer, document starts (row 0, row 1))
+PAIR_CASES = [
+    ("T1-one-source", 1, False, 1, 1, 12, 8, 64, (2, 3), True, ((), ())),
+    ("T3-below-kmax-row-and-partial", 1, True, 2, 3, 12, 8, 4, (2, 5), True, ((1,), ())),
+    ("T11-rows-and-partial-ch4", 2, True, 2, 11, 12, 8, 4, (2, 3), True, ((3, 6, 9), (5,))),
+    ("T13-three-rows-ch5-no-mixer", 3, False, 2, 13, 24, 16, 5, (4, 2), False, ((1, 8), (7, 10))),
+    ("T9-row-and-partial-ch3-d-even", 1, True, 1, 9, 16, 8, 3, (3,), True, ((7,),)),
+    ("T10-ch1-one-token-a-trip", 1, True, 1, 10, 12, 8, 1, (2, 3), False, ((3,),)),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", PAIR_CASES, ids=[c[0] for c in PAIR_CASES])
+def test_pass_2_two_tokens_a_trip_equals_one_token_a_trip(case):
+    """The lean pass 2 two tokens a trip (Blocks.split_pairs) against one token a trip (the default) and against
+    pass 2 written out in PyTorch, fp32, on random weights: one token (no pair), fewer tokens than K_MAX (every
+    window reaches before the row's start), odd T and chunks of 1, 3, 4, 5 tokens (a chunk's odd last token takes
+    the one-token loop), d not a multiple of the channel tile (the masked channel tail) and a multiple, documents
+    starting at odd and even offsets (pairs where both windows are whole, where only t's is, where only t+1's is,
+    where neither is), one and several buffer rows, with and without the partial, with and without the mixer's
+    per-tile sums. Breaking either token's document mask or rows, the whole-window condition, the second token's
+    weights or its store fails it."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    _, n_buf, with_partial, B, T, d, bd, ch, kernels, mixer, starts = case
+    g = torch.Generator().manual_seed(T * 31 + n_buf)
+    buf = torch.randn(n_buf + 2, B, T, d, generator=g)  # one allocation: the partial's offset from x is small
+    x = buf[:n_buf]  # the buffer rows
+    partial = buf[-1] if with_partial else None  # a row past a gap, at its own offset (``sources_layout``)
+    taps = [torch.randn(k, d, generator=g) for k in kernels]
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    m, S = len(ks), n_buf + with_partial
+    doc_ids = torch.zeros(B, T, dtype=torch.long)
+    for b, row in enumerate(starts):
+        for t in row:
+            doc_ids[b, t:] += 1
+    near = fused.doc_window(doc_ids)
+    w = torch.rand(B, T, S, m, generator=g) + 0.1
+    phi_t = torch.randn(m, m * d, generator=g) if mixer else None
+    base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), fwd_mode="split", split_lean=True, split_bd=bd,
+                               split_ch=ch)
+    out = {pairs: fused._pass_2(x, packed, ks, m, near, w, dataclasses.replace(base, split_pairs=pairs),
+                                partial=partial, phi=phi_t)
+           for pairs in (False, True)}
+    (r1, mp1), (r2, mp2) = out[False], out[True]
+    xs = torch.cat([x, *(() if partial is None else (partial[None],))])
+    r_ref, mp_ref = _pass_2_reference(xs, packed, ks, doc_ids, w, phi_t if mixer else torch.zeros(m, m * d), bd)
+    assert r_ref.abs().max() > 0
+    assert (r2 - r1).abs().max() <= 1e-6 * r1.abs().max(), (r2 - r1).abs().max()
+    assert rel_err(r2, r_ref) < 1e-6 and rel_err(r1, r_ref) < 1e-6
+    assert (mp1 is None) == (mp2 is None) == (not mixer)
+    if mixer:
+        assert (mp2 - mp1).abs().max() <= 1e-5 * mp1.abs().max(), (mp2 - mp1).abs().max()
+        assert rel_err(mp2, mp_ref) < 1e-6
 
 
 @needs_triton
