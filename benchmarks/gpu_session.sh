@@ -252,6 +252,8 @@
 #            of before: the bf16 GPU test, full AttnRes and the final call alone, full AttnRes's small and medium steps
 #   stream_pairs one GPU (about 600 s with the start): stream_rule's timings (no pytest) and MSAR's pass 2 two tokens a
 #            trip (Blocks.split_pairs): alone at small and medium, msar_block's small step alternating
+#   pairs2   one GPU (about 330 s with the start): MSAR's op GPU tests with pass 2 two tokens a trip the default, then
+#            msar_block's small step beside one token a trip
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -265,7 +267,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1087,6 +1089,14 @@ case "$PLAN" in
     [ "${MEDIUM_LIMIT:-150}" != 0 ] && step gpu0 medium "${MEDIUM_LIMIT:-150}" python3 -m benchmarks.throughput \
       --models medium --residuals vanilla attnres "attnres@$CHUNKS" --compile model --graphs on --steps 6 --set $COMBO \
       --tag "${TAG:-_stream_rule}"
+    ;;
+  pairs2)
+    # with MSAR's pass 2 two tokens a trip the default (Blocks.split_pairs, 2026-12-04 evening): the op's GPU tests, then
+    # msar_block's small step beside one token a trip, alternating
+    ONE2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':False}"
+    msar_tests "${TEST_LIMIT:-90}"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-160}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_pairs2}"
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two

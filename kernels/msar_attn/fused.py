@@ -1616,9 +1616,11 @@ class Blocks:
     split_lean: bool = True
     # the lean pass 2 two tokens a trip of its token loop (``_streams_split_kernel``'s PAIRS): a source's K_MAX + 1
     # shifted rows loaded once for both tokens' views instead of K_MAX for each (``_split_sources_pair``); an odd
-    # last token of a chunk takes the one-token loop. Compiled for sm_90a only, not timed on a GPU yet: off
-    # (docs/kernel_msar.md, "Two tokens a trip of pass 2")
-    split_pairs: bool = False
+    # last token of a chunk takes the one-token loop. H200, one process (msar_tiles_nvidia_h200_pass2_pairs.md, S = 5):
+    # forward 0.563 -> 0.485 ms at `small`, 2.105 -> 1.815 at `medium` (the same results to the bit); on chunks of 128
+    # tokens 0.626 / 1.839; msar_block's `small` step 40.1 / 39.8 -> 38.9 ms (docs/kernel_msar.md, "Two tokens a trip
+    # of pass 2")
+    split_pairs: bool = True
     # the split forward's small steps between its kernels (the softmax over the sources, the gate): "torch"
     # (PyTorch operations, about 20 launches a forward; the spec) or "triton" (one kernel each: ``softmax_parts``,
     # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean2.md), the forward with both switches at once and each
