@@ -1776,6 +1776,9 @@ def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
                          f"(at most {2**31 // d - 64} tokens at d = {d}); use backend='torch'")
     if partial is None:
         return n, n, 0
+    if n == 0:  # an empty slice has no address (data_ptr 0): the partial's offset from it would be meaningless
+        raise ValueError("msar: a partial source needs at least one buffered row before it (got 0 rows); pass it as "
+                         "the only source instead (Block MSAR always has b_0 buffered)")
     if (partial.dtype != x.dtype or partial.device != x.device or tuple(partial.shape) != tuple(x.shape[1:])
             or not partial.is_contiguous()):
         raise ValueError(f"msar: the partial source must be a contiguous {x.dtype} tensor {tuple(x.shape[1:])} on "

@@ -235,6 +235,9 @@ def test_a_partial_below_the_rows_in_memory():
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="the partial source must be a contiguous torch.float32 tensor"):
         fused.sources_layout(rows, partial.double())
+    # no buffered row before the partial: an empty slice has no address to offset from, so it is refused by name
+    with pytest.raises(ValueError, match=r"a partial source needs at least one buffered row before it \(got 0 rows\)"):
+        fused.sources_layout(rows[:0], partial)
 
 
 def test_offsets_reach_the_kernels_as_one_specialisation():
