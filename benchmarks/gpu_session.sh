@@ -254,6 +254,8 @@
 #            trip (Blocks.split_pairs): alone at small and medium, msar_block's small step alternating
 #   pairs2   one GPU (about 330 s with the start): MSAR's op GPU tests with pass 2 two tokens a trip the default, then
 #            msar_block's small step beside one token a trip
+#   pairs_medium one GPU (about 560 s with the start): MSAR's op GPU tests, msar_block's medium step with pass 2 two
+#            tokens a trip (the default) beside one token a trip
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -267,7 +269,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1094,9 +1096,17 @@ case "$PLAN" in
     # with MSAR's pass 2 two tokens a trip the default (Blocks.split_pairs, 2026-12-04 evening): the op's GPU tests, then
     # msar_block's small step beside one token a trip, alternating
     ONE2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':False}"
-    msar_tests "${TEST_LIMIT:-90}"
+    msar_tests "${TEST_LIMIT:-150}"  # 90 s cut them at 8 passed on 2026-12-04 evening
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-160}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_pairs2}"
+    ;;
+  pairs_medium)
+    # MSAR's pass 2 two tokens a trip (the default since 2026-12-04 evening) at medium, where its 241 registers may bind:
+    # the op's GPU tests, then msar_block's medium step beside one token a trip, alternating
+    ONE2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':False}"
+    msar_tests "${TEST_LIMIT:-150}"
+    step gpu0 medium "${MEDIUM_LIMIT:-330}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_pairs_medium}"
     ;;
   split_counters)
     # Nsight Compute's counters of one Block AttnRes block at medium's width over 8 summaries (the split backward's two
