@@ -119,6 +119,26 @@ def _fwd_chunk(x, r, mask_s, qg, m_i, l_i, acc):
 
 
 @triton.jit
+def _token_block(pid, N, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A forward program's tokens and channels: offs_d, the token and channel masks, their (T, D) product and the
+    tokens as int64."""
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_t = offs_t < N
+    mask_d = offs_d < D
+    return offs_d, mask_t, mask_d, mask_t[:, None] & mask_d[None, :], offs_t.to(tl.int64)
+
+
+@triton.jit
+def _store_output(out_ptr, lse_ptr, acc, m_i, l_i, c, tok, offs_d, mask_t, mask_td, N, D):
+    """Consumer c's normalised output (its online-softmax state divided by its sum) and log-sum-exp."""
+    out_rows = tok + c * N  # (T,) int64 in (C, N)
+    tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+             mask=mask_td)
+    tl.store(lse_ptr + c * N + tok, m_i + tl.log(l_i), mask=mask_t)
+
+
+@triton.jit
 def _summaries_fwd_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries q_c ⊙ g_c (C, d) fp32
@@ -134,12 +154,7 @@ def _summaries_fwd_kernel(
     # TAIL_S > 0 (ONE_CHUNK only): the sources past the first BLOCK_S in a second load of TAIL_S rows, so n = 3 or 5
     # holds 2 + 1 or 4 + 1 rows in registers instead of 4 or 8 (``FWD_TAIL``)
     pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_t = offs_t < N
-    mask_d = offs_d < D
-    mask_td = mask_t[:, None] & mask_d[None, :]
-    tok = offs_t.to(tl.int64)
+    offs_d, mask_t, mask_d, mask_td, tok = _token_block(pid, N, D, BLOCK_T, BLOCK_D)
     if ONE_CHUNK:  # every source in registers: read once for all consumers
         x, mask_s, rows = _load_chunk(src_ptr, pid * 0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
         r = _chunk_rstd(x, D, eps, KEY_NORM, BLOCK_S, BLOCK_T)
@@ -177,10 +192,7 @@ def _summaries_fwd_kernel(
                 if STORE_LOGITS:
                     tl.store(logits_ptr + c * n * N + rows_c, logit, mask=mask_sc[:, None] & mask_t[None, :])
                 s0 += BLOCK_S
-        out_rows = tok + c * N  # (T,) int64 in (C, N)
-        tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=mask_td)
-        tl.store(lse_ptr + c * N + tok, m_i + tl.log(l_i), mask=mask_t)
+        _store_output(out_ptr, lse_ptr, acc, m_i, l_i, c, tok, offs_d, mask_t, mask_td, N, D)
 
 
 @triton.jit
@@ -226,12 +238,7 @@ def _summaries_fwd_stream_kernel(
     source is read once and the registers hold one load of rows instead of all n. With PREFETCH the next load is
     issued before this one's arithmetic (two loads in flight a program)."""
     pid = tl.program_id(0)
-    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_t = offs_t < N
-    mask_d = offs_d < D
-    mask_td = mask_t[:, None] & mask_d[None, :]
-    tok = offs_t.to(tl.int64)
+    offs_d, mask_t, mask_d, mask_td, tok = _token_block(pid, N, D, BLOCK_T, BLOCK_D)
     m_s, l_s, acc_s = _stream_states(C, BLOCK_T, BLOCK_D)
     s0 = pid * 0  # a while loop: the interpreter cannot take a tensor as a range bound
     if PREFETCH:
@@ -250,10 +257,7 @@ def _summaries_fwd_stream_kernel(
             x, mask_s, rows = x_next, mask_next, rows_next
         s0 += BLOCK_S
     for c in tl.static_range(C):
-        out_rows = tok + c * N  # (T,) int64 in (C, N)
-        tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :],
-                 (acc_s[c] / l_s[c][:, None]).to(out_ptr.dtype.element_ty), mask=mask_td)
-        tl.store(lse_ptr + c * N + tok, m_s[c] + tl.log(l_s[c]), mask=mask_t)
+        _store_output(out_ptr, lse_ptr, acc_s[c], m_s[c], l_s[c], c, tok, offs_d, mask_t, mask_td, N, D)
 
 
 @triton.jit
