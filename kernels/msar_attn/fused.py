@@ -1084,6 +1084,19 @@ def finish_stats(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, ep
 
 
 @triton.jit
+def _add_views(acc, xs, c, w_s, KS: tl.constexpr, KOFF: tl.constexpr):
+    """acc_j + w_js E_j(x_s) for each view j (acc a tuple of m (BD,) fp32): E_j from the shifted rows xs (xs[σ] =
+    x_s[t-σ]) and the taps c, summed tap by tap; w_s points at the token's m weights of source s."""
+    nacc = ()
+    for j in tl.static_range(len(KS)):
+        e = c[KOFF[j]] * xs[0]
+        for tau in tl.static_range(1, tl.constexpr(KS[j])):
+            e += c[KOFF[j] + tau] * xs[tau]
+        nacc = nacc + (acc[j] + tl.load(w_s + j) * e,)
+    return nacc
+
+
+@triton.jit
 def _split_sources(x_src, x_step, w_tok, c, acc, s, s_end, D, mask_d, bits,
                    KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FULL: tl.constexpr,
                    EVEN: tl.constexpr):
@@ -1105,14 +1118,7 @@ def _split_sources(x_src, x_step, w_tok, c, acc, s, s_end, D, mask_d, bits,
             else:
                 xs = xs + (tl.load(x_tok - sg * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
                            .to(tl.float32),)
-        w_s = w_tok + s * len(KS)
-        nacc = ()
-        for j in tl.static_range(len(KS)):
-            e = c[KOFF[j]] * xs[0]
-            for tau in tl.static_range(1, tl.constexpr(KS[j])):
-                e += c[KOFF[j] + tau] * xs[tau]
-            nacc = nacc + (acc[j] + tl.load(w_s + j) * e,)
-        acc = nacc
+        acc = _add_views(acc, xs, c, w_tok + s * len(KS), KS, KOFF)
         x_src += x_step
         s += 1
     return acc
@@ -1160,20 +1166,8 @@ def _split_sources_pair(x_src, x_step, w_tok, w_next, c, acc, s, s_end, D, mask_
                            .to(tl.float32),)
                 x1 = x1 + (tl.load(x_tok - sg * D, mask=mask_d & (((bits_next >> sg) & 1) != 0), other=0.0)
                            .to(tl.float32),)
-        w_s = w_tok + s * M
-        w_s1 = w_next + s * M
-        nacc = ()
-        for j in tl.static_range(M):
-            e = c[KOFF[j]] * x0[0]
-            for tau in tl.static_range(1, tl.constexpr(KS[j])):
-                e += c[KOFF[j] + tau] * x0[tau]
-            nacc = nacc + (acc[j] + tl.load(w_s + j) * e,)
-        for j in tl.static_range(M):
-            e = c[KOFF[j]] * x1[0]
-            for tau in tl.static_range(1, tl.constexpr(KS[j])):
-                e += c[KOFF[j] + tau] * x1[tau]
-            nacc = nacc + (acc[M + j] + tl.load(w_s1 + j) * e,)
-        acc = nacc
+        acc = (_add_views(acc[:M], x0, c, w_tok + s * M, KS, KOFF)
+               + _add_views(acc[M:], x1, c, w_next + s * M, KS, KOFF))
         x_src += x_step
         s += 1
     return acc
