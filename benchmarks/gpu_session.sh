@@ -350,6 +350,16 @@ medium_step() {  # LIMIT TAG ROWS...: the medium step of vanilla and ROWS in one
   step gpu0 medium "$limit" python3 -m benchmarks.throughput --models medium --residuals vanilla "$@" --compile model \
     --graphs on --steps 6 --set $COMBO --tag "$tag"
 }
+stream_rule_times() {  # TILES SMALL MEDIUM (limits; 0 skips): the forward streamed from 9 sources (the rule) against the
+  # chunks of before (FWD_STREAM=0): full AttnRes and the final call alone at small and medium, full AttnRes's steps
+  local chunks="py:kernels.depth_attn.fused.FWD_STREAM=0"
+  step gpu0 tiles "$1" python3 -m benchmarks.depth_attn_tiles --shapes small medium --dtypes bf16 \
+    --ops full block_final9 --phase1 default fwd-chunks default --tag "${TAG:-_stream_rule}"
+  step gpu0 small "$2" python3 -m benchmarks.throughput --models small --residuals vanilla attnres "attnres@$chunks" \
+    attnres --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_stream_rule}"
+  step gpu0 medium "$3" python3 -m benchmarks.throughput --models medium --residuals vanilla attnres \
+    "attnres@$chunks" --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_stream_rule}"
+}
 msar_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
   tests/kernels/test_msar_attn.py; }
 msar_step() {  # MODEL TAG LIMIT STEPS
@@ -1061,36 +1071,22 @@ case "$PLAN" in
     # the rule of 2026-12-04 evening (the forward streams 1 row a load, prefetched, from 9 sources): the bf16 GPU test,
     # full AttnRes and Block AttnRes's final call alone at small and medium against the chunks of before, then full
     # AttnRes's step at small and medium with and without it
-    CHUNKS="py:kernels.depth_attn.fused.FWD_STREAM=0"
     step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_depth_attn_fused.py -k "bf16_matches_fp32_reference and (rule or one-kernel)"
-    step gpu0 tiles "${TILES_LIMIT:-60}" python3 -m benchmarks.depth_attn_tiles --shapes small medium --dtypes bf16 \
-      --ops full block_final9 --phase1 default fwd-chunks default --tag "${TAG:-_stream_rule}"
-    step gpu0 small "${SMALL_LIMIT:-120}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
-      "attnres@$CHUNKS" attnres --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_stream_rule}"
-    [ "${MEDIUM_LIMIT:-170}" != 0 ] && step gpu0 medium "${MEDIUM_LIMIT:-170}" python3 -m benchmarks.throughput \
-      --models medium --residuals vanilla attnres "attnres@$CHUNKS" --compile model --graphs on --steps 6 --set $COMBO \
-      --tag "${TAG:-_stream_rule}"
+    stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-120}" "${MEDIUM_LIMIT:-170}"
     ;;
   stream_pairs)
-    # in one call: the forward's streaming rule against the chunks of before (as stream_rule, without its pytest step:
-    # the tiles check every candidate against the reference) and MSAR's pass 2 two tokens a trip (Blocks.split_pairs,
-    # built 2026-12-04 and tested on the CPU only): alone at small and medium (each checked against the default first),
-    # then msar_block's small step alternating
-    CHUNKS="py:kernels.depth_attn.fused.FWD_STREAM=0"
+    # in one call: MSAR's pass 2 two tokens a trip (Blocks.split_pairs, built 2026-12-04 and tested on the CPU only):
+    # alone at small and medium (each checked against the default first), then msar_block's small step alternating;
+    # and the forward's streaming rule against the chunks of before (as stream_rule, without its pytest step: the
+    # tiles check every candidate against the reference)
     PAIRS2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':True}"
-    step gpu0 tiles "${TILES_LIMIT:-60}" python3 -m benchmarks.depth_attn_tiles --shapes small medium --dtypes bf16 \
-      --ops full block_final9 --phase1 default fwd-chunks default --tag "${TAG:-_stream_rule}"
     step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
       --kernels forward --only split_pairs=True split_pairs=True,split_ch=128 --tag "${TAG:-_pass2_pairs}"
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-130}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$PAIRS2" msar_block "msar_block@$PAIRS2" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_pass2_pairs}"
-    step gpu0 small "${SMALL_LIMIT:-110}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
-      "attnres@$CHUNKS" attnres --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_stream_rule}"
-    [ "${MEDIUM_LIMIT:-150}" != 0 ] && step gpu0 medium "${MEDIUM_LIMIT:-150}" python3 -m benchmarks.throughput \
-      --models medium --residuals vanilla attnres "attnres@$CHUNKS" --compile model --graphs on --steps 6 --set $COMBO \
-      --tag "${TAG:-_stream_rule}"
+    stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-110}" "${MEDIUM_LIMIT:-150}"
     ;;
   pairs2)
     # with MSAR's pass 2 two tokens a trip the default (Blocks.split_pairs, 2026-12-04 evening): the op's GPU tests, then
