@@ -25,6 +25,14 @@ query), logit, online softmax over sources (fp32), weighted sum.
   recomputes them once more and writes h. Recomputing costs S·d reads (mostly L2 hits) and the
   conv arithmetic; storing R would cost 2·m·d·4 bytes a token of HBM traffic instead.
 
+The default forward is split (``Blocks.fwd_mode="split"``, ``_forward_split``; docs/kernel_msar.md, "The split
+forward"): pass 1 is the serial stats kernel (``_stats_serial_kernel`` with QS, two tokens a trip) summing each
+(view, source, token)'s logit terms over channel tiles; a small kernel finishes the softmax over the sources; pass 2
+(``_streams_split_kernel``, lean, two tokens a trip: a source's K_MAX + 1 shifted rows loaded once for two tokens'
+views, ``Blocks.split_pairs``) writes R with the mixer's per-tile sums; the gate and h follow. The backward's stats
+and source gradients are serial too (``_stats_serial_kernel``, ``_src_serial_kernel``: a program walks its tokens
+with a window of the last K_MAX source values in registers). The tile kernels below remain as selectable modes.
+
 ``WRITE_R`` makes the same kernel write the streams R (m, B, T, d) fp32 instead of h (the public
 ``msar_attn``, streams only). ``SAVE`` (when a gradient is wanted) also writes R (in x's dtype, under
 autocast in its narrower dtype: ``saved_streams_dtype``) and
