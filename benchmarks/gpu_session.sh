@@ -251,11 +251,11 @@
 #   stream_rule one GPU (about 450 s with the start): the forward streamed from 9 sources (the rule) against the chunks
 #            of before: the bf16 GPU test, full AttnRes and the final call alone, full AttnRes's small and medium steps
 #   stream_pairs one GPU (about 600 s with the start): stream_rule's timings (no pytest) and MSAR's pass 2 two tokens a
-#            trip (Blocks.split_pairs): alone at small and medium, msar_block's small step alternating
+#            trip (Blocks.split_trip): alone at small and medium, msar_block's small step alternating
 #   pairs2   one GPU (about 330 s with the start): MSAR's op GPU tests with pass 2 two tokens a trip the default, then
 #            msar_block's small step beside one token a trip
-#   pairs_medium one GPU (about 560 s with the start): MSAR's op GPU tests, msar_block's medium step with pass 2 two
-#            tokens a trip (the default) beside one token a trip
+#   pairs_medium one GPU (about 600 s with the start): MSAR's op GPU tests, pass 2's forward alone with one, two
+#            (the default) and four tokens a trip, msar_block's medium step beside one token a trip
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -1076,32 +1076,35 @@ case "$PLAN" in
     stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-120}" "${MEDIUM_LIMIT:-170}"
     ;;
   stream_pairs)
-    # in one call: MSAR's pass 2 two tokens a trip (Blocks.split_pairs, built 2026-12-04 and tested on the CPU only):
+    # in one call: MSAR's pass 2 two tokens a trip (Blocks.split_trip, built 2026-12-04 and tested on the CPU only):
     # alone at small and medium (each checked against the default first), then msar_block's small step alternating;
     # and the forward's streaming rule against the chunks of before (as stream_rule, without its pytest step: the
     # tiles check every candidate against the reference)
-    PAIRS2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':True}"
+    PAIRS2="py:kernels.msar_attn.fused.FIELDS={'split_trip':2}"
     step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels forward --only split_pairs=True split_pairs=True,split_ch=128 --tag "${TAG:-_pass2_pairs}"
+      --kernels forward --only split_trip=2 split_trip=2,split_ch=128 --tag "${TAG:-_pass2_pairs}"
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-130}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$PAIRS2" msar_block "msar_block@$PAIRS2" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_pass2_pairs}"
     stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-110}" "${MEDIUM_LIMIT:-150}"
     ;;
   pairs2)
-    # with MSAR's pass 2 two tokens a trip the default (Blocks.split_pairs, 2026-12-04 evening): the op's GPU tests, then
+    # with MSAR's pass 2 two tokens a trip the default (Blocks.split_trip, 2026-12-04 evening): the op's GPU tests, then
     # msar_block's small step beside one token a trip, alternating
-    ONE2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':False}"
+    ONE2="py:kernels.msar_attn.fused.FIELDS={'split_trip':1}"
     msar_tests "${TEST_LIMIT:-150}"  # 90 s cut them at 8 passed on 2026-12-04 evening
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-160}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_pairs2}"
     ;;
   pairs_medium)
-    # MSAR's pass 2 two tokens a trip (the default since 2026-12-04 evening) at medium, where its 241 registers may bind:
-    # the op's GPU tests, then msar_block's medium step beside one token a trip, alternating
-    ONE2="py:kernels.msar_attn.fused.FIELDS={'split_pairs':False}"
+    # MSAR's pass 2 two tokens a trip (the default since 2026-12-04 evening) at medium, where its 243 registers may bind:
+    # the op's GPU tests, the forward alone at small and medium beside one token a trip and four on 64 channels (built
+    # 2026-12-04 evening, tested on the CPU only), then msar_block's medium step beside one token a trip, alternating
+    ONE2="py:kernels.msar_attn.fused.FIELDS={'split_trip':1}"
     msar_tests "${TEST_LIMIT:-150}"
-    step gpu0 medium "${MEDIUM_LIMIT:-330}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+    step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward --only split_trip=1 split_trip=4,split_bd=64 --tag "${TAG:-_pass2_trips}"
+    step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_pairs_medium}"
     ;;
   split_counters)

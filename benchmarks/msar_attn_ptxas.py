@@ -110,7 +110,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
                dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type, mpart_ptr=F32,
                     p_off="i64"),
-               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=False, DK=0, PAIRS=False),
+               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=False, DK=0, TRIP=1),
                blk.split_warps)
         if "LEAN" in fused._streams_split_kernel.arg_names:  # Blocks.split_lean (2026-12-02)
             lean = getattr(blk, "split_lean", False)
@@ -118,14 +118,21 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                    dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
                         mpart_ptr=F32, p_off="i64"),
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
-                        PAIRS=False), blk.split_warps)
-        if "PAIRS" in fused._streams_split_kernel.arg_names:  # Blocks.split_pairs: the lean pass two tokens a trip
-            pairs = getattr(blk, "split_pairs", False) and getattr(blk, "split_lean", False)
-            yield (f"split forward, pass 2 lean pairs{'' if pairs else ' (candidate)'}", fused._streams_split_kernel,
+                        TRIP=1), blk.split_warps)
+        if "TRIP" in fused._streams_split_kernel.arg_names:  # Blocks.split_trip: the lean pass 2, tokens a trip
+            trip = fused.split_trip(blk) if getattr(blk, "split_lean", False) else 1
+            yield (f"split forward, pass 2 lean pairs{'' if trip == 2 else ' (candidate)'}", fused._streams_split_kernel,
                    dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
                         mpart_ptr=F32, p_off="i64"),
-                   dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
-                        PAIRS=True),
+                   dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d, TRIP=2),
+                   blk.split_warps)
+            # four tokens a trip (a candidate) on 64 channels a program: on 128 it takes 255 registers and spills
+            # 204 bytes at `small` (sm_90a, 2026-12-04)
+            yield (f"split forward, pass 2 lean, four tokens a trip on 64 channels"
+                   f"{'' if (trip, blk.split_bd) == (4, 64) else ' (candidate)'}", fused._streams_split_kernel,
+                   dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
+                        mpart_ptr=F32, p_off="i64"),
+                   dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=64, MIXER=True, LEAN=True, DK=d, TRIP=4),
                    blk.split_warps)
         if hasattr(fused, "_softmax_parts_kernel"):  # Blocks.glue="triton" (2026-12-02): the steps between kernels
             tag = "" if getattr(blk, "glue", "torch") == "triton" else " (candidate)"

@@ -64,11 +64,11 @@ def candidates(blk) -> dict[str, list[dict]]:
         dict(fwd_mode="split", glue=other_glue), dict(fwd_mode="split", split_lean=True, split_bd=64, glue="triton"),
         dict(fwd_mode="split", split_lean=False, glue="torch"),  # the split forward as first timed (2026-12-02)
         dict(fwd_mode="split", stats_pairs=not blk.stats_pairs)] + [  # pass 1 two tokens a trip (or one)
-        # the lean pass 2 two tokens a trip (or one, once two are the default), on the default chunks and on 128
-        # tokens (a pair's rows are loaded once: sm_90a at `small` 216 -> 172.5 instructions a (token, source) in
-        # the unmasked loop, 190 -> 241 registers; docs/kernel_msar.md, "Two tokens a trip of pass 2")
-        dict(fwd_mode="split", split_pairs=not blk.split_pairs)] + (
-        [dict(fwd_mode="split", split_pairs=not blk.split_pairs, split_ch=128)] if blk.split_ch != 128 else [])
+        # the lean pass 2's tokens a trip other than the default's (a trip's rows are loaded once: sm_90a at `small`
+        # two tokens 216 -> 172.5 instructions a (token, source) in the unmasked loop, 190 -> 241 registers;
+        # docs/kernel_msar.md, "Two tokens a trip of pass 2"); four on 64 channels a program (on 128 they spill)
+        *(dict(fwd_mode="split", split_trip=trip) for trip in (1, 2) if trip != blk.split_trip),
+        dict(fwd_mode="split", split_trip=4, split_bd=64)]
     return {
         "forward": [{}] + split + v3
                    + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]

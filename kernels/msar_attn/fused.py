@@ -29,7 +29,7 @@ The default forward is split (``Blocks.fwd_mode="split"``, ``_forward_split``; d
 forward"): pass 1 is the serial stats kernel (``_stats_serial_kernel`` with QS, two tokens a trip) summing each
 (view, source, token)'s logit terms over channel tiles; a small kernel finishes the softmax over the sources; pass 2
 (``_streams_split_kernel``, lean, two tokens a trip: a source's K_MAX + 1 shifted rows loaded once for two tokens'
-views, ``Blocks.split_pairs``) writes R with the mixer's per-tile sums; the gate and h follow. The backward's stats
+views, ``Blocks.split_trip``) writes R with the mixer's per-tile sums; the gate and h follow. The backward's stats
 and source gradients are serial too (``_stats_serial_kernel``, ``_src_serial_kernel``: a program walks its tokens
 with a window of the last K_MAX source values in registers). The tile kernels below remain as selectable modes.
 
@@ -1133,49 +1133,51 @@ def _split_sources(x_src, x_step, w_tok, c, acc, s, s_end, D, mask_d, bits,
 
 
 @triton.jit
-def _split_sources_pair(x_src, x_step, w_tok, w_next, c, acc, s, s_end, D, mask_d, bits, bits_next,
-                        KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FULL: tl.constexpr,
-                        EVEN: tl.constexpr):
-    """``_split_sources`` for two tokens t and t+1 at once (``Blocks.split_pairs``). x_src: where source s's BD
-    channels of token t+1 start; w_tok, w_next: the two tokens' weights ((S, m) side by side each); acc: a flat
-    tuple of 2·m (BD,) fp32, token t's m accumulators then token t+1's; bits, bits_next: the two tokens' window bits
+def _split_sources_trip(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d, bits,
+                        KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, P: tl.constexpr,
+                        FULL: tl.constexpr, EVEN: tl.constexpr):
+    """``_split_sources`` for P tokens t .. t+P-1 at once (``Blocks.split_trip``). x_src: where source s's BD channels
+    of token t+P-1 start; w_tok: token t's weights ((S, m) side by side; token t+p's are p·SM further, SM = S·m);
+    acc: a flat tuple of P·m (BD,) fp32, token t's m accumulators first; bits: a tuple of the P tokens' window bits
     (``doc_window``: bit σ of token u's says u-σ is in the row and in u's document). Each view is summed in the
     one-token loop's order, so the sums are its sums.
 
-    FULL (neither token's window holds a document boundary): the KW + 1 rows x_s[t+1-σ], σ = 0..KW, are loaded once,
-    without document masks; token t+1's views take rows 0..KW-1 and token t's rows 1..KW (x_s[t-σ] is row σ + 1).
-    Every one of them is then in the row (t's bit KW-1 says t+1-KW >= 0) and in both tokens' document.
+    FULL (no token's window holds a document boundary): the KW + P - 1 rows x_s[t+P-1-σ] are loaded once, without
+    document masks, and token t+p's views take rows P-1-p .. P-1-p+KW-1 (x_s[t+p-σ] is row P-1-p+σ). Each token reads
+    only rows of its own window, which its bits say are in the row and in its document.
 
-    Otherwise a shared row can be in one token's document and not in the other's (when t+1 starts a document, rows
-    1..KW are t's and not t+1's), so each token loads its own KW rows under its own bits, as ``_split_sources``
-    does (a set bit implies the row is in [0, T): nothing before the row's start is read; the second token's loads
-    of rows shared with the first are L1 hits). Loading the KW + 1 rows once under the union of both tokens' bits
-    and selecting each token's by its own bit was the other way: compiled for sm_90a at `small` its 2·KW selects
-    needed a predicate each, more than the predicate registers hold, and the compiler rebuilt them every source
-    (96 selects and 96 predicate operations: 616 instructions a trip of the masked loop over the buffer rows and
-    255 registers, against 476 and 241 for loading twice; one token a trip: 243)."""
+    Otherwise a shared row can be in one token's document and not in another's (when t+1 starts a document, every
+    row before it is t's and not t+1's), so each token loads its own KW rows under its own bits, as ``_split_sources``
+    does (a set bit implies the row is in [0, T): nothing before the row's start is read; the loads of rows already
+    loaded for another token are L1 hits). Loading the shared rows once under the union of the tokens' bits and
+    selecting each token's by its own bit was the other way at two tokens: compiled for sm_90a at `small` its 2·KW
+    selects needed a predicate each, more than the predicate registers hold, and the compiler rebuilt them every
+    source (96 selects and 96 predicate operations: 616 instructions a trip of the masked loop over the buffer rows
+    and 255 registers, against 476 and 241 for loading twice; one token a trip: 243)."""
     M: tl.constexpr = len(KS)
     while s < s_end:
         x_tok = x_src + tl.arange(0, BD)
+        views = ()  # per token, its KW shifted rows
         if FULL:
-            xs = ()
-            for sg in tl.static_range(KW + 1):
+            rows = ()
+            for sg in tl.static_range(KW + P - 1):
                 if EVEN:
-                    xs = xs + (tl.load(x_tok - sg * D).to(tl.float32),)
+                    rows = rows + (tl.load(x_tok - sg * D).to(tl.float32),)
                 else:
-                    xs = xs + (tl.load(x_tok - sg * D, mask=mask_d, other=0.0).to(tl.float32),)
-            x0 = xs[1:]
-            x1 = xs[:KW]
+                    rows = rows + (tl.load(x_tok - sg * D, mask=mask_d, other=0.0).to(tl.float32),)
+            for p in tl.static_range(P):
+                views = views + (rows[P - 1 - p:P - 1 - p + KW],)
         else:
-            x0 = ()
-            x1 = ()
-            for sg in tl.static_range(KW):
-                x0 = x0 + (tl.load(x_tok - (sg + 1) * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
-                           .to(tl.float32),)
-                x1 = x1 + (tl.load(x_tok - sg * D, mask=mask_d & (((bits_next >> sg) & 1) != 0), other=0.0)
-                           .to(tl.float32),)
-        acc = (_add_views(acc[:M], x0, c, w_tok + s * M, KS, KOFF)
-               + _add_views(acc[M:], x1, c, w_next + s * M, KS, KOFF))
+            for p in tl.static_range(P):
+                xs = ()
+                for sg in tl.static_range(KW):
+                    xs = xs + (tl.load(x_tok - (P - 1 - p + sg) * D, mask=mask_d & (((bits[p] >> sg) & 1) != 0),
+                                       other=0.0).to(tl.float32),)
+                views = views + (xs,)
+        nacc = ()
+        for p in tl.static_range(P):
+            nacc = nacc + _add_views(acc[p * M:(p + 1) * M], views[p], c, w_tok + p * SM + s * M, KS, KOFF)
+        acc = nacc
         x_src += x_step
         s += 1
     return acc
@@ -1228,7 +1230,7 @@ def _streams_split_kernel(
     KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, MIXER: tl.constexpr,
     LEAN: tl.constexpr = False,  # fewer instructions a (token, source), below (``Blocks.split_lean``)
     DK: tl.constexpr = 0,  # with LEAN: d as a compile-time constant (one compile per model width)
-    PAIRS: tl.constexpr = False,  # with LEAN: two tokens a trip of the token loop (``Blocks.split_pairs``), below
+    TRIP: tl.constexpr = 1,  # with LEAN: tokens a trip of the token loop (``Blocks.split_trip``: 2 or 4), below
 ):
     """The split forward's pass 2: R_j[t] = Σ_s w_js[t] E_j(x_s)[t] on BD channels, one program per (channel tile,
     chunk of CH tokens, row), the taps in registers for the whole program, tokens outer and sources inner. A source's
@@ -1244,10 +1246,10 @@ def _streams_split_kernel(
     first, so a token costs 1 + m cross-lane reductions instead of m + m². The instruction counts of both, compiled
     for sm_90a: ``python -m benchmarks.msar_attn_ptxas --sass`` (docs/kernel_msar.md, "The lean pass 2").
 
-    PAIRS (with LEAN) walks the chunk two tokens a trip (``_split_sources_pair``): where neither token's window
-    holds a document boundary a source's KW + 1 rows x_s[t+1-σ] are loaded once for both tokens' views (a token
-    alone loads KW, and the next token KW - 1 of them again), else each token loads its own under its own mask;
-    then both tokens' epilogues run. A chunk's odd last token takes the one-token loop below."""
+    TRIP > 1 (with LEAN) walks the chunk TRIP tokens a trip (``_split_sources_trip``): where no token's window holds
+    a document boundary a source's KW + TRIP - 1 rows are loaded once for all of the trip's views (a token alone
+    loads KW, and the next token KW - 1 of them again), else each token loads its own under its own mask; then each
+    token's epilogue runs. A chunk's last tokens short of a trip take the one-token loop below."""
     if LEAN:
         D = DK
     dt = tl.program_id(0)
@@ -1262,34 +1264,37 @@ def _streams_split_kernel(
     near_row = near_ptr + b.to(tl.int64) * T
     t = chunk * CH
     t1 = tl.minimum(t + CH, T)
-    if LEAN and PAIRS:  # tokens t and t+1 a trip; an odd last token falls through to the loop below
+    if LEAN and TRIP > 1:  # TRIP tokens a trip; a chunk's last tokens short of a trip fall through to the loop below
         M: tl.constexpr = len(KS)
         EVEN: tl.constexpr = DK % BD == 0
         ones = (1 << KW) - 1
         n_rows = tl.minimum(S, n_buf)
         step = B.to(tl.int64) * T * D
-        while t + 1 < t1:
-            bits = tl.load(near_row + t)
-            bits_next = tl.load(near_row + t + 1)
-            acc = _zeros(2 * M, BD)
+        while t + TRIP - 1 < t1:
+            bits = (tl.load(near_row + t),)
+            full = (bits[0] & ones) == ones
+            for p in tl.static_range(1, TRIP):
+                bits = bits + (tl.load(near_row + t + p),)
+                full = full & ((bits[p] & ones) == ones)  # no token's window holds a boundary
+            acc = _zeros(TRIP * M, BD)
             w_tok = w_ptr + (b * T + t).to(tl.int64) * S * M
-            w_next = w_tok + S * M
-            full = ((bits & ones) == ones) & ((bits_next & ones) == ones)  # neither window holds a boundary
-            row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + (t + 1) * D + dt * BD  # source 0 at t+1
-            part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + (t + 1) * D + dt * BD  # the partial at t+1
+            last = t + TRIP - 1
+            row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # source 0 at the last token
+            part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # the partial there
             # as the one-token path: rows, then the partial, each loop without masks or with them, one of the two
             # running no trip
-            acc = _split_sources_pair(row0, step, w_tok, w_next, c, acc, tl.where(full, 0, n_rows), n_rows, D,
-                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, True, EVEN)
-            acc = _split_sources_pair(row0, step, w_tok, w_next, c, acc, tl.where(full, n_rows, 0), n_rows, D,
-                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, False, EVEN)
-            acc = _split_sources_pair(part, 0, w_tok, w_next, c, acc, tl.where(full, n_rows, S), S, D,
-                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, True, EVEN)
-            acc = _split_sources_pair(part, 0, w_tok, w_next, c, acc, tl.where(full, S, n_rows), S, D,
-                                      mask_d, bits, bits_next, KS, KOFF, KW, BD, False, EVEN)
-            _split_store(acc[:M], t, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS, MIXER, LEAN)
-            _split_store(acc[M:], t + 1, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS, MIXER, LEAN)
-            t += 2
+            acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d,
+                                      bits, KS, KOFF, KW, BD, TRIP, True, EVEN)
+            acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, n_rows, 0), n_rows, D, mask_d,
+                                      bits, KS, KOFF, KW, BD, TRIP, False, EVEN)
+            acc = _split_sources_trip(part, 0, w_tok, S * M, c, acc, tl.where(full, n_rows, S), S, D, mask_d,
+                                      bits, KS, KOFF, KW, BD, TRIP, True, EVEN)
+            acc = _split_sources_trip(part, 0, w_tok, S * M, c, acc, tl.where(full, S, n_rows), S, D, mask_d,
+                                      bits, KS, KOFF, KW, BD, TRIP, False, EVEN)
+            for p in tl.static_range(TRIP):
+                _split_store(acc[p * M:(p + 1) * M], t + p, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr,
+                             KS, MIXER, LEAN)
+            t += TRIP
     while t < t1:
         bits = tl.load(near_row + t)
         acc = _zeros(len(KS), BD)
@@ -1616,13 +1621,14 @@ class Blocks:
     # H200, one process (msar_tiles_nvidia_h200_lean.md): forward 0.657 -> 0.613 ms at `small`, 2.314 -> 2.145 ms at
     # `medium` (S = 5); on 64 or 256 channels, 2 warps or 32 / 128 tokens a program: slower
     split_lean: bool = True
-    # the lean pass 2 two tokens a trip of its token loop (``_streams_split_kernel``'s PAIRS): a source's K_MAX + 1
-    # shifted rows loaded once for both tokens' views instead of K_MAX for each (``_split_sources_pair``); an odd
-    # last token of a chunk takes the one-token loop. H200, one process (msar_tiles_nvidia_h200_pass2_pairs.md, S = 5):
-    # forward 0.563 -> 0.485 ms at `small`, 2.105 -> 1.815 at `medium` (the same results to the bit); on chunks of 128
-    # tokens 0.626 / 1.839; msar_block's `small` step 40.1 / 39.8 -> 38.9 ms (docs/kernel_msar.md, "Two tokens a trip
-    # of pass 2")
-    split_pairs: bool = True
+    # tokens a trip of the lean pass 2's token loop (``_streams_split_kernel``'s TRIP: 1, 2 or 4): a source's
+    # K_MAX + trip - 1 shifted rows loaded once for the trip's views instead of K_MAX for each token
+    # (``_split_sources_trip``); a chunk's last tokens short of a trip take the one-token loop. Two tokens (then
+    # ``split_pairs``) on an H200, one process (msar_tiles_nvidia_h200_pass2_pairs.md, S = 5): forward 0.563 -> 0.485 ms
+    # at `small`, 2.105 -> 1.815 at `medium` (the same results to the bit); on chunks of 128 tokens 0.626 / 1.839;
+    # msar_block's `small` step 39.5 -> 38.6 / 38.4 ms (docs/kernel_msar.md, "Two tokens a trip of pass 2"). Four:
+    # built and tested on the CPU, not timed (more registers: on 64 channels a program, see msar_tiles)
+    split_trip: int = 2
     # the split forward's small steps between its kernels (the softmax over the sources, the gate): "torch"
     # (PyTorch operations, about 20 launches a forward; the spec) or "triton" (one kernel each: ``softmax_parts``,
     # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean2.md), the forward with both switches at once and each
@@ -1879,6 +1885,13 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     return h, lse, logits, ((r_saved if keep_streams else None, z, rr) if save else None), stats
 
 
+def split_trip(blk: Blocks) -> int:
+    """Tokens a trip of pass 2 (``Blocks.split_trip``; 1 without ``split_lean``, which it applies to)."""
+    if blk.split_trip not in (1, 2, 4) or isinstance(blk.split_trip, bool):
+        raise ValueError(f"msar: Blocks.split_trip={blk.split_trip!r}: choose 1, 2 or 4 tokens a trip of pass 2")
+    return blk.split_trip if blk.split_lean else 1
+
+
 def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None):
     """The split forward's pass 2 (``_streams_split_kernel``): R (m, B, T, d) fp32 from the weights w ((m, S, B, T),
     or (B, T, S, m) with ``blk.split_lean``: ``softmax_weights``), and with ``phi`` (the mixer's φᵀ) the mixer's
@@ -1895,7 +1908,7 @@ def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None):
         x, packed, near, w, r if phi is None else phi, r, r if mparts is None else mparts, S, n_buf,
         offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=pair_offsets(ks), KW=k_max, BD=blk.split_bd,
         MIXER=phi is not None, LEAN=blk.split_lean, DK=d if blk.split_lean else 0,
-        PAIRS=blk.split_lean and blk.split_pairs, num_warps=blk.split_warps)
+        TRIP=split_trip(blk), num_warps=blk.split_warps)
     return r, mparts
 
 

@@ -750,8 +750,9 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
     lines = [line for line in stdout.splitlines() if "registers" in line]
     # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 2
-    # plain, lean, and lean two tokens a trip), the three glue kernels and its h, the mixer, the stats, the sources
-    assert len(lines) == 14, stdout
+    # plain, lean, lean two tokens a trip and four on 64 channels), the three glue kernels and its h, the mixer, the
+    # stats, the sources
+    assert len(lines) == 15, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -893,7 +894,7 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     lean pass 2's unmasked loop over the sources (the one nearly every token takes) has at most 75% of the plain
     loop's instructions, the same fp32 arithmetic (the same sums), fewer integer instructions by half, and no
     trip through shared memory (a loop-carried tensor of pointers once cost a layout conversion and a barrier).
-    Two tokens a trip (Blocks.split_pairs): the unmasked loop does both tokens' fp32 arithmetic in at most 85% of
+    Two tokens a trip (Blocks.split_trip): the unmasked loop does both tokens' fp32 arithmetic in at most 85% of
     twice the one-token loop's instructions (a pair's shifted rows are loaded once).
     Equal sums: test_split_forward_equals_the_tile_forward_and_keeps_r_narrow[...-lean],
     test_pass_2_two_tokens_a_trip_equals_one_token_a_trip."""
@@ -907,7 +908,7 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
         "        continue\n"
         "    k = compile_launch(fn, types, consts, warps)\n"
         "    loops = [lp for lp in sass_loops(sass(k)) if lp['depth'] > 0]\n"
-        "    out['pairs' if 'pairs' in name else 'lean' if 'lean' in name else 'plain'] = dict(\n"
+        "    out['four' if 'four' in name else 'pairs' if 'pairs' in name else 'lean' if 'lean' in name else 'plain'] = dict(\n"
         "        loops=[dict(total=lp['total'], **sass_classes(lp['ops'])) for lp in loops],\n"
         "        shared=k.metadata.shared)\n"
         "print(json.dumps(out))\n")
@@ -1062,7 +1063,7 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
     from the fp32 streams, not from the bf16 copy), over several channel tiles (d = 24: 16 does not divide it, the
     lean pass 2's masked tail tile) and chunks, documents at odd offsets (tokens whose window holds a boundary, the
     lean pass's masked loop, and tokens whose window does not); with ``pairs``, both passes two tokens a trip
-    (Blocks.stats_pairs, Blocks.split_pairs; chunks of 4 tokens and a last one of 3)."""
+    (Blocks.stats_pairs, Blocks.split_trip; chunks of 4 tokens and a last one of 3)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -1079,7 +1080,7 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
     out = {}
     for mode in ("tile", "split"):
         blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4, split_lean=lean,
-                                  stats_pairs=pairs, split_pairs=pairs)
+                                  stats_pairs=pairs, split_trip=2 if pairs else 1)
         monkeypatch.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
         out[mode] = fused.forward(x, packed, ks, len(ks), qg, near, **kw)
     (h, lse, logits, (r, z, rr), (lg, rho)), (h0, lse0, logits0, (r0, z0, rr0), (lg0, rho0)) = out["split"], out["tile"]
@@ -1125,20 +1126,22 @@ PAIR_CASES = [
     ("T13-three-rows-ch5-no-mixer", 3, False, 2, 13, 24, 16, 5, (4, 2), False, ((1, 8), (7, 10))),
     ("T9-row-and-partial-ch3-d-even", 1, True, 1, 9, 16, 8, 3, (3,), True, ((7,),)),
     ("T10-ch1-one-token-a-trip", 1, True, 1, 10, 12, 8, 1, (2, 3), False, ((3,),)),
+    # chunks of 14 with a document starting at 17: trips of four with every window whole, and some with one not
+    ("T37-ch14-four-tokens-a-trip", 2, True, 1, 37, 20, 16, 14, (3, 2), True, ((17,),)),
 ]
 
 
 @needs_triton
 @pytest.mark.parametrize("case", PAIR_CASES, ids=[c[0] for c in PAIR_CASES])
 def test_pass_2_two_tokens_a_trip_equals_one_token_a_trip(case):
-    """The lean pass 2 two tokens a trip (Blocks.split_pairs) against one token a trip (the default) and against
-    pass 2 written out in PyTorch, fp32, on random weights: one token (no pair), fewer tokens than K_MAX (every
-    window reaches before the row's start), odd T and chunks of 1, 3, 4, 5 tokens (a chunk's odd last token takes
-    the one-token loop), d not a multiple of the channel tile (the masked channel tail) and a multiple, documents
-    starting at odd and even offsets (pairs where both windows are whole, where only t's is, where only t+1's is,
-    where neither is), one and several buffer rows, with and without the partial, with and without the mixer's
-    per-tile sums. Breaking either token's document mask or rows, the whole-window condition, the second token's
-    weights or its store fails it."""
+    """The lean pass 2 two and four tokens a trip (Blocks.split_trip) against one token a trip and against pass 2
+    written out in PyTorch, fp32, on random weights: one token (no trip), fewer tokens than K_MAX (every window
+    reaches before the row's start), odd T and chunks of 1, 3, 4, 5 tokens (a chunk's last tokens short of a trip
+    take the one-token loop), d not a multiple of the channel tile (the masked channel tail) and a multiple,
+    documents starting at odd and even offsets (trips where every window is whole, where only some are, where none
+    is), one and several buffer rows, with and without the partial, with and without the mixer's per-tile sums.
+    Breaking either token's document mask or rows, the whole-window condition, the second token's weights or its
+    store fails it (checked at two tokens a trip)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -1160,19 +1163,36 @@ def test_pass_2_two_tokens_a_trip_equals_one_token_a_trip(case):
     phi_t = torch.randn(m, m * d, generator=g) if mixer else None
     base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), fwd_mode="split", split_lean=True, split_bd=bd,
                                split_ch=ch)
-    out = {pairs: fused._pass_2(x, packed, ks, m, near, w, dataclasses.replace(base, split_pairs=pairs),
-                                partial=partial, phi=phi_t)
-           for pairs in (False, True)}
-    (r1, mp1), (r2, mp2) = out[False], out[True]
+    out = {trip: fused._pass_2(x, packed, ks, m, near, w, dataclasses.replace(base, split_trip=trip),
+                               partial=partial, phi=phi_t)
+           for trip in (1, 2, 4)}
+    r1, mp1 = out[1]
     xs = torch.cat([x, *(() if partial is None else (partial[None],))])
     r_ref, mp_ref = _pass_2_reference(xs, packed, ks, doc_ids, w, phi_t if mixer else torch.zeros(m, m * d), bd)
-    assert r_ref.abs().max() > 0
-    assert (r2 - r1).abs().max() <= 1e-6 * r1.abs().max(), (r2 - r1).abs().max()
-    assert rel_err(r2, r_ref) < 1e-6 and rel_err(r1, r_ref) < 1e-6
-    assert (mp1 is None) == (mp2 is None) == (not mixer)
-    if mixer:
-        assert (mp2 - mp1).abs().max() <= 1e-5 * mp1.abs().max(), (mp2 - mp1).abs().max()
-        assert rel_err(mp2, mp_ref) < 1e-6
+    assert r_ref.abs().max() > 0 and rel_err(r1, r_ref) < 1e-6
+    for trip in (2, 4):
+        r2, mp2 = out[trip]
+        assert (r2 - r1).abs().max() <= 1e-6 * r1.abs().max(), (trip, (r2 - r1).abs().max())
+        assert rel_err(r2, r_ref) < 1e-6, trip
+        assert (mp1 is None) == (mp2 is None) == (not mixer)
+        if mixer:
+            assert (mp2 - mp1).abs().max() <= 1e-5 * mp1.abs().max(), (trip, (mp2 - mp1).abs().max())
+            assert rel_err(mp2, mp_ref) < 1e-6, trip
+
+
+def test_pass_2_trip_setting_is_explicit():
+    """Blocks.split_trip takes 1, 2 or 4 tokens a trip (2 by default) and applies to the lean pass 2 only; another
+    value is refused with the value and the choices."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    blk = dataclasses.replace(fused._blocks(64, 32, 4, 12), split_lean=True)
+    assert blk.split_trip == 2 and fused.split_trip(blk) == 2
+    assert fused.split_trip(dataclasses.replace(blk, split_lean=False)) == 1
+    for bad in (3, 0, True):
+        with pytest.raises(ValueError, match=rf"split_trip={bad!r}: choose 1, 2 or 4"):
+            fused.split_trip(dataclasses.replace(blk, split_trip=bad))
 
 
 @needs_triton
