@@ -73,21 +73,23 @@ def main(argv=None) -> int:
         bt, bd, mw = fused._row_tiles(d)
         grads_types = dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                            dsrc_ptr=bf16, dqg_ptr=f32)  # the split gradients kernel's arguments, for each of its ways
+        fwd_types = dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32,
+                         eps="fp32")  # both forward kernels' arguments
         stream = fused.fwd_stream(n)  # the forward the rule runs: streamed past one load (fused.FWD_STREAM)
         runs = [
             ("phase 1 forward", fused._summaries_fwd_kernel,
-             dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32, eps="fp32"),
+             fwd_types,
              dict(C=C, KEY_NORM=True, STORE_LOGITS=keep, STORE_RSTD=keep, ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s,
                   TAIL_S=t.tail_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d), t.num_warps) if not stream else
             ("phase 1 forward (streamed)", fused._summaries_fwd_stream_kernel,
-             dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32, eps="fp32"),
+             fwd_types,
              dict(C=C, KEY_NORM=True, STORE_LOGITS=keep, STORE_RSTD=keep, BLOCK_S=stream, BLOCK_T=t.block_t,
                   BLOCK_D=t.block_d, PREFETCH=fused.FWD_STREAM_PREFETCH), t.num_warps),
             # the forward with its sources streamed (fused.FWD_STREAM, for more than one warp a token): 1 or 2 rows a
             # load, with the next in flight or not
             *((f"phase 1 forward, streamed {rows} a load{', prefetched' if prefetch else ''}",
                fused._summaries_fwd_stream_kernel,
-               dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32, eps="fp32"),
+               fwd_types,
                dict(C=C, KEY_NORM=True, STORE_LOGITS=keep, STORE_RSTD=keep, BLOCK_S=rows, BLOCK_T=t.block_t,
                     BLOCK_D=t.block_d, PREFETCH=prefetch), t.num_warps)
               for rows in (1, 2) if d > 512 and rows < fused._pow2(n) for prefetch in (False, True)),

@@ -107,31 +107,29 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                dict(**views, dr_ptr=F32, part_ptr=F32),
                dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_logit_bd, FAST=blk.serial_fast, QS=True,
                     DR=False, PREFETCH=blk.stats_prefetch, PAIRS=getattr(blk, "stats_pairs", False)), 1)
+        split_types = dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
+                           mpart_ptr=F32, p_off="i64")  # pass 2's arguments, every way it compiles
         yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
-               dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type, mpart_ptr=F32,
-                    p_off="i64"),
+               split_types,
                dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=False, DK=0, TRIP=1),
                blk.split_warps)
         if "LEAN" in fused._streams_split_kernel.arg_names:  # Blocks.split_lean (2026-12-02)
             lean = getattr(blk, "split_lean", False)
             yield (f"split forward, pass 2 lean{'' if lean else ' (candidate)'}", fused._streams_split_kernel,
-                   dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
-                        mpart_ptr=F32, p_off="i64"),
+                   split_types,
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
                         TRIP=1), blk.split_warps)
         if "TRIP" in fused._streams_split_kernel.arg_names:  # Blocks.split_trip: the lean pass 2, tokens a trip
             trip = fused.split_trip(blk) if getattr(blk, "split_lean", False) else 1
             yield (f"split forward, pass 2 lean pairs{'' if trip == 2 else ' (candidate)'}", fused._streams_split_kernel,
-                   dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
-                        mpart_ptr=F32, p_off="i64"),
+                   split_types,
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d, TRIP=2),
                    blk.split_warps)
             # four tokens a trip (a candidate) on 64 channels a program: on 128 it takes 255 registers and spills
             # 204 bytes at `small` (sm_90a, 2026-12-04)
             yield (f"split forward, pass 2 lean, four tokens a trip on 64 channels"
                    f"{'' if (trip, blk.split_bd) == (4, 64) else ' (candidate)'}", fused._streams_split_kernel,
-                   dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
-                        mpart_ptr=F32, p_off="i64"),
+                   split_types,
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=64, MIXER=True, LEAN=True, DK=d, TRIP=4),
                    blk.split_warps)
         if hasattr(fused, "_softmax_parts_kernel"):  # Blocks.glue="triton" (2026-12-02): the steps between kernels

@@ -1105,49 +1105,24 @@ def _add_views(acc, xs, c, w_s, KS: tl.constexpr, KOFF: tl.constexpr):
 
 
 @triton.jit
-def _split_sources(x_src, x_step, w_tok, c, acc, s, s_end, D, mask_d, bits,
-                   KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, FULL: tl.constexpr,
-                   EVEN: tl.constexpr):
-    """The lean pass 2's loop over sources s < s_end of one token, adding w_js E_j(x_s) into acc (a tuple of m (BD,)
-    fp32) in the plain loop's order. x_src: where source s's BD channels of the token start (a scalar: a loop-carried
-    tensor of pointers loses its contiguity, and Triton then moves it through shared memory), x_step from one source
-    to the next (buffer rows: one address increment a source, no select); w_tok: the token's weights, (S, m) side by
-    side. FULL (the token's window holds no document boundary): the shifted loads carry no document mask, and no
-    mask at all when EVEN (BD divides d); with d a constant their offsets from x_src are immediates."""
-    while s < s_end:
-        x_tok = x_src + tl.arange(0, BD)
-        xs = ()
-        for sg in tl.static_range(KW):
-            if FULL:
-                if EVEN:
-                    xs = xs + (tl.load(x_tok - sg * D).to(tl.float32),)
-                else:
-                    xs = xs + (tl.load(x_tok - sg * D, mask=mask_d, other=0.0).to(tl.float32),)
-            else:
-                xs = xs + (tl.load(x_tok - sg * D, mask=mask_d & (((bits >> sg) & 1) != 0), other=0.0)
-                           .to(tl.float32),)
-        acc = _add_views(acc, xs, c, w_tok + s * len(KS), KS, KOFF)
-        x_src += x_step
-        s += 1
-    return acc
-
-
-@triton.jit
 def _split_sources_trip(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d, bits,
                         KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, P: tl.constexpr,
                         FULL: tl.constexpr, EVEN: tl.constexpr):
-    """``_split_sources`` for P tokens t .. t+P-1 at once (``Blocks.split_trip``). x_src: where source s's BD channels
-    of token t+P-1 start; w_tok: token t's weights ((S, m) side by side; token t+p's are p·SM further, SM = S·m);
-    acc: a flat tuple of P·m (BD,) fp32, token t's m accumulators first; bits: a tuple of the P tokens' window bits
-    (``doc_window``: bit σ of token u's says u-σ is in the row and in u's document). Each view is summed in the
-    one-token loop's order, so the sums are its sums.
+    """The lean pass 2's loop over sources s < s_end of P tokens t .. t+P-1 (P = 1, or ``Blocks.split_trip``), adding
+    w_js E_j(x_s) into each token's accumulators in the plain loop's order. x_src: where source s's BD channels of
+    token t+P-1 start (a scalar: a loop-carried tensor of pointers loses its contiguity, and Triton then moves it
+    through shared memory), x_step from one source to the next (buffer rows: one address increment a source, no
+    select); w_tok: token t's weights ((S, m) side by side; token t+p's are p·SM further, SM = S·m); acc: a flat
+    tuple of P·m (BD,) fp32, token t's m accumulators first; bits: a tuple of the P tokens' window bits
+    (``doc_window``: bit σ of token u's says u-σ is in the row and in u's document). With d a constant (DK) the
+    shifted loads' offsets from x_src are immediates, and without any mask when EVEN (BD divides d) and FULL.
 
     FULL (no token's window holds a document boundary): the KW + P - 1 rows x_s[t+P-1-σ] are loaded once, without
     document masks, and token t+p's views take rows P-1-p .. P-1-p+KW-1 (x_s[t+p-σ] is row P-1-p+σ). Each token reads
     only rows of its own window, which its bits say are in the row and in its document.
 
     Otherwise a shared row can be in one token's document and not in another's (when t+1 starts a document, every
-    row before it is t's and not t+1's), so each token loads its own KW rows under its own bits, as ``_split_sources``
+    row before it is t's and not t+1's), so each token loads its own KW rows under its own bits, as one token alone
     does (a set bit implies the row is in [0, T): nothing before the row's start is read; the loads of rows already
     loaded for another token are L1 hits). Loading the shared rows once under the union of the tokens' bits and
     selecting each token's by its own bit was the other way at two tokens: compiled for sm_90a at `small` its 2·KW
@@ -1181,6 +1156,40 @@ def _split_sources_trip(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d, b
         x_src += x_step
         s += 1
     return acc
+
+
+@triton.jit
+def _split_trip(x_ptr, w_ptr, near_row, r_ptr, phi_ptr, mpart_ptr, c, t, b, dt, S, n_buf, p_off, B, T, D, offs_d,
+                mask_d, KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, P: tl.constexpr,
+                EVEN: tl.constexpr, MIXER: tl.constexpr):
+    """One trip of the lean pass 2 over tokens t .. t+P-1: their window bits, every source (the buffer rows, then the
+    partial when S > n_buf, each in a loop without masks or with them: of the two loops over the same sources one
+    runs and the other not at all, so no branch yields a tuple), then each token's epilogue (``_split_store``)."""
+    M: tl.constexpr = len(KS)
+    ones = (1 << KW) - 1  # bits 0..KW-1: a token and the earlier ones of its window
+    bits = (tl.load(near_row + t),)
+    full = (bits[0] & ones) == ones
+    for p in tl.static_range(1, P):
+        bits = bits + (tl.load(near_row + t + p),)
+        full = full & ((bits[p] & ones) == ones)  # no token's window holds a boundary
+    acc = _zeros(P * M, BD)
+    w_tok = w_ptr + (b * T + t).to(tl.int64) * S * M
+    n_rows = tl.minimum(S, n_buf)
+    step = B.to(tl.int64) * T * D
+    last = t + P - 1
+    row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # source 0 (a buffer row), last token
+    part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # the partial there
+    acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d, bits,
+                              KS, KOFF, KW, BD, P, True, EVEN)
+    acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, n_rows, 0), n_rows, D, mask_d, bits,
+                              KS, KOFF, KW, BD, P, False, EVEN)
+    acc = _split_sources_trip(part, 0, w_tok, S * M, c, acc, tl.where(full, n_rows, S), S, D, mask_d, bits,
+                              KS, KOFF, KW, BD, P, True, EVEN)
+    acc = _split_sources_trip(part, 0, w_tok, S * M, c, acc, tl.where(full, S, n_rows), S, D, mask_d, bits,
+                              KS, KOFF, KW, BD, P, False, EVEN)
+    for p in tl.static_range(P):
+        _split_store(acc[p * M:(p + 1) * M], t + p, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS,
+                     MIXER, True)
 
 
 @triton.jit
@@ -1265,57 +1274,17 @@ def _streams_split_kernel(
     t = chunk * CH
     t1 = tl.minimum(t + CH, T)
     if LEAN and TRIP > 1:  # TRIP tokens a trip; a chunk's last tokens short of a trip fall through to the loop below
-        M: tl.constexpr = len(KS)
-        EVEN: tl.constexpr = DK % BD == 0
-        ones = (1 << KW) - 1
-        n_rows = tl.minimum(S, n_buf)
-        step = B.to(tl.int64) * T * D
         while t + TRIP - 1 < t1:
-            bits = (tl.load(near_row + t),)
-            full = (bits[0] & ones) == ones
-            for p in tl.static_range(1, TRIP):
-                bits = bits + (tl.load(near_row + t + p),)
-                full = full & ((bits[p] & ones) == ones)  # no token's window holds a boundary
-            acc = _zeros(TRIP * M, BD)
-            w_tok = w_ptr + (b * T + t).to(tl.int64) * S * M
-            last = t + TRIP - 1
-            row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # source 0 at the last token
-            part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # the partial there
-            # as the one-token path: rows, then the partial, each loop without masks or with them, one of the two
-            # running no trip
-            acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d,
-                                      bits, KS, KOFF, KW, BD, TRIP, True, EVEN)
-            acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, n_rows, 0), n_rows, D, mask_d,
-                                      bits, KS, KOFF, KW, BD, TRIP, False, EVEN)
-            acc = _split_sources_trip(part, 0, w_tok, S * M, c, acc, tl.where(full, n_rows, S), S, D, mask_d,
-                                      bits, KS, KOFF, KW, BD, TRIP, True, EVEN)
-            acc = _split_sources_trip(part, 0, w_tok, S * M, c, acc, tl.where(full, S, n_rows), S, D, mask_d,
-                                      bits, KS, KOFF, KW, BD, TRIP, False, EVEN)
-            for p in tl.static_range(TRIP):
-                _split_store(acc[p * M:(p + 1) * M], t + p, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr,
-                             KS, MIXER, LEAN)
+            _split_trip(x_ptr, w_ptr, near_row, r_ptr, phi_ptr, mpart_ptr, c, t, b, dt, S, n_buf, p_off, B, T, D,
+                        offs_d, mask_d, KS, KOFF, KW, BD, TRIP, DK % BD == 0, MIXER)
             t += TRIP
     while t < t1:
-        bits = tl.load(near_row + t)
-        acc = _zeros(len(KS), BD)
         if LEAN:
-            w_tok = w_ptr + (b * T + t).to(tl.int64) * S * len(KS)
-            full = (bits & ((1 << KW) - 1)) == (1 << KW) - 1  # bits 0..KW-1: the earlier tokens
-            n_rows = tl.minimum(S, n_buf)
-            row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + t * D + dt * BD  # source 0 (a buffer row) at t
-            part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + t * D + dt * BD  # the partial at t
-            step = B.to(tl.int64) * T * D
-            # rows, then the partial (when S > n_buf), each without masks or with them: of the two loops over the
-            # same sources one runs and the other not at all (no branch that yields a tuple)
-            acc = _split_sources(row0, step, w_tok, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d, bits,
-                                 KS, KOFF, KW, BD, True, DK % BD == 0)
-            acc = _split_sources(row0, step, w_tok, c, acc, tl.where(full, n_rows, 0), n_rows, D, mask_d, bits,
-                                 KS, KOFF, KW, BD, False, DK % BD == 0)
-            acc = _split_sources(part, 0, w_tok, c, acc, tl.where(full, n_rows, S), S, D, mask_d, bits,
-                                 KS, KOFF, KW, BD, True, DK % BD == 0)
-            acc = _split_sources(part, 0, w_tok, c, acc, tl.where(full, S, n_rows), S, D, mask_d, bits,
-                                 KS, KOFF, KW, BD, False, DK % BD == 0)
+            _split_trip(x_ptr, w_ptr, near_row, r_ptr, phi_ptr, mpart_ptr, c, t, b, dt, S, n_buf, p_off, B, T, D,
+                        offs_d, mask_d, KS, KOFF, KW, BD, 1, DK % BD == 0, MIXER)
         else:
+            bits = tl.load(near_row + t)
+            acc = _zeros(len(KS), BD)
             s = b * 0  # while loops: Triton 3.6's interpreter cannot take a tensor as a range bound
             while s < S:
                 x_tok = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off) + t * D + offs_d
@@ -1332,7 +1301,7 @@ def _streams_split_kernel(
                     nacc = nacc + (acc[j] + wj * e,)
                 acc = nacc
                 s += 1
-        _split_store(acc, t, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS, MIXER, LEAN)
+            _split_store(acc, t, b, dt, B, T, D, offs_d, mask_d, r_ptr, phi_ptr, mpart_ptr, KS, MIXER, False)
         t += 1
 
 
