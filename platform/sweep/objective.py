@@ -91,6 +91,7 @@ class SweepContext:
     n_trials: int = 0
     consecutive_failures: int = 0
     started: float = field(default_factory=time.time)
+    on_trial_created: Any = None  # called once the trial exists in the storage (releases the trial lock)
 
 
 class Objective:
@@ -101,6 +102,8 @@ class Objective:
         from ..train import train
 
         ctx = self.ctx
+        if ctx.on_trial_created is not None:
+            ctx.on_trial_created()
         trial.set_user_attr("pid", os.getpid())  # lets a later invocation tell a dead trial from a live one
         trial.set_user_attr("host", socket.gethostname())
         trial.set_user_attr("worker", worker_index())

@@ -82,3 +82,48 @@ def test_worker_settings_are_checked():
     sweep.check_workers(3, [], 1, "sweep.workers")  # CPU: N processes
     with pytest.raises(Exception, match="wokers"):
         make_cfg("sweep=msar_kernels", "sweep.wokers=2")
+
+
+def test_workers_that_count_at_once_do_not_start_more_than_n_trials(tmp_path, monkeypatch):
+    """Two workers finish their trials together and count the study at once: counting and creating
+    the next trial is one step under the study folder's lock, so only one of them starts the last
+    trial. The count is slowed down so that, without the lock, both would see 2 of 3 and start one."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from platform.sweep import study as study_mod
+    from platform.sweep.objective import SweepContext
+
+    class SlowObjective:  # stands in for training: the trial exists, then takes a while
+        def __init__(self, ctx):
+            self.ctx = ctx
+
+        def __call__(self, trial):
+            self.ctx.on_trial_created()
+            time.sleep(0.3)
+            return float(trial.number)
+
+    monkeypatch.setattr(study_mod, "Objective", SlowObjective)
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    slow_get_trials = study.get_trials
+
+    def get_trials(*a, **k):
+        trials = slow_get_trials(*a, **k)
+        time.sleep(0.2)  # the window in which another worker could count the same trials
+        return trials
+
+    monkeypatch.setattr(study, "get_trials", get_trials)
+    sw = SimpleNamespace(n_trials=3, timeout=None, max_failures=3)
+
+    def worker():
+        ctx = SweepContext(cfg=None, base_overrides=[], space=[], study_name="s", study_dir=tmp_path,
+                           grid=False, prune=False)
+        study_mod._trial_loop(study, ctx, sw)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [t.state for t in slow_get_trials()] == [TrialState.COMPLETE] * 3
