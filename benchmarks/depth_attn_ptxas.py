@@ -101,7 +101,8 @@ def main(argv=None) -> int:
               for label, from_out in (("", False), (", delta from the outputs", True))
               if not (from_out and t.bwd_one_chunk)),
             # the split backward where the rule takes it (fused.split_backward): its two kernels with their tiles
-            *((f"phase 1 backward, split: {label}", fn, types, dict(consts, C=C, BLOCK_C=fused._pow2(C), KEY_NORM=True),
+            *((f"phase 1 backward, split: {label}", fn, types,
+               dict(consts, C=C, KEY_NORM=True, **({"BLOCK_C": fused._pow2(C)} if "BLOCK_C" in fn.arg_names else {})),
                warps)
               for _, (bt_b, block_d, per_load), warps_b in
               ([fused.split_tiles(n, d, C)] if t.bwd_split else [])
@@ -124,7 +125,13 @@ def main(argv=None) -> int:
                   *((f"gradients, prefetched{label}", fused._split_grads_kernel, grads_types,
                      dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=False, PREFETCH=level,
                           maxnreg=fused.PREFETCH_MAXNREG), warps_b)
-                    for level, label in ((1, ""), (2, " with its scalars"))))),
+                    for level, label in ((1, ""), (2, " with its scalars"))),
+                  # its query-gradient partial written per token block and summed apart (fused.SPLIT_GRADS_PARTIALS: a
+                  # program per token block × channel chunk), at the setting's tiles where it sets them, else the GPU's
+                  *(("gradients, partials per token block", fused._split_grads_blocks_kernel, grads_types,
+                     dict(BLOCK_S=min(bs_p, fused._pow2(n)), BLOCK_T=bt_p, BLOCK_D=min(bd_p, fused._pow2(d))), warps_b)
+                    for bt_p, bd_p, bs_p in [fused.SPLIT_GRADS_PARTIALS if isinstance(fused.SPLIT_GRADS_PARTIALS, tuple)
+                                             else fused.PARTIALS_TILES]))),
             *((f"merge forward{label}", fused._merge_fwd_kernel,
                dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, new_ptr=bf16, psum_ptr=bf16,
                     eps="fp32"),
