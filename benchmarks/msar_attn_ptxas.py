@@ -141,9 +141,13 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                    dict(mparts_ptr=F32, alpha_ptr=F32, bias_ptr=F32, g_ptr=F32, z_ptr=F32, rr_ptr=F32, eps="fp32"),
                    dict(M=m, M_PAD=m_pad, SIGMOID=True, BN=fused.GLUE_BN), 4)
             stats_tag = "" if getattr(blk, "stats_glue", "torch") == "triton" else " (candidate)"
-            yield (f"glue: w, κ, μ{stats_tag}", fused._stats_finish_kernel,
-                   dict(parts_ptr=F32, lse_ptr=F32, logits_ptr=F32, rho_ptr=F32, coef_ptr=F32, eps="fp32"),
-                   dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN), 4)
+            token = getattr(blk, "coef_layout", "planes") == "token"
+            finish = dict(parts_ptr=F32, lse_ptr=F32, logits_ptr=F32, rho_ptr=F32, coef_ptr=F32, eps="fp32")
+            yield (f"glue: w, κ, μ{stats_tag}", fused._stats_finish_kernel, finish,
+                   dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token), 4)
+            if "TOKEN" in fused._stats_finish_kernel.arg_names:  # Blocks.coef_layout (2026-12-04): w, κ, μ by token
+                yield (f"glue: w, κ, μ token-major{'' if token else ' (candidate)'}", fused._stats_finish_kernel,
+                       finish, dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=True), 4)
         yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
                dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=True), 4)
     yield ("mixer backward", fused._mix_bwd_kernel,
@@ -161,12 +165,15 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3,
                     **n_dt(blk.stats_tiles()[0])), blk.stats_warps)
     if getattr(blk, "src_mode", "ring") == "serial":  # (a revision before 2026-12-01 has the ring kernel only)
-        yield ("source gradients", fused._src_serial_kernel,
-               dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64"),
-               dict(SOFTMAX=True, KS=common["KS"], KOFF=koff,
-                    KW=k_max, NPAIR=sum(common["KS"]), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch,
-                    FAST=getattr(blk, "serial_fast", False)),
+        src_types = dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64")
+        src = dict(SOFTMAX=True, KS=common["KS"], KOFF=koff, KW=k_max, NPAIR=sum(common["KS"]), BD=blk.serial_bd,
+                   PREFETCH=blk.serial_prefetch, FAST=getattr(blk, "serial_fast", False))
+        token = getattr(blk, "coef_layout", "planes") == "token"
+        yield ("source gradients", fused._src_serial_kernel, src_types, dict(**src, CM=m_pad if token else 0),
                blk.serial_warps)
+        if "CM" in fused._src_serial_kernel.arg_names:  # Blocks.coef_layout (2026-12-04): a token's w, κ, μ, one load
+            yield (f"source gradients, w κ μ token-major{'' if token else ' (candidate)'}", fused._src_serial_kernel,
+                   src_types, dict(**src, CM=m_pad), blk.serial_warps)
         return
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,

@@ -43,7 +43,11 @@ def candidates(blk) -> dict[str, list[dict]]:
         dict(serial_ch=ch) for ch in (32, 64, 128, 256, 512) if ch != blk.serial_ch] + [
         dict(serial_bd=bd, serial_warps=w) for bd, w in ((32, 1), (64, 2), (128, 4), (256, 4))
         if (bd, w) != (blk.serial_bd, blk.serial_warps)] + [dict(serial_prefetch=not blk.serial_prefetch),
-                                                            dict(serial_fast=not blk.serial_fast)]
+                                                            dict(serial_fast=not blk.serial_fast)] + [
+        # the backward's w, κ, μ token-major, a token's in one load (sm_90a at `small`: the token loop 510 -> 465
+        # instructions, 255 -> 252 registers, no spills; the stats' glue kernel writes them 4·M_PAD floats apart), or
+        # in planes once token-major is the default
+        dict(coef_layout="token" if blk.coef_layout == "planes" else "planes")]
     # the split forward (two passes over channel tiles) against the tile forward, and its tiles
     other_fwd = "tile" if blk.fwd_mode == "split" else "split"
     other_glue = "torch" if blk.glue == "triton" else "triton"
@@ -172,7 +176,8 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
 
 
 def parse_candidate(text: str) -> dict:
-    """"src_bt=32,sub=8" -> {"src_bt": 32, "sub": 8}: fields of ``fused.Blocks``, values Python literals."""
+    """"src_bt=32,sub=8" -> {"src_bt": 32, "sub": 8}: fields of ``fused.Blocks``, values Python literals (a bare word
+    is a string: "coef_layout=token")."""
     import ast
     from dataclasses import fields
 
@@ -184,7 +189,10 @@ def parse_candidate(text: str) -> dict:
         key, _, value = item.partition("=")
         if key not in names or not value:
             raise SystemExit(f"error: --only {text!r}: {key!r} is not a field=value of Blocks; fields: {sorted(names)}")
-        out[key] = ast.literal_eval(value)
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
     return out
 
 
@@ -192,8 +200,8 @@ def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps",
                       "stats_pairs"),
-            "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch", "src_bt",
-                                 "src_bd", "src_warps", "sub")}[kernel]
+            "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch",
+                                 "coef_layout", "src_bt", "src_bd", "src_warps", "sub")}[kernel]
 
 
 def main(argv=None) -> int:

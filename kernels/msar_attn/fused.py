@@ -987,13 +987,16 @@ def gate(mparts: Tensor, alpha: Tensor, bias: Tensor, *, m: int, d: int, eps: fl
 @triton.jit
 def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt, S, N, d, eps,
                          M: tl.constexpr, M_PAD: tl.constexpr, KEY_NORM: tl.constexpr, SAVED: tl.constexpr,
-                         BN: tl.constexpr):
+                         BN: tl.constexpr, TOKEN: tl.constexpr = False):
     """``stats_from_parts`` for BN of the N tokens and one view j (a program each, as ``_softmax_parts_kernel``):
     from the serial stats kernel's per-tile sums parts (n_dt, K, m, S, N) (K = 1 with SAVED: dR·E alone, the
     forward's logits and ρ (m, S, N) given; else K = 3: qg·E, ‖E‖², dR·E) and the forward's lse (m, N), w, κ, μ into
     coef (3 of 4 planes of (M_PAD, S, N)): w = exp(logit - lse), κ = w (a - Σ_s w a) ρ, μ = κ ρ logit / d (0
     without KEY_NORM). The first sweep over the sources sums a over the tiles, keeps it in coef's κ plane (each
-    lane reads back only what it wrote) and accumulates Σ_s w a; the second reads a once instead of n_dt times."""
+    lane reads back only what it wrote) and accumulates Σ_s w a; the second reads a once instead of n_dt times.
+    With TOKEN, coef is token-major, (S, N, 4, M_PAD) (``Blocks.coef_layout="token"``: a token's w, κ, μ of every
+    view side by side, one load of the serial source-gradient kernel); the same values, written 4·M_PAD floats
+    apart."""
     offs = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = offs < N
     j = tl.program_id(1)
@@ -1006,7 +1009,12 @@ def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt
         s = 0
         while s < S:
             at = (j * S + s).to(tl.int64) * N + offs
-            out = coef_ptr + at
+            if TOKEN:  # (s, token, plane, view): planes M_PAD floats apart
+                out = coef_ptr + (s * N + offs).to(tl.int64) * (4 * M_PAD) + j
+                cp = M_PAD
+            else:
+                out = coef_ptr + at
+                cp = cplane
             q = tl.zeros((BN,), dtype=tl.float32)
             ss = tl.zeros((BN,), dtype=tl.float32)
             if sweep == 0:
@@ -1021,15 +1029,15 @@ def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt
                         ss += tl.load(parts_ptr + pt + M * plane, mask=mask, other=0.0)
                         a += tl.load(parts_ptr + pt + 2 * M * plane, mask=mask, other=0.0)
                     tile += 1
-                tl.store(out + cplane, a, mask=mask)
+                tl.store(out + cp, a, mask=mask)
                 if not SAVED:  # ρ and the logit kept too, in the planes w and μ
                     tl.store(out, q, mask=mask)
-                    tl.store(out + 2 * cplane, ss, mask=mask)
+                    tl.store(out + 2 * cp, ss, mask=mask)
             else:
-                a = tl.load(out + cplane, mask=mask, other=0.0)
+                a = tl.load(out + cp, mask=mask, other=0.0)
                 if not SAVED:
                     q = tl.load(out, mask=mask, other=0.0)
-                    ss = tl.load(out + 2 * cplane, mask=mask, other=0.0)
+                    ss = tl.load(out + 2 * cp, mask=mask, other=0.0)
             if SAVED:
                 logit = tl.load(logits_ptr + at, mask=mask, other=0.0)
                 if KEY_NORM:
@@ -1048,11 +1056,11 @@ def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt
             else:
                 kappa = w * (a - wa) * rho
                 tl.store(out, w, mask=mask)
-                tl.store(out + cplane, kappa, mask=mask)
+                tl.store(out + cp, kappa, mask=mask)
                 if KEY_NORM:
-                    tl.store(out + 2 * cplane, kappa * rho * logit / d, mask=mask)
+                    tl.store(out + 2 * cp, kappa * rho * logit / d, mask=mask)
                 else:
-                    tl.store(out + 2 * cplane, tl.zeros((BN,), dtype=tl.float32), mask=mask)
+                    tl.store(out + 2 * cp, tl.zeros((BN,), dtype=tl.float32), mask=mask)
             s += 1
 
 
@@ -1080,15 +1088,17 @@ def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool
 
 
 def finish_stats(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int,
-                 saved: tuple[Tensor, Tensor | None] | None, glue: str) -> None:
-    """``stats_from_parts`` (glue "torch", the spec) or ``_stats_finish_kernel`` (glue "triton": one launch)."""
+                 saved: tuple[Tensor, Tensor | None] | None, glue: str, token: bool = False) -> None:
+    """``stats_from_parts`` (glue "torch", the spec) or ``_stats_finish_kernel`` (glue "triton": one launch). With
+    ``token`` coef (4, M_PAD, S, B, T) is the permuted view of a token-major (S, B, T, 4, M_PAD) tensor
+    (``Blocks.coef_layout="token"``)."""
     if glue == "torch":
         return stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved)
     n_dt, _, m, S, B, T = parts.shape
     logits, rho = saved if saved is not None else (lse, None)
     _stats_finish_kernel[(triton.cdiv(B * T, GLUE_BN), m)](
         parts, lse, logits, lse if rho is None else rho, coef, n_dt, S, B * T, d, eps, M=m, M_PAD=coef.shape[1],
-        KEY_NORM=key_norm, SAVED=saved is not None, BN=GLUE_BN)
+        KEY_NORM=key_norm, SAVED=saved is not None, BN=GLUE_BN, TOKEN=token)
 
 
 @triton.jit
@@ -1336,21 +1346,56 @@ def _emit_dx(dx_row, val, t, offs_d, mask_d, D, add):
 
 
 @triton.jit
+def _scalars(v, N: tl.constexpr):
+    """The N elements of a (N,) tensor (N a power of two) as a tuple of N scalars, in order. Each level splits every
+    part into its even and odd elements (``tl.split`` of the last axis of its (n/2, 2) reshape): after l levels, part
+    r holds the elements whose index is r mod 2**l. Splitting the last axis keeps a thread's registers in the
+    elements' order, so that the load stays one vector load (a transposed split reverses that order, and ptxas then
+    loads element by element)."""
+    parts = (v,)
+    for lvl in tl.static_range(N):
+        if (1 << lvl) < N:
+            evens = ()
+            odds = ()
+            for r in tl.static_range(len(parts)):
+                if (N >> lvl) > 2:
+                    lo, hi = tl.split(tl.reshape(parts[r], ((N >> lvl) // 2, 2)))
+                else:
+                    lo, hi = tl.split(parts[r])
+                evens = evens + (lo,)
+                odds = odds + (hi,)
+            parts = evens + odds
+    return parts
+
+
+@triton.jit
 def _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, ok, s, b, S, B, T, D, plane, offs_d, mask_d,
-                  SOFTMAX: tl.constexpr, KS: tl.constexpr):
+                  SOFTMAX: tl.constexpr, KS: tl.constexpr, CM: tl.constexpr = 0):
     """What one step of ``_src_serial_kernel`` loads for token t (nothing where ``ok`` is false), as one flat
-    tuple: the window bits, x[t], then per view w, κ, μ (κ = μ = 0 without SOFTMAX) and dR_j[t]."""
+    tuple: the window bits, x[t], then per view w, κ, μ (κ = μ = 0 without SOFTMAX) and dR_j[t]. With CM (M_PAD)
+    the stats are token-major (``Blocks.coef_layout="token"``, (S, B, T, 4, M_PAD)): a token's 4·M_PAD scalars
+    (w, κ, μ of every view and a pad plane) are one load, split into scalars (``_scalars``)."""
     md = mask_d & ok
     out = (tl.load(near_row + t, mask=ok, other=0),
            tl.load(x_row + t * D + offs_d, mask=md, other=0.0).to(tl.float32))
+    if CM:
+        crow = coef_ptr + ((s * B + b).to(tl.int64) * T + t) * (4 * CM)
+        cv = _scalars(tl.load(crow + tl.arange(0, 4 * CM), mask=ok, other=0.0), 4 * CM)
     for j in tl.static_range(len(KS)):
-        cidx = ((j * S + s) * B + b).to(tl.int64) * T + t
-        out = out + (tl.load(coef_ptr + cidx, mask=ok, other=0.0),)
-        if SOFTMAX:
-            out = out + (tl.load(coef_ptr + plane + cidx, mask=ok, other=0.0),
-                         tl.load(coef_ptr + 2 * plane + cidx, mask=ok, other=0.0))
+        if CM:
+            out = out + (cv[j],)
+            if SOFTMAX:
+                out = out + (cv[CM + j], cv[2 * CM + j])
+            else:
+                out = out + (0.0, 0.0)
         else:
-            out = out + (0.0, 0.0)
+            cidx = ((j * S + s) * B + b).to(tl.int64) * T + t
+            out = out + (tl.load(coef_ptr + cidx, mask=ok, other=0.0),)
+            if SOFTMAX:
+                out = out + (tl.load(coef_ptr + plane + cidx, mask=ok, other=0.0),
+                             tl.load(coef_ptr + 2 * plane + cidx, mask=ok, other=0.0))
+            else:
+                out = out + (0.0, 0.0)
         out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md, other=0.0),)
     return out
 
@@ -1422,6 +1467,7 @@ def _src_serial_kernel(
     SOFTMAX: tl.constexpr, KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, NPAIR: tl.constexpr,
     BD: tl.constexpr, PREFETCH: tl.constexpr,  # load token t+1 during step t
     FAST: tl.constexpr,  # the document masks only where a boundary lies in the window (``_doc_masked``)
+    CM: tl.constexpr = 0,  # 0: w, κ, μ in planes (3, M_PAD, S, B, T); M_PAD: token-major (S, B, T, 4, M_PAD)
 ):
     """Gradients of one source's row on CH tokens and BD channels, walking the tokens one at a time
     (one program per (source, channel tile), chunk, row; the sources vary fastest, so that the programs
@@ -1448,15 +1494,15 @@ def _src_serial_kernel(
     dc = _zeros(NPAIR, BD)  # the tap gradients, (view, tap) pairs view by view
     t = t0
     nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d, mask_d,
-                        SOFTMAX, KS)
+                        SOFTMAX, KS, CM)
     while t < t_end:
         if PREFETCH:
             cur = nxt
             nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t + 1, t + 1 < t_end, s, b, S, B, T, D, plane,
-                                offs_d, mask_d, SOFTMAX, KS)
+                                offs_d, mask_d, SOFTMAX, KS, CM)
         else:
             cur = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d,
-                                mask_d, SOFTMAX, KS)
+                                mask_d, SOFTMAX, KS, CM)
         xw, dw, dq, dc = _src_step(cur, t, t0, t1, xw, dw, dq, dc, c, qg, dx_row, offs_d, mask_d, D, add,
                                    SOFTMAX, KS, KOFF, KW, FAST)
         t += 1
@@ -1611,13 +1657,21 @@ class Blocks:
     # slower than PyTorch (msar_tiles_nvidia_h200_lean.md)
     stats_glue: str = "triton"
     split_ch: int = 64  # tokens a program of both passes (32: 0.730 ms, 128: 0.885 at `small`; `medium` within 3%)
+    # where the backward keeps the per-token scalars w, κ, μ that the serial source-gradient kernel reads (src_mode
+    # "serial"; the ring kernel always reads planes): "planes" ((4, M_PAD, S, B, T): w, κ, μ and a scratch plane; 3·m
+    # scalar loads a token, each moved to a uniform register) or "token" ((S, B, T, 4, M_PAD): a token's scalars side
+    # by side, one load split into scalars, ``_scalars``). sm_90a at `small`: the source-gradient kernel's token loop
+    # 510 -> 465 instructions (12 LDG -> 3 LDG.E.128, R2UR 12 -> 0, UMOV 24 -> 12), 255 -> 252 registers, 8 -> 0
+    # bytes spilled; the glue kernel (``_stats_finish_kernel``) writes them 4·M_PAD floats apart. Built and tested on
+    # the CPU, not timed (docs/kernel_msar.md, "The backward's w, κ, μ token-major")
+    coef_layout: str = "planes"
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
     def __post_init__(self):  # a misspelt mode fails where the tiles are chosen, before any kernel runs
         for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial")),
                                ("fwd_mode", ("tile", "split")), ("glue", ("torch", "triton")),
-                               ("stats_glue", ("torch", "triton"))):
+                               ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -1961,7 +2015,12 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     blk = _blocks(T, d, m_pad, k_max)
     f32 = dict(device=x.device, dtype=torch.float32)
     plane = m_pad * S * B * T
-    coef = torch.zeros(4, m_pad, S, B, T, **f32)  # w, κ, μ, scratch; padded views stay zero
+    # w, κ, μ, scratch (4, M_PAD, S, B, T); padded views stay zero. Token-major for the serial source-gradient
+    # kernel with coef_layout "token": (S, B, T, 4, M_PAD) in memory, a token's 4·M_PAD scalars in one load; coef
+    # is then its permuted view, so that what writes it by index is unchanged
+    token = blk.coef_layout == "token" and blk.src_mode == "serial"
+    coef_mem = torch.zeros(S, B, T, 4, m_pad, **f32) if token else torch.zeros(4, m_pad, S, B, T, **f32)
+    coef = coef_mem.permute(3, 4, 0, 1, 2) if token else coef_mem
     koff = pair_offsets(ks)
     if S == 1:  # one source (placement=post's view op): every weight is 1 and the softmax has no gradient
         coef[0, :m] = 1.0  # κ = μ = 0: no stats kernel
@@ -1974,13 +2033,17 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
             x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
             KW=k_max, BD=bd, FAST=blk.serial_fast, QS=saved is None, DR=True, PREFETCH=blk.stats_prefetch,
             PAIRS=blk.stats_pairs, num_warps=1)
-        finish_stats(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved, glue=blk.stats_glue)
+        finish_stats(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved, glue=blk.stats_glue,
+                     token=token)
     else:
         stats_bd, stats_bt = blk.stats_tiles()
+        planes = torch.zeros(4, m_pad, S, B, T, **f32) if token else coef  # the tile kernel writes planes
         _stats_kernel[(triton.cdiv(T, stats_bt), B)](
-            x, packed, qg, near, dr, lse, coef, S, n_buf, offset_arg(p_off), B, T, d, m, k_max, eps,
+            x, packed, qg, near, dr, lse, planes, S, n_buf, offset_arg(p_off), B, T, d, m, k_max, eps,
             triton.cdiv(d, stats_bd), plane, KEY_NORM=key_norm, M_PAD=m_pad, KS=ks, BT=stats_bt, BD=stats_bd,
             V3=blk.views_3d, num_warps=blk.stats_warps)
+        if token:
+            coef.copy_(planes)
     if rows_grad is None:
         dx = out = torch.empty(S, B, T, d, device=x.device, dtype=x.dtype)
         n_add, q_off = 0, n_buf * B * T * d  # the partial's gradient: the last row of the stacked dx
@@ -1995,10 +2058,10 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         dqg_part = torch.empty(n_part, m, d, **f32)
         dtap_part = torch.empty(n_part, sum(ks), d, **f32)
         _src_serial_kernel[(S * triton.cdiv(d, blk.serial_bd), n_chunks, B)](
-            x, packed, qg, near, dr, coef, out, dqg_part, dtap_part, S, n_buf, offset_arg(p_off), n_add,
+            x, packed, qg, near, dr, coef_mem, out, dqg_part, dtap_part, S, n_buf, offset_arg(p_off), n_add,
             offset_arg(q_off), B, T, d, k_max, plane, ch, n_chunks, SOFTMAX=S > 1, KS=ks, KOFF=koff, KW=k_max,
             NPAIR=sum(ks), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch, FAST=blk.serial_fast,
-            num_warps=blk.serial_warps)
+            CM=m_pad if token else 0, num_warps=blk.serial_warps)
         dtaps_all = dtap_part.sum(0)  # (NPAIR, d)
         dtaps = [dtaps_all[koff[j]: koff[j] + c.shape[0]] for j, c in enumerate(taps, start=1)]
         return dx, dtaps, dqg_part.sum(0)

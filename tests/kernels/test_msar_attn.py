@@ -273,13 +273,13 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue"])
+@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-token"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
     layout, with the ring source-gradient kernel (and the default forward), and with the split forward (the
     default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
-    as kernels too, Blocks.glue="triton")."""
+    as kernels too, Blocks.glue="triton"), and with the backward's w, κ, μ token-major (Blocks.coef_layout)."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -293,6 +293,8 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_ring(monkeypatch)
     if variant in ("split", "lean", "lean-glue"):
         _with_split(monkeypatch, lean=variant != "split", glue="triton" if variant == "lean-glue" else "torch")
+    if variant == "coef-token":
+        _with_fields(monkeypatch, coef_layout="token", stats_glue="triton")
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -476,11 +478,71 @@ def test_serial_source_gradients_equal_the_ring(case):
                 assert b.abs().max() > 0, name
 
 
+# (id, S, B, T, d, kernels, serial program's tokens, serial program's channels, key norm): M_PAD 1 to 8
+TOKEN_MAJOR = [
+    *SERIAL,
+    ("no-kernels-M_PAD-1", 3, 2, 9, 12, (), 4, 8, True),
+    ("five-views-M_PAD-8", 4, 2, 11, 20, (2, 3, 2, 4), 5, 8, True),
+    ("five-views-rawkeys-M_PAD-8", 3, 1, 17, 12, (3, 1, 2, 5), 6, 8, False),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", TOKEN_MAJOR, ids=[c[0] for c in TOKEN_MAJOR])
+def test_token_major_stats_equal_the_planes(case):
+    """Blocks.coef_layout="token": the backward's w, κ, μ stored token-major, (S, B, T, 4, M_PAD), and read by the
+    serial source-gradient kernel as one load a token split into scalars, give the same dx, tap and query
+    gradients as the planes (the default), to the bit, after every way of computing them: the serial stats kernel
+    finished by the glue kernel (from the forward's saved logits and ρ, or recomputing them) or by PyTorch, and
+    the tile stats kernel (written in planes, then copied); one to five sources, M_PAD 1 to 8, random upstream
+    gradients, documents at odd offsets, programs of 1 token to a whole row. The default's results are also
+    checked against the ring kernel."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    _, S, B, T, d, kernels, ch, bd, key_norm = case
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=3)
+    near = fused.doc_window(doc_ids)
+    m = 1 + len(taps)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    qg = fused.folded_queries(queries, key_gains)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    _, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, key_norm=key_norm,
+                                            eps=1e-6, save_stats=True)
+    dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(7))
+    dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
+    base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), serial_ch=ch, serial_bd=bd, stats_serial_ch=ch,
+                               stats_serial_bd=bd)
+
+    def grads(blk, saved_stats):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "_blocks", lambda *_a: blk)
+            dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=key_norm,
+                                                    eps=1e-6, stats=saved_stats)
+        return (dx, *dtaps, dqg)
+
+    names = ["dx", *(f"taps[{i}]" for i in range(len(taps))), "dqg"]
+    ring = grads(dataclasses.replace(base, src_mode="ring", stats_mode="tile"), None)
+    for label, fields, saved_stats in (("glue-saved", dict(stats_glue="triton"), stats),
+                                       ("glue-recomputed", dict(stats_glue="triton", stats_saved=False), None),
+                                       ("torch-saved", dict(stats_glue="torch"), stats),
+                                       ("tile-stats", dict(stats_mode="tile"), None)):
+        planes = grads(dataclasses.replace(base, **fields), saved_stats)
+        token = grads(dataclasses.replace(base, coef_layout="token", **fields), saved_stats)
+        for name, a, b, r in zip(names, token, planes, ring):
+            assert a.shape == b.shape and torch.equal(a, b), f"{label} {name}: {rel_err(a, b):.2e}"
+            assert rel_err(b, r) < 1e-4, f"{label} {name}: planes against the ring {rel_err(b, r):.2e}"
+            if name != "dqg" or S > 1:
+                assert b.abs().max() > 0, name
+
+
 @pytest.mark.parametrize("field, value, choices", [("src_mode", "rings", "'serial', 'ring'"),
                                                     ("stats_mode", "tiles", "'tile', 'serial'"),
                                                     ("fwd_mode", "splits", "'tile', 'split'"),
                                                     ("glue", "pytorch", "'torch', 'triton'"),
-                                                    ("stats_glue", "pytorch", "'torch', 'triton'")])
+                                                    ("stats_glue", "pytorch", "'torch', 'triton'"),
+                                                    ("coef_layout", "tokens", "'planes', 'token'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
     from kernels.msar_attn import fused
 
@@ -750,9 +812,9 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
     lines = [line for line in stdout.splitlines() if "registers" in line]
     # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 2
-    # plain, lean, lean two tokens a trip and four on 64 channels), the three glue kernels and its h, the mixer, the
-    # stats, the sources
-    assert len(lines) == 15, stdout
+    # plain, lean, lean two tokens a trip and four on 64 channels), the three glue kernels (and w, κ, μ written
+    # token-major) and its h, the mixer, the stats, the sources (and reading w, κ, μ token-major)
+    assert len(lines) == 17, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -766,6 +828,8 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # made the streams backward 3.09 -> 4.30 ms at `small` on an H200 (msar_tiles_nvidia_h200_regs.md)
     if views_3d == "default":  # (the 3-d view layout, a candidate that lost, spills 172 bytes in the stats)
         assert spills["stats"] <= 64 and spills["source gradients"] <= 64, stdout
+        # Blocks.coef_layout="token": a token's w, κ, μ in one load frees registers (8 bytes spilled -> 0 at `small`)
+        assert spills["source gradients, w κ μ token-major (candidate)"] <= spills["source gradients"], stdout
         # the split forward's kernels (the default forward) are serial like the stats: none spill at their tiles
         assert all(spills[k] == 0 for k in spills if k.startswith("split forward")), stdout
 
@@ -925,6 +989,37 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     # two tokens a trip: its four loops over the sources, then the one-token path's four for a chunk's odd last token
     pair_fast = min((lp for lp in out["pairs"]["loops"] if lp["fp32"] == 2 * fast["fp32"]), key=lambda lp: lp["total"])
     assert pair_fast["total"] <= 0.85 * 2 * fast["total"] and out["pairs"]["shared"] == 0, (pair_fast, fast)
+
+
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/nvdisasm").exists(),
+                    reason="the triton wheel has no nvdisasm")
+def test_token_major_stats_are_three_vector_loads_a_token():
+    """What Blocks.coef_layout="token" is for, read from the sm_90a SASS at model=small with kernels 4 8 12: in the
+    serial source-gradient kernel's token loop the 12 scalars w, κ, μ (m = 4) are 3 loads of 16 bytes instead of 12
+    of 4 (the pad plane is never loaded), no longer moved to uniform registers one by one (R2UR), and the loop takes
+    fewer instructions with the same fp32 arithmetic. Equal results: test_token_major_stats_equal_the_planes."""
+    code = (
+        "import json\n"
+        "from benchmarks.msar_attn_ptxas import compile_launch, kernels_for\n"
+        "from benchmarks.ptxas import sass, sass_loops\n"
+        "out = {}\n"
+        "for name, fn, types, consts, warps in kernels_for(1024, 512, (4, 8, 12)):\n"
+        "    if name.startswith('source gradients'):\n"
+        "        text = sass(compile_launch(fn, types, consts, warps))\n"
+        "        (lp,) = sass_loops(text)\n"
+        "        lines = text.split(chr(10))\n"
+        "        out['token' if 'token' in name else 'planes'] = dict(ops=lp['ops'], total=lp['total'],\n"
+        "            wide=sum('LDG.E.128' in line for line in lines))\n"
+        "print(json.dumps(out))\n")
+    import json
+
+    out = json.loads(_run_compiled("-c", code).splitlines()[-1])
+    planes, token = out["planes"], out["token"]
+    fp32 = ("FFMA", "FMUL", "FADD", "FSEL")
+    assert [token["ops"].get(op, 0) for op in fp32] == [planes["ops"].get(op, 0) for op in fp32], out
+    assert planes["ops"]["R2UR"] >= 12 and token["ops"].get("R2UR", 0) == 0, out
+    assert token["ops"]["LDG"] == planes["ops"]["LDG"] - 9 and planes["wide"] == 0 < token["wide"], out
+    assert token["total"] <= planes["total"] - 30, out
 
 
 def test_sass_loops_finds_nested_loops_and_counts_their_bodies():
