@@ -256,6 +256,11 @@
 #            msar_block's small step beside one token a trip
 #   pairs_medium one GPU (about 600 s with the start): MSAR's op GPU tests, pass 2's forward alone with one, two
 #            (the default) and four tokens a trip, msar_block's medium step beside one token a trip
+#   msar_next one GPU (about 600 s with the start): pairs_medium with the source-gradient candidate of 2026-12-04
+#            night (w, κ, μ token-major, Blocks.coef_layout) timed alone at small and medium too
+#   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
+#            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
+#            (SPLIT_GRADS_PARTIALS), each alone against the default, then full AttnRes's medium step with the rule
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -269,7 +274,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1096,6 +1101,30 @@ case "$PLAN" in
     msar_tests "${TEST_LIMIT:-150}"  # 90 s cut them at 8 passed on 2026-12-04 evening
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-160}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_pairs2}"
+    ;;
+  msar_next)
+    # pairs_medium (the op's GPU tests; pass 2's forward alone with one and four tokens a trip beside the default two;
+    # msar_block's medium step beside one token a trip) and the backward's w, κ, μ token-major (Blocks.coef_layout,
+    # built 2026-12-04 night, CPU-tested only) alone: the stats, glue and source gradients beside the default
+    ONE2="py:kernels.msar_attn.fused.FIELDS={'split_trip':1}"
+    msar_tests "${TEST_LIMIT:-140}"
+    step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels forward --only split_trip=1 split_trip=4,split_bd=64 --tag "${TAG:-_pass2_trips}"
+    step gpu0 coef_tiles "${COEF_LIMIT:-60}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels "source gradients" --only coef_layout=token --tag "${TAG:-_coef_token}"
+    step gpu0 medium "${MEDIUM_LIMIT:-260}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_pairs_medium}"
+    ;;
+  attnres_next)
+    # the forward's streaming rule (from 9 sources; full AttnRes's medium step never timed) and the split gradients
+    # kernel with its partial written per token block (SPLIT_GRADS_PARTIALS, built 2026-12-04 night, CPU-tested only):
+    # the bf16 GPU test of both, each alone against the default (default first and last), then full AttnRes's medium step
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_depth_attn_fused.py -k "bf16_matches_fp32_reference and (rule or one-kernel or split-partials)"
+    step gpu0 partials "${PARTIALS_LIMIT:-90}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+      --ops block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9 \
+      --phase1 split-blocks split-partials split-partials-16x32 split-blocks --tag "${TAG:-_partials}"
+    stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-0}" "${MEDIUM_LIMIT:-300}"  # small's step: 2026-12-04 evening
     ;;
   pairs_medium)
     # MSAR's pass 2 two tokens a trip (the default since 2026-12-04 evening) at medium, where its 243 registers may bind:

@@ -99,7 +99,9 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("auto_delta", ["small", "medium"]),
                                          ("kept", ["gpu_tests", "saved", "small"]),
                                          ("lean", ["gpu_tests", "medium"]),
-                                         ("sources2", ["parity", "small"])])
+                                         ("sources2", ["parity", "small"]),
+                                         ("attnres_next", ["gpu_tests", "partials", "tiles", "small", "medium"]),
+                                         ("msar_next", ["gpu_tests", "msar_tiles", "coef_tiles", "medium"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""
@@ -109,7 +111,7 @@ def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     repo = tmp_path / "repo"
     (repo / "benchmarks" / "results").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "gpu_session.sh", repo / "benchmarks" / "gpu_session.sh")
-    limits = ("TEST", "SMALL", "PARITY", "MEDIUM", "DTILES", "TILES", "TILES17", "COUNTER", "STREAMS", "OPS", "OPS32", "PROFILE", "OPS2048", "SAVED")  # every *_LIMIT of these plans
+    limits = ("TEST", "SMALL", "PARITY", "MEDIUM", "DTILES", "TILES", "TILES17", "COUNTER", "STREAMS", "OPS", "OPS32", "PROFILE", "OPS2048", "SAVED", "PARTIALS", "MSAR_TILES", "COEF")  # every *_LIMIT of these plans
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ARCHIVE": str(tmp_path / "a.tgz"),
            **{f"{name}_LIMIT": "0" for name in limits}}
     out = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_session.sh"), plan, str(tmp_path / "o")],
@@ -120,9 +122,10 @@ def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     assert all("skipped (limit 0)" in line for line in summary)
 
 
-@pytest.mark.parametrize("plan, count, groups", [("lean2", 4, ("forward", "stats"))])
+@pytest.mark.parametrize("plan, counts, groups", [("lean2", (4,), ("forward", "stats")),
+                                                  ("msar_next", (2, 1), ("forward", "source gradients"))])
 @pytest.mark.parametrize("T, d", [(1024, 512), (2048, 1024)], ids=["small", "medium"])
-def test_gpu_session_plans_time_only_candidates(T, d, plan, count, groups):
+def test_gpu_session_plans_time_only_candidates(T, d, plan, counts, groups):
     """Every ``--only`` of a plan's msar_tiles steps is a candidate of benchmarks.msar_tiles at the shapes it runs,
     and a step's --only name distinct tiles (one that is not a candidate, or names tiles already named, is not timed
     on the GPU, and its device time is lost)."""
@@ -144,7 +147,7 @@ def test_gpu_session_plans_time_only_candidates(T, d, plan, count, groups):
                 steps.append([])
         elif taking:
             steps[-1].append(parse_candidate(word))
-    assert len(steps) == 1 and len(steps[0]) == count, (plan, steps)
+    assert [len(step) for step in steps] == list(counts), (plan, steps)
     base = fused._blocks(T, d, 4, 12)
     offered = [dataclasses.replace(base, **o) for group in groups for o in candidates(base)[group][1:]]
     for asked in steps:
