@@ -131,7 +131,13 @@ def main(argv=None) -> int:
                   *(("gradients, partials per token block", fused._split_grads_blocks_kernel, grads_types,
                      dict(BLOCK_S=min(bs_p, fused._pow2(n)), BLOCK_T=bt_p, BLOCK_D=min(bd_p, fused._pow2(d))), warps_b)
                     for bt_p, bd_p, bs_p in [fused.SPLIT_GRADS_PARTIALS if isinstance(fused.SPLIT_GRADS_PARTIALS, tuple)
-                                             else fused.PARTIALS_TILES]))),
+                                             else fused.PARTIALS_TILES]),
+                  # the consumers' loop outside each trip's sources (fused.SPLIT_GRADS_CONSUMERS), at most
+                  # CONSUMERS_ROWS sources a trip
+                  *(("gradients, consumers outside the sources", fused._split_grads_consumers_kernel, grads_types,
+                     dict(ROWS_A_TRIP=rows_a_trip, TAIL=tail, BLOCK_D=block_d), warps_b)
+                    for cap in [fused.CONSUMERS_ROWS]
+                    for rows_a_trip, tail in [(n, 0) if n <= cap else (cap, n % cap)]))),
             *((f"merge forward{label}", fused._merge_fwd_kernel,
                dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, new_ptr=bf16, psum_ptr=bf16,
                     eps="fp32"),
@@ -150,7 +156,7 @@ def main(argv=None) -> int:
                 print(f"{name}: COMPILE FAILED: {type(exc).__name__}: {exc}", flush=True)
                 continue
             smem = int(info.split("shared ", 1)[1].split(" ", 1)[0])
-            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C", "ROWS", "PREFETCH", "maxnreg")}
+            tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK_") or k in ("ONE_CHUNK", "UNROLL_C", "ROWS", "PREFETCH", "maxnreg", "ROWS_A_TRIP", "TAIL")}
             head, _, loops = info.partition("\n")
             print(f"{name} {tiles} warps={warps}: {head} | {per_sm(regs, warps, smem)} programs/SM", flush=True)
             if loops:

@@ -260,7 +260,8 @@
 #            night (w, κ, μ token-major, Blocks.coef_layout) timed alone at small and medium too
 #   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
 #            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
-#            (SPLIT_GRADS_PARTIALS), each alone against the default, then full AttnRes's medium step with the rule
+#            (SPLIT_GRADS_PARTIALS) and consumers outside the sources (SPLIT_GRADS_CONSUMERS), each alone against the
+#            default, then full AttnRes's medium step with the rule
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -1117,14 +1118,16 @@ case "$PLAN" in
     ;;
   attnres_next)
     # the forward's streaming rule (from 9 sources; full AttnRes's medium step never timed) and the split gradients
-    # kernel with its partial written per token block (SPLIT_GRADS_PARTIALS, built 2026-12-04 night, CPU-tested only):
-    # the bf16 GPU test of both, each alone against the default (default first and last), then full AttnRes's medium step
-    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_depth_attn_fused.py -k "bf16_matches_fp32_reference and (rule or one-kernel or split-partials)"
-    step gpu0 partials "${PARTIALS_LIMIT:-90}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
-      --ops block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9 \
-      --phase1 split-blocks split-partials split-partials-16x32 split-blocks --tag "${TAG:-_partials}"
-    stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-0}" "${MEDIUM_LIMIT:-300}"  # small's step: 2026-12-04 evening
+    # kernel's two candidates built 2026-12-04 night and CPU-tested only (the partial written per token block,
+    # SPLIT_GRADS_PARTIALS; the consumers' loop outside the sources', SPLIT_GRADS_CONSUMERS): the bf16 GPU test of
+    # them, each alone against the default (default first and last), then full AttnRes's medium step
+    step gpu0 gpu_tests "${TEST_LIMIT:-80}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_depth_attn_fused.py \
+      -k "bf16_matches_fp32_reference and (rule or one-kernel or split-partials or split-consumers)"
+    step gpu0 grads "${GRADS_LIMIT:-120}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
+      --ops block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9 --phase1 split-blocks split-partials \
+      split-partials-16x32 split-consumers split-consumers-2 split-blocks --tag "${TAG:-_grads_night}"
+    stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-0}" "${MEDIUM_LIMIT:-290}"  # small's step: 2026-12-04 evening
     ;;
   pairs_medium)
     # MSAR's pass 2 two tokens a trip (the default since 2026-12-04 evening) at medium, where its 243 registers may bind:

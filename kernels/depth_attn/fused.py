@@ -54,6 +54,9 @@ term; ``SPLIT_GRADS_PREFETCH`` (off: no gain in the step) loads each trip's sour
 ahead. ``SPLIT_GRADS_PARTIALS`` (off: not yet timed) runs the gradients kernel as one program per 16 tokens × 64
 channels (``_split_grads_blocks_kernel``), each writing its query-gradient partial into its token block's row of a
 scratch that ``torch.sum`` reduces, instead of holding the partial in registers over a persistent program's tokens.
+``SPLIT_GRADS_CONSUMERS`` (off: not yet timed) runs the consumers' loop outside each trip's sources
+(``_split_grads_consumers_kernel``: a token's sources held as rows with their gradients, at most 4 a trip, so each
+upstream gradient is loaded once a trip instead of once every 2 sources).
 Both passes in one kernel (the scalars of a token block from a first pass over its chunks, the gradients from a
 second) was measured 2.2-12x slower alone and removed (2026-12-04, docs/kernel_attnres.md).
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
@@ -790,6 +793,82 @@ def _split_grads_blocks_kernel(
 
 
 @triton.jit
+def _consumers_trip(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n_add, N, D, cnN, tok, offs_d,
+                    mask_d, C: tl.constexpr, KEY_NORM: tl.constexpr, ROWS: tl.constexpr):
+    """A trip of ``_split_grads_consumers_kernel`` over sources s0 .. s0 + ROWS - 1 (all below n) of token ``tok``:
+    their gradients written (added to what rows [0, n_add) hold); returns the consumers' partials with this trip's
+    terms."""
+    xs = ()
+    dxs = ()
+    for j in tl.static_range(ROWS):  # every row's loads first, so that they are in flight together
+        row = (s0 + j).to(tl.int64) * N + tok  # in the (n, N) source-token grid
+        x = tl.load(src_ptr + row * D + offs_d, mask=mask_d).to(tl.float32)
+        dx = tl.load(dsrc_ptr + row * D + offs_d, mask=mask_d & (s0 + j < n_add), other=0.0).to(tl.float32)
+        if KEY_NORM:
+            dx += tl.load(coef_ptr + row) * x
+        xs = xs + (x,)
+        dxs = dxs + (dx,)
+    for c in tl.static_range(C):  # a consumer's upstream gradient and query once a trip, its terms into every row
+        qg = tl.load(qg_ptr + c * D + offs_d, mask=mask_d)
+        do = tl.load(douts[c] + tok * D + offs_d, mask=mask_d).to(tl.float32)
+        dq = dqs[c]
+        for j in tl.static_range(ROWS):
+            row = c * cnN + (s0 + j).to(tl.int64) * N + tok
+            dlr = tl.load(dlr_ptr + row)
+            dx = dxs[j] + tl.load(w_ptr + row) * do
+            dx += dlr * qg
+            dxs = dxs[:j] + (dx,) + dxs[j + 1:]
+            dq += dlr * xs[j]
+        dqs = dqs[:c] + (dq,) + dqs[c + 1:]
+    for j in tl.static_range(ROWS):
+        row = (s0 + j).to(tl.int64) * N + tok
+        tl.store(dsrc_ptr + row * D + offs_d, dxs[j].to(dsrc_ptr.dtype.element_ty), mask=mask_d)
+    return dqs
+
+
+@triton.jit
+def _split_grads_consumers_kernel(
+    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
+    qg_ptr,  # gain-folded queries (C, d) fp32
+    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
+    w_ptr, dlr_ptr, coef_ptr,  # the first kernel's (C, n, N), (C, n, N), (n, N) fp32
+    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
+    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
+    n, n_add, N, D,
+    C: tl.constexpr, KEY_NORM: tl.constexpr, ROWS_A_TRIP: tl.constexpr, TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Split backward, second kernel, with the consumers' loop outside the sources' (``SPLIT_GRADS_CONSUMERS``): the
+    terms of ``_split_grads_kernel``,
+        dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c += Σ_s dlr_cs x_s,
+    persistent, one token over all d at a time. A token's sources are taken in trips of ROWS_A_TRIP, then one of TAIL
+    (0: none; n = trips × ROWS_A_TRIP + TAIL, so no row is padded), each source its own (1, 1, D) row held over the
+    trip with its gradient dx_s in registers (``_consumers_trip``). The consumers' loop runs outside the trip's rows:
+    dO_c and qg_c are loaded once a trip (once a token where the sources fit one trip), each of the trip's dx_s takes
+    consumer c's terms in place (two fused multiply-adds a channel), and consumer c's query-gradient partial, a
+    (1, 1, D) accumulator of its own over the program's tokens, takes Σ_s dlr_cs x_s within that consumer's iteration
+    (no select into a (C, d) tile)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    offs_d = tl.arange(0, BLOCK_D)[None, None, :]
+    mask_d = offs_d < D
+    dqs = (tl.zeros((1, 1, BLOCK_D), dtype=tl.float32),) * C  # consumer c's partial over the program's tokens
+    cnN = n.to(tl.int64) * N  # a consumer's stride in the (C, n, N) scalars
+    tok = pid.to(tl.int64)
+    while tok < N:
+        s0 = pid * 0
+        while s0 + ROWS_A_TRIP <= n:
+            dqs = _consumers_trip(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n_add, N, D, cnN,
+                                  tok, offs_d, mask_d, C, KEY_NORM, ROWS_A_TRIP)
+            s0 += ROWS_A_TRIP
+        if TAIL > 0:
+            dqs = _consumers_trip(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n_add, N, D, cnN,
+                                  tok, offs_d, mask_d, C, KEY_NORM, TAIL)
+        tok += n_prog
+    for c in tl.static_range(C):  # row pid·C + c of (programs, C, d)
+        tl.store(dqg_ptr + (pid * C + c).to(tl.int64) * D + offs_d, dqs[c], mask=mask_d)
+
+
+@triton.jit
 def _merge_fwd_kernel(
     o_ptr,  # phase-1 output of this consumer (N, d)
     lse_ptr,  # its log-sum-exp (N,) fp32
@@ -1064,6 +1143,43 @@ def split_grads_partials(n: int, d: int) -> tuple[int, int, int] | None:
     if setting is True and interpreting():
         tiles = (8, 16, 2)
     return tiles[0], min(tiles[1], _pow2(d)), min(tiles[2], _pow2(n))
+
+
+# The split gradients kernel with the consumers' loop outside the sources' (``_split_grads_consumers_kernel``):
+# False, True (at most ``CONSUMERS_ROWS`` sources a trip) or that cap as a positive integer. A token's sources are
+# rows held in registers with their gradients over a trip (n ≤ cap: one trip, so each upstream gradient dO_c is loaded
+# once a token, where the persistent kernel loads it again every 2 sources; above, trips of the cap and one of the
+# rest, no row padded), every term a fused multiply-add, each consumer's query-gradient partial an accumulator of its
+# own formed in that consumer's iteration. By the sm_90 compiler (bf16 sources, 4 consumers, d = 1024, 4 warps):
+# at most 4 a trip 168 registers (3 programs an SM, as the default), no spills, 962 instructions a trip of 4 sources
+# against the default's 582 a trip of 2 (0.23 a term against 0.28), but 182 at 8 sources (two trips of 4: 2 programs
+# an SM); 5 a trip take 178. Accumulating dx_s in the source-gradient rows instead (read, add, write once a consumer)
+# would round bf16 row gradients once a consumer and read every source again a consumer for its query term. Built and
+# tested on the CPU, not timed (2026-12-04, night; docs/kernel_attnres.md). Off.
+SPLIT_GRADS_CONSUMERS: bool | int = False
+CONSUMERS_ROWS = 4
+
+
+def split_grads_consumers(n: int) -> tuple[int, int] | None:
+    """(sources a trip, sources of the last, shorter trip or 0) of the split gradients kernel with the consumers' loop
+    outside the sources' (``SPLIT_GRADS_CONSUMERS``) over n sources; None for the persistent kernel of trips of
+    sources. Refused with ``SPLIT_GRADS_ROWS``, ``SPLIT_GRADS_PREFETCH`` or ``SPLIT_GRADS_PARTIALS``, which set other
+    gradient kernels. Under the interpreter True takes at most 2 a trip (a ragged last trip in the CPU tests)."""
+    setting = SPLIT_GRADS_CONSUMERS
+    if isinstance(setting, bool):
+        cap = (2 if interpreting() else CONSUMERS_ROWS) if setting else None
+    elif isinstance(setting, int) and 1 <= setting <= 16:
+        cap = setting
+    else:
+        raise ValueError(f"fused.SPLIT_GRADS_CONSUMERS={setting!r}: choose False (the persistent kernel, its consumers "
+                         f"inside each trip of sources), True (at most {CONSUMERS_ROWS} sources a trip) or the most "
+                         "sources a trip, 1 to 16")
+    if cap is None:
+        return None
+    if split_grads_rows() or split_grads_prefetch() or SPLIT_GRADS_PARTIALS is not False:
+        raise ValueError(f"fused.SPLIT_GRADS_CONSUMERS={setting!r} replaces the gradients kernel that SPLIT_GRADS_ROWS, "
+                         "SPLIT_GRADS_PREFETCH and SPLIT_GRADS_PARTIALS set: set one of them")
+    return (n, 0) if n <= cap else (cap, n % cap)
 
 
 def split_grads_rows() -> bool:
@@ -1347,7 +1463,8 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
 
 def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d, logits=None, rstd=None) -> Tensor:
     """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients (persistent, or with
-    ``SPLIT_GRADS_PARTIALS`` a program per token block and channel chunk, the token blocks' partials summed here);
+    ``SPLIT_GRADS_PARTIALS`` a program per token block and channel chunk, the token blocks' partials summed here; with
+    ``SPLIT_GRADS_CONSUMERS`` persistent, the consumers' loop outside each trip's sources);
     returns dqg (C, d). With the forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
     block_s = _pow2(n)
     (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C, logits is not None)
@@ -1360,6 +1477,18 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
                                             rstd if from_logits and key_norm else w, n, N, d, eps, **common,
                                             BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,
                                             num_warps=warps_a)
+    consumers = split_grads_consumers(n)
+    if consumers:  # persistent, the consumers' loop outside each trip's sources (rows held with their gradients)
+        rows_a_trip, tail = consumers
+        meta = dict(C=C, KEY_NORM=key_norm, ROWS_A_TRIP=rows_a_trip, TAIL=tail, BLOCK_D=block_d)
+        if split_grads_maxnreg():
+            meta["maxnreg"] = split_grads_maxnreg()
+        args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
+        programs = _persistent_grid(_split_grads_consumers_kernel, args[:7] + (qg,) + args[8:], meta, warps_b, N,
+                                    src.device)
+        dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
+        _split_grads_consumers_kernel[(programs,)](*args[:7], dqg, *args[8:], **meta, num_warps=warps_b)
+        return dqg.sum(0)
     partials = split_grads_partials(n, d)
     if partials:  # a program per token block × channel chunk, its query-gradient partial written per token block
         bt_p, bd_p, bs_p = partials
