@@ -103,10 +103,14 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                     BT=blk.bt, BD=blk.bd, **common, V3=blk.forward_views_3d(1), **n_dt(blk.bd)), blk.forward_warps(1))
     if hasattr(fused, "_streams_split_kernel"):  # the split forward (Blocks.fwd_mode="split"), since 2026-12-02
         split = getattr(blk, "fwd_mode", "tile") == "split"
+        ptok = getattr(blk, "parts_layout", "planes") == "token"
+        pass1 = dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_logit_bd, FAST=blk.serial_fast, QS=True,
+                     DR=False, PREFETCH=blk.stats_prefetch, PAIRS=getattr(blk, "stats_pairs", False))
         yield (f"split forward, pass 1{'' if split else ' (candidate)'}", fused._stats_serial_kernel,
-               dict(**views, dr_ptr=F32, part_ptr=F32),
-               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_logit_bd, FAST=blk.serial_fast, QS=True,
-                    DR=False, PREFETCH=blk.stats_prefetch, PAIRS=getattr(blk, "stats_pairs", False)), 1)
+               dict(**views, dr_ptr=F32, part_ptr=F32), dict(**pass1, PM=m_pad if ptok else 0), 1)
+        if "PM" in fused._stats_serial_kernel.arg_names:  # Blocks.parts_layout (2026-12-04): a token's sums, one store
+            yield (f"split forward, pass 1, sums token-major{'' if ptok else ' (candidate)'}",
+                   fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32), dict(**pass1, PM=m_pad), 1)
         split_types = dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
                            mpart_ptr=F32, p_off="i64")  # pass 2's arguments, every way it compiles
         yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
@@ -134,9 +138,15 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                    blk.split_warps)
         if hasattr(fused, "_softmax_parts_kernel"):  # Blocks.glue="triton" (2026-12-02): the steps between kernels
             tag = "" if getattr(blk, "glue", "torch") == "triton" else " (candidate)"
-            yield (f"glue: softmax over the sources{tag}", fused._softmax_parts_kernel,
-                   dict(parts_ptr=F32, logits_ptr=F32, rho_ptr=F32, lse_ptr=F32, w_ptr=F32, eps="fp32"),
-                   dict(M=m, KEY_NORM=True, LEAN=blk.split_lean, BN=fused.GLUE_BN), 4)
+            softmax = dict(parts_ptr=F32, logits_ptr=F32, rho_ptr=F32, lse_ptr=F32, w_ptr=F32, eps="fp32")
+            yield (f"glue: softmax over the sources{tag}", fused._softmax_parts_kernel, softmax,
+                   dict(M=m, KEY_NORM=True, LEAN=blk.split_lean, BN=fused.GLUE_BN,
+                        PM=m_pad if getattr(blk, "parts_layout", "planes") == "token" else 0), 4)
+            if "PM" in fused._softmax_parts_kernel.arg_names:  # Blocks.parts_layout (2026-12-04)
+                yield (f"glue: softmax over the sources, sums token-major"
+                       f"{'' if getattr(blk, 'parts_layout', 'planes') == 'token' else ' (candidate)'}",
+                       fused._softmax_parts_kernel, softmax,
+                       dict(M=m, KEY_NORM=True, LEAN=blk.split_lean, BN=fused.GLUE_BN, PM=m_pad), 4)
             yield (f"glue: gate{tag}", fused._gate_kernel,
                    dict(mparts_ptr=F32, alpha_ptr=F32, bias_ptr=F32, g_ptr=F32, z_ptr=F32, rr_ptr=F32, eps="fp32"),
                    dict(M=m, M_PAD=m_pad, SIGMOID=True, BN=fused.GLUE_BN), 4)
@@ -144,10 +154,16 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
             token = getattr(blk, "coef_layout", "planes") == "token"
             finish = dict(parts_ptr=F32, lse_ptr=F32, logits_ptr=F32, rho_ptr=F32, coef_ptr=F32, eps="fp32")
             yield (f"glue: w, κ, μ{stats_tag}", fused._stats_finish_kernel, finish,
-                   dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token), 4)
+                   dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token,
+                        PM=getattr(blk, "parts_layout", "planes") == "token"), 4)
             if "TOKEN" in fused._stats_finish_kernel.arg_names:  # Blocks.coef_layout (2026-12-04): w, κ, μ by token
                 yield (f"glue: w, κ, μ token-major{'' if token else ' (candidate)'}", fused._stats_finish_kernel,
-                       finish, dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=True), 4)
+                       finish, dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=True, PM=False), 4)
+            if "PM" in fused._stats_finish_kernel.arg_names:  # Blocks.parts_layout (2026-12-04): the sums by token
+                ptok = getattr(blk, "parts_layout", "planes") == "token"
+                yield (f"glue: w, κ, μ from sums token-major{'' if ptok else ' (candidate)'}",
+                       fused._stats_finish_kernel, finish,
+                       dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token, PM=True), 4)
         yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
                dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=True), 4)
     yield ("mixer backward", fused._mix_bwd_kernel,
@@ -155,10 +171,15 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                 dzy_ptr=F32, eps="fp32"),
            dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd)), blk.mix_warps)
     if getattr(blk, "stats_mode", "tile") == "serial":
+        ptok = getattr(blk, "parts_layout", "planes") == "token"
+        stats = dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,
+                     FAST=getattr(blk, "serial_fast", False), QS=not getattr(blk, "stats_saved", False), DR=True,
+                     PREFETCH=getattr(blk, "stats_prefetch", False), PAIRS=getattr(blk, "stats_pairs", False))
         yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
-               dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,
-                    FAST=getattr(blk, "serial_fast", False), QS=not getattr(blk, "stats_saved", False), DR=True,
-                    PREFETCH=getattr(blk, "stats_prefetch", False), PAIRS=getattr(blk, "stats_pairs", False)), 1)
+               dict(**stats, PM=m_pad if ptok else 0), 1)
+        if "PM" in fused._stats_serial_kernel.arg_names:  # Blocks.parts_layout (2026-12-04): a token's sums, one store
+            yield (f"stats, sums token-major{'' if ptok else ' (candidate)'}", fused._stats_serial_kernel,
+                   dict(**views, dr_ptr=F32, part_ptr=F32), dict(**stats, PM=m_pad), 1)
     else:
         yield ("stats", fused._stats_kernel,
                dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),

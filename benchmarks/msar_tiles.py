@@ -72,7 +72,11 @@ def candidates(blk) -> dict[str, list[dict]]:
         # two tokens 216 -> 172.5 instructions a (token, source) in the unmasked loop, 190 -> 241 registers;
         # docs/kernel_msar.md, "Two tokens a trip of pass 2"); four on 64 channels a program (on 128 they spill)
         *(dict(fwd_mode="split", split_trip=trip) for trip in (1, 2) if trip != blk.split_trip),
-        dict(fwd_mode="split", split_trip=4, split_bd=64)]
+        dict(fwd_mode="split", split_trip=4, split_bd=64),
+        # pass 1's sums token-major, a vector store a (token, statistic) (sm_90a at `small`: 762 -> 682 instructions
+        # a trip of two tokens, 219 -> 235 registers; the glue kernel reads them 2·M_PAD floats apart), or in planes
+        # once token-major is the default
+        dict(fwd_mode="split", parts_layout="token" if blk.parts_layout == "planes" else "planes")]
     return {
         "forward": [{}] + split + v3
                    + [dict(views_3d=not blk.views_3d, bt=bt, warps=w) for bt, w in ((1, 1), (1, 2), (2, 2))]
@@ -85,6 +89,9 @@ def candidates(blk) -> dict[str, list[dict]]:
         "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
                                   if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
         "stats": [{}] + v3 + [dict(stats_glue=other_stats_glue)]
+                 # the stats kernel's sums token-major (sm_90a at `small`: 436 -> 413 instructions a trip, 157 -> 150
+                 # registers), or in planes once token-major is the default
+                 + [dict(parts_layout="token" if blk.parts_layout == "planes" else "planes")]
                  + [dict(stats_bt=bt, stats_bd=bd, stats_warps=w) for bt in around(blk.stats_tiles()[1])
                          for bd in sorted({blk.stats_tiles()[0], max(64, blk.stats_tiles()[0] // 2)}) for w in (2, 4, 8)
                          if (bt, bd, w) != (*reversed(blk.stats_tiles()), blk.stats_warps)]
@@ -199,7 +206,7 @@ def parse_candidate(text: str) -> dict:
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
             "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps",
-                      "stats_pairs"),
+                      "stats_pairs", "parts_layout"),
             "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch",
                                  "coef_layout", "src_bt", "src_bd", "src_warps", "sub")}[kernel]
 

@@ -777,6 +777,7 @@ def _stats_serial_kernel(
     DR: tl.constexpr,  # reduce dR_j·E_j (the backward; the forward's split pass 1 has no dR)
     PREFETCH: tl.constexpr,  # load token t+1 during step t
     PAIRS: tl.constexpr = False,  # two tokens a trip of the loop (their loads a step ahead, as PREFETCH)
+    PM: tl.constexpr = 0,  # 0: parts in planes; M_PAD: token-major, (n_dt, S, B, T, 2·QS + DR, M_PAD)
 ):
     """The stats kernel's reductions over the channels, split by channel tile: one program per (source,
     channel tile), chunk of CH tokens and row walks its tokens one at a time, with the taps and the last KW source
@@ -784,10 +785,11 @@ def _stats_serial_kernel(
     qg_j·E_j[t] and ‖E_j[t]‖² (QS) and dR_j[t]·E_j[t] (DR) over its BD channels (one warp: the sums stay inside it).
     The backward runs it with DR, and with QS unless the forward saved its logits and ρ; ``stats_from_parts`` sums
     the tiles and finishes w, κ, μ per (view, source, token). The split forward runs it with QS alone (its
-    pass 1, ``forward``)."""
+    pass 1, ``forward``). With PM (M_PAD) the parts are token-major (``Blocks.parts_layout="token"``): a token's
+    sums of one statistic over the views side by side (pad views 0), stored as one vector (``_vector``)."""
     s, chunk, b, offs_d, mask_d, x_row, near_row, c, qg, t0, t1, xw = _serial_start(
         x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH, KS, KW, BD)
-    plane = len(KS) * S * B * T  # one statistic of every (view, source, token)
+    plane = (PM if PM else len(KS)) * S * B * T  # one statistic of every (view, source, token)
     tile = (tl.program_id(0) // S).to(tl.int64)
     if QS:  # this channel tile's sums: 2·QS + DR statistics
         if DR:
@@ -801,12 +803,12 @@ def _stats_serial_kernel(
     if PAIRS:  # two tokens a trip: the window moves two places a trip, and no load waits in a copy
         while t + 1 < t1:
             second = _stats_loads(x_row, near_row, dr_ptr, t + 1, True, b, B, T, D, offs_d, mask_d, KS, DR)
-            xw = _stats_step(nxt, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            xw = _stats_step(nxt, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR, PM)
             nxt = _stats_loads(x_row, near_row, dr_ptr, t + 2, t + 2 < t1, b, B, T, D, offs_d, mask_d, KS, DR)
-            xw = _stats_step(second, xw, c, qg, t + 1, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            xw = _stats_step(second, xw, c, qg, t + 1, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR, PM)
             t += 2
         while t < t1:  # an odd chunk's last token (nxt holds its loads)
-            xw = _stats_step(nxt, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            xw = _stats_step(nxt, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR, PM)
             t += 1
     else:
         while t < t1:
@@ -815,30 +817,65 @@ def _stats_serial_kernel(
                 nxt = _stats_loads(x_row, near_row, dr_ptr, t + 1, t + 1 < t1, b, B, T, D, offs_d, mask_d, KS, DR)
             else:
                 cur = _stats_loads(x_row, near_row, dr_ptr, t, t < t1, b, B, T, D, offs_d, mask_d, KS, DR)
-            xw = _stats_step(cur, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR)
+            xw = _stats_step(cur, xw, c, qg, t, s, b, S, B, T, base, plane, KS, KOFF, KW, FAST, QS, DR, PM)
             t += 1
 
 
 @triton.jit
 def _stats_step(cur, xw, c, qg, t, s, b, S, B, T, base, plane, KS: tl.constexpr, KOFF: tl.constexpr,
-                KW: tl.constexpr, FAST: tl.constexpr, QS: tl.constexpr, DR: tl.constexpr):
+                KW: tl.constexpr, FAST: tl.constexpr, QS: tl.constexpr, DR: tl.constexpr, PM: tl.constexpr = 0):
     """One token of ``_stats_serial_kernel``: the window takes x[t] (``cur``: ``_stats_loads`` of t), E_j[t] is built
-    from it and its sums over the tile's channels stored. Returns the window."""
+    from it and its sums over the tile's channels stored: a scalar a (statistic, view), or with PM one vector of PM
+    a statistic (the views side by side, pad views 0; token-major parts). Returns the window."""
     xw = (cur[1],) + xw[:KW - 1]
     xm = _doc_masked(xw, cur[0], KW, FAST)
+    qs = ()  # with PM: the sums of every view, a tuple a statistic
+    ss = ()
+    ds = ()
     for j in tl.static_range(len(KS)):
         e = c[KOFF[j]] * xm[0]
         for tau in tl.static_range(1, tl.constexpr(KS[j])):
             e += c[KOFF[j] + tau] * xm[tau]
-        idx = ((j * S + s) * B + b).to(tl.int64) * T + t
-        if QS:
-            tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
-            tl.store(base + plane + idx, tl.sum(e * e, axis=0))
+        if PM:
+            if QS:
+                qs = qs + (tl.sum(qg[j] * e, axis=0),)
+                ss = ss + (tl.sum(e * e, axis=0),)
             if DR:
-                tl.store(base + 2 * plane + idx, tl.sum(cur[2 + j] * e, axis=0))
+                ds = ds + (tl.sum(cur[2 + j] * e, axis=0),)
         else:
-            tl.store(base + idx, tl.sum(cur[2 + j] * e, axis=0))
+            idx = ((j * S + s) * B + b).to(tl.int64) * T + t
+            if QS:
+                tl.store(base + idx, tl.sum(qg[j] * e, axis=0))
+                tl.store(base + plane + idx, tl.sum(e * e, axis=0))
+                if DR:
+                    tl.store(base + 2 * plane + idx, tl.sum(cur[2 + j] * e, axis=0))
+            else:
+                tl.store(base + idx, tl.sum(cur[2 + j] * e, axis=0))
+    if PM:  # (s, b, t)'s row of 2·QS + DR vectors of PM
+        row = base + ((s * B + b).to(tl.int64) * T + t) * ((2 * QS + DR) * PM)
+        lanes = tl.arange(0, PM)
+        if QS:
+            tl.store(row + lanes, _vector(qs, PM))
+            tl.store(row + PM + lanes, _vector(ss, PM))
+            if DR:
+                tl.store(row + 2 * PM + lanes, _vector(ds, PM))
+        else:
+            tl.store(row + lanes, _vector(ds, PM))
     return xw
+
+
+@triton.jit
+def _vector(vals, N: tl.constexpr):
+    """A tuple of at most N fp32 scalars as a (N,) tensor, in order, zeros past its end: a select a scalar
+    (``tl.where`` on the element's index). The scalars are warp reductions, held by every lane, so a lane keeps its
+    own element with selects on predicates that do not change from token to token. (Built with ``tl.join``, the
+    inverse of ``_scalars``, the vector took 18 layout conversions in pass 1 and 719 instructions a trip against 682
+    at `small`: the joined vector lies in one thread and is spread over the lanes to be stored.)"""
+    lanes = tl.arange(0, N)
+    v = tl.zeros((N,), dtype=tl.float32)
+    for r in tl.static_range(len(vals)):
+        v = tl.where(lanes == r, vals[r], v)
+    return v
 
 
 # --- the small steps between the kernels, fused (``Blocks.glue="triton"``; PyTorch's twins are the spec) -------------
@@ -847,12 +884,15 @@ GLUE_BN = 128  # tokens a program of the glue kernels
 
 @triton.jit
 def _softmax_parts_kernel(parts_ptr, logits_ptr, rho_ptr, lse_ptr, w_ptr, n_dt, S, N, d, eps,
-                          M: tl.constexpr, KEY_NORM: tl.constexpr, LEAN: tl.constexpr, BN: tl.constexpr):
+                          M: tl.constexpr, KEY_NORM: tl.constexpr, LEAN: tl.constexpr, BN: tl.constexpr,
+                          PM: tl.constexpr = 0):
     """The split forward between its passes, for BN of the N = B·T tokens and one view j: from pass 1's per-tile
     sums parts (n_dt, 2, m, S, N) (qg·E, ‖E‖²): ρ = (‖E‖²/d + eps)^-½ (KEY_NORM), logits = qg·E ρ (m, S, N), their
     lse over the sources (m, N) by a running maximum, and the weights w = exp(logits - lse), (m, S, N) or with LEAN
     (N, S, m). One program a (token block, view): the views are independent, and a grid over the tokens alone (the
-    views a loop) ran 128 programs at `small`, too few to fill the GPU. ``_softmax_parts_torch`` is its twin."""
+    views a loop) ran 128 programs at `small`, too few to fill the GPU. ``_softmax_parts_torch`` is its twin. With PM
+    (M_PAD) the parts are token-major, (n_dt, S, N, 2, PM) (``Blocks.parts_layout="token"``): the same sums, read
+    2·PM floats apart."""
     offs = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = offs < N
     j = tl.program_id(1)
@@ -865,9 +905,14 @@ def _softmax_parts_kernel(parts_ptr, logits_ptr, rho_ptr, lse_ptr, w_ptr, n_dt, 
         ss = tl.zeros((BN,), dtype=tl.float32)
         tile = 0
         while tile < n_dt:
-            at = ((tile * 2 * M + j) * S + s).to(tl.int64) * N + offs
-            q += tl.load(parts_ptr + at, mask=mask, other=0.0)
-            ss += tl.load(parts_ptr + at + M * plane, mask=mask, other=0.0)
+            if PM:  # (tile, s, token, statistic, view)
+                at = ((tile * S + s).to(tl.int64) * N + offs) * (2 * PM) + j
+                q += tl.load(parts_ptr + at, mask=mask, other=0.0)
+                ss += tl.load(parts_ptr + at + PM, mask=mask, other=0.0)
+            else:
+                at = ((tile * 2 * M + j) * S + s).to(tl.int64) * N + offs
+                q += tl.load(parts_ptr + at, mask=mask, other=0.0)
+                ss += tl.load(parts_ptr + at + M * plane, mask=mask, other=0.0)
             tile += 1
         if KEY_NORM:
             rho = tl.rsqrt(ss / d + eps)
@@ -914,8 +959,22 @@ def softmax_weights(logits: Tensor, lse: Tensor, *, lean: bool = False) -> Tenso
     return w
 
 
-def softmax_parts(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bool, glue: str):
-    """``_softmax_parts_torch`` (glue "torch") or its kernel (glue "triton"): same results, one launch."""
+def parts_buffer(n_dt: int, k: int, m: int, S: int, B: int, T: int, *, token: bool, device) -> tuple[Tensor, Tensor]:
+    """(memory, view) of the serial stats kernel's per-tile sums: k statistics of m views, viewed (n_dt, k, m, S, B,
+    T) in either layout: planes, or token-major (n_dt, S, B, T, k, M_PAD) (``Blocks.parts_layout="token"``: a
+    token's sums of one statistic side by side, one vector store; the pad views hold zeros), viewed through a
+    permutation of its first m views, so that PyTorch reads it unchanged."""
+    if not token:
+        mem = torch.empty(n_dt, k, m, S, B, T, device=device, dtype=torch.float32)
+        return mem, mem
+    mem = torch.empty(n_dt, S, B, T, k, triton.next_power_of_2(m), device=device, dtype=torch.float32)
+    return mem, mem.permute(0, 4, 5, 1, 2, 3)[:, :, :m]
+
+
+def softmax_parts(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bool, glue: str, token: bool = False):
+    """``_softmax_parts_torch`` (glue "torch") or its kernel (glue "triton"): same results, one launch. With
+    ``token`` parts (n_dt, 2, m, S, B, T) is the permuted view of token-major (n_dt, S, B, T, 2, M_PAD) parts
+    (``Blocks.parts_layout="token"``, ``parts_view``)."""
     if glue == "torch":
         return _softmax_parts_torch(parts, key_norm=key_norm, eps=eps, d=d, lean=lean)
     n_dt, _, m, S, B, T = parts.shape
@@ -925,7 +984,7 @@ def softmax_parts(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bo
     w = torch.empty(B, T, S, m, **f32) if lean else torch.empty(m, S, B, T, **f32)
     _softmax_parts_kernel[(triton.cdiv(B * T, GLUE_BN), m)](
         parts, logits, logits if rho is None else rho, lse, w, n_dt, S, B * T, d, eps, M=m, KEY_NORM=key_norm,
-        LEAN=lean, BN=GLUE_BN)
+        LEAN=lean, BN=GLUE_BN, PM=triton.next_power_of_2(m) if token else 0)
     return logits, rho, lse, w
 
 
@@ -987,7 +1046,7 @@ def gate(mparts: Tensor, alpha: Tensor, bias: Tensor, *, m: int, d: int, eps: fl
 @triton.jit
 def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt, S, N, d, eps,
                          M: tl.constexpr, M_PAD: tl.constexpr, KEY_NORM: tl.constexpr, SAVED: tl.constexpr,
-                         BN: tl.constexpr, TOKEN: tl.constexpr = False):
+                         BN: tl.constexpr, TOKEN: tl.constexpr = False, PM: tl.constexpr = False):
     """``stats_from_parts`` for BN of the N tokens and one view j (a program each, as ``_softmax_parts_kernel``):
     from the serial stats kernel's per-tile sums parts (n_dt, K, m, S, N) (K = 1 with SAVED: dR·E alone, the
     forward's logits and ρ (m, S, N) given; else K = 3: qg·E, ‖E‖², dR·E) and the forward's lse (m, N), w, κ, μ into
@@ -996,7 +1055,7 @@ def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt
     lane reads back only what it wrote) and accumulates Σ_s w a; the second reads a once instead of n_dt times.
     With TOKEN, coef is token-major, (S, N, 4, M_PAD) (``Blocks.coef_layout="token"``: a token's w, κ, μ of every
     view side by side, one load of the serial source-gradient kernel); the same values, written 4·M_PAD floats
-    apart."""
+    apart. With PM the parts are token-major, (n_dt, S, N, K, M_PAD) (``Blocks.parts_layout="token"``)."""
     offs = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = offs < N
     j = tl.program_id(1)
@@ -1021,13 +1080,18 @@ def _stats_finish_kernel(parts_ptr, lse_ptr, logits_ptr, rho_ptr, coef_ptr, n_dt
                 a = tl.zeros((BN,), dtype=tl.float32)
                 tile = 0
                 while tile < n_dt:
-                    pt = ((tile * K * M + j) * S + s).to(tl.int64) * N + offs
+                    if PM:  # (tile, s, token, statistic, view)
+                        pt = ((tile * S + s).to(tl.int64) * N + offs) * (K * M_PAD) + j
+                        pp = M_PAD
+                    else:
+                        pt = ((tile * K * M + j) * S + s).to(tl.int64) * N + offs
+                        pp = M * plane
                     if SAVED:
                         a += tl.load(parts_ptr + pt, mask=mask, other=0.0)
                     else:
                         q += tl.load(parts_ptr + pt, mask=mask, other=0.0)
-                        ss += tl.load(parts_ptr + pt + M * plane, mask=mask, other=0.0)
-                        a += tl.load(parts_ptr + pt + 2 * M * plane, mask=mask, other=0.0)
+                        ss += tl.load(parts_ptr + pt + pp, mask=mask, other=0.0)
+                        a += tl.load(parts_ptr + pt + 2 * pp, mask=mask, other=0.0)
                     tile += 1
                 tl.store(out + cp, a, mask=mask)
                 if not SAVED:  # ρ and the logit kept too, in the planes w and μ
@@ -1088,17 +1152,19 @@ def stats_from_parts(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool
 
 
 def finish_stats(parts: Tensor, lse: Tensor, coef: Tensor, *, key_norm: bool, eps: float, d: int,
-                 saved: tuple[Tensor, Tensor | None] | None, glue: str, token: bool = False) -> None:
+                 saved: tuple[Tensor, Tensor | None] | None, glue: str, token: bool = False,
+                 parts_token: bool = False) -> None:
     """``stats_from_parts`` (glue "torch", the spec) or ``_stats_finish_kernel`` (glue "triton": one launch). With
     ``token`` coef (4, M_PAD, S, B, T) is the permuted view of a token-major (S, B, T, 4, M_PAD) tensor
-    (``Blocks.coef_layout="token"``)."""
+    (``Blocks.coef_layout="token"``). With ``parts_token`` parts (n_dt, K, m, S, B, T) is the permuted view of
+    token-major (n_dt, S, B, T, K, M_PAD) parts (``Blocks.parts_layout="token"``, ``parts_view``)."""
     if glue == "torch":
         return stats_from_parts(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved)
     n_dt, _, m, S, B, T = parts.shape
     logits, rho = saved if saved is not None else (lse, None)
     _stats_finish_kernel[(triton.cdiv(B * T, GLUE_BN), m)](
         parts, lse, logits, lse if rho is None else rho, coef, n_dt, S, B * T, d, eps, M=m, M_PAD=coef.shape[1],
-        KEY_NORM=key_norm, SAVED=saved is not None, BN=GLUE_BN, TOKEN=token)
+        KEY_NORM=key_norm, SAVED=saved is not None, BN=GLUE_BN, TOKEN=token, PM=parts_token)
 
 
 @triton.jit
@@ -1665,13 +1731,21 @@ class Blocks:
     # bytes spilled; the glue kernel (``_stats_finish_kernel``) writes them 4·M_PAD floats apart. Built and tested on
     # the CPU, not timed (docs/kernel_msar.md, "The backward's w, κ, μ token-major")
     coef_layout: str = "planes"
+    # where the serial stats kernel (the split forward's pass 1 and the backward's stats, ``_stats_serial_kernel``)
+    # stores its per-tile sums: "planes" ((n_dt, K, m, S, B, T): a scalar store a (statistic, view, token), each with
+    # its own 64-bit address) or "token" ((n_dt, S, B, T, K, M_PAD): a token's sums of one statistic side by side,
+    # built from scalars by ``_vector`` and stored as one vector; the glue kernels then read them K·M_PAD floats
+    # apart). Built and tested on the CPU, not timed (docs/kernel_msar.md, "Pass 1's and the stats' sums
+    # token-major")
+    parts_layout: str = "planes"
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
     def __post_init__(self):  # a misspelt mode fails where the tiles are chosen, before any kernel runs
         for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial")),
                                ("fwd_mode", ("tile", "split")), ("glue", ("torch", "triton")),
-                               ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token"))):
+                               ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token")),
+                               ("parts_layout", ("planes", "token"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -1885,12 +1959,14 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     f32 = dict(device=x.device, dtype=torch.float32)
     bd1, ch = blk.split_logit_bd, max(1, min(blk.split_ch, T))
     n_dt1 = triton.cdiv(d, bd1)
-    parts = torch.empty(n_dt1, 2, m, S, B, T, **f32)
+    ptok = blk.parts_layout == "token"
+    parts_mem, parts = parts_buffer(n_dt1, 2, m, S, B, T, token=ptok, device=x.device)
     _stats_serial_kernel[(S * n_dt1, triton.cdiv(T, ch), B)](
-        x, packed, qg, near, parts, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
-        KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch,
-        PAIRS=blk.stats_pairs, num_warps=1)
-    logits, rho, lse, w = softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=blk.split_lean, glue=blk.glue)
+        x, packed, qg, near, parts_mem, parts_mem, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks,
+        KOFF=koff, KW=k_max, BD=bd1, FAST=blk.serial_fast, QS=True, DR=False, PREFETCH=blk.stats_prefetch,
+        PAIRS=blk.stats_pairs, num_warps=1, **(dict(PM=triton.next_power_of_2(m)) if ptok else {}))
+    logits, rho, lse, w = softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=blk.split_lean, glue=blk.glue,
+                                        token=ptok)
     r, mparts = _pass_2(x, packed, ks, m, near, w, blk, partial=partial, phi=None if write_r else mixer[0])
     stats = (logits, rho) if save_stats else None
     logits = logits if store_logits else None
@@ -2028,13 +2104,14 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
         bd, ch = blk.stats_serial_bd, max(1, min(blk.stats_serial_ch, T))
         n_dt = triton.cdiv(d, bd)
         saved = stats if blk.stats_saved else None
-        parts = torch.empty(n_dt, 1 if saved else 3, m, S, B, T, **f32)
+        ptok = blk.parts_layout == "token"
+        parts_mem, parts = parts_buffer(n_dt, 1 if saved else 3, m, S, B, T, token=ptok, device=x.device)
         _stats_serial_kernel[(S * n_dt, triton.cdiv(T, ch), B)](
-            x, packed, qg, near, dr, parts, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
+            x, packed, qg, near, dr, parts_mem, S, n_buf, offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=koff,
             KW=k_max, BD=bd, FAST=blk.serial_fast, QS=saved is None, DR=True, PREFETCH=blk.stats_prefetch,
-            PAIRS=blk.stats_pairs, num_warps=1)
+            PAIRS=blk.stats_pairs, num_warps=1, **(dict(PM=m_pad) if ptok else {}))
         finish_stats(parts, lse, coef, key_norm=key_norm, eps=eps, d=d, saved=saved, glue=blk.stats_glue,
-                     token=token)
+                     token=token, parts_token=ptok)
     else:
         stats_bd, stats_bt = blk.stats_tiles()
         planes = torch.zeros(4, m_pad, S, B, T, **f32) if token else coef  # the tile kernel writes planes

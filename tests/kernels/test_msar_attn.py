@@ -273,13 +273,15 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-token"])
+@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-token",
+                                     "parts-token"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
     layout, with the ring source-gradient kernel (and the default forward), and with the split forward (the
     default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
-    as kernels too, Blocks.glue="triton"), and with the backward's w, κ, μ token-major (Blocks.coef_layout)."""
+    as kernels too, Blocks.glue="triton"), with the backward's w, κ, μ token-major (Blocks.coef_layout), and with
+    pass 1's and the stats kernel's sums token-major (Blocks.parts_layout)."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -295,6 +297,9 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_split(monkeypatch, lean=variant != "split", glue="triton" if variant == "lean-glue" else "torch")
     if variant == "coef-token":
         _with_fields(monkeypatch, coef_layout="token", stats_glue="triton")
+    if variant == "parts-token":
+        _with_split(monkeypatch, lean=True, glue="triton")
+        _with_fields(monkeypatch, parts_layout="token")
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -537,12 +542,74 @@ def test_token_major_stats_equal_the_planes(case):
                 assert b.abs().max() > 0, name
 
 
+@needs_triton
+@pytest.mark.parametrize("case", TOKEN_MAJOR, ids=[c[0] for c in TOKEN_MAJOR])
+def test_token_major_parts_equal_the_planes(case):
+    """Blocks.parts_layout="token": the serial stats kernel's per-tile sums stored token-major, (n_dt, S, B, T, K,
+    M_PAD), a vector a (token, statistic), give the same results as the planes (the default), to the bit: the split
+    forward's pass 1 (QS) finished by the glue kernel or by PyTorch (h, the lse, the logits and ρ saved for the
+    backward, R·φ, ‖vec R‖², the kept R), and the backward's stats (DR alone from the saved logits and ρ, or
+    recomputing them, K = 3) finished by the glue kernel or by PyTorch (dx, tap and query gradients); one and two
+    tokens a trip, one to five sources, M_PAD 1 to 8, odd T and d, documents at odd offsets, random upstream
+    gradients, chunks of 1 token to a whole row and channel tiles that do not divide d."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    _, S, B, T, d, kernels, ch, bd, key_norm = case
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=5)
+    near = fused.doc_window(doc_ids)
+    m = 1 + len(taps)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    qg = fused.folded_queries(queries, key_gains)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), fwd_mode="split", split_logit_bd=bd, split_ch=ch,
+                               split_bd=16, stats_mode="serial", stats_serial_ch=ch, stats_serial_bd=bd)
+
+    def run(blk, fn):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "_blocks", lambda *_a: blk)
+            return fn()
+
+    kw = dict(mixer=mixer, save=True, key_norm=key_norm, eps=1e-6, save_stats=True, save_dtype=torch.bfloat16)
+    fwd_names = ("h", "lse", "R", "R·φ", "‖R‖²", "logits", "ρ")
+    for fields in (dict(glue="torch", stats_pairs=True), dict(glue="triton", stats_pairs=False)):
+        out = {}
+        for layout in ("planes", "token"):
+            h, lse, _, saved, stats = run(dataclasses.replace(base, parts_layout=layout, **fields),
+                                          lambda: fused.forward(x, packed, ks, m, qg, near, **kw))
+            out[layout] = (h, lse, *saved, *stats)
+        for name, a, b in zip(fwd_names, out["token"], out["planes"]):
+            assert (a is None) == (b is None), name
+            if b is not None:
+                assert a.shape == b.shape and torch.equal(a, b), f"{fields} {name}: {rel_err(a, b):.2e}"
+        assert out["planes"][0].float().abs().max() > 0 and out["planes"][5].abs().max() > 0
+    _, lse, _, saved, stats = run(base, lambda: fused.forward(x, packed, ks, m, qg, near, **{**kw, "save_dtype": None}))
+    dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(11))
+    dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
+    names = ["dx", *(f"taps[{i}]" for i in range(len(taps))), "dqg"]
+    for fields, saved_stats in ((dict(stats_glue="triton", stats_pairs=True), stats),
+                                (dict(stats_glue="triton", stats_saved=False, stats_pairs=False), None),
+                                (dict(stats_glue="torch", stats_saved=False), None)):
+        out = {}
+        for layout in ("planes", "token"):
+            blk = dataclasses.replace(base, parts_layout=layout, **fields)
+            out[layout] = run(blk, lambda: fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near,
+                                                                  key_norm=key_norm, eps=1e-6, stats=saved_stats))
+        token, planes = ((dx, *dtaps, dqg) for dx, dtaps, dqg in (out["token"], out["planes"]))
+        for name, a, b in zip(names, token, planes):
+            assert a.shape == b.shape and torch.equal(a, b), f"{fields} {name}: {rel_err(a, b):.2e}"
+            if name != "dqg" or S > 1:
+                assert b.abs().max() > 0, f"{fields} {name}"
+
+
 @pytest.mark.parametrize("field, value, choices", [("src_mode", "rings", "'serial', 'ring'"),
                                                     ("stats_mode", "tiles", "'tile', 'serial'"),
                                                     ("fwd_mode", "splits", "'tile', 'split'"),
                                                     ("glue", "pytorch", "'torch', 'triton'"),
                                                     ("stats_glue", "pytorch", "'torch', 'triton'"),
-                                                    ("coef_layout", "tokens", "'planes', 'token'")])
+                                                    ("coef_layout", "tokens", "'planes', 'token'"),
+                                                    ("parts_layout", "token-major", "'planes', 'token'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
     from kernels.msar_attn import fused
 
@@ -1020,6 +1087,36 @@ def test_token_major_stats_are_three_vector_loads_a_token():
     assert planes["ops"]["R2UR"] >= 12 and token["ops"].get("R2UR", 0) == 0, out
     assert token["ops"]["LDG"] == planes["ops"]["LDG"] - 9 and planes["wide"] == 0 < token["wide"], out
     assert token["total"] <= planes["total"] - 30, out
+
+
+@pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/nvdisasm").exists(),
+                    reason="the triton wheel has no nvdisasm")
+def test_token_major_parts_are_one_store_a_statistic():
+    """What Blocks.parts_layout="token" is for, read from the sm_90a SASS at model=small with kernels 4 8 12: in the
+    serial stats kernel's loop of two tokens a trip, pass 1 (QS) stores 4 times a trip instead of 16 and the
+    backward's stats (DR alone) 2 instead of 8, with the same fp32 multiplies and adds, and each loop takes fewer
+    instructions (pass 1 at most 92% of the planes', the stats 97%). Equal results:
+    test_token_major_parts_equal_the_planes."""
+    code = (
+        "import json\n"
+        "from benchmarks.msar_attn_ptxas import compile_launch, kernels_for\n"
+        "from benchmarks.ptxas import sass, sass_loops\n"
+        "out = {}\n"
+        "for name, fn, types, consts, warps in kernels_for(1024, 512, (4, 8, 12)):\n"
+        "    if name.startswith('split forward, pass 1') or name.startswith('stats'):\n"
+        "        lp = max(sass_loops(sass(compile_launch(fn, types, consts, warps))), key=lambda lp: lp['total'])\n"
+        "        kind = 'pass1' if 'pass 1' in name else 'stats'\n"
+        "        out[kind + (' token' if 'token-major' in name else '')] = dict(ops=lp['ops'], total=lp['total'])\n"
+        "print(json.dumps(out))\n")
+    import json
+
+    out = json.loads(_run_compiled("-c", code).splitlines()[-1])
+    for kind, stores, ratio in (("pass1", 16, 0.92), ("stats", 8, 0.97)):
+        planes, token = out[kind], out[kind + " token"]
+        fp32 = ("FFMA", "FMUL", "FADD")
+        assert [token["ops"].get(op, 0) for op in fp32] == [planes["ops"].get(op, 0) for op in fp32], (kind, out)
+        assert planes["ops"]["STG"] == stores and token["ops"]["STG"] == stores // 4, (kind, out)
+        assert token["total"] <= ratio * planes["total"], (kind, out)
 
 
 def test_sass_loops_finds_nested_loops_and_counts_their_bodies():
