@@ -256,8 +256,8 @@
 #            msar_block's small step beside one token a trip
 #   pairs_medium one GPU (about 600 s with the start): MSAR's op GPU tests, pass 2's forward alone with one, two
 #            (the default) and four tokens a trip, msar_block's medium step beside one token a trip
-#   msar_next one GPU (about 600 s with the start): pairs_medium with the source-gradient candidate of 2026-12-04
-#            night (w, κ, μ token-major, Blocks.coef_layout) timed alone at small and medium too
+#   msar_next one GPU (about 600 s with the start): pairs_medium with the token-major candidates of 2026-12-04 night
+#            (Blocks.parts_layout, Blocks.coef_layout) timed alone at small and medium too
 #   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
 #            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
 #            (SPLIT_GRADS_PARTIALS) and consumers outside the sources (SPLIT_GRADS_CONSUMERS), each alone against the
@@ -1105,15 +1105,16 @@ case "$PLAN" in
     ;;
   msar_next)
     # pairs_medium (the op's GPU tests; pass 2's forward alone with one and four tokens a trip beside the default two;
-    # msar_block's medium step beside one token a trip) and the backward's w, κ, μ token-major (Blocks.coef_layout,
-    # built 2026-12-04 night, CPU-tested only) alone: the stats, glue and source gradients beside the default
+    # msar_block's medium step beside one token a trip) and the two token-major layouts built 2026-12-04 night and
+    # CPU-tested only, alone beside the default: pass 1's and the stats' sums (Blocks.parts_layout, in the forward and
+    # the streams backward) and the backward's w, κ, μ (Blocks.coef_layout, the streams backward)
     ONE2="py:kernels.msar_attn.fused.FIELDS={'split_trip':1}"
     msar_tests "${TEST_LIMIT:-140}"
     step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels forward --only split_trip=1 split_trip=4,split_bd=64 --tag "${TAG:-_pass2_trips}"
-    step gpu0 coef_tiles "${COEF_LIMIT:-60}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels "source gradients" --only coef_layout=token --tag "${TAG:-_coef_token}"
-    step gpu0 medium "${MEDIUM_LIMIT:-260}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      --kernels forward --only split_trip=1 split_trip=4,split_bd=64 parts_layout=token --tag "${TAG:-_pass2_trips}"
+    step gpu0 coef_tiles "${COEF_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels stats "source gradients" --only parts_layout=token coef_layout=token --tag "${TAG:-_token_major}"
+    step gpu0 medium "${MEDIUM_LIMIT:-250}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_pairs_medium}"
     ;;
   attnres_next)
