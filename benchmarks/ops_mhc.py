@@ -187,6 +187,9 @@ FUSED_VARIANTS = {
     "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
     "dx_tf32": {"DX_PROJ": "tf32"},  # 16-bit streams: φ w in dX on tf32 tensor cores
     "tc": _TC,  # bf16 streams: the read's projection and φ's gradient bf16x3, φ w in dX bf16x2 (the defaults)
+    # fp32 streams (or PRE_PROJ=fp32): the read's forward at 32 tokens and 2 warps, 4×4 outputs of x'φ a thread
+    # (2026-12-04 night, untimed): `--dtype fp32 --fused-only --variants default pre_fwd_w2 --rounds 5`
+    "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},
 }
 
 
@@ -248,7 +251,8 @@ def backends(fused_only=False, variants=tuple(FUSED_VARIANTS)):
 # --sweep-blocks: candidate (BLOCK_T, BLOCK_D, num_warps, num_stages[, maxnreg]) per kernel of fused.GPU_BLOCKS (pre
 # kernels: BLOCK_T, BLOCK_D >= 16 for tl.dot); each is timed with the other kernels at their defaults
 BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
-    "pre_fwd": [(32, 16, 4, 1), (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (64, 16, 8, 1)],
+    "pre_fwd": [(32, 16, 4, 1), (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (64, 16, 8, 1),
+                (32, 64, 2, 2)],  # the last: GPU_BLOCKS["pre_fwd_w2"] (134 registers, no spills)
     "pre_fwd_tc": [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 32, 4, 2)],  # bf16 streams
     "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
     "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1)],

@@ -83,8 +83,14 @@ PHI_GRAD_PROJ = "bf16x3"
 #   tensor-core product on 10-bit operands), "bf16x2" (default: w and φ each split in two bf16 parts, three products,
 #   about 16 bits, beyond what the bf16 dX keeps). fp32 streams always take "fp32".
 DX_PROJ = "bf16x2"
+# PRE_FWD_BLOCKS (2026-12-04 night, untimed): the GPU_BLOCKS entry of the read's forward when its projection is the
+#   fp32 CUDA-core tl.dot (fp32 streams, the model's default; bf16 streams with PRE_PROJ="fp32"). "pre_fwd" (default):
+#   16 tokens, 4 warps, 2×2 outputs of the (tokens, K) projection a thread, whose operands it reads from shared memory
+#   at 4.0 bytes an FFMA. "pre_fwd_w2": 32 tokens, 2 warps, 4×4 outputs a thread, 2.1 bytes an FFMA
+#   (docs/kernel_mhc.md, 2026-12-04).
+PRE_FWD_BLOCKS = "pre_fwd"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
-                   "DX_PROJ": ("fp32", "tf32", "bf16x2")}
+                   "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2")}
 
 
 def _variant(name: str) -> str:
@@ -664,6 +670,9 @@ INTERPRETER_BLOCKS = {"block_t": 32, "block_d": None, "block_r": None, "split": 
 # timed first reads 10-25% slow (clocks), so close calls were taken from rows timed later.
 GPU_BLOCKS = {
     "pre_fwd": (16, 64, 4, 2),
+    # PRE_FWD_BLOCKS="pre_fwd_w2" (off by default, untimed): the fp32 projection at 4×4 outputs a thread; sm_90,
+    # n = 4, d = 512 and 1024: 134 registers (166 with the norm gain), no spills; capped at 128 it spills with the gain
+    "pre_fwd_w2": (32, 64, 2, 2),
     "pre_fwd_tc": (32, 64, 4, 2),  # PRE_PROJ="bf16x3" (tensor cores): beat 16 tokens (ops_mhc_variants.md); --sweep-blocks
     "pre_fwd_post": (32, 16, 4, 1),  # the one-pass write + read (POST_PRE_ONE_PASS): its earlier default
     "pre_bwd": (32, 32, 8, 1),
@@ -702,7 +711,9 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
     parts = 3 if _variant("PRE_PROJ") == "bf16x3" and x.dtype == torch.bfloat16 and post is None else 0
     if parts:  # φ' = g ⊙ φ in three bf16 parts: the projection on tensor cores (PRE_PROJ)
         phi, gain = split_bf16(phi, gain, parts, kp), None
-    block_t, block_d, launch = _blocks(d, "pre_fwd_post" if post is not None else "pre_fwd_tc" if parts else "pre_fwd")
+    fp32_blocks = _variant("PRE_FWD_BLOCKS")  # checked whichever path runs
+    block_t, block_d, launch = _blocks(d, "pre_fwd_post" if post is not None else "pre_fwd_tc" if parts
+                                       else fp32_blocks)
     f32 = dict(device=x.device, dtype=torch.float32)
     h = torch.empty(N, d, device=x.device, dtype=x.dtype)
     h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)

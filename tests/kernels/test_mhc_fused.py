@@ -71,6 +71,7 @@ VARIANTS = {
     "tensor_cores": TENSOR_CORES,  # the defaults since 2026-12-02, spelt out: they stay tested if the defaults move
     "fp32_projections": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32"},
     "dx_tf32": {"DX_PROJ": "tf32"},
+    "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},  # 2026-12-04 night: the read's fp32 projection, 32 tokens, 2 warps
 }
 
 
@@ -447,6 +448,117 @@ def test_gpu_fp32_matches_reference(dot_precision):
 
 
 # --- compiled for an H200 (sm_90) on the CPU: no GPU needed ------------------------------------------
+
+
+# PRE_FWD_BLOCKS (2026-12-04 night): the read's forward with the fp32 projection at its GPU token and channel blocks.
+# The interpreter normally runs one block over a test shape; here the read takes the blocks the GPU launch takes
+# (32 tokens and 64 channels for "pre_fwd_w2", 16 and 64 for "pre_fwd"), so ragged token blocks and channel tails run.
+READ_BLOCK_CASES = [  # (n, d, B, T, norm gain): N = B·T tokens, d not a multiple of 64 (or below it)
+    (4, 100, 2, 37, False), (3, 72, 1, 45, True), (2, 130, 3, 11, False), (1, 40, 1, 33, True),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("setting", ["pre_fwd", "pre_fwd_w2"])
+@pytest.mark.parametrize("case", READ_BLOCK_CASES, ids=[f"n{c[0]}_d{c[1]}_N{c[2] * c[3]}" for c in READ_BLOCK_CASES])
+def test_read_forward_at_its_gpu_blocks_matches_the_reference(case, setting, monkeypatch):
+    """Forward and every gradient (streams, φ, gains, biases, α; random upstream gradients) with the read's forward
+    at the GPU blocks of ``PRE_FWD_BLOCKS``; the backward's z and r come from it."""
+    from kernels.mhc import fused
+
+    n, d, B, T, gain = case
+    monkeypatch.setattr(fused, "PRE_FWD_BLOCKS", setting)
+    asked, blocks = [], fused._blocks
+
+    def gpu_read_blocks(width, kernel):
+        asked.append(kernel)
+        if kernel in fused.VARIANT_CHOICES["PRE_FWD_BLOCKS"]:
+            block_t, block_d = fused.GPU_BLOCKS[kernel][:2]
+            return block_t, min(block_d, fused._pow2(width, 16)), {}
+        return blocks(width, kernel)
+
+    monkeypatch.setattr(fused, "_blocks", gpu_read_blocks)
+    inp = make_inputs(n, d, B, T, gain, seed=11)
+    ref_in, fused_in = leaves(inp), leaves(inp)
+    ref = run("torch", {**inp, **ref_in}, 20)
+    got = run("triton", {**inp, **fused_in}, 20)
+    assert setting in asked
+    for name, a, b in zip(("h", "h_pre", "h_post", "h_res", "x_new"), got, ref):
+        assert rel_err(a, b) < 2e-6, f"{name}: rel err {rel_err(a, b):.2e}"
+    g = torch.Generator().manual_seed(5)
+    ups = [torch.randn(o.shape, generator=g) for o in ref]
+    grads_ref = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
+    grads_got = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got, ups)), list(fused_in.values()))
+    for name, a, b in zip(ref_in, grads_got, grads_ref):
+        assert b.abs().max() > 0 or n == 1, name
+        assert rel_err(a, b) < 2e-5, f"d{name}: rel err {rel_err(a, b):.2e}"
+
+
+def test_read_forward_blocks_setting_is_checked(monkeypatch):
+    from kernels.mhc import fused
+
+    inp = make_inputs(2, 8, 1, 3, False)
+    args = [inp[k] for k in ("x", "phi", "alpha", "b_pre", "b_post", "b_res")]
+    monkeypatch.setattr(fused, "PRE_FWD_BLOCKS", "pre_fwd_w4")
+    with pytest.raises(ValueError, match="PRE_FWD_BLOCKS='pre_fwd_w4': choose one of pre_fwd, pre_fwd_w2"):
+        fused.pre_fwd(args[0].reshape(-1, 2, 8), *args[1:2], None, *args[2:], iters=20, eps=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_read_forward_blocks_setting_moves_only_the_fp32_projection_launch(dtype, monkeypatch):
+    """The GPU launch configuration (captured, not run): "pre_fwd_w2" launches the read's forward with the fp32
+    projection at 32 tokens and 2 warps; the default stays (16, 64, 4 warps, 2 stages); the tensor-core read of bf16
+    streams and the one-pass write + read keep their own blocks; no other kernel's launch changes."""
+    from kernels.mhc import fused
+    from tests.kernels.mhc_compile import capture_launches
+
+    monkeypatch.setattr(fused, "interpreting", lambda: False)
+
+    def launches(setting):
+        monkeypatch.setattr(fused, "PRE_FWD_BLOCKS", setting)
+        return [(k.__name__, {key: v for key, v in kw.items() if not isinstance(v, torch.Tensor)})
+                for k, _, kw in capture_launches(4, 512, dtype)]
+
+    default, candidate = launches("pre_fwd"), launches("pre_fwd_w2")
+    assert len(default) == len(candidate)
+    moved = [(a, b) for a, b in zip(default, candidate) if a != b]
+    pick = ("BLOCK_T", "BLOCK_D", "num_warps", "num_stages")
+    if dtype == torch.bfloat16:  # the tensor-core read (PRE_PROJ="bf16x3") does not take the setting
+        assert moved == []
+        return
+    # the read's forward without and with the norm gain, alone and after the write kernel (mhc_post_pre, as the
+    # model runs it); not the one-pass write + read
+    assert len(moved) == 4
+    for (name, a), (_, b) in moved:
+        assert name == "_pre_fwd_kernel" and not a["FUSE_POST"]
+        assert [a[k] for k in pick] == [16, 64, 4, 2] and [b[k] for k in pick] == [32, 64, 2, 2]
+
+
+@pytest.mark.slow
+def test_read_forward_blocks_candidate_halves_shared_memory_bytes_per_ffma():
+    """sm_90 SASS of the read's forward, fp32 streams, n = 4, d = 512, as the model launches it (no gain): the
+    candidate's channel loop reads about half the shared-memory bytes per FFMA (4×4 outputs a thread instead of 2×2),
+    with the same FFMA per token, no spills, and no more barriers per token."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def counts(*extra):
+        done = subprocess.run([sys.executable, "-m", "benchmarks.mhc_ptxas", "--kernels", "_pre_fwd_kernel", *extra,
+                               "4,512"], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        line = next(ln for ln in done.stdout.splitlines() if "'HAS_GAIN': False, 'FUSE_POST': False" in ln)
+        words = line.split("} ")[1].split()
+        return {k: float(v) for k, v in zip(words[::2], words[1::2])}, line
+
+    (a, la), (b, lb) = counts(), counts("--set", "PRE_FWD_BLOCKS=pre_fwd_w2")
+    assert "blocks=(16, 64, 4, 2" in la and "blocks=(32, 64, 2, 2" in lb, (la, lb)
+    assert b["spills"] == 0 and a["spills"] == 0, (la, lb)
+    assert b["loop_LDS_bytes_per_FFMA"] < 0.6 * a["loop_LDS_bytes_per_FFMA"], (la, lb)
+    # per token and 64-channel chunk: FFMA over the program's threads (same work), barriers (half)
+    assert b["loop_FFMA"] * 64 / 32 == pytest.approx(a["loop_FFMA"] * 128 / 16, rel=0.05), (la, lb)
+    assert b["loop_BAR"] / 32 <= a["loop_BAR"] / 16, (la, lb)
 
 
 @pytest.mark.slow
