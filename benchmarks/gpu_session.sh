@@ -258,6 +258,9 @@
 #            (the default) and four tokens a trip, msar_block's medium step beside one token a trip
 #   msar_next one GPU (about 600 s with the start): pairs_medium with the token-major candidates of 2026-12-04 night
 #            (Blocks.parts_layout, Blocks.coef_layout) timed alone at small and medium too
+#   mhc_next one GPU (about 420 s with the start): the mHC read forward at 4×4 outputs a thread (PRE_FWD_BLOCKS=
+#            'pre_fwd_w2', built 2026-12-04 night): the op's GPU tests, the op alone against the default in
+#            interleaved rounds (fp32 streams, small and medium), mhc's small step beside the default
 #   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
 #            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
 #            (SPLIT_GRADS_PARTIALS) and consumers outside the sources (SPLIT_GRADS_CONSUMERS), each alone against the
@@ -275,7 +278,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1116,6 +1119,18 @@ case "$PLAN" in
       --kernels stats "source gradients" --only parts_layout=token coef_layout=token --tag "${TAG:-_token_major}"
     step gpu0 medium "${MEDIUM_LIMIT:-250}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_pairs_medium}"
+    ;;
+  mhc_next)
+    # the read forward's fp32 projection at 32 tokens on 2 warps (4×4 outputs a thread: half the shared-memory bytes a
+    # multiply-add, 14 warps an SM against 32; built 2026-12-04 night, CPU-tested only): GPU tests (the variant
+    # fixture takes it), the op alone in interleaved rounds, then mhc's small step, the default timed before and after
+    W2="py:kernels.mhc.fused.PRE_FWD_BLOCKS=pre_fwd_w2"
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py
+    step gpu0 ops_fp32 "${OPS32_LIMIT:-100}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes small \
+      medium --variants default pre_fwd_w2 --rounds 5 --tag _pre_fwd_w2
+    step gpu0 small "${SMALL_LIMIT:-170}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
+      "mhc@$W2" mhc --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_pre_fwd_w2}"
     ;;
   attnres_next)
     # the forward's streaming rule (from 9 sources; full AttnRes's medium step never timed) and the split gradients
