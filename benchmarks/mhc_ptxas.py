@@ -21,36 +21,12 @@ import sys
 
 import torch
 
-from benchmarks.ptxas import compile_sm90, launch_attrs, ptxas_report, registers, sass, sass_loops, spill_stores
+from benchmarks.ptxas import ptxas_report, registers, sass, sass_loops, spill_stores
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FLAGS = ("HAS_GAIN", "FUSE_POST", "HAS_DOUT", "HAS_DPRE", "STORE_DX", "PARTS", "PROJ", "SPLIT3")
 _INSTR = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 _LDS_BYTES = {"": 4, "U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
-
-
-def compile_launch(kernel, args, kwargs):
-    """A captured launch compiled for sm_90a with the launch's specialisation (``launch_attrs``)."""
-    from triton.compiler import ASTSource
-
-    from tests.kernels.mhc_compile import TRITON_TYPES
-
-    kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "maxnreg") if key in kwargs}
-    values = dict(zip(kernel.arg_names, args)) | kwargs
-    signature, constexprs = {}, {}
-    for arg in kernel.arg_names:
-        v = values[arg]
-        if isinstance(v, torch.Tensor):
-            signature[arg] = "*" + TRITON_TYPES[v.dtype]
-        elif arg in kwargs:
-            signature[arg], constexprs[arg] = "constexpr", v
-        else:
-            signature[arg] = "fp32" if isinstance(v, float) else "i32"
-    div16 = {a for a in kernel.arg_names if type(values[a]) is int and a not in kwargs and values[a] % 16 == 0}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
-                    attrs=launch_attrs(kernel.arg_names, signature, div16))
-    return compile_sm90(src, options)
 
 
 def shared_counts(text: str) -> dict:
@@ -77,14 +53,29 @@ def shared_counts(text: str) -> dict:
                   **{f"loop_{op}": sum(o.split(".")[0] == op for o in body) for op in ("STS", "BAR", "SHFL")}}
 
 
+NAMED_SHAPES = {"small": (4, 512), "medium": (4, 1024)}
+
+
+def _shape(text: str) -> tuple[int, int]:
+    """A shape argument: a model size of NAMED_SHAPES or "n,d"; anything else is an error naming both forms."""
+    if text in NAMED_SHAPES:
+        return NAMED_SHAPES[text]
+    try:
+        n, d = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"shape {text!r}: give n,d (e.g. 4,512) or one of {', '.join(NAMED_SHAPES)}") from None
+    return n, d
+
+
 def main(argv: list[str]) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("benchmarks.mhc_ptxas must run without TRITON_INTERPRET=1")
     from kernels.mhc import fused
-    from tests.kernels.mhc_compile import capture_launches
+    from tests.kernels.mhc_compile import capture_launches, compile_captured
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("shapes", nargs="*", default=["4,512", "4,1024"], help="n,d pairs")
+    ap.add_argument("shapes", nargs="*", default=["small", "medium"],
+                    help="n,d pairs, or the model sizes small (4,512) and medium (4,1024)")
     ap.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     ap.add_argument("--kernels", nargs="+", default=None, help="kernel names, e.g. _pre_fwd_kernel")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a variant of fused.py")
@@ -95,7 +86,7 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"--set {item!r}: NAME is one of {', '.join(fused.VARIANT_CHOICES)}")
         setattr(fused, name, value)
         fused._variant(name)  # a bad value raises here with the choices
-    for n, d in (tuple(map(int, s.split(","))) for s in opts.shapes):
+    for n, d in map(_shape, opts.shapes):
         seen = set()
         for kernel, args, kwargs in capture_launches(n, d, DTYPES[opts.dtype]):
             if opts.kernels and kernel.__name__ not in opts.kernels:
@@ -107,7 +98,7 @@ def main(argv: list[str]) -> int:
             if key in seen:
                 continue
             seen.add(key)
-            compiled = compile_launch(kernel, args, kwargs)
+            compiled = compile_captured(kernel, args, kwargs)
             report = ptxas_report(compiled)
             counts = shared_counts(sass(compiled))
             print(f"{kernel.__name__} n={n} d={d} {opts.dtype} blocks={launch} {flags} registers {registers(report)} "

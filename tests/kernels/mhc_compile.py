@@ -74,9 +74,9 @@ def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
     return launches
 
 
-def compile_launch(kernel, args, kwargs, loops: list | None = None) -> tuple[int, int]:
-    """Compile one captured launch for sm_90; (registers per thread, spill store bytes) from ptxas. ``loops``: a list
-    that gets the kernel's SASS loop summary (``loop_summary``) appended."""
+def compile_captured(kernel, args, kwargs):
+    """One captured launch compiled for sm_90 with the launch's specialisation (``launch_attrs``): the compiled
+    kernel, for ptxas's report and the SASS."""
     from triton.compiler import ASTSource
 
     kwargs = dict(kwargs)
@@ -94,7 +94,13 @@ def compile_launch(kernel, args, kwargs, loops: list | None = None) -> tuple[int
     div16 = {a for a in kernel.arg_names if type(values[a]) is int and a not in kwargs and values[a] % 16 == 0}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                     attrs=launch_attrs(kernel.arg_names, signature, div16))
-    compiled = compile_sm90(src, options)
+    return compile_sm90(src, options)
+
+
+def compile_launch(kernel, args, kwargs, loops: list | None = None) -> tuple[int, int]:
+    """Compile one captured launch for sm_90; (registers per thread, spill store bytes) from ptxas. ``loops``: a list
+    that gets the kernel's SASS loop summary (``loop_summary``) appended."""
+    compiled = compile_captured(kernel, args, kwargs)
     report = ptxas_report(compiled)
     if loops is not None:
         loops.append(loop_summary(compiled))

@@ -133,6 +133,16 @@ def test_split_backward_matches_reference(case, once, from_logits, monkeypatch):
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=5), key_norm, up_seed=6)
 
 
+def _spy_launches(monkeypatch, fused, name, record):
+    """Replace the kernel ``fused.<name>`` by one that launches it and appends ``record(grid, kwargs)`` of every
+    launch to the list returned."""
+    launched, kernel = [], getattr(fused, name)
+    monkeypatch.setattr(fused, name, type("Spy", (), {
+        "__getitem__": lambda self, grid: lambda *a, **k: (launched.append(record(grid, k)),
+                                                           kernel[grid](*a, **k))[1]})())
+    return launched
+
+
 @needs_interpreter
 @pytest.mark.parametrize("case", CASES + [("C4-n5-T100", 4, 5, 2, 50, 20, True, True)],
                          ids=IDS + ["C4-n5-T100"])
@@ -151,10 +161,7 @@ def test_split_gradients_by_rows_or_prefetched_match_reference(case, way, monkey
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
     name, _, value = way.partition("-")
     monkeypatch.setattr(fused, f"SPLIT_GRADS_{name}", value or True)
-    launched = []
-    grads = fused._split_grads_kernel
-    monkeypatch.setattr(fused, "_split_grads_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: lambda *a, **k: (launched.append(k[name]), grads[grid](*a, **k))[1]})())
+    launched = _spy_launches(monkeypatch, fused, "_split_grads_kernel", lambda grid, k: k[name])
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=7), key_norm, up_seed=8)
     assert launched and all(v == (2 if value else True) for v in launched)
 
@@ -174,11 +181,8 @@ def test_split_gradients_with_partials_per_token_block_match_reference(case, til
     _, C, n, B, T, d, key_norm, gains = case
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
     monkeypatch.setattr(fused, "SPLIT_GRADS_PARTIALS", tiles)
-    launched = []
-    blocks = fused._split_grads_blocks_kernel
-    monkeypatch.setattr(fused, "_split_grads_blocks_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: lambda *a, **k: (launched.append((grid, k["BLOCK_T"], k["BLOCK_D"])),
-                                                           blocks[grid](*a, **k))[1]})())
+    launched = _spy_launches(monkeypatch, fused, "_split_grads_blocks_kernel",
+                             lambda grid, k: (grid, k["BLOCK_T"], k["BLOCK_D"]))
     monkeypatch.setattr(fused, "_split_grads_kernel", None)  # the persistent kernel: not launched
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=9), key_norm, up_seed=10)
     bt, bd = (8, 16) if tiles is True else tiles[:2]
@@ -186,28 +190,23 @@ def test_split_gradients_with_partials_per_token_block_match_reference(case, til
     assert launched and all(g == (-(-(B * T) // bt) * -(-d // bd),) and (t, c) == (bt, bd) for g, t, c in launched)
 
 
-@needs_interpreter
-@pytest.mark.parametrize("n, C, B, T, d, key_norm, tiles", [
-    (5, 4, 2, 19, 37, True, True), (9, 1, 1, 45, 20, True, (16, 8, 4)), (3, 3, 3, 11, 33, False, (4, 32, 1)),
-    (2, 6, 1, 40, 64, True, (32, 64, 2)), (7, 2, 1, 33, 9, True, (2, 4, 8))])
-def test_split_gradients_with_partials_per_token_block_match_the_persistent_kernel(n, C, B, T, d, key_norm, tiles,
-                                                                                   monkeypatch):
-    # summaries_bwd alone, the forward's logits taken, into a buffer whose first rows it adds into: the candidate
-    # against the persistent kernel (the default) on random inputs and random upstream gradients, token counts not a
-    # multiple of the block, d not a multiple of the chunk, and sources not a multiple of a trip
+def _split_gradients_against_the_persistent_kernel(monkeypatch, setting, value, n, C, B, T, d, key_norm, seed):
+    """summaries_bwd alone, the forward's logits taken, into a buffer whose first rows it adds into: the gradients
+    kernel under ``fused.<setting> = value`` against the persistent kernel (the default) on random inputs and random
+    upstream gradients. Rows [n_add, n) are written, rows [0, n_add) added into, rows from n left alone."""
     from kernels.depth_attn import fused
 
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
-    sources, _, queries, _ = make_inputs(C, n + 2, B, T, d, False, seed=11)
-    g = torch.Generator().manual_seed(12)
+    sources, _, queries, _ = make_inputs(C, n + 2, B, T, d, False, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
     out, lse, logits, rstd = fused.summaries_fwd(sources, n, queries, key_norm=key_norm, eps=1e-6, store_logits=True,
                                                  store_rstd=True)
     douts = tuple(torch.randn(out[0].shape, generator=g) for _ in range(C))
     dlse = torch.randn(lse.shape, generator=g)
     before = torch.randn(sources.shape, generator=g)
     results = []
-    for setting in (False, tiles):
-        monkeypatch.setattr(fused, "SPLIT_GRADS_PARTIALS", setting)
+    for v in (False, value):
+        monkeypatch.setattr(fused, setting, v)
         dst = before.clone()
         _, dqg = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=key_norm, eps=1e-6, dsrc=dst,
                                      n_add=n // 2, logits=logits, rstd=rstd if key_norm else None)
@@ -216,6 +215,17 @@ def test_split_gradients_with_partials_per_token_block_match_the_persistent_kern
     torch.testing.assert_close(dst2, dst, rtol=1e-6, atol=1e-6)
     assert torch.equal(dst2[n:], before[n:])
     assert rel_err(dqg2, dqg) < 1e-5, f"query gradient: relative error {rel_err(dqg2, dqg):.2e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n, C, B, T, d, key_norm, tiles", [
+    (5, 4, 2, 19, 37, True, True), (9, 1, 1, 45, 20, True, (16, 8, 4)), (3, 3, 3, 11, 33, False, (4, 32, 1)),
+    (2, 6, 1, 40, 64, True, (32, 64, 2)), (7, 2, 1, 33, 9, True, (2, 4, 8))])
+def test_split_gradients_with_partials_per_token_block_match_the_persistent_kernel(n, C, B, T, d, key_norm, tiles,
+                                                                                   monkeypatch):
+    # token counts not a multiple of the block, d not a multiple of the chunk, and sources not a multiple of a trip
+    _split_gradients_against_the_persistent_kernel(monkeypatch, "SPLIT_GRADS_PARTIALS", tiles, n, C, B, T, d, key_norm,
+                                                   seed=11)
 
 
 def test_split_gradients_partials_setting_is_explicit(monkeypatch):
@@ -268,11 +278,8 @@ def test_split_gradients_with_the_consumers_outside_match_reference(case, settin
     _, C, n, B, T, d, key_norm, gains = case
     monkeypatch.setattr(fused, "SPLIT_BWD", True)
     monkeypatch.setattr(fused, "SPLIT_GRADS_CONSUMERS", setting)
-    launched = []
-    kernel = fused._split_grads_consumers_kernel
-    monkeypatch.setattr(fused, "_split_grads_consumers_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: lambda *a, **k: (launched.append((grid, k["ROWS_A_TRIP"], k["TAIL"])),
-                                                           kernel[grid](*a, **k))[1]})())
+    launched = _spy_launches(monkeypatch, fused, "_split_grads_consumers_kernel",
+                             lambda grid, k: (grid, k["ROWS_A_TRIP"], k["TAIL"]))
     monkeypatch.setattr(fused, "_split_grads_kernel", None)  # the persistent kernel of trips of sources: not launched
     assert_two_phase_matches_reference(*make_inputs(C, n, B, T, d, gains, seed=13), key_norm, up_seed=14)
     cap = 2 if setting is True else setting
@@ -286,30 +293,9 @@ def test_split_gradients_with_the_consumers_outside_match_reference(case, settin
     (2, 6, 1, 40, 64, True, True), (7, 2, 1, 33, 9, True, 3), (4, 5, 1, 7, 17, True, 8)])
 def test_split_gradients_with_the_consumers_outside_match_the_persistent_kernel(n, C, B, T, d, key_norm, setting,
                                                                                 monkeypatch):
-    # summaries_bwd alone, the forward's logits taken, into a buffer whose first rows it adds into: the candidate
-    # against the persistent kernel (the default) on random inputs and random upstream gradients, token counts and d
-    # not multiples of the tiles, sources not a multiple of a trip (a shorter last trip) or all in one
-    from kernels.depth_attn import fused
-
-    monkeypatch.setattr(fused, "SPLIT_BWD", True)
-    sources, _, queries, _ = make_inputs(C, n + 2, B, T, d, False, seed=15)
-    g = torch.Generator().manual_seed(16)
-    out, lse, logits, rstd = fused.summaries_fwd(sources, n, queries, key_norm=key_norm, eps=1e-6, store_logits=True,
-                                                 store_rstd=True)
-    douts = tuple(torch.randn(out[0].shape, generator=g) for _ in range(C))
-    dlse = torch.randn(lse.shape, generator=g)
-    before = torch.randn(sources.shape, generator=g)
-    results = []
-    for value in (False, setting):
-        monkeypatch.setattr(fused, "SPLIT_GRADS_CONSUMERS", value)
-        dst = before.clone()
-        _, dqg = fused.summaries_bwd(sources, n, queries, lse, douts, dlse, key_norm=key_norm, eps=1e-6, dsrc=dst,
-                                     n_add=n // 2, logits=logits, rstd=rstd if key_norm else None)
-        results.append((dst, dqg))
-    (dst, dqg), (dst2, dqg2) = results
-    torch.testing.assert_close(dst2, dst, rtol=1e-6, atol=1e-6)
-    assert torch.equal(dst2[n:], before[n:])
-    assert rel_err(dqg2, dqg) < 1e-5, f"query gradient: relative error {rel_err(dqg2, dqg):.2e}"
+    # token counts and d not multiples of the tiles, sources not a multiple of a trip (a shorter last trip) or all in one
+    _split_gradients_against_the_persistent_kernel(monkeypatch, "SPLIT_GRADS_CONSUMERS", setting, n, C, B, T, d,
+                                                   key_norm, seed=15)
 
 
 def test_split_gradients_consumers_setting_is_explicit(monkeypatch):
@@ -429,10 +415,7 @@ def test_streamed_forward_matches_reference(rows, prefetch, n, split, monkeypatc
     monkeypatch.setattr(fused, "SPLIT_BWD", split)
     assert fused.fwd_stream(n) == min(rows, fused._pow2(n))
     assert rows or not fused.tiles(n, 13, 4).one_chunk
-    launched = []
-    kernel = fused._summaries_fwd_stream_kernel
-    monkeypatch.setattr(fused, "_summaries_fwd_stream_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (launched.append(grid), kernel[grid])[1]})())
+    launched = _spy_launches(monkeypatch, fused, "_summaries_fwd_stream_kernel", lambda grid, k: grid)
     assert_two_phase_matches_reference(*make_inputs(4, n, 2, 21, 13, True, seed=n), True, up_seed=n + 1)
     assert bool(launched) == bool(rows), launched
 

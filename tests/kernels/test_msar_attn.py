@@ -422,6 +422,18 @@ SERIAL = [
 ]
 
 
+def _packed_op_inputs(case, seed):
+    """The fused op's inputs for a (name, S, B, T, d, kernels, ch, bd, key_norm) case, as its kernels take them: x,
+    taps, the document window bits, m, the packed taps (with ks and M_PAD), the gain-folded queries and the mixer."""
+    from kernels.msar_attn import fused
+
+    _, S, B, T, d, kernels, *_ = case
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=seed)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    return (x, taps, fused.doc_window(doc_ids), 1 + len(taps), packed, ks, m_pad,
+            fused.folded_queries(queries, key_gains), fused._mixer_params(phi, alpha, bias))
+
+
 @needs_triton
 @pytest.mark.parametrize("case", SERIAL, ids=[c[0] for c in SERIAL])
 def test_serial_source_gradients_equal_the_ring(case):
@@ -438,15 +450,10 @@ def test_serial_source_gradients_equal_the_ring(case):
     from kernels.msar_attn import fused
 
     _, S, B, T, d, kernels, ch, bd, key_norm = case
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
-    near = fused.doc_window(doc_ids)
+    x, taps, near, m, packed, ks, m_pad, qg, mixer = _packed_op_inputs(case, seed=0)
     if case[0] == "both-window-kinds":  # serial_fast's branch both ways: no boundary in the window, and one
         full = (1 << max(kernels)) - 1
         assert {True, False} == set(((near & full) == full).flatten().tolist())
-    m = 1 + len(taps)
-    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
-    qg = fused.folded_queries(queries, key_gains)
-    mixer = fused._mixer_params(phi, alpha, bias)
     h, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, key_norm=key_norm,
                                             eps=1e-6, save_stats=True)
     dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(5))
@@ -507,12 +514,7 @@ def test_token_major_stats_equal_the_planes(case):
     from kernels.msar_attn import fused
 
     _, S, B, T, d, kernels, ch, bd, key_norm = case
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=3)
-    near = fused.doc_window(doc_ids)
-    m = 1 + len(taps)
-    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
-    qg = fused.folded_queries(queries, key_gains)
-    mixer = fused._mixer_params(phi, alpha, bias)
+    x, taps, near, m, packed, ks, m_pad, qg, mixer = _packed_op_inputs(case, seed=3)
     _, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, key_norm=key_norm,
                                             eps=1e-6, save_stats=True)
     dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(7))
@@ -557,12 +559,7 @@ def test_token_major_parts_equal_the_planes(case):
     from kernels.msar_attn import fused
 
     _, S, B, T, d, kernels, ch, bd, key_norm = case
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=5)
-    near = fused.doc_window(doc_ids)
-    m = 1 + len(taps)
-    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
-    qg = fused.folded_queries(queries, key_gains)
-    mixer = fused._mixer_params(phi, alpha, bias)
+    x, taps, near, m, packed, ks, m_pad, qg, mixer = _packed_op_inputs(case, seed=5)
     base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), fwd_mode="split", split_logit_bd=bd, split_ch=ch,
                                split_bd=16, stats_mode="serial", stats_serial_ch=ch, stats_serial_bd=bd)
 
