@@ -875,10 +875,11 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     of benchmarks.msar_tiles): catches GPU-only compile errors on CPU CI."""
     stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
     lines = [line for line in stdout.splitlines() if "registers" in line]
-    # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 2
-    # plain, lean, lean two tokens a trip and four on 64 channels), the three glue kernels (and w, κ, μ written
-    # token-major) and its h, the mixer, the stats, the sources (and reading w, κ, μ token-major)
-    assert len(lines) == 17, stdout
+    # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 1 and
+    # its sums token-major; pass 2 plain, lean, lean two tokens a trip and four on 64 channels), the three glue
+    # kernels (the softmax also from sums token-major; w, κ, μ written token-major, and from sums token-major) and
+    # its h, the mixer, the stats (and their sums token-major), the sources (and reading w, κ, μ token-major)
+    assert len(lines) == 21, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -894,6 +895,8 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
         assert spills["stats"] <= 64 and spills["source gradients"] <= 64, stdout
         # Blocks.coef_layout="token": a token's w, κ, μ in one load frees registers (8 bytes spilled -> 0 at `small`)
         assert spills["source gradients, w κ μ token-major (candidate)"] <= spills["source gradients"], stdout
+        # Blocks.parts_layout="token": a token's sums in one store each, no more spills than the planes
+        assert spills["stats, sums token-major (candidate)"] <= spills["stats"], stdout
         # the split forward's kernels (the default forward) are serial like the stats: none spill at their tiles
         assert all(spills[k] == 0 for k in spills if k.startswith("split forward")), stdout
 
