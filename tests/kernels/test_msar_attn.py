@@ -1058,6 +1058,16 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     assert pair_fast["total"] <= 0.85 * 2 * fast["total"] and out["pairs"]["shared"] == 0, (pair_fast, fast)
 
 
+# the start of a script that compiles each of model=small's kernels (kernels 4 8 12) for sm_90a and fills `out`
+_SMALL_KERNELS_LOOP = (
+    "import json\n"
+    "from benchmarks.msar_attn_ptxas import compile_launch, kernels_for\n"
+    "from benchmarks.ptxas import sass, sass_loops\n"
+    "out = {}\n"
+    "for name, fn, types, consts, warps in kernels_for(1024, 512, (4, 8, 12)):\n"
+)
+
+
 @pytest.mark.skipif(not (Path(__import__("triton").__file__).parent / "backends/nvidia/bin/nvdisasm").exists(),
                     reason="the triton wheel has no nvdisasm")
 def test_token_major_stats_are_three_vector_loads_a_token():
@@ -1065,12 +1075,7 @@ def test_token_major_stats_are_three_vector_loads_a_token():
     serial source-gradient kernel's token loop the 12 scalars w, κ, μ (m = 4) are 3 loads of 16 bytes instead of 12
     of 4 (the pad plane is never loaded), no longer moved to uniform registers one by one (R2UR), and the loop takes
     fewer instructions with the same fp32 arithmetic. Equal results: test_token_major_stats_equal_the_planes."""
-    code = (
-        "import json\n"
-        "from benchmarks.msar_attn_ptxas import compile_launch, kernels_for\n"
-        "from benchmarks.ptxas import sass, sass_loops\n"
-        "out = {}\n"
-        "for name, fn, types, consts, warps in kernels_for(1024, 512, (4, 8, 12)):\n"
+    code = _SMALL_KERNELS_LOOP + (
         "    if name.startswith('source gradients'):\n"
         "        text = sass(compile_launch(fn, types, consts, warps))\n"
         "        (lp,) = sass_loops(text)\n"
@@ -1097,12 +1102,7 @@ def test_token_major_parts_are_one_store_a_statistic():
     backward's stats (DR alone) 2 instead of 8, with the same fp32 multiplies and adds, and each loop takes fewer
     instructions (pass 1 at most 92% of the planes', the stats 97%). Equal results:
     test_token_major_parts_equal_the_planes."""
-    code = (
-        "import json\n"
-        "from benchmarks.msar_attn_ptxas import compile_launch, kernels_for\n"
-        "from benchmarks.ptxas import sass, sass_loops\n"
-        "out = {}\n"
-        "for name, fn, types, consts, warps in kernels_for(1024, 512, (4, 8, 12)):\n"
+    code = _SMALL_KERNELS_LOOP + (
         "    if name.startswith('split forward, pass 1') or name.startswith('stats'):\n"
         "        lp = max(sass_loops(sass(compile_launch(fn, types, consts, warps))), key=lambda lp: lp['total'])\n"
         "        kind = 'pass1' if 'pass 1' in name else 'stats'\n"
