@@ -8,8 +8,8 @@ import json
 import os
 import re
 import time
+from contextlib import ExitStack
 from dataclasses import asdict
-from pathlib import Path
 from typing import Sequence
 
 import optuna
@@ -181,15 +181,15 @@ def _trial_loop(study: optuna.Study, ctx: SweepContext, sw: DictConfig):
     `max_failures` trials fail in a row. Returns the study, or None when stopped by failures.
 
     Counting the trials and creating the next one is one step under a file lock in the study folder
-    (`TrialLock`): without it two workers that count at once both start the last trial. The lock
-    covers the workers of one host (one study folder); workers on other hosts can still overshoot
-    `n_trials` by one trial each at the very end."""
+    (`tracking.file_lock`, released by the objective once its trial is RUNNING in the storage): without it
+    two workers that count at once both start the last trial. The lock covers the workers of one host
+    (one study folder); workers on other hosts can still overshoot `n_trials` by one trial each at the
+    very end."""
     objective, after = Objective(ctx), _after_trial(ctx)
-    lock = TrialLock(ctx.study_dir / ".trial.lock")
-    ctx.on_trial_created = lock.release
     while True:
-        lock.acquire()
-        try:
+        with ExitStack() as held:
+            held.enter_context(tracking.file_lock(ctx.study_dir / ".trial.lock"))
+            ctx.on_trial_created = held.close  # the objective's first step; closing again on exit is a no-op
             trials = study.get_trials(deepcopy=False)
             # finished trials count toward n_trials; running ones of live workers will finish
             started = sum(t.state.is_finished() or t.state == TrialState.RUNNING for t in trials)
@@ -205,26 +205,4 @@ def _trial_loop(study: optuna.Study, ctx: SweepContext, sw: DictConfig):
                 _say(ctx, f"{ctx.consecutive_failures} trials failed in a row (sweep.max_failures); stopping. "
                           "See the fail_reason of the trials in the report")
                 return None
-            # the objective releases the lock as its first step, once this trial is RUNNING in the storage
             study.optimize(objective, n_trials=1, catch=(Exception,), callbacks=[after], gc_after_trial=True)
-        finally:
-            lock.release()  # no-op when the objective already released it
-
-
-class TrialLock:
-    """An exclusive `fcntl` lock on a file, held from counting a study's trials until the next trial
-    exists, so the workers of one host never start more than `n_trials` between them."""
-
-    def __init__(self, path: Path):
-        self.path, self._fd = path, None
-
-    def acquire(self) -> None:
-        import fcntl
-
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            os.close(fd)  # closing the descriptor drops its flock

@@ -87,7 +87,7 @@ def test_worker_settings_are_checked():
 def test_workers_that_count_at_once_do_not_start_more_than_n_trials(tmp_path, monkeypatch):
     """Two workers finish their trials together and count the study at once: counting and creating
     the next trial is one step under the study folder's lock, so only one of them starts the last
-    trial. The count is slowed down so that, without the lock, both would see 2 of 3 and start one."""
+    trial. The two counts are made to meet (a barrier) so that, without the lock, both see 2 of 3 and start one."""
     import threading
     import time
     from types import SimpleNamespace
@@ -107,10 +107,14 @@ def test_workers_that_count_at_once_do_not_start_more_than_n_trials(tmp_path, mo
     monkeypatch.setattr(study_mod, "Objective", SlowObjective)
     study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
     slow_get_trials = study.get_trials
+    together = threading.Barrier(2)
 
     def get_trials(*a, **k):
         trials = slow_get_trials(*a, **k)
-        time.sleep(0.2)  # the window in which another worker could count the same trials
+        try:  # the two workers count at the same moment, unless the lock keeps one of them out (then it times out)
+            together.wait(timeout=0.5)
+        except threading.BrokenBarrierError:
+            pass
         return trials
 
     monkeypatch.setattr(study, "get_trials", get_trials)
