@@ -40,7 +40,9 @@ Computation: the read of sublayer l (coefficients and h = H^pre X, ``kernels.mhc
 ahead of time: by ``begin`` for l = 0, and fused into the previous write for l > 0
 (``kernels.mhc.mhc_post_pre``: X' = H^res X + H^postᵀ f and the read of X' in one pass over the
 streams, the paper's §4.3); ``read`` returns it. The last write is ``kernels.mhc.mhc_post``. Since
-``read`` then does no compute, ``model.checkpoint_reads`` recomputes nothing for mHC. ``backend`` =
+``read`` then does no compute, ``model.checkpoint_reads`` recomputes nothing for mHC. ``recompute_every`` = L_r > 0
+keeps the streams for backward only at every L_r-th sublayer and rebuilds the others in backward (the paper's §4.3
+recomputation, ``kernels/mhc/recompute.py``; fused backend only). ``backend`` =
 "auto" (fused Triton kernels on CUDA, the PyTorch reference elsewhere), "torch" or "triton"; see
 docs/kernel_mhc.md.
 
@@ -58,7 +60,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.mhc import BACKENDS, mhc_post, mhc_post_pre, mhc_pre
+from kernels.mhc import BACKENDS, StreamRecompute, mhc_post, mhc_post_pre, mhc_pre
 from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
 from .base import Context, Residual, ResidualConfig, check_choice
@@ -85,6 +87,8 @@ class MHCState:
     trace: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # layer -> detached coeffs
     # the embedding's dtype: what read() hands the sublayer when no autocast would cast bf16 streams' h for it
     compute_dtype: Optional[torch.dtype] = None
+    # residual.recompute_every > 0 in training: which streams the writes keep, and their rebuild in backward
+    recompute: Optional[StreamRecompute] = None
 
 
 @register("mhc")
@@ -104,6 +108,9 @@ class MHC(Residual):
         output: str = "sum"  # "sum": sum of the n streams | "head": learned weights, init to the sum
         backend: str = "auto"  # "torch" (reference), "triton" (fused kernels/mhc), "auto" (triton on CUDA)
         stream_dtype: str = "input"  # storage of the streams: "input" (the embedding's dtype), "fp32", "bf16"
+        # L_r of the paper's §4.3: keep the streams X_l for backward only where l % L_r == 0 and rebuild the others
+        # in backward (one write kernel each; fused backend only). 0: keep every X_l. Paper: L_r* = √(nL/(n+2))
+        recompute_every: int = 0
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
@@ -138,6 +145,13 @@ class MHC(Residual):
         check_choice(cls.name, "backend", cfg.backend, ("auto", *BACKENDS))
         check_choice(cls.name, "stream_dtype", cfg.stream_dtype, tuple(STREAM_DTYPES))
         check_choice(cls.name, "output", cfg.output, OUTPUTS)
+        every = cfg.recompute_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"residual.recompute_every={every!r} must be an integer >= 0 (0 keeps every sublayer's "
+                             f"streams; L_r keeps one sublayer's in L_r; paper: √(nL/(n+2)))")
+        if every and cfg.backend == "torch":
+            raise ValueError(f"residual.recompute_every={every}: applies only to the fused writes (residual.backend="
+                             f"triton, or auto on CUDA); got backend='torch'")
         if not cfg.phi_init_std >= 0:
             raise ValueError(f"residual.phi_init_std={cfg.phi_init_std!r} must be >= 0")
         for key in ("alpha_init", "b_post", "b_res_diag", "b_pre"):
@@ -166,7 +180,9 @@ class MHC(Residual):
         # the embedding in every stream, materialised once: the first read and write (and their saved
         # tensors) share this copy instead of each making its own
         streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d).contiguous()  # (B, T, n, d)
-        state = MHCState(streams=streams, record=ctx.record, compute_dtype=embedding.dtype)
+        every = self.cfg.recompute_every
+        recompute = StreamRecompute(every) if every and torch.is_grad_enabled() else None
+        state = MHCState(streams=streams, record=ctx.record, compute_dtype=embedding.dtype, recompute=recompute)
         state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
         return state
 
@@ -199,14 +215,15 @@ class MHC(Residual):
             raise RuntimeError(f"mhc.write(layer={layer}) needs read(layer={layer}) first; pending layer: {got}")
         _, h_post, h_res = state.pending
         # X_{l+1} = H^res X_l + H^postᵀ f_l, mixed in fp32, in the streams' dtype: (B, T, n, d)
+        recompute = dict(recompute=state.recompute, layer=layer) if state.recompute is not None else {}
         if layer + 1 == self.n_sublayers:
-            new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend)
+            new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend, **recompute)
             return MHCState(streams=new, record=state.record, trace=state.trace, compute_dtype=state.compute_dtype)
         # ... and the read of sublayer l+1 in the same pass (paper §4.3); read(l+1) returns it
         new, *next_read = mhc_post_pre(state.streams, out, h_post, h_res, *self.layer_params(layer + 1),
-                                       sinkhorn_iters=self.cfg.sinkhorn_iters, backend=self.cfg.backend)
+                                       sinkhorn_iters=self.cfg.sinkhorn_iters, backend=self.cfg.backend, **recompute)
         return MHCState(streams=new, record=state.record, trace=state.trace, ahead=(layer + 1, new, *next_read),
-                        compute_dtype=state.compute_dtype)
+                        compute_dtype=state.compute_dtype, recompute=state.recompute)
 
     def end(self, state: MHCState) -> Tensor:
         x = state.streams  # (B, T, n, d)

@@ -8,6 +8,9 @@ Three public functions (the first two with the same signature as their twins in 
 - ``mhc_post_pre(x, out, H^post, H^res, φ, α, b_pre, b_post, b_res, norm_gain)`` -> ``(X', h, H^pre, H^post,
   H^res)``: a write and the next sublayer's read, one pass over the streams on triton.
 
+The writes take an optional ``recompute`` (``StreamRecompute(every=L_r)``, ``recompute.py``, fused backend only):
+the streams are kept for backward only every L_r sublayers and rebuilt in backward (the paper's §4.3 recomputation).
+
 ``backend="triton"`` runs ``fused.py`` (one pass over the streams each, backward by recomputation);
 ``backend="torch"`` runs the reference; ``backend="auto"`` picks triton for CUDA tensors and torch
 otherwise. An unavailable backend is an error, never a silent fallback.
@@ -20,6 +23,7 @@ from torch import Tensor
 
 from ..backend import BACKENDS, check_triton_device, resolve_backend
 from . import reference
+from .recompute import StreamRecompute
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -47,6 +51,18 @@ def _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters) -
             raise ValueError(f"mhc_pre: {name} must have shape {shape} for n={n}, d={d}, got {tuple(t.shape)}")
     if not isinstance(sinkhorn_iters, int) or sinkhorn_iters < 1:
         raise ValueError(f"mhc_pre: sinkhorn_iters={sinkhorn_iters!r} must be an integer >= 1")
+
+
+def _check_recompute(backend: str, recompute: StreamRecompute | None, layer: int | None) -> None:
+    if recompute is None:
+        return
+    if backend == "torch":
+        raise ValueError("mhc: recompute (the streams kept every L_r sublayers, residual.recompute_every) applies to "
+                         "the fused backend ('triton', or 'auto' on CUDA tensors); got backend 'torch'")
+    if not isinstance(recompute, StreamRecompute):
+        raise TypeError(f"mhc: recompute must be a StreamRecompute, got {type(recompute).__name__}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(f"mhc: with recompute, layer={layer!r} must be the sublayer index (an integer >= 0)")
 
 
 def _check_post(x, out, h_post, h_res) -> None:
@@ -110,12 +126,15 @@ def mhc_post_pre(
     sinkhorn_iters: int = 20,
     eps: float = 1e-6,
     backend: str = "auto",
+    recompute: StreamRecompute | None = None,
+    layer: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The write of sublayer l followed by the read of sublayer l+1 (the paper's fused write/read):
     ``mhc_pre(mhc_post(x, out, h_post, h_res), phi, ...)`` with one pass over the streams on triton.
 
     Args: ``x, out, h_post, h_res`` as in ``mhc_post`` (sublayer l); ``phi, alpha, b_pre, b_post, b_res,
-    norm_gain, sinkhorn_iters, eps`` as in ``mhc_pre`` (sublayer l+1); backend as both.
+    norm_gain, sinkhorn_iters, eps`` as in ``mhc_pre`` (sublayer l+1); backend as both; ``recompute`` and
+    ``layer`` (= l) as in ``mhc_post``.
 
     Returns:
         (X', h, H^pre, H^post, H^res): the new streams ``(..., n, d)`` and the read of them.
@@ -123,6 +142,7 @@ def mhc_post_pre(
     backend = resolve_backend(backend, x, "mhc")
     _check_post(x, out, h_post, h_res)  # both parts checked before either computes (X' has x's shape)
     _check_pre(x, phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters)
+    _check_recompute(backend, recompute, layer)
     if backend == "torch":
         new = reference.mhc_post(x, out, h_post, h_res)
         return (new, *reference.mhc_pre(new, phi, alpha, b_pre, b_post, b_res, norm_gain,
@@ -132,28 +152,33 @@ def mhc_post_pre(
 
     with torch.autocast(device_type=x.device.type, enabled=False):
         return fused.mhc_post_pre(x, out, h_post, h_res, phi, alpha, b_pre, b_post, b_res, norm_gain,
-                                  sinkhorn_iters=sinkhorn_iters, eps=eps)
+                                  sinkhorn_iters=sinkhorn_iters, eps=eps, recompute=recompute, layer=layer or 0)
 
 
-def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: str = "auto") -> Tensor:
+def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: str = "auto",
+             recompute: StreamRecompute | None = None, layer: int | None = None) -> Tensor:
     """The write X' = H^res X + H^postᵀ out.
 
     Args:
         x: streams ``(..., n, d)``; out: the sublayer output ``(..., d)``; h_post ``(..., n)``;
         h_res ``(..., n, n)``; backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        recompute: a ``StreamRecompute`` shared by the writes of one forward (fused backend only): x, which is
+        X_layer, is kept for backward only every ``recompute.every`` sublayers and rebuilt otherwise (recompute.py).
+        layer: the sublayer index l of this write (needed with ``recompute``).
 
     Returns:
         X' ``(..., n, d)`` in x's dtype, mixed in fp32 (fp64 for fp64 coefficients on the torch backend).
     """
     backend = resolve_backend(backend, x, "mhc")
     _check_post(x, out, h_post, h_res)
+    _check_recompute(backend, recompute, layer)
     if backend == "torch":
         return reference.mhc_post(x, out, h_post, h_res)
     _check_triton(x, out, h_post, h_res)
     from . import fused
 
     with torch.autocast(device_type=x.device.type, enabled=False):
-        return fused.mhc_post(x, out, h_post, h_res)
+        return fused.mhc_post(x, out, h_post, h_res, recompute=recompute, layer=layer or 0)
 
 
-__all__ = ["BACKENDS", "mhc_post", "mhc_post_pre", "mhc_pre"]
+__all__ = ["BACKENDS", "StreamRecompute", "mhc_post", "mhc_post_pre", "mhc_pre"]

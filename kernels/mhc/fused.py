@@ -52,6 +52,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..backend import interpreting
+from .recompute import StreamRecompute
 
 # Precision of the projections z = x'φ, φ dz and Σ xᵀ dz (tl.dot on fp32 operands). The paper keeps φ
 # and the projection in fp32 (Eq. 10). "ieee" (default) is exact fp32 on CUDA cores; "tf32x3" splits
@@ -908,21 +909,26 @@ class MhcPostFunction(torch.autograd.Function):
     """X' = H^res X + H^postᵀ f on (N, n, d) streams."""
 
     @staticmethod
-    def forward(ctx, x, f, h_post, h_res, link):
+    def forward(ctx, x, f, h_post, h_res, link, recompute, layer):
         h_post32, h_res32 = h_post.float().contiguous(), h_res.float().contiguous()
-        ctx.save_for_backward(x, f, h_post32, h_res32)
-        ctx.coeff_dtype, ctx.link = h_post.dtype, link
+        keep = recompute is None or recompute.keeps(layer)
+        ctx.save_for_backward(x if keep else None, f, h_post32, h_res32)  # the write's inputs first (recompute.py)
+        ctx.coeff_dtype, ctx.link, ctx.recompute, ctx.layer = h_post.dtype, link, recompute, layer
+        if recompute is not None:
+            recompute.record_write(layer, ctx)
         return post_fwd(x, f, h_post32, h_res32)
 
     @staticmethod
     def backward(ctx, dout):
         x, f, h_post, h_res = ctx.saved_tensors
+        if x is None:  # X_l dropped in forward (StreamRecompute): rebuilt from its block's kept streams
+            x = ctx.recompute.streams(ctx.layer, post_fwd)
         dout = dout.contiguous()
         linked = ctx.link is not None and ctx.needs_input_grad[0]
         if linked:
             ctx.link.add(dout, h_res)  # the read's backward adds H^resᵀ dX' to its dX
         dx, df, d_post, d_res = post_bwd(x, f, h_post, h_res, dout, store_dx=ctx.needs_input_grad[0] and not linked)
-        return dx, df, d_post.to(ctx.coeff_dtype), d_res.to(ctx.coeff_dtype), None
+        return dx, df, d_post.to(ctx.coeff_dtype), d_res.to(ctx.coeff_dtype), None, None, None
 
 
 class MhcPostPreFunction(torch.autograd.Function):
@@ -935,7 +941,8 @@ class MhcPostPreFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_in, f, h_post_in, h_res_in, phi, alpha, b_pre, b_post, b_res, gain, iters, eps, link_in, link):
+    def forward(ctx, x_in, f, h_post_in, h_res_in, phi, alpha, b_pre, b_post, b_res, gain, iters, eps, link_in, link,
+                recompute, layer):
         ctx.set_materialize_grads(False)
         hp_in, hr_in = h_post_in.float().contiguous(), h_res_in.float().contiguous()
         params = [t.detach().float().contiguous() for t in (phi, alpha, b_pre, b_post, b_res)]
@@ -943,15 +950,24 @@ class MhcPostPreFunction(torch.autograd.Function):
         x = torch.empty_like(x_in)  # X_{l+1}, filled by the kernel
         h, h_pre, h_post, h_res, z, r = pre_fwd(x, params[0], gain32, *params[1:], iters=iters, eps=eps,
                                                 post=(x_in, f, hp_in, hr_in))
-        ctx.save_for_backward(x_in, f, hp_in, hr_in, x, z, r, gain32, *params)
+        # the write's inputs first (recompute.py reads them); with a StreamRecompute only the kept streams
+        keep_in, keep_out = (True, True) if recompute is None else (recompute.keeps(layer), recompute.keeps(layer + 1))
+        ctx.save_for_backward(x_in if keep_in else None, f, hp_in, hr_in, x if keep_out else None, z, r, gain32,
+                              *params)
         ctx.iters, ctx.eps, ctx.link_in, ctx.link = iters, eps, link_in, link
-        ctx.coeff_dtype = h_post_in.dtype
+        ctx.coeff_dtype, ctx.recompute, ctx.layer = h_post_in.dtype, recompute, layer
+        if recompute is not None:
+            recompute.record_write(layer, ctx)
         ctx.dtypes = [t.dtype for t in (phi, alpha, b_pre, b_post, b_res)] + [None if gain is None else gain.dtype]
         return x, h, h_pre, h_post, h_res
 
     @staticmethod
     def backward(ctx, dx, dh, d_pre, d_post, d_res):
         x_in, f, hp_in, hr_in, x, z, r, gain, phi, alpha, b_pre, b_post, b_res = ctx.saved_tensors
+        if x is None:  # X_{l+1} dropped in forward (StreamRecompute): rebuilt (or left by the next write's backward)
+            x = ctx.recompute.streams(ctx.layer + 1, post_fwd)
+        if x_in is None:
+            x_in = ctx.recompute.streams(ctx.layer, post_fwd)
         # dX_{l+1}: the read's share, the next write's H^resᵀ dX_{l+2} (link) and any direct gradient dx
         dx, grads = _read_backward(ctx, x, z, r, gain, phi, alpha, b_pre, b_post, b_res, dh, d_pre, d_post, d_res,
                                    dx_extra=dx)
@@ -959,7 +975,9 @@ class MhcPostPreFunction(torch.autograd.Function):
         if linked:
             ctx.link_in.add(dx, hr_in)  # the read of sublayer l adds H^res_lᵀ dX_{l+1} to its dX_l
         dx_in, df, dp, dr = post_bwd(x_in, f, hp_in, hr_in, dx, store_dx=ctx.needs_input_grad[0] and not linked)
-        return (dx_in, df, dp.to(ctx.coeff_dtype), dr.to(ctx.coeff_dtype), *grads, None, None, None, None)
+        if ctx.recompute is not None:
+            ctx.recompute.release(ctx.layer + 1)  # the read of sublayer l+1 was X_{l+1}'s last use
+        return (dx_in, df, dp.to(ctx.coeff_dtype), dr.to(ctx.coeff_dtype), *grads, None, None, None, None, None, None)
 
 
 def mhc_pre(x: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain, *, sinkhorn_iters: int, eps: float):
@@ -973,26 +991,39 @@ def mhc_pre(x: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain, *, sinkhorn_
     return h.view(*lead, d), h_pre.view(*lead, n), h_post, h_res
 
 
-def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor) -> Tensor:
-    """x (..., n, d), out (..., d), h_post (..., n), h_res (..., n, n) -> X' (..., n, d) in x's dtype."""
+@torch.compiler.disable  # a StreamRecompute's bookkeeping (weak references to the nodes) stays out of any graph
+def _apply_recomputed(function, *args):
+    return function.apply(*args)
+
+
+def _apply(function, recompute: StreamRecompute | None):
+    return function.apply if recompute is None else functools.partial(_apply_recomputed, function)
+
+
+def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, recompute: StreamRecompute | None = None,
+             layer: int = 0) -> Tensor:
+    """x (..., n, d), out (..., d), h_post (..., n), h_res (..., n, n) -> X' (..., n, d) in x's dtype.
+    ``recompute``: keep x for backward only where it says (x is X_layer), rebuild it otherwise."""
     n, d = x.shape[-2:]
     link = getattr(h_res, "_mhc_link", None)
     link = link if link is not None and link.usable_by(x, h_post, h_res) else None
-    new = MhcPostFunction.apply(x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
-                                h_post.reshape(-1, n), h_res.reshape(-1, n, n), link)
+    new = _apply(MhcPostFunction, recompute)(x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
+                                h_post.reshape(-1, n), h_res.reshape(-1, n, n), link, recompute, layer)
     return new.view(x.shape)
 
 
 def mhc_post_pre(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, phi, alpha, b_pre, b_post, b_res, norm_gain,
-                 *, sinkhorn_iters: int, eps: float):
-    """(X' = H^res X + H^postᵀ out, then the read of X': h, H^pre, H^post, H^res), one pass over the streams."""
+                 *, sinkhorn_iters: int, eps: float, recompute: StreamRecompute | None = None, layer: int = 0):
+    """(X' = H^res X + H^postᵀ out, then the read of X': h, H^pre, H^post, H^res), one pass over the streams.
+    ``recompute``: keep x (X_layer) and X' (X_layer+1) for backward only where it says, rebuild them otherwise."""
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     link_in = getattr(h_res, "_mhc_link", None)
     link_in = link_in if link_in is not None and link_in.usable_by(x, h_post, h_res) else None
     link = GradientLink(x)  # the read's link, pointed at X' below
-    new, h, h_pre, h_post, h_res = MhcPostPreFunction.apply(
+    new, h, h_pre, h_post, h_res = _apply(MhcPostPreFunction, recompute)(
         x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(), h_post.reshape(-1, n),
-        h_res.reshape(-1, n, n), phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters, eps, link_in, link)
+        h_res.reshape(-1, n, n), phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters, eps, link_in, link,
+        recompute, layer)
     new = new.view(x.shape)
     link.x = weakref.ref(new)  # the streams object the caller holds (a view of the kernel's output)
     h_post, h_res = h_post.view(*lead, n), h_res.view(*lead, n, n)

@@ -26,10 +26,13 @@ from .. import stats, tracking
 # `residual/recompute_streams` (MSAR's fused read) keeps no streams for its mixer's backward and rebuilds them: the
 # same forward to the bit, and the mixer's backward reads the fp32 streams the forward combined h from instead of
 # their bf16 copy under bf16-mixed (rounding; tests/kernels/test_msar_attn.py).
+# `residual/recompute_every` (mHC's fused writes, also inside attnres_mhc_sum) keeps fewer streams for backward and
+# rebuilds the others with the same write kernel: the same forward and gradients to the bit (tests/residuals/test_mhc.py).
 HASH_IGNORED = ("trainer/progress_bar", "trainer/threads", "trainer/ckpt_every", "trainer/log_every",
                 "trainer/compile", "trainer/compile_scope", "trainer/compile_options", "trainer/cuda_graphs",
                 "model/flex_fwd", "model/flex_bwd", "model/moe_topk", "trainer/grad_sync", "data/num_workers",
-                "data/cache_dir", "residual/recompute_streams")
+                "data/cache_dir", "residual/recompute_streams", "residual/recompute_every",
+                "residual/mhc/recompute_every")
 HASH_GROUPS = ("model/", "data/", "trainer/", "residual/")
 # Config fields added after runs were stored, each with the value that does what every run did before
 # the field existed. A stored run that lacks the param is hashed as if it had logged this value, so a

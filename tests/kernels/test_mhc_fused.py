@@ -581,3 +581,131 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
     assert len(lines) == 2 * 22, "\n".join(lines)  # 22 launches per shape: every kernel and flag combination
     spills = [int(ln.split(" spills ")[1].split()[0]) for ln in lines]
     assert max(spills) <= 32, "\n".join(lines)  # a few bytes at most (ptxas sometimes parks one value)
+
+
+# --- the streams kept every L_r sublayers and rebuilt in backward (kernels/mhc/recompute.py) ---------------------------
+
+
+def deep_chain(n, d, B, T, layers, every, *, dtype=torch.float32, device="cpu", direct=False, seed=11):
+    """begin's read, ``layers`` fused writes (each with the next read; the last one alone) and a toy sublayer between,
+    as residuals/mhc.py runs them, with a ``StreamRecompute(every)`` (none for every = 0). Returns the final streams'
+    sum, the leaves, the StreamRecompute and the streams X_0 .. X_L (for their storages)."""
+    from kernels.mhc import StreamRecompute
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = n * n + 2 * n
+
+    def leaf(*shape, scale=1.0, shift=0.0):
+        return (shift + scale * torch.randn(*shape, generator=g, device=device)).requires_grad_()
+
+    emb = leaf(B, T, d)
+    phis = [leaf(n * d, k, scale=1.0 / math.sqrt(n * d)) for _ in range(layers)]
+    alpha, b_pre, b_post = leaf(3, scale=0.2, shift=0.8), leaf(n, scale=0.5), leaf(n, scale=0.5)
+    b_res = (torch.randn(n, n, generator=g, device=device) * 0.5 + 2.0 * torch.eye(n, device=device)).requires_grad_()
+    weights = [leaf(d, d, scale=1.0 / math.sqrt(d)) for _ in range(layers)]
+    recompute = StreamRecompute(every) if every else None
+    x = emb.to(dtype).unsqueeze(-2).expand(B, T, n, d).contiguous()  # X_0 (B, T, n, d)
+    streams = [x]
+    h, _, h_post, h_res = mhc_pre(x, phis[0], alpha, b_pre, b_post, b_res, backend="triton")
+    extra = 0.0
+    for layer in range(layers):
+        out = torch.tanh(h.float() @ weights[layer]).to(dtype)  # f_l (B, T, d)
+        kw = dict(recompute=recompute, layer=layer) if recompute is not None else {}
+        if layer + 1 == layers:
+            x = mhc_post(x, out, h_post, h_res, backend="triton", **kw)
+        else:
+            x, h, _, h_post, h_res = mhc_post_pre(x, out, h_post, h_res, phis[layer + 1], alpha, b_pre, b_post, b_res,
+                                                  backend="triton", **kw)
+            if direct and layer == 1:  # a gradient that reaches X_2 directly, besides through the next write
+                extra = (x.float() * torch.randn(x.shape, generator=g, device=device)).sum()
+        streams.append(x)
+    loss = (x.float().sum(-2) * torch.randn(B, T, d, generator=g, device=device)).sum() + extra
+    return loss, [emb, alpha, b_pre, b_post, b_res, *phis, *weights], recompute, streams
+
+
+@needs_interpreter
+@pytest.mark.parametrize("n,d,layers,every", [(4, 24, 7, 2), (3, 17, 6, 3), (2, 20, 5, 5), (4, 16, 4, 9),
+                                              (1, 16, 5, 2), (4, 24, 7, 1)])
+@pytest.mark.parametrize("direct", [False, True], ids=["linked", "direct_grad_on_X2"])
+def test_recomputed_streams_give_the_same_gradients_to_the_bit(n, d, layers, every, direct):
+    """With StreamRecompute(every) the writes keep X_l only where l % every == 0 and backward rebuilds the others with
+    the write kernel: every gradient equals the one with every stream kept, to the bit, and exactly the dropped
+    streams were rebuilt, once each."""
+    from kernels.mhc import fused
+
+    calls = []
+    post_fwd = fused.post_fwd
+    grads = {}
+    for e in (0, every):
+        loss, params, recompute, _ = deep_chain(n, d, 2, 7, layers, e, direct=direct)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "post_fwd", lambda *a: calls.append(e) or post_fwd(*a))
+            grads[e] = torch.autograd.grad(loss, params)
+    dropped = [layer for layer in range(1, layers) if layer % every]
+    assert calls == [every] * len(dropped) and (every > 1 or calls == [])
+    assert recompute.rebuilds == len(dropped)
+    for i, (a, b) in enumerate(zip(grads[every], grads[0])):
+        assert a is not None and torch.equal(a, b), f"gradient {i}: max diff {(a - b).abs().max():.3e}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("every", [0, 2, 3])
+def test_recompute_keeps_only_every_l_r_th_streams_alive(every):
+    """After the forward (the caller's references dropped) the graph holds X_l only where l % every == 0 (all of
+    X_0 .. X_{L-1} without a StreamRecompute; X_L is saved by no write); the backward still runs."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    layers = 7
+    loss, params, recompute, streams = deep_chain(4, 24, 2, 7, layers, every)
+    refs = [StorageWeakRef(x.untyped_storage()) for x in streams]
+    del streams
+    gc.collect()  # the forward's reference cycles (none of them through a saved tensor)
+    alive = [layer for layer, ref in enumerate(refs) if not ref.expired()]
+    assert alive == [layer for layer in range(layers) if every == 0 or layer % every == 0]
+    torch.autograd.grad(loss, params)
+
+
+@needs_interpreter
+def test_recompute_rebuilds_again_in_a_second_backward():
+    """retain_graph=True: the second backward rebuilds the dropped streams again (nothing rebuilt is kept between
+    passes) and gives the same gradients."""
+    loss, params, recompute, _ = deep_chain(3, 20, 1, 9, 5, 2)
+    first = torch.autograd.grad(loss, params, retain_graph=True)
+    assert recompute.rebuilds == 2 and not recompute._rebuilt  # X_1, X_3 rebuilt, each dropped after its last use
+    second = torch.autograd.grad(loss, params)
+    assert recompute.rebuilds == 4
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@needs_interpreter
+def test_recompute_is_refused_where_it_does_not_apply():
+    from kernels.mhc import StreamRecompute
+
+    inp = make_inputs(2, 16, 1, 3, False)
+    h_post, h_res = torch.full((1, 3, 2), 1.0), torch.full((1, 3, 2, 2), 0.5)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match=rf"every={bad!r} must be an integer >= 1"):
+            StreamRecompute(bad)
+    with pytest.raises(ValueError, match="applies to the fused backend .*got backend 'torch'"):
+        mhc_post(inp["x"], inp["out"], h_post, h_res, backend="torch", recompute=StreamRecompute(2), layer=0)
+    with pytest.raises(ValueError, match=r"layer=None must be the sublayer index"):
+        mhc_post(inp["x"], inp["out"], h_post, h_res, backend="triton", recompute=StreamRecompute(2))
+    with pytest.raises(TypeError, match="recompute must be a StreamRecompute, got int"):
+        mhc_post(inp["x"], inp["out"], h_post, h_res, backend="triton", recompute=2, layer=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_recomputed_streams_give_the_same_gradients_to_the_bit(dtype):
+    """On the GPU, at a model-like width: the same write kernel rebuilds the streams, so the gradients are equal."""
+    grads = {}
+    for every in (0, 3):
+        loss, params, recompute, _ = deep_chain(4, 512, 2, 301, 7, every, dtype=dtype, device="cuda")
+        grads[every] = torch.autograd.grad(loss, params)
+    assert recompute.rebuilds == 4
+    for a, b in zip(grads[3], grads[0]):
+        assert torch.equal(a, b)

@@ -577,3 +577,52 @@ def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
     assert calls == [False] * L
     for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-4, msg=name)  # grads are O(10)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("every", [2, 3])
+def test_recompute_every_trains_the_backbone_with_the_same_gradients(every, monkeypatch):
+    """residual.recompute_every=L_r (the paper's §4.3 recomputation): the fused writes keep the streams of one
+    sublayer in L_r and backward rebuilds the others (one write kernel each); the logits and every gradient of the
+    whole backbone equal those of the run that keeps every stream, to the bit. A forward without gradients keeps
+    nothing to rebuild."""
+    from kernels.mhc import fused
+    from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
+
+    rebuilt = []
+    post_fwd = fused.post_fwd
+    monkeypatch.setattr(fused, "post_fwd", lambda *a: rebuilt.append(1) or post_fwd(*a))
+    models = []
+    for overrides in ((), (f"residual.recompute_every={every}",)):
+        torch.manual_seed(0)
+        models.append(build_backbone("mhc", vocab=37, n_blocks=3, residual_overrides=("residual.backend=triton",
+                                                                                      *overrides)))
+    keep_all, recomputed = models
+    assert recomputed.residual.cfg.recompute_every == every and keep_all.residual.cfg.recompute_every == 0
+    perturb_residual_params_alike(keep_all, recomputed)
+    recomputed.load_state_dict(keep_all.state_dict())
+    tokens, docs = packed_batch(2, 9, 37, n_docs=2)
+    outs = [m(tokens, docs) for m in models]
+    assert torch.equal(outs[0], outs[1])
+    up = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(3))
+    rebuilt.clear()  # the last write's forward runs the write kernel too
+    outs[0].backward(up)
+    assert rebuilt == []
+    outs[1].backward(up)
+    layers = len(recomputed.sublayers)  # 6
+    assert len(rebuilt) == sum(1 for layer in range(1, layers) if layer % every)
+    for (name, a), b in zip(keep_all.named_parameters(), recomputed.parameters()):
+        assert a.grad is not None and torch.equal(a.grad, b.grad), name
+    with torch.no_grad():
+        state = recomputed.residual.begin(torch.randn(1, 4, recomputed.cfg.d_model), Context(doc_ids=torch.zeros(1, 4, dtype=torch.long)))
+    assert state.recompute is None
+
+
+def test_recompute_every_is_checked():
+    for bad in (-1, 1.5, True):
+        cfg = config_for("mhc", recompute_every=bad)
+        with pytest.raises(ValueError, match=rf"residual\.recompute_every={bad!r} must be an integer >= 0"):
+            MHC.validate(cfg, d_model=D, n_sublayers=L)
+    cfg = config_for("mhc", recompute_every=2, backend="torch")
+    with pytest.raises(ValueError, match=r"residual\.recompute_every=2: applies only to the fused writes .*'torch'"):
+        MHC.validate(cfg, d_model=D, n_sublayers=L)
