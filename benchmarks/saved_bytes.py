@@ -12,9 +12,12 @@ parameters, and the backward's temporaries: this is the activation memory a chan
 GPU ``benchmarks.throughput`` reports the peak). Deterministic: it needs no GPU, and on the CPU
 ``--backend triton`` runs the fused ops through Triton's interpreter (set here when there is no GPU).
 ``--compile model`` compiles the forward as ``trainer=gpu`` does (one forward and backward first, outside the
-count): Inductor chooses what a compiled sublayer keeps (e.g. its input's norm instead of its input). On a GPU two
-more columns count everything, ctx-held buffers included: what the forward leaves allocated, and the most allocated
-during forward and backward, both from the allocation before the forward (parameter gradients included).
+count): Inductor chooses what a compiled sublayer keeps (e.g. its input's norm instead of its input). Two more columns
+count everything, ctx-held buffers included: what the forward leaves allocated, and the most allocated during forward
+and backward (one backward of a random upstream gradient), both from the allocation before the forward (parameter
+gradients included). On a GPU from the caching allocator's counters (`torch.cuda.max_memory_allocated`); on the CPU
+from torch's `MemTracker`, which follows every tensor storage the ops allocate and free through the dispatcher (no
+allocator rounding or caching): the same quantity, without the GPU allocator's 512-byte blocks.
 The table goes to benchmarks/results/saved_bytes_<model><tag>.md with the command, the device and the date.
 """
 
@@ -123,7 +126,7 @@ def main(argv=None) -> int:
     cuda = device == "cuda"
     table = Table(f"Tensors saved for backward by one training forward, `{a.model}`",
                   ["residual", "MB saved", "tensors", "(B, T, d) fp32 units", "vs vanilla",
-                   *(["MB left by the forward", "MB peak (fwd+bwd)", "peak vs vanilla"] if cuda else [])],
+                   "MB left by the forward", "MB peak (fwd+bwd)", "peak vs vanilla"],
                   notes=[f"batch {a.batch}, bf16 autocast, compile={a.compile}, residual.backend={a.backend} for the "
                          "residuals that have one; distinct storages, parameters excluded (benchmarks/saved_bytes.py "
                          "says what is not counted)"])
@@ -137,11 +140,10 @@ def main(argv=None) -> int:
         extra = [] if name.split("@")[0] == "vanilla" else [f"residual.backend={a.backend}"]
         with held(code_settings(name)):  # a row's py: settings, for its build and its forward and backward
             nbytes, count, unit, cells = _row(a, name, extra, device, nodes := {})
-            base_peak = base_peak or (cells[1] if cuda and name == "vanilla" else None)
+            base_peak = base_peak or (cells[1] if name == "vanilla" else None)
         base = base or (nbytes if name == "vanilla" else None)
-        if cuda:
-            left, peak = cells
-            cells = [f"{left / 1e6:.0f}", f"{peak / 1e6:.0f}", f"{peak / base_peak:.3f}" if base_peak else "-"]
+        left, peak = cells
+        cells = [f"{left / 1e6:.1f}", f"{peak / 1e6:.1f}", f"{peak / base_peak:.3f}" if base_peak else "-"]
         table.add(name, f"{nbytes / 1e6:.2f}", count, f"{nbytes / unit:.1f}",
                   f"{nbytes / base:.3f}" if base else "-", *cells)
         print(" | ".join(table.rows[-1]), flush=True)
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
 
 
 def _row(a, name: str, extra: list[str], device: str, nodes: dict) -> tuple[int, int, int, tuple]:
-    """One row: bytes saved, tensors, the bytes of one (B, T, d) fp32 tensor, and on a GPU (bytes the forward leaves
+    """One row: bytes saved, tensors, the bytes of one (B, T, d) fp32 tensor, and (bytes the forward leaves
     allocated, peak bytes of forward and backward), both from the allocation before the forward."""
     cuda = device == "cuda"
     model, cfg = build(a.model, name, a.vocab, [*extra, *a.set], device)
@@ -173,20 +175,38 @@ def _row(a, name: str, extra: list[str], device: str, nodes: dict) -> tuple[int,
         logits.float().sum().backward()  # compiled forward and backward, outside the count
         del logits
         model.zero_grad(set_to_none=True)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-    nbytes, count = saved_bytes(model, tokens, doc_ids, nodes, keep=cuda)
     unit = a.batch * cfg.model.seq_len * cfg.model.d_model * 4
     if not cuda:
-        return nbytes, count, unit, ()
+        nbytes, count, cells = _cpu_row(model, tokens, doc_ids, nodes)
+        return nbytes, count, unit, cells
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    nbytes, count = saved_bytes(model, tokens, doc_ids, nodes, keep=True)
     logits = saved_bytes.last_logits
     left = torch.cuda.memory_allocated() - start
     logits.backward(torch.randn_like(logits))
     del logits, saved_bytes.last_logits
     torch.cuda.synchronize()
     return nbytes, count, unit, (left, torch.cuda.max_memory_allocated() - start)
+
+
+def _cpu_row(model, tokens, doc_ids, nodes: dict) -> tuple[int, int, tuple[int, int]]:
+    """``saved_bytes`` and one backward under torch's MemTracker: bytes saved, tensors, and (bytes the forward leaves
+    allocated, peak bytes of forward and backward) above what was allocated before the forward (the parameters)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    cpu = torch.device("cpu")
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        start = tracker.get_tracker_snapshot()[cpu]["Total"]
+        nbytes, count = saved_bytes(model, tokens, doc_ids, nodes, keep=True)
+        logits = saved_bytes.last_logits
+        left = tracker.get_tracker_snapshot()[cpu]["Total"] - start
+        logits.backward(torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=logits.dtype))
+        del logits, saved_bytes.last_logits
+    return nbytes, count, (left, tracker.get_tracker_snapshot("peak")[cpu]["Total"] - start)
 
 
 if __name__ == "__main__":

@@ -305,6 +305,16 @@ def test_saved_bytes_counts_each_storage_once_and_tabulates(tmp_path, monkeypatc
                       "--tag", "_test"])
     text = (tmp_path / "saved_bytes_tiny_test.md").read_text()
     assert "| vanilla |" in text and "| attnres_block |" in text and "| 1.000 |" in text
+    # the memory columns (on the CPU from torch's MemTracker): the forward leaves tensors allocated (what it saved, bar
+    # the buffers made before it, and the logits); the peak of forward and backward is at least that; vanilla's peak
+    # is the peaks' unit
+    rows = [line.strip("| ").split(" | ") for line in text.split("## Who keeps it")[0].splitlines()
+            if line.startswith(("| vanilla |", "| attnres_block |"))]
+    assert len(rows) == 2
+    for cells in rows:
+        saved, left, peak = float(cells[1]), float(cells[5]), float(cells[6])
+        assert saved > 0 and 0 < left <= peak, cells
+        assert cells[0] != "vanilla" or cells[7] == "1.000"
     assert "## Who keeps it" in text and "| attnres_block | MergeSumFunctionBackward |" not in text  # torch backend
     with pytest.raises(SystemExit, match=r"'vanila'.*vanilla"):
         saved_bytes.main(["--residuals", "vanila"])
