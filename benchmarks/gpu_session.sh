@@ -258,7 +258,7 @@
 #            (the default) and four tokens a trip, msar_block's medium step beside one token a trip
 #   msar_next one GPU (about 600 s with the start): pairs_medium with the token-major candidates of 2026-12-04 night
 #            (Blocks.parts_layout, Blocks.coef_layout) timed alone at small and medium too
-#   mhc_next one GPU (about 620 s with the start): the mHC read forward at 4×4 outputs a thread (PRE_FWD_BLOCKS=
+#   mhc_next one GPU (about 660 s with the start): the mHC read forward at 4×4 outputs a thread (PRE_FWD_BLOCKS=
 #            'pre_fwd_w2', built 2026-12-04 night): the op's GPU tests, the op alone against the default in
 #            interleaved rounds (fp32 streams, small and medium), mhc's small step beside the default; then the
 #            streams kept every L_r sublayers (residual.recompute_every): small's and medium's step and peak
@@ -1135,7 +1135,7 @@ case "$PLAN" in
       --tag "${TAG:-_pre_fwd_w2}"
     # the streams kept every L_r sublayers and rebuilt in backward (residual.recompute_every, built 2026-12-04 late,
     # CPU-tested only): medium's peak and step beside keeping every stream, fp32 and bf16 streams
-    step gpu0 medium "${MEDIUM_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla mhc \
+    step gpu0 medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium --residuals vanilla mhc \
       "mhc@residual.recompute_every=5" "mhc@residual.stream_dtype=bf16@residual.recompute_every=5" --compile model \
       --graphs on --steps 6 --set $COMBO --tag "${TAG:-_mhc_recompute}"
     ;;
