@@ -1008,7 +1008,7 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, recompute
     link = getattr(h_res, "_mhc_link", None)
     link = link if link is not None and link.usable_by(x, h_post, h_res) else None
     new = _apply(MhcPostFunction, recompute)(x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
-                                h_post.reshape(-1, n), h_res.reshape(-1, n, n), link, recompute, layer)
+                                             h_post.reshape(-1, n), h_res.reshape(-1, n, n), link, recompute, layer)
     return new.view(x.shape)
 
 
