@@ -580,25 +580,27 @@ def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("every", [2, 3])
-def test_recompute_every_trains_the_backbone_with_the_same_gradients(every, monkeypatch):
-    """residual.recompute_every=L_r (the paper's §4.3 recomputation): the fused writes keep the streams of one
-    sublayer in L_r and backward rebuilds the others (one write kernel each); the logits and every gradient of the
-    whole backbone equal those of the run that keeps every stream, to the bit. A forward without gradients keeps
-    nothing to rebuild."""
+@pytest.mark.parametrize("residual,every", [("mhc", 2), ("mhc", 3), ("attnres_mhc_sum", 2)])
+def test_recompute_every_trains_the_backbone_with_the_same_gradients(residual, every, monkeypatch):
+    """residual.recompute_every=L_r (the paper's §4.3 recomputation; residual.mhc.recompute_every inside
+    attnres_mhc_sum): the fused writes keep the streams of one sublayer in L_r and backward rebuilds the others (one
+    write kernel each); the logits and every gradient of the whole backbone equal those of the run that keeps every
+    stream, to the bit. A forward without gradients keeps nothing to rebuild."""
     from kernels.mhc import fused
     from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
 
     rebuilt = []
     post_fwd = fused.post_fwd
     monkeypatch.setattr(fused, "post_fwd", lambda *a: rebuilt.append(1) or post_fwd(*a))
+    key = "residual." if residual == "mhc" else "residual.mhc."
     models = []
-    for overrides in ((), (f"residual.recompute_every={every}",)):
+    for overrides in ((), (f"{key}recompute_every={every}",)):
         torch.manual_seed(0)
-        models.append(build_backbone("mhc", vocab=37, n_blocks=3, residual_overrides=("residual.backend=triton",
-                                                                                      *overrides)))
+        models.append(build_backbone(residual, vocab=37, n_blocks=3, residual_overrides=(f"{key}backend=triton",
+                                                                                         *overrides)))
     keep_all, recomputed = models
-    assert recomputed.residual.cfg.recompute_every == every and keep_all.residual.cfg.recompute_every == 0
+    mhc = recomputed.residual if residual == "mhc" else recomputed.residual.mhc
+    assert mhc.cfg.recompute_every == every
     perturb_residual_params_alike(keep_all, recomputed)
     recomputed.load_state_dict(keep_all.state_dict())
     tokens, docs = packed_batch(2, 9, 37, n_docs=2)
@@ -614,7 +616,8 @@ def test_recompute_every_trains_the_backbone_with_the_same_gradients(every, monk
     for (name, a), b in zip(keep_all.named_parameters(), recomputed.parameters()):
         assert a.grad is not None and torch.equal(a.grad, b.grad), name
     with torch.no_grad():
-        state = recomputed.residual.begin(torch.randn(1, 4, recomputed.cfg.d_model), Context(doc_ids=torch.zeros(1, 4, dtype=torch.long)))
+        one_doc = torch.zeros(1, 4, dtype=torch.long)
+        state = mhc.begin(torch.randn(1, 4, recomputed.cfg.d_model), Context(doc_ids=one_doc))
     assert state.recompute is None
 
 
