@@ -258,7 +258,7 @@
 #            (the default) and four tokens a trip, msar_block's medium step beside one token a trip
 #   msar_next one GPU (about 600 s with the start): pairs_medium with the token-major candidates of 2026-12-04 night
 #            (Blocks.parts_layout, Blocks.coef_layout) timed alone at small and medium too
-#   mhc_next one GPU (about 660 s with the start): the mHC read forward at 4×4 outputs a thread (PRE_FWD_BLOCKS=
+#   mhc_next one GPU (about 670 s with the start): the mHC read forward at 4×4 outputs a thread (PRE_FWD_BLOCKS=
 #            'pre_fwd_w2', built 2026-12-04 night): the op's GPU tests, the op alone against the default in
 #            interleaved rounds (fp32 streams, small and medium), mhc's small step beside the default; then the
 #            streams kept every L_r sublayers (residual.recompute_every): small's and medium's step and peak
@@ -1126,7 +1126,7 @@ case "$PLAN" in
     # multiply-add, 14 warps an SM against 32; built 2026-12-04 night, CPU-tested only): GPU tests (the variant
     # fixture takes it), the op alone in interleaved rounds, then mhc's small step, the default timed before and after
     W2="py:kernels.mhc.fused.PRE_FWD_BLOCKS=pre_fwd_w2"
-    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py
     step gpu0 ops_fp32 "${OPS32_LIMIT:-100}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes small \
       medium --variants default pre_fwd_w2 --rounds 5 --tag _pre_fwd_w2
