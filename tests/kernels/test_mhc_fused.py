@@ -624,10 +624,13 @@ def deep_chain(n, d, B, T, layers, every, *, dtype=torch.float32, device="cpu", 
 
 
 @needs_interpreter
-@pytest.mark.parametrize("n,d,layers,every", [(4, 24, 7, 2), (3, 17, 6, 3), (2, 20, 5, 5), (4, 16, 4, 9),
-                                              (1, 16, 5, 2), (4, 24, 7, 1)])
+@pytest.mark.parametrize("n,d,layers,every,dtype", [
+    (4, 24, 7, 2, torch.float32), (3, 17, 6, 3, torch.float32), (2, 20, 5, 5, torch.float32),
+    (4, 16, 4, 9, torch.float32), (1, 16, 5, 2, torch.float32), (4, 24, 7, 1, torch.float32),
+    (4, 24, 6, 3, torch.bfloat16),  # bf16 streams: the rebuild rounds X_{k+1} as the forward's write did
+])
 @pytest.mark.parametrize("direct", [False, True], ids=["linked", "direct_grad_on_X2"])
-def test_recomputed_streams_give_the_same_gradients_to_the_bit(n, d, layers, every, direct):
+def test_recomputed_streams_give_the_same_gradients_to_the_bit(n, d, layers, every, dtype, direct):
     """With StreamRecompute(every) the writes keep X_l only where l % every == 0 and backward rebuilds the others with
     the write kernel: every gradient equals the one with every stream kept, to the bit, and exactly the dropped
     streams were rebuilt, once each."""
@@ -637,7 +640,7 @@ def test_recomputed_streams_give_the_same_gradients_to_the_bit(n, d, layers, eve
     post_fwd = fused.post_fwd
     grads = {}
     for e in (0, every):
-        loss, params, recompute, _ = deep_chain(n, d, 2, 7, layers, e, direct=direct)
+        loss, params, recompute, _ = deep_chain(n, d, 2, 7, layers, e, dtype=dtype, direct=direct)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(fused, "post_fwd", lambda *a: calls.append(e) or post_fwd(*a))
             grads[e] = torch.autograd.grad(loss, params)
