@@ -215,7 +215,7 @@ class MHC(Residual):
             raise RuntimeError(f"mhc.write(layer={layer}) needs read(layer={layer}) first; pending layer: {got}")
         _, h_post, h_res = state.pending
         # X_{l+1} = H^res X_l + H^postᵀ f_l, mixed in fp32, in the streams' dtype: (B, T, n, d)
-        recompute = dict(recompute=state.recompute, layer=layer) if state.recompute is not None else {}
+        recompute = dict(recompute=state.recompute, layer=layer)  # which streams the write keeps (None: all)
         if layer + 1 == self.n_sublayers:
             new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend, **recompute)
             return MHCState(streams=new, record=state.record, trace=state.trace, compute_dtype=state.compute_dtype)

@@ -996,8 +996,11 @@ def _apply_recomputed(function, *args):
     return function.apply(*args)
 
 
-def _apply(function, recompute: StreamRecompute | None):
-    return function.apply if recompute is None else functools.partial(_apply_recomputed, function)
+def _apply(function, *args):
+    """``function.apply(*args)``, whose last two arguments are (recompute, layer): with a StreamRecompute, a call
+    outside torch.compile's graph."""
+    recompute = args[-2]
+    return function.apply(*args) if recompute is None else _apply_recomputed(function, *args)
 
 
 def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, recompute: StreamRecompute | None = None,
@@ -1007,8 +1010,8 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, recompute
     n, d = x.shape[-2:]
     link = getattr(h_res, "_mhc_link", None)
     link = link if link is not None and link.usable_by(x, h_post, h_res) else None
-    new = _apply(MhcPostFunction, recompute)(x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
-                                             h_post.reshape(-1, n), h_res.reshape(-1, n, n), link, recompute, layer)
+    new = _apply(MhcPostFunction, x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(),
+                 h_post.reshape(-1, n), h_res.reshape(-1, n, n), link, recompute, layer)
     return new.view(x.shape)
 
 
@@ -1020,8 +1023,8 @@ def mhc_post_pre(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, phi, alp
     link_in = getattr(h_res, "_mhc_link", None)
     link_in = link_in if link_in is not None and link_in.usable_by(x, h_post, h_res) else None
     link = GradientLink(x)  # the read's link, pointed at X' below
-    new, h, h_pre, h_post, h_res = _apply(MhcPostPreFunction, recompute)(
-        x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(), h_post.reshape(-1, n),
+    new, h, h_pre, h_post, h_res = _apply(
+        MhcPostPreFunction, x.reshape(-1, n, d).contiguous(), out.reshape(-1, d).contiguous(), h_post.reshape(-1, n),
         h_res.reshape(-1, n, n), phi, alpha, b_pre, b_post, b_res, norm_gain, sinkhorn_iters, eps, link_in, link,
         recompute, layer)
     new = new.view(x.shape)

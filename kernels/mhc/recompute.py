@@ -65,10 +65,7 @@ class StreamRecompute:
             return self._rebuilt[layer]
         base = layer - layer % self.every
         start = max((k for k in self._rebuilt if base < k < layer), default=base)
-        x = self._rebuilt[start] if start != base else self._write_inputs(base)[0]
-        if x is None:
-            raise RuntimeError(f"mhc: the write of sublayer {base} kept no streams, though every={self.every} "
-                               f"keeps them there")
+        x = self._rebuilt[start] if start != base else self._write_inputs(base)[0]  # X_base: kept by its write
         for k in range(start, layer):
             _, f, h_post, h_res = self._write_inputs(k)
             x = write(x, f, h_post, h_res)  # X_{k+1}
