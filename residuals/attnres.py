@@ -44,7 +44,7 @@ from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
 from .registry import register
 
 QUERY_KINDS = ("static", "input")
-# residual.source_dtype (AttnRes, Block AttnRes): how the completed sources are stored; "stream": the residual
+# residual.source_dtype (every depth-attention residual): how the completed sources are stored; "stream": the residual
 # stream's dtype (fp32 under mixed precision), "bfloat16": half the bytes of every phase-1 read, "autocast": bfloat16
 # while bf16 autocast is on (mixed-precision training), else "stream" (fp32 runs stay fp32)
 SOURCE_DTYPES = {"stream": None, "bfloat16": torch.bfloat16}
@@ -95,6 +95,12 @@ class DepthAttentionConfig(ResidualConfig):
     # the two-phase path's merge (phase 2): "auto" (backend's op), "torch" (PyTorch ops: under torch.compile traced and
     # compiled in the read's frame; the reads of the fused merge run as one eager call each), "triton" (the fused merge)
     merge_backend: str = "auto"
+    # how completed sources are stored (the buffer's dtype): "stream" (the residual stream's dtype, fp32 under mixed
+    # precision) | "bfloat16" (half the bytes of every read of them; for AttnRes slower end to end on an H200 because
+    # of the casts: docs/kernel_attnres.md) | "autocast" ("bfloat16" under bf16 autocast, else "stream"; Block AttnRes's
+    # default). The reference path rounds its sources alike. MSAR's fused read also reads the open block's partial in
+    # the buffer's dtype, so there the partial is rounded too (and kept for backward in it): docs/kernel_msar.md
+    source_dtype: str = "stream"
 
 
 @dataclass(frozen=True)
@@ -195,6 +201,7 @@ class DepthAttentionResidual(Residual):
         check_choice(cls.name, "query", cfg.query, QUERY_KINDS)
         check_choice(cls.name, "backend", cfg.backend, BACKENDS)
         check_choice(cls.name, "merge_backend", cfg.merge_backend, BACKENDS)
+        check_choice(cls.name, "source_dtype", cfg.source_dtype, NARROW_CHOICES)
         if cls.phase1_dtype not in NARROW_CHOICES:  # a setting of the code: checked once, where the config is
             raise ValueError(f"{cls.__name__}.phase1_dtype={cls.phase1_dtype!r}: choose one of "
                              + ", ".join(map(repr, NARROW_CHOICES)))
@@ -242,13 +249,19 @@ class DepthAttentionResidual(Residual):
         return [self._stored(s) for s in state.sources]
 
     def _stored(self, source: Tensor) -> Tensor:
-        """A completed source as the two-phase path's buffer holds it (the list-of-sources path reads this,
-        so both paths see the same sources): here unchanged; `residual.source_dtype` rounds it."""
-        return source
+        """A completed source as the buffer holds it (the list-of-sources path reads this, so both paths see the
+        same sources): rounded to ``residual.source_dtype``'s dtype and back to the stream's."""
+        dtype = self._source_dtype(source.device.type)
+        return source if dtype is None else source.to(dtype).to(source.dtype)
+
+    def _read_partial(self, partial: Tensor) -> Tensor:
+        """The open block's partial as a read sees it (Block variants): as it is; MSAR's fused read takes it in the
+        buffer's dtype, so MSAR rounds it as ``_stored`` does."""
+        return partial
 
     def _source_dtype(self, device: str) -> torch.dtype | None:
-        """The buffer's dtype on the two-phase path on ``device`` (None: the embedding's, the stream's)."""
-        return None
+        """The buffer's dtype on ``device`` now (None: the embedding's, the stream's): ``residual.source_dtype``."""
+        return narrow_dtype(self.cfg.source_dtype, device)
 
     # --- the protocol --------------------------------------------------------------------------
     def begin(self, embedding: Tensor, ctx: Context):
@@ -467,16 +480,10 @@ class AttnRes(DepthAttentionResidual):
     @dataclass
     class Config(DepthAttentionConfig):
         heads: int = 1  # channel-split heads, each over d/heads channels with its query slice and own key RMSNorm
-        # how completed sources are stored: "stream" (the residual stream's dtype, fp32 under mixed precision) |
-        # "bfloat16" (half the bytes of every phase-1 read; full AttnRes is slower end to end with it on an H200
-        # because of the casts: docs/kernel_attnres.md) | "autocast" ("bfloat16" under bf16 autocast, else "stream";
-        # Block AttnRes's default). The reference path rounds its sources alike
-        source_dtype: str = "stream"
 
     @classmethod
     def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:
         super().validate(cfg, d_model=d_model, n_sublayers=n_sublayers)
-        check_choice(cls.name, "source_dtype", cfg.source_dtype, NARROW_CHOICES)
         if not (isinstance(cfg.heads, int) and cfg.heads >= 1 and d_model % cfg.heads == 0):
             divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
             raise ValueError(f"residual.heads={cfg.heads!r} must divide d_model={d_model} (channel-split heads); "
@@ -498,13 +505,6 @@ class AttnRes(DepthAttentionResidual):
 
     def _two_phase(self, x: Tensor) -> str | None:
         return "triton" if self._fused(x) else None  # the fused path: the two-phase schedule
-
-    def _source_dtype(self, device: str) -> torch.dtype | None:
-        return narrow_dtype(self.cfg.source_dtype, device)
-
-    def _stored(self, source: Tensor) -> Tensor:
-        dtype = self._source_dtype(source.device.type)
-        return source if dtype is None else source.to(dtype).to(source.dtype)  # rounded as the buffer stores it
 
     def _retrieve(self, sources: list[Tensor], consumer: int, ctx: Context) -> Tensor:
         heads = self.cfg.heads

@@ -85,8 +85,9 @@ class BlockSummaries:
         return BlockState(ctx, (embedding,), None)
 
     def sources(self, state: BlockState) -> list[Tensor]:
-        # the summaries as the buffer stores them (`_stored`); the partial is not buffered
-        return [*map(self._stored, state.summaries), *([] if state.partial is None else [state.partial])]
+        # the summaries as the buffer stores them (`_stored`); the partial is not buffered (as a read sees it)
+        partial = [] if state.partial is None else [self._read_partial(state.partial)]
+        return [*map(self._stored, state.summaries), *partial]
 
     def _read_sources(self, state) -> list[Tensor] | BufferedSources:
         if state.buffer is None:

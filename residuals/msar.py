@@ -220,6 +220,11 @@ class Msar(DepthAttentionResidual):
         return mix(streams, self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer],
                    fusion=self.cfg.fusion)
 
+    def _read_partial(self, partial: Tensor) -> Tensor:
+        # the fused one-pass read takes the open block's partial through the buffer's address, in its dtype: the
+        # reference rounds it alike (placement=post merges it in its own dtype, as Block AttnRes does)
+        return self._stored(partial) if self.cfg.placement == "streams" else partial
+
     def _view_taps(self, consumer: int, x: Tensor) -> list[Tensor]:
         """The m-1 tap tensors (k_j, d) the fused op convolves with: the consumer's conv taps, or for
         identity views taps of size 1 equal to one (Dirac, no parameters)."""

@@ -113,6 +113,7 @@ class SourceBuffer:
 
     def __init__(self, n_max: int, like: Tensor, dtype: torch.dtype | None = None):
         self.data = torch.empty(n_max, *like.shape, device=like.device, dtype=dtype or like.dtype)
+        self.stream_dtype = like.dtype  # the sources' dtype as their writers hold them, whatever the rows store
         self.rows: list[Tensor] = []
         self.grads = RowGradients(tuple(self.data.shape), like.device, row_gradient_dtype(self.data.dtype))
 

@@ -150,7 +150,8 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
             (an error with ``"torch"``, whose autograd keeps what it keeps; ``model.checkpoint_reads`` is its knob).
 
     Returns:
-        h ``(B, T, d)`` in x's dtype, and with ``return_weights`` the softmax weights
+        h ``(B, T, d)`` in x's dtype (``BufferedSources``: the dtype the buffer's sources were given in, its
+        ``stream_dtype``, whatever its rows store), and with ``return_weights`` the softmax weights
         ``(m, S, B, T)`` fp32 (fp64 from the torch backend on fp64 inputs; detached from triton).
     """
     shape, device = _check_inputs(x, taps, queries, key_gains, doc_ids)

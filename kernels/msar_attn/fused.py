@@ -269,7 +269,7 @@ def _fwd_kernel(
     alpha_ptr,  # mixer scale α (1,) fp32
     bias_ptr,  # mixer bias b (m,) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    out_ptr,  # h (B, T, d) in x's dtype, or with WRITE_R the streams R (m, B, T, d) fp32
+    out_ptr,  # h (B, T, d) in its own dtype (x's; the stream's for buffered sources), or with WRITE_R the streams R (m, B, T, d) fp32
     lse_ptr,  # log-sum-exp over sources of the logits (m, B, T) fp32
     logits_ptr,  # logits (m, S, B, T) fp32 (M_PAD rows when not SINGLE): written when STORE_LOGITS or not SINGLE
     rho_ptr,  # with STORE_RHO: the keys' ρ (m, S, B, T) fp32, for the backward's stats (``streams_backward``)
@@ -1896,8 +1896,9 @@ def sources_layout(x: Tensor, partial: Tensor | None) -> tuple[int, int, int]:
 
 
 def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=True, write_r=False,
-            store_logits=False, save=False, partial=None, save_dtype=None, save_stats=False, keep_streams=True):
-    """h (B, T, d) in x's dtype (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
+            store_logits=False, save=False, partial=None, save_dtype=None, save_stats=False, keep_streams=True,
+            out_dtype=None):
+    """h (B, T, d) in ``out_dtype`` (default x's) (or with ``write_r`` R (m, B, T, d) fp32), lse (m, B, T) fp32, the
     logits (m, S, B, T) fp32 when ``store_logits`` (else None), with ``save`` what the mixer's
     backward takes, (R (m, B, T, d) in ``save_dtype`` (default x's), R·φ (m, B, T), ‖vec R‖² (B, T)) (else None),
     and with ``save_stats`` the softmax's statistics for the backward, (logits, ρ) (m, S, B, T) fp32 each (ρ None
@@ -1914,9 +1915,10 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
     if blk.fwd_mode == "split":
         return _forward_split(x, packed, ks, m, qg, near, blk, key_norm=key_norm, eps=eps, mixer=mixer,
                               sigmoid=sigmoid, write_r=write_r, store_logits=store_logits, save=save, partial=partial,
-                              save_dtype=save_dtype, save_stats=save_stats, keep_streams=keep_streams)
+                              save_dtype=save_dtype, save_stats=save_stats, keep_streams=keep_streams,
+                              out_dtype=out_dtype)
     out = (torch.empty(m, B, T, d, device=x.device, dtype=torch.float32) if write_r
-           else torch.empty(B, T, d, device=x.device, dtype=x.dtype))
+           else torch.empty(B, T, d, device=x.device, dtype=out_dtype or x.dtype))
     lse = torch.empty(m, B, T, device=x.device, dtype=torch.float32)
     want_logits, store_logits = store_logits, store_logits or save_stats
     if blk.single:
@@ -1943,7 +1945,7 @@ def forward(x, packed, ks, m, qg, near, *, key_norm, eps, mixer=None, sigmoid=Tr
 
 
 def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sigmoid, write_r, store_logits, save,
-                   partial, save_dtype, save_stats, keep_streams=True):
+                   partial, save_dtype, save_stats, keep_streams=True, out_dtype=None):
     """``forward`` as two passes over channel tiles (``Blocks.fwd_mode="split"``), any d, same results. Pass 1
     (``_stats_serial_kernel``, QS alone): qg_j·E_j and ‖E_j‖² per channel tile; ``softmax_parts`` (one kernel, or
     PyTorch with ``Blocks.glue="torch"``) sums the tiles into the logits, ρ, their lse over the sources and the
@@ -1974,7 +1976,7 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
         return r, lse, logits, None, stats
     _, alpha, bias = mixer
     g, z, rr = gate(mparts, alpha, bias, m=m, d=d, eps=eps, sigmoid=sigmoid, glue=blk.glue)
-    h = torch.empty(B, T, d, device=x.device, dtype=x.dtype)
+    h = torch.empty(B, T, d, device=x.device, dtype=out_dtype or x.dtype)
     kept = save_dtype or x.dtype
     copy = save and keep_streams and kept != torch.float32
     r_saved = torch.empty(m, B, T, d, device=x.device, dtype=kept) if copy else r
@@ -2190,7 +2192,7 @@ class MsarFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, n_src, buffer, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion,
-                store_logits, recompute_streams, *tensors):
+                store_logits, recompute_streams, out_dtype, *tensors):
         split = max(n_src, 1)
         xs, taps = tensors[:split], tensors[split:]
         x, partial = _source_tensors(xs, n_src, buffer)
@@ -2201,7 +2203,7 @@ class MsarFunction(torch.autograd.Function):
                                                key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                                sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
                                                partial=partial, save_dtype=saved_streams_dtype(x), save_stats=save,
-                                               keep_streams=not recompute_streams)
+                                               keep_streams=not recompute_streams, out_dtype=out_dtype)
         # with a buffer the rows stay on ctx (written once) and only the partial is saved
         ctx.rows, ctx.grads = (None, None) if buffer is None else buffer
         keep = xs if buffer is None else (partial,)
@@ -2239,7 +2241,7 @@ class MsarFunction(torch.autograd.Function):
         else:
             dxs = dx.unbind(0) if ctx.n_src else (dx,)
         return (None, None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
-                dbias.to(bias.dtype), None, None, None, None, None, *dxs,
+                dbias.to(bias.dtype), None, None, None, None, None, None, *dxs,
                 *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
 
@@ -2299,9 +2301,9 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
     dtype). Weights are returned detached (diagnostics)."""
     from . import BufferedSources
 
-    buffer = None
-    if isinstance(x, BufferedSources):
-        rows = x.rows
+    buffer, out_dtype = None, None
+    if isinstance(x, BufferedSources):  # h in the stream's dtype, whatever the buffer stores (residual.source_dtype)
+        rows, out_dtype = x.rows, x.buffer.stream_dtype
         partial = () if x.partial is None else (x.partial.to(x.buffer.data.dtype).contiguous(),)
         xs, buffer = (*rows, *partial), (x.buffer.data[:len(rows)], x.buffer.grads)
     else:
@@ -2309,7 +2311,8 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
     n_src = 0 if isinstance(x, Tensor) else len(xs)
     taps, queries, key_gains, near = _prepare(taps, queries, key_gains, doc_ids)
     h, lse, logits = MsarFunction.apply(n_src, buffer, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
-                                        float(eps), fusion, bool(return_weights), bool(recompute_streams), *xs, *taps)
+                                        float(eps), fusion, bool(return_weights), bool(recompute_streams), out_dtype,
+                                        *xs, *taps)
     if not return_weights:
         return h
     return h, softmax_weights(logits, lse)  # (m, S, B, T) fp32

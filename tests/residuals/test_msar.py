@@ -377,3 +377,45 @@ def test_post_placement_through_the_kernels_references_matches_the_residuals_ref
 def test_post_placement_through_the_fused_kernels_matches_the_reference(monkeypatch):
     # What `auto` runs on CUDA, here under the interpreter: both fused kernels in the post path.
     _post_pair(monkeypatch, force_triton=True)
+
+
+@pytest.mark.parametrize("name", ["msar", "msar_block"])
+@pytest.mark.parametrize("source_dtype", ["stream", "bfloat16", "autocast"])
+def test_the_fused_reads_keep_their_sources_in_the_buffers_dtype(name, source_dtype, monkeypatch):
+    """``residual.source_dtype`` on the fused one-pass reads (under bf16 autocast, as a GPU trains): the buffer is bf16
+    for bfloat16 and autocast, and each read then keeps the open block's partial in bf16 too (it reads it through the
+    buffer's address; msar_block's partials are its largest kept term beyond vanilla's), while every read still hands
+    its sublayer h in the stream's fp32 and the stream's gradients stay fp32."""
+    from kernels.msar_attn import fused
+    from tests.helpers import build_backbone, packed_batch
+
+    outs = []
+    inner = fused.msar
+
+    def spy(x, *args, **kwargs):
+        h = inner(x, *args, **kwargs)
+        outs.append((x.buffer.data.dtype, h.dtype))
+        return h
+
+    monkeypatch.setattr(fused, "msar", spy)
+    model = build_backbone(name, vocab=37, n_blocks=2, attention="sdpa",
+                           residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton",
+                                               f"residual.source_dtype={source_dtype}"))
+    tokens, docs = packed_batch(1, 9, 37, n_docs=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(tokens, docs).float().square().mean()
+    narrow = torch.bfloat16 if source_dtype != "stream" else torch.float32
+    assert outs and set(outs) == {(narrow, torch.float32)}, set(outs)
+    kept, seen, todo = [], set(), [loss.grad_fn]  # what every read keeps for its backward (B, T, d)-shaped
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "MsarFunctionBackward":
+            kept += [t.dtype for t in node.saved_tensors if t is not None and t.shape == (1, 9, model.residual.d_model)]
+        todo += [n for n, _ in node.next_functions]
+    partials = {"msar": 0, "msar_block": 3}[name]  # 4 sublayers, one block of 4: the partials of consumers 1-3
+    assert sorted(kept, key=str) == [narrow] * partials, kept
+    loss.backward()
+    assert model.embed.weight.grad.dtype == torch.float32 and torch.isfinite(model.embed.weight.grad).all()
