@@ -262,6 +262,9 @@
 #            'pre_fwd_w2', built 2026-12-04 night): the op's GPU tests, the op alone against the default in
 #            interleaved rounds (fp32 streams, small and medium), mhc's small step beside the default; then the
 #            streams kept every L_r sublayers (residual.recompute_every): small's and medium's step and peak
+#   msar_sources one GPU (about 850 s with the start): msar_block's sources in bf16 under autocast
+#            (residual.source_dtype=autocast, built 2026-12-05 on the CPU): medium's step and peak beside fp32 sources,
+#            with and without recompute_streams, in one process; then training parity at small against fp32 sources
 #   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
 #            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
 #            (SPLIT_GRADS_PARTIALS) and consumers outside the sources (SPLIT_GRADS_CONSUMERS), each alone against the
@@ -279,7 +282,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next msar_sources"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1120,6 +1123,18 @@ case "$PLAN" in
       --kernels stats "source gradients" --only parts_layout=token coef_layout=token --tag "${TAG:-_token_major}"
     step gpu0 medium "${MEDIUM_LIMIT:-250}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_pairs_medium}"
+    ;;
+  msar_sources)
+    # msar_block's buffer and the open block's partial in bf16 under autocast (residual.source_dtype=autocast, 2026-12-05,
+    # CPU only): the medium peak (1.45x vanilla's with fp32 sources, 1.28x with recompute_streams; target 1.10x) and
+    # step beside fp32 sources in one process, then 150 steps at small, seeds 0-2, eager, against fp32 sources
+    SRC=residual.source_dtype=autocast
+    step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      msar_block "msar_block@$SRC" "msar_block@residual.recompute_streams=true@$SRC" --compile model --graphs on \
+      --steps 6 --set $COMBO --tag "${TAG:-_msar_sources}"
+    step gpu0 parity "${PARITY_LIMIT:-480}" python3 -m benchmarks.backend_training --residuals msar_block \
+      --reference residual.backend=auto --candidate residual.backend=auto $SRC --steps ${PARITY_STEPS:-150} \
+      --seeds 0 1 2 --set model=small trainer=gpu trainer.compile=false --name small_msar_block_bf16_sources
     ;;
   mhc_next)
     # the read forward's fp32 projection at 32 tokens on 2 warps (4×4 outputs a thread: half the shared-memory bytes a

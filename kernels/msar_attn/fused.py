@@ -927,14 +927,33 @@ def _softmax_parts_kernel(parts_ptr, logits_ptr, rho_ptr, lse_ptr, w_ptr, n_dt, 
         s += 1
     lse = mx + tl.log(se)
     tl.store(lse_ptr + j * N + offs, lse, mask=mask)
+    _store_weights(logits_ptr, w_ptr, lse, offs, mask, j, S, N, M, LEAN)  # each lane reads back what it stored above
+
+
+@triton.jit
+def _store_weights(logits_ptr, w_ptr, lse, offs, mask, j, S, N, M: tl.constexpr, LEAN: tl.constexpr):
+    """w = exp(logit - lse) of view j over the S sources for the tokens offs, from the logits (m, S, N), into w
+    (m, S, N) or with LEAN (N, S, m): one expression for the forward (``_softmax_parts_kernel``) and the rebuild of its
+    weights in backward (``_weights_kernel``), so that the two agree to the bit."""
     s = 0
-    while s < S:  # each lane reads back only what it stored above
+    while s < S:
         w = tl.exp(tl.load(logits_ptr + (j * S + s).to(tl.int64) * N + offs, mask=mask, other=0.0) - lse)
         if LEAN:
             tl.store(w_ptr + (offs.to(tl.int64) * S + s) * M + j, w, mask=mask)
         else:
             tl.store(w_ptr + (j * S + s).to(tl.int64) * N + offs, w, mask=mask)
         s += 1
+
+
+@triton.jit
+def _weights_kernel(logits_ptr, lse_ptr, w_ptr, S, N, M: tl.constexpr, LEAN: tl.constexpr, BN: tl.constexpr):
+    """The split forward's weights again from its saved logits (m, S, N) and lse (m, N) (``rebuild_weights``), as
+    ``_softmax_parts_kernel`` wrote them: a program a (token block, view)."""
+    offs = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = offs < N
+    j = tl.program_id(1)
+    lse = tl.load(lse_ptr + j * N + offs, mask=mask, other=0.0)
+    _store_weights(logits_ptr, w_ptr, lse, offs, mask, j, S, N, M, LEAN)
 
 
 def _softmax_parts_torch(parts: Tensor, *, key_norm: bool, eps: float, d: int, lean: bool):
@@ -956,6 +975,17 @@ def softmax_weights(logits: Tensor, lse: Tensor, *, lean: bool = False) -> Tenso
     m, S, B, T = logits.shape
     w = torch.empty(B, T, S, m, device=logits.device, dtype=torch.float32)
     torch.exp(logits - lse[:, None], out=w.permute(3, 2, 0, 1))
+    return w
+
+
+def rebuild_weights(logits: Tensor, lse: Tensor, *, lean: bool, glue: str) -> Tensor:
+    """The weights the split forward's pass 2 took, again from its logits and lse: ``softmax_weights`` where its glue
+    was PyTorch's, else the glue kernel's own expression (``_store_weights``): the same floats either way."""
+    if glue == "torch":
+        return softmax_weights(logits, lse, lean=lean)
+    m, S, B, T = logits.shape
+    w = torch.empty((B, T, S, m) if lean else (m, S, B, T), device=logits.device, dtype=torch.float32)
+    _weights_kernel[(triton.cdiv(B * T, GLUE_BN), m)](logits, lse, w, S, B * T, M=m, LEAN=lean, BN=GLUE_BN)
     return w
 
 
@@ -1993,16 +2023,16 @@ def split_trip(blk: Blocks) -> int:
     return blk.split_trip if blk.split_lean else 1
 
 
-def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None):
-    """The split forward's pass 2 (``_streams_split_kernel``): R (m, B, T, d) fp32 from the weights w ((m, S, B, T),
-    or (B, T, S, m) with ``blk.split_lean``: ``softmax_weights``), and with ``phi`` (the mixer's φᵀ) the mixer's
-    per-tile sums (n_dt, 1 + m, B, T) (else None)."""
+def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None, dtype=torch.float32):
+    """The split forward's pass 2 (``_streams_split_kernel``): R (m, B, T, d) (fp32, or ``dtype``: each value rounded
+    once from fp32) from the weights w ((m, S, B, T), or (B, T, S, m) with ``blk.split_lean``: ``softmax_weights``),
+    and with ``phi`` (the mixer's φᵀ) the mixer's per-tile sums (n_dt, 1 + m, B, T) (else None)."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
     k_max = max(ks)
     f32 = dict(device=x.device, dtype=torch.float32)
     ch = max(1, min(blk.split_ch, T))
-    r = torch.empty(m, B, T, d, **f32)
+    r = torch.empty(m, B, T, d, device=x.device, dtype=dtype)
     n_dt = triton.cdiv(d, blk.split_bd)
     mparts = None if phi is None else torch.empty(n_dt, 1 + m, B, T, **f32)
     _streams_split_kernel[(n_dt, triton.cdiv(T, ch), B)](
@@ -2013,14 +2043,16 @@ def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None):
     return r, mparts
 
 
-def rebuild_streams(x, packed, ks, near, logits, lse, *, partial=None) -> Tensor:
-    """R (m, B, T, d) fp32 for the mixer's backward of a read that kept none (``msar(recompute_streams=True)``):
+def rebuild_streams(x, packed, ks, near, logits, lse, *, partial=None, dtype=torch.float32) -> Tensor:
+    """R (m, B, T, d) in ``dtype`` for the mixer's backward of a read that kept none (``msar(recompute_streams=True)``):
     the split forward's pass 2 alone, its weights w = exp(logit - lse) from the forward's saved logits (m, S, B, T)
-    and lse (m, B, T). The same R the forward combined h from (fp32; a kept R is in ``saved_streams_dtype``)."""
+    and lse (m, B, T) as the forward computed them (``rebuild_weights``). Given the dtype the forward would have kept
+    (``saved_streams_dtype``), it is the R a read that keeps its streams keeps, to the bit, after the split forward
+    (the default; the tile forward computes its R by other arithmetic: within fp32 rounding of it)."""
     _, B, T, d = x.shape
     blk = _blocks(T, d, packed.shape[0], max(ks))
-    w = softmax_weights(logits, lse, lean=blk.split_lean)
-    return _pass_2(x, packed, ks, logits.shape[0], near, w, blk, partial=partial)[0]
+    w = rebuild_weights(logits, lse, lean=blk.split_lean, glue=blk.glue)
+    return _pass_2(x, packed, ks, logits.shape[0], near, w, blk, partial=partial, dtype=dtype)[0]
 
 
 def saved_streams_dtype(x: Tensor) -> torch.dtype:
@@ -2211,6 +2243,7 @@ class MsarFunction(torch.autograd.Function):
                               *(saved if save else (None, None, None)), *(stats if save else (None, None)),
                               *keep, *taps)
         ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.n_keep = key_norm, eps, fusion, n_src, len(keep)
+        ctx.kept = saved_streams_dtype(x)  # what R is kept in (autocast is on here, not in backward): rebuilt alike
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(lse, logits)
@@ -2229,7 +2262,7 @@ class MsarFunction(torch.autograd.Function):
         qg = folded_queries(queries, key_gains)
         with torch.autocast(device_type=x.device.type, enabled=False):
             if r is None:  # recompute_streams: the forward kept no R
-                r = rebuild_streams(x, packed, ks, near, logits, lse, partial=partial)
+                r = rebuild_streams(x, packed, ks, near, logits, lse, partial=partial, dtype=ctx.kept)
             dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), _mixer_params(phi, alpha, bias),
                                                      eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
             rows_grad = None if ctx.rows is None else ctx.grads.target(x.shape[0])
