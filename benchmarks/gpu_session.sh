@@ -262,7 +262,7 @@
 #            'pre_fwd_w2', built 2026-12-04 night): the op's GPU tests, the op alone against the default in
 #            interleaved rounds (fp32 streams, small and medium), mhc's small step beside the default; then the
 #            streams kept every L_r sublayers (residual.recompute_every): small's and medium's step and peak
-#   msar_sources one GPU (about 850 s with the start): msar_block's sources in bf16 under autocast
+#   msar_sources one GPU (about 940 s with the start): the GPU test of MSAR over bf16 sources, msar_block's sources in bf16 under autocast
 #            (residual.source_dtype=autocast, built 2026-12-05 on the CPU): medium's step and peak beside fp32 sources,
 #            with and without recompute_streams, in one process; then training parity at small against fp32 sources
 #   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
@@ -1129,6 +1129,8 @@ case "$PLAN" in
     # CPU only): the medium peak (1.45x vanilla's with fp32 sources, 1.28x with recompute_streams; target 1.10x) and
     # step beside fp32 sources in one process, then 150 steps at small, seeds 0-2, eager, against fp32 sources
     SRC=residual.source_dtype=autocast
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/residuals/test_attnres.py -k "bf16_sources_of_the_fused_msar_read"
     step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       msar_block "msar_block@$SRC" "msar_block@residual.recompute_streams=true@$SRC" --compile model --graphs on \
       --steps 6 --set $COMBO --tag "${TAG:-_msar_sources}"

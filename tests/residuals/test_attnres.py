@@ -561,6 +561,16 @@ def test_bf16_sources_fused_path_matches_the_reference_path(name, overrides, tol
     check_fused_backbone_against_the_reference(name, bf16, "cpu", "triton", B=1, T=11, tol=tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["msar", "msar_block"])
+def test_gpu_bf16_sources_of_the_fused_msar_read_match_the_reference(name):
+    """The body of the interpreter test above on CUDA (``auto``: the fused read), two packed rows of 67 tokens:
+    MSAR's reads over a bf16 buffer and a bf16 partial agree with the reference that rounds its sources alike."""
+    check_fused_backbone_against_the_reference(name, ("residual.kernels=[2,3]", "residual.source_dtype=bfloat16"),
+                                               "cuda", "auto", B=2, T=67, tol=3e-2)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("name, overrides, tol", [("attnres", (), 6e-2), ("attnres_block", (), 1.5e-2),
                                                   ("attnres_block", ("residual.block_size=2",), 1.5e-2)],
