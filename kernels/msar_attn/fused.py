@@ -2231,10 +2231,11 @@ class MsarFunction(torch.autograd.Function):
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
         save = any(ctx.needs_input_grad)
+        ctx.kept = saved_streams_dtype(x)  # what R is kept in (autocast is on here, not in backward): rebuilt alike
         h, lse, logits, saved, stats = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
                                                key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
                                                sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
-                                               partial=partial, save_dtype=saved_streams_dtype(x), save_stats=save,
+                                               partial=partial, save_dtype=ctx.kept, save_stats=save,
                                                keep_streams=not recompute_streams, out_dtype=out_dtype)
         # with a buffer the rows stay on ctx (written once) and only the partial is saved
         ctx.rows, ctx.grads = (None, None) if buffer is None else buffer
@@ -2243,7 +2244,6 @@ class MsarFunction(torch.autograd.Function):
                               *(saved if save else (None, None, None)), *(stats if save else (None, None)),
                               *keep, *taps)
         ctx.key_norm, ctx.eps, ctx.fusion, ctx.n_src, ctx.n_keep = key_norm, eps, fusion, n_src, len(keep)
-        ctx.kept = saved_streams_dtype(x)  # what R is kept in (autocast is on here, not in backward): rebuilt alike
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(lse, logits)

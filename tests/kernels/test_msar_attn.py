@@ -1447,6 +1447,25 @@ def test_recompute_streams_keeps_no_streams_and_rebuilds_them(sources, mode, amp
             assert torch.equal(a, b), f"{name}: {rel_err(a, b):.2e}"
 
 
+@needs_triton
+@pytest.mark.parametrize("lean", [False, True])
+def test_rebuilt_weights_kernel_matches_its_pytorch_twin(lean):
+    """``rebuild_weights`` with the glue kernel (``_weights_kernel``, the forward's own expression) against
+    ``softmax_weights``, its PyTorch twin: random logits and lse over an odd count of tokens (not a multiple of the
+    kernel's token block), both layouts; fp32 rounding apart, every weight written."""
+    from kernels.msar_attn import fused
+
+    g = torch.Generator().manual_seed(3)
+    m, S, B, T = 3, 5, 2, 139
+    logits = torch.randn(m, S, B, T, generator=g) * 4
+    lse = torch.logsumexp(logits, dim=1) + 0.1 * torch.randn(m, B, T, generator=g)
+    got = fused.rebuild_weights(logits, lse, lean=lean, glue="triton")
+    want = fused.softmax_weights(logits, lse, lean=lean)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert torch.equal(fused.rebuild_weights(logits, lse, lean=lean, glue="torch"), want)
+
+
 def test_recompute_streams_is_for_the_fused_backend():
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(2, 1, 5, 8, (2,), True)
     with pytest.raises(ValueError, match="recompute_streams=True applies to the fused backend"):

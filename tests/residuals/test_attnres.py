@@ -362,7 +362,6 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     """fp32 backbone on ``device``: ``residual.backend=backend`` (``checkpoint_reads`` for it) against
     ``backend=torch``; the fused one's state is the fused one; outputs and every gradient, each within a
     norm-wise relative ``tol``. Returns the largest relative error."""
-    from residuals.attnres import FusedState
     from tests.helpers import (backward_both_after_equal_outputs, build_backbone, packed_batch,
                                perturb_residual_params_alike, rel_err)
 
@@ -379,7 +378,7 @@ def check_fused_backbone_against_the_reference(name, overrides, device, backend,
     tokens, docs = (t.to(device) for t in packed_batch(B, T, 37, n_docs=2 if T < 13 else 3))
     state = fused.residual.begin(fused.embed(tokens), Context(docs))
     # the fused path's state holds the source buffer (the two-phase FusedState, or MSAR's one-pass reads over it)
-    assert state.buffer is not None and (isinstance(state, FusedState) or name.startswith("msar")), type(state)
+    assert getattr(state, "buffer", None) is not None, type(state)
     params = backward_both_after_equal_outputs(ref, fused, tokens, docs, norm_tol=None if tol <= 1e-4 else tol)
     # Gradients span 1e-3..1e2 within one tensor (the embedding's rows sum over tokens): element-wise
     # rtol=1e-3, atol=1e-5 sits at the backbone's own fp32 rounding (the fp32 reference against fp64
@@ -690,7 +689,6 @@ def test_autocast_sources_are_bf16_under_bf16_autocast_only(name):
     """``residual.source_dtype=autocast`` (Block AttnRes's default): the buffer is bf16 under bf16 autocast and the
     stream's fp32 otherwise, where the logits are those of ``stream`` to the bit (fused and reference path); under
     autocast the reference path rounds its sources as the bf16 buffer stores them (its logits those of ``bfloat16``)."""
-    from residuals.attnres import FusedState
     from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
 
     tokens, docs = packed_batch(1, 11, 37, n_docs=2)
@@ -707,7 +705,7 @@ def test_autocast_sources_are_bf16_under_bf16_autocast_only(name):
                     logits[dtype, backend, amp] = model(tokens, docs).detach().float()
                     state = model.residual.begin(model.embed(tokens), Context(docs))
                 if backend == "triton":  # the two-phase state, or MSAR's one-pass reads over the buffer
-                    assert isinstance(state, FusedState) or name.startswith("msar"), type(state)
+                    assert getattr(state, "buffer", None) is not None, type(state)
                     wide = dtype == "stream" or (dtype == "autocast" and not amp)
                     assert state.buffer.data.dtype == (torch.float32 if wide else torch.bfloat16), (dtype, amp)
     for backend in ("torch", "triton"):
@@ -726,7 +724,6 @@ def test_bf16_sources_are_stored_in_bf16_and_change_the_numbers(name):
     """The buffer of the two-phase path is bf16 with residual.source_dtype=bfloat16 (the stream's dtype
     otherwise), and the reference path's read rounds its sources: the logits move by bf16 rounding, not
     more, not zero."""
-    from residuals.attnres import FusedState
     from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike, rel_err
 
     tokens, docs = packed_batch(1, 11, 37, n_docs=2)
@@ -741,7 +738,7 @@ def test_bf16_sources_are_stored_in_bf16_and_change_the_numbers(name):
         fused = build_backbone(name, vocab=37, n_blocks=2, attention="sdpa",
                                residual_overrides=("residual.backend=triton", f"residual.source_dtype={dtype}"))
         state = fused.residual.begin(fused.embed(tokens), Context(docs))
-        assert isinstance(state, FusedState) or name.startswith("msar"), type(state)
+        assert getattr(state, "buffer", None) is not None, type(state)
         assert state.buffer.data.dtype == (torch.bfloat16 if dtype == "bfloat16" else torch.float32)
     err = rel_err(logits["bfloat16"], logits["stream"])
     assert 1e-5 < err < 2e-2, err
