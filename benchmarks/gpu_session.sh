@@ -1127,16 +1127,19 @@ case "$PLAN" in
   msar_sources)
     # msar_block's buffer and the open block's partial in bf16 under autocast (residual.source_dtype=autocast, 2026-12-05,
     # CPU only): the medium peak (1.45x vanilla's with fp32 sources, 1.28x with recompute_streams; target 1.10x) and
-    # step beside fp32 sources in one process, then 150 steps at small, seeds 0-2, eager, against fp32 sources
+    # step beside fp32 sources in one process, with the token-major layouts (the defaults since the 2026-12-05 later
+    # session) beside the planes, then PARITY_STEPS (150) steps at small, seeds PARITY_SEEDS (0 1 2), eager, against
+    # fp32 sources
     SRC=residual.source_dtype=autocast
+    PLANES="py:kernels.msar_attn.fused.FIELDS={'coef_layout':'planes','parts_layout':'planes'}"
     step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/residuals/test_attnres.py -k "bf16_sources_of_the_fused_msar_read"
+      tests/residuals/test_attnres.py tests/kernels/test_msar_attn.py -k "msar"
     step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      msar_block "msar_block@$SRC" "msar_block@residual.recompute_streams=true@$SRC" --compile model --graphs on \
-      --steps 6 --set $COMBO --tag "${TAG:-_msar_sources}"
+      msar_block "msar_block@$PLANES" "msar_block@$SRC" "msar_block@residual.recompute_streams=true@$SRC" msar_block \
+      --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_msar_sources}"
     step gpu0 parity "${PARITY_LIMIT:-480}" python3 -m benchmarks.backend_training --residuals msar_block \
       --reference residual.backend=auto --candidate residual.backend=auto $SRC --steps ${PARITY_STEPS:-150} \
-      --seeds 0 1 2 --set model=small trainer=gpu trainer.compile=false --name small_msar_block_bf16_sources
+      --seeds ${PARITY_SEEDS:-0 1 2} --set model=small trainer=gpu trainer.compile=false --name small_msar_block_bf16_sources
     ;;
   mhc_next)
     # the read forward's fp32 projection at 32 tokens on 2 warps (4×4 outputs a thread: half the shared-memory bytes a

@@ -63,6 +63,12 @@ def compile_kernel(fn, types: dict, constexprs: dict, num_warps: int, loops: boo
     return out
 
 
+def _other_layout(token: bool) -> str:
+    """The label of the layout a Blocks layout switch (coef_layout, parts_layout) does not default to: the
+    kernel compiled that way is listed beside the default as a candidate."""
+    return "in planes" if token else "token-major"
+
+
 def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*bf16", views_3d: bool | None = None):
     """(name, fn, argument types, constexprs, num_warps) of every kernel a bf16 training step launches;
     ``views_3d``: the view builder's layout (None: what ``_blocks`` picks)."""
@@ -109,8 +115,9 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield (f"split forward, pass 1{'' if split else ' (candidate)'}", fused._stats_serial_kernel,
                dict(**views, dr_ptr=F32, part_ptr=F32), dict(**pass1, PM=m_pad if ptok else 0), 1)
         if "PM" in fused._stats_serial_kernel.arg_names:  # Blocks.parts_layout (2026-12-04): a token's sums, one store
-            yield (f"split forward, pass 1, sums token-major{'' if ptok else ' (candidate)'}",
-                   fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32), dict(**pass1, PM=m_pad), 1)
+            yield (f"split forward, pass 1, sums {_other_layout(ptok)} (candidate)",
+                   fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
+                   dict(**pass1, PM=0 if ptok else m_pad), 1)
         split_types = dict(x_ptr=x_type, taps_ptr=F32, near_ptr=I32, w_ptr=F32, phi_ptr=F32, r_ptr=x_type,
                            mpart_ptr=F32, p_off="i64")  # pass 2's arguments, every way it compiles
         yield (f"split forward, pass 2{'' if split else ' (candidate)'}", fused._streams_split_kernel,
@@ -143,10 +150,10 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                    dict(M=m, KEY_NORM=True, LEAN=blk.split_lean, BN=fused.GLUE_BN,
                         PM=m_pad if getattr(blk, "parts_layout", "planes") == "token" else 0), 4)
             if "PM" in fused._softmax_parts_kernel.arg_names:  # Blocks.parts_layout (2026-12-04)
-                yield (f"glue: softmax over the sources, sums token-major"
-                       f"{'' if getattr(blk, 'parts_layout', 'planes') == 'token' else ' (candidate)'}",
+                ptok = getattr(blk, "parts_layout", "planes") == "token"
+                yield (f"glue: softmax over the sources, sums {_other_layout(ptok)} (candidate)",
                        fused._softmax_parts_kernel, softmax,
-                       dict(M=m, KEY_NORM=True, LEAN=blk.split_lean, BN=fused.GLUE_BN, PM=m_pad), 4)
+                       dict(M=m, KEY_NORM=True, LEAN=blk.split_lean, BN=fused.GLUE_BN, PM=0 if ptok else m_pad), 4)
             yield (f"glue: gate{tag}", fused._gate_kernel,
                    dict(mparts_ptr=F32, alpha_ptr=F32, bias_ptr=F32, g_ptr=F32, z_ptr=F32, rr_ptr=F32, eps="fp32"),
                    dict(M=m, M_PAD=m_pad, SIGMOID=True, BN=fused.GLUE_BN), 4)
@@ -157,13 +164,14 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                    dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token,
                         PM=getattr(blk, "parts_layout", "planes") == "token"), 4)
             if "TOKEN" in fused._stats_finish_kernel.arg_names:  # Blocks.coef_layout (2026-12-04): w, κ, μ by token
-                yield (f"glue: w, κ, μ token-major{'' if token else ' (candidate)'}", fused._stats_finish_kernel,
-                       finish, dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=True, PM=False), 4)
+                yield (f"glue: w, κ, μ {_other_layout(token)} (candidate)", fused._stats_finish_kernel,
+                       finish, dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=not token,
+                                    PM=getattr(blk, "parts_layout", "planes") == "token"), 4)
             if "PM" in fused._stats_finish_kernel.arg_names:  # Blocks.parts_layout (2026-12-04): the sums by token
                 ptok = getattr(blk, "parts_layout", "planes") == "token"
-                yield (f"glue: w, κ, μ from sums token-major{'' if ptok else ' (candidate)'}",
+                yield (f"glue: w, κ, μ from sums {_other_layout(ptok)} (candidate)",
                        fused._stats_finish_kernel, finish,
-                       dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token, PM=True), 4)
+                       dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token, PM=not ptok), 4)
         yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
                dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=True), 4)
     yield ("mixer backward", fused._mix_bwd_kernel,
@@ -178,8 +186,8 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
                dict(**stats, PM=m_pad if ptok else 0), 1)
         if "PM" in fused._stats_serial_kernel.arg_names:  # Blocks.parts_layout (2026-12-04): a token's sums, one store
-            yield (f"stats, sums token-major{'' if ptok else ' (candidate)'}", fused._stats_serial_kernel,
-                   dict(**views, dr_ptr=F32, part_ptr=F32), dict(**stats, PM=m_pad), 1)
+            yield (f"stats, sums {_other_layout(ptok)} (candidate)", fused._stats_serial_kernel,
+                   dict(**views, dr_ptr=F32, part_ptr=F32), dict(**stats, PM=0 if ptok else m_pad), 1)
     else:
         yield ("stats", fused._stats_kernel,
                dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
@@ -193,8 +201,8 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         yield ("source gradients", fused._src_serial_kernel, src_types, dict(**src, CM=m_pad if token else 0),
                blk.serial_warps)
         if "CM" in fused._src_serial_kernel.arg_names:  # Blocks.coef_layout (2026-12-04): a token's w, κ, μ, one load
-            yield (f"source gradients, w κ μ token-major{'' if token else ' (candidate)'}", fused._src_serial_kernel,
-                   src_types, dict(**src, CM=m_pad), blk.serial_warps)
+            yield (f"source gradients, w κ μ {_other_layout(token)} (candidate)", fused._src_serial_kernel,
+                   src_types, dict(**src, CM=0 if token else m_pad), blk.serial_warps)
         return
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,

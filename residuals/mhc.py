@@ -42,7 +42,8 @@ ahead of time: by ``begin`` for l = 0, and fused into the previous write for l >
 streams, the paper's §4.3); ``read`` returns it. The last write is ``kernels.mhc.mhc_post``. Since
 ``read`` then does no compute, ``model.checkpoint_reads`` recomputes nothing for mHC. ``recompute_every`` = L_r > 0
 keeps the streams for backward only at every L_r-th sublayer and rebuilds the others in backward (the paper's §4.3
-recomputation, ``kernels/mhc/recompute.py``; fused backend only). ``backend`` =
+recomputation, ``kernels/mhc/recompute.py``; fused backend only); by default L_r is the paper's L_r* on the fused
+writes. ``backend`` =
 "auto" (fused Triton kernels on CUDA, the PyTorch reference elsewhere), "torch" or "triton"; see
 docs/kernel_mhc.md.
 
@@ -60,7 +61,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.mhc import BACKENDS, StreamRecompute, mhc_post, mhc_post_pre, mhc_pre
+from kernels.mhc import BACKENDS, StreamRecompute, mhc_post, mhc_post_pre, mhc_pre, optimal_every
 from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
 from .base import Context, Residual, ResidualConfig, check_choice
@@ -109,8 +110,11 @@ class MHC(Residual):
         backend: str = "auto"  # "torch" (reference), "triton" (fused kernels/mhc), "auto" (triton on CUDA)
         stream_dtype: str = "input"  # storage of the streams: "input" (the embedding's dtype), "fp32", "bf16"
         # L_r of the paper's §4.3: keep the streams X_l for backward only where l % L_r == 0 and rebuild the others
-        # in backward (one write kernel each; fused backend only). 0: keep every X_l. Paper: L_r* = √(nL/(n+2))
-        recompute_every: int = 0
+        # in backward (one write kernel each, to the bit; fused backend only). 0: keep every X_l. None (the default):
+        # the paper's L_r* = √(nL/(n+2)), rounded, where the writes are fused (backend triton, or auto on CUDA), 0 on
+        # the reference. H200, `medium` (L_r* = 5), one process (throughput_medium_mhc_recompute.md): peak 52.26 ->
+        # 39.97 GiB (1.60x -> 1.22x vanilla's) for 243.2 -> 251.8 ms a step (docs/kernel_mhc.md)
+        recompute_every: Optional[int] = None
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
@@ -146,9 +150,10 @@ class MHC(Residual):
         check_choice(cls.name, "stream_dtype", cfg.stream_dtype, tuple(STREAM_DTYPES))
         check_choice(cls.name, "output", cfg.output, OUTPUTS)
         every = cfg.recompute_every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
             raise ValueError(f"residual.recompute_every={every!r} must be an integer >= 0 (0 keeps every sublayer's "
-                             f"streams; L_r keeps one sublayer's in L_r; paper: √(nL/(n+2)))")
+                             f"streams; L_r keeps one sublayer's in L_r) or null (the paper's √(nL/(n+2)) on the "
+                             f"fused writes)")
         if every and cfg.backend == "torch":
             raise ValueError(f"residual.recompute_every={every}: applies only to the fused writes (residual.backend="
                              f"triton, or auto on CUDA); got backend='torch'")
@@ -180,11 +185,19 @@ class MHC(Residual):
         # the embedding in every stream, materialised once: the first read and write (and their saved
         # tensors) share this copy instead of each making its own
         streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d).contiguous()  # (B, T, n, d)
-        every = self.cfg.recompute_every
+        every = self.stream_recompute_every(embedding.device)
         recompute = StreamRecompute(every) if every and torch.is_grad_enabled() else None
         state = MHCState(streams=streams, record=ctx.record, compute_dtype=embedding.dtype, recompute=recompute)
         state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
         return state
+
+    def stream_recompute_every(self, device: torch.device) -> int:
+        """L_r on ``device``: ``residual.recompute_every``, or where it is None the paper's L_r* when the writes run
+        fused there (backend triton, or auto on CUDA) and 0 (keep every stream) when they run the reference."""
+        if self.cfg.recompute_every is not None:
+            return self.cfg.recompute_every
+        fused = self.cfg.backend == "triton" or (self.cfg.backend == "auto" and torch.device(device).type == "cuda")
+        return optimal_every(self.cfg.n, self.n_sublayers) if fused else 0
 
     def _read(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         # coefficients (computed once, from X_l) and h = H^pre X_l: one pass over the streams when fused

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..backend import BACKENDS, check_triton_device, resolve_backend
 from . import reference
-from .recompute import StreamRecompute
+from .recompute import StreamRecompute, optimal_every
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -181,4 +181,4 @@ def mhc_post(x: Tensor, out: Tensor, h_post: Tensor, h_res: Tensor, *, backend: 
         return fused.mhc_post(x, out, h_post, h_res, recompute=recompute, layer=layer or 0)
 
 
-__all__ = ["BACKENDS", "StreamRecompute", "mhc_post", "mhc_post_pre", "mhc_pre"]
+__all__ = ["BACKENDS", "StreamRecompute", "mhc_post", "mhc_post_pre", "mhc_pre", "optimal_every"]

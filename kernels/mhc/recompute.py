@@ -25,10 +25,18 @@ the bit.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Callable
 
 from torch import Tensor
+
+
+def optimal_every(n: int, n_sublayers: int) -> int:
+    """The paper's L_r* = √(n·L / (n + 2)), rounded (n = 4: 3 for 16 sublayers, 5 for 32); 0 (keep every stream)
+    where it rounds to 1, which would keep every stream anyway."""
+    every = round(math.sqrt(n * n_sublayers / (n + 2)))
+    return every if every > 1 else 0
 
 
 class StreamRecompute:

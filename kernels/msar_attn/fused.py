@@ -1758,16 +1758,18 @@ class Blocks:
     # scalar loads a token, each moved to a uniform register) or "token" ((S, B, T, 4, M_PAD): a token's scalars side
     # by side, one load split into scalars, ``_scalars``). sm_90a at `small`: the source-gradient kernel's token loop
     # 510 -> 465 instructions (12 LDG -> 3 LDG.E.128, R2UR 12 -> 0, UMOV 24 -> 12), 255 -> 252 registers, 8 -> 0
-    # bytes spilled; the glue kernel (``_stats_finish_kernel``) writes them 4·M_PAD floats apart. Built and tested on
-    # the CPU, not timed (docs/kernel_msar.md, "The backward's w, κ, μ token-major")
-    coef_layout: str = "planes"
+    # bytes spilled; the glue kernel (``_stats_finish_kernel``) writes them 4·M_PAD floats apart. H200, one process
+    # (msar_tiles_nvidia_h200_token_major.md, S = 5, the same results to the bit): streams backward 0.863 -> 0.792 ms
+    # at `small`, 2.967 -> 2.679 at `medium` (docs/kernel_msar.md, "The backward's w, κ, μ token-major")
+    coef_layout: str = "token"
     # where the serial stats kernel (the split forward's pass 1 and the backward's stats, ``_stats_serial_kernel``)
     # stores its per-tile sums: "planes" ((n_dt, K, m, S, B, T): a scalar store a (statistic, view, token), each with
     # its own 64-bit address) or "token" ((n_dt, S, B, T, K, M_PAD): a token's sums of one statistic side by side,
     # built from scalars by ``_vector`` and stored as one vector; the glue kernels then read them K·M_PAD floats
-    # apart). Built and tested on the CPU, not timed (docs/kernel_msar.md, "Pass 1's and the stats' sums
-    # token-major")
-    parts_layout: str = "planes"
+    # apart). H200, one process (msar_tiles_nvidia_h200_pass2_trips.md and _token_major.md, S = 5, the same
+    # results to the bit): forward 0.485 -> 0.457 ms at `small`, 1.812 -> 1.726 at `medium`; streams backward
+    # 0.863 -> 0.854 / 2.967 -> 2.926 (docs/kernel_msar.md, "Pass 1's and the stats' sums token-major")
+    parts_layout: str = "token"
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 

@@ -273,15 +273,15 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 
 @needs_triton
-@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-token",
-                                     "parts-token"])
+@pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-planes",
+                                     "parts-planes"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
     layout, with the ring source-gradient kernel (and the default forward), and with the split forward (the
     default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
-    as kernels too, Blocks.glue="triton"), with the backward's w, κ, μ token-major (Blocks.coef_layout), and with
-    pass 1's and the stats kernel's sums token-major (Blocks.parts_layout)."""
+    as kernels too, Blocks.glue="triton"), and with the backward's w, κ, μ (Blocks.coef_layout) or pass 1's and the
+    stats kernel's sums (Blocks.parts_layout) in planes instead of token-major (the defaults)."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -295,11 +295,11 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_ring(monkeypatch)
     if variant in ("split", "lean", "lean-glue"):
         _with_split(monkeypatch, lean=variant != "split", glue="triton" if variant == "lean-glue" else "torch")
-    if variant == "coef-token":
-        _with_fields(monkeypatch, coef_layout="token", stats_glue="triton")
-    if variant == "parts-token":
+    if variant == "coef-planes":
+        _with_fields(monkeypatch, coef_layout="planes", stats_glue="triton")
+    if variant == "parts-planes":
         _with_split(monkeypatch, lean=True, glue="triton")
-        _with_fields(monkeypatch, parts_layout="token")
+        _with_fields(monkeypatch, parts_layout="planes")
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
     named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
     results = {}
@@ -504,10 +504,10 @@ TOKEN_MAJOR = [
 def test_token_major_stats_equal_the_planes(case):
     """Blocks.coef_layout="token": the backward's w, κ, μ stored token-major, (S, B, T, 4, M_PAD), and read by the
     serial source-gradient kernel as one load a token split into scalars, give the same dx, tap and query
-    gradients as the planes (the default), to the bit, after every way of computing them: the serial stats kernel
+    gradients as the planes, to the bit, after every way of computing them: the serial stats kernel
     finished by the glue kernel (from the forward's saved logits and ρ, or recomputing them) or by PyTorch, and
     the tile stats kernel (written in planes, then copied); one to five sources, M_PAD 1 to 8, random upstream
-    gradients, documents at odd offsets, programs of 1 token to a whole row. The default's results are also
+    gradients, documents at odd offsets, programs of 1 token to a whole row. The planes' results are also
     checked against the ring kernel."""
     import dataclasses
 
@@ -535,7 +535,7 @@ def test_token_major_stats_equal_the_planes(case):
                                        ("glue-recomputed", dict(stats_glue="triton", stats_saved=False), None),
                                        ("torch-saved", dict(stats_glue="torch"), stats),
                                        ("tile-stats", dict(stats_mode="tile"), None)):
-        planes = grads(dataclasses.replace(base, **fields), saved_stats)
+        planes = grads(dataclasses.replace(base, coef_layout="planes", **fields), saved_stats)
         token = grads(dataclasses.replace(base, coef_layout="token", **fields), saved_stats)
         for name, a, b, r in zip(names, token, planes, ring):
             assert a.shape == b.shape and torch.equal(a, b), f"{label} {name}: {rel_err(a, b):.2e}"
@@ -548,7 +548,7 @@ def test_token_major_stats_equal_the_planes(case):
 @pytest.mark.parametrize("case", TOKEN_MAJOR, ids=[c[0] for c in TOKEN_MAJOR])
 def test_token_major_parts_equal_the_planes(case):
     """Blocks.parts_layout="token": the serial stats kernel's per-tile sums stored token-major, (n_dt, S, B, T, K,
-    M_PAD), a vector a (token, statistic), give the same results as the planes (the default), to the bit: the split
+    M_PAD), a vector a (token, statistic), give the same results as the planes, to the bit: the split
     forward's pass 1 (QS) finished by the glue kernel or by PyTorch (h, the lse, the logits and ρ saved for the
     backward, R·φ, ‖vec R‖², the kept R), and the backward's stats (DR alone from the saved logits and ρ, or
     recomputing them, K = 3) finished by the glue kernel or by PyTorch (dx, tap and query gradients); one and two
@@ -876,9 +876,10 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
     lines = [line for line in stdout.splitlines() if "registers" in line]
     # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 1 and
-    # its sums token-major; pass 2 plain, lean, lean two tokens a trip and four on 64 channels), the three glue
-    # kernels (the softmax also from sums token-major; w, κ, μ written token-major, and from sums token-major) and
-    # its h, the mixer, the stats (and their sums token-major), the sources (and reading w, κ, μ token-major)
+    # its sums in planes; pass 2 plain, lean, lean two tokens a trip and four on 64 channels), the three glue
+    # kernels (the softmax also from sums in planes; w, κ, μ written in planes, and from sums in planes) and
+    # its h, the mixer, the stats (and their sums in planes), the sources (and reading w, κ, μ in planes): the
+    # layouts token-major by default since 2026-12-05, the planes the listed candidates
     assert len(lines) == 21, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
@@ -893,10 +894,11 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # made the streams backward 3.09 -> 4.30 ms at `small` on an H200 (msar_tiles_nvidia_h200_regs.md)
     if views_3d == "default":  # (the 3-d view layout, a candidate that lost, spills 172 bytes in the stats)
         assert spills["stats"] <= 64 and spills["source gradients"] <= 64, stdout
-        # Blocks.coef_layout="token": a token's w, κ, μ in one load frees registers (8 bytes spilled -> 0 at `small`)
-        assert spills["source gradients, w κ μ token-major (candidate)"] <= spills["source gradients"], stdout
-        # Blocks.parts_layout="token": a token's sums in one store each, no more spills than the planes
-        assert spills["stats, sums token-major (candidate)"] <= spills["stats"], stdout
+        # Blocks.coef_layout="token" (the default): a token's w, κ, μ in one load frees registers (8 bytes spilled
+        # in planes -> 0 at `small`)
+        assert spills["source gradients"] <= spills["source gradients, w κ μ in planes (candidate)"], stdout
+        # Blocks.parts_layout="token" (the default): a token's sums in one store each, no more spills than the planes
+        assert spills["stats"] <= spills["stats, sums in planes (candidate)"], stdout
         # the split forward's kernels (the default forward) are serial like the stats: none spill at their tiles
         assert all(spills[k] == 0 for k in spills if k.startswith("split forward")), stdout
 
@@ -1058,6 +1060,16 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     assert pair_fast["total"] <= 0.85 * 2 * fast["total"] and out["pairs"]["shared"] == 0, (pair_fast, fast)
 
 
+def _layout_default(field: str) -> str:
+    """Blocks' default of a layout switch: the kernel listed under its plain name in
+    ``benchmarks.msar_attn_ptxas.kernels_for`` is compiled in it, the other layout is the listed candidate."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    return {f.name: f.default for f in dataclasses.fields(fused.Blocks)}[field]
+
+
 # the start of a script that compiles each of model=small's kernels (kernels 4 8 12) for sm_90a and fills `out`
 _SMALL_KERNELS_LOOP = (
     "import json\n"
@@ -1075,12 +1087,13 @@ def test_token_major_stats_are_three_vector_loads_a_token():
     serial source-gradient kernel's token loop the 12 scalars w, κ, μ (m = 4) are 3 loads of 16 bytes instead of 12
     of 4 (the pad plane is never loaded), no longer moved to uniform registers one by one (R2UR), and the loop takes
     fewer instructions with the same fp32 arithmetic. Equal results: test_token_major_stats_equal_the_planes."""
-    code = _SMALL_KERNELS_LOOP + (
+    code = f"DEFAULT = {_layout_default('coef_layout')!r}\n" + _SMALL_KERNELS_LOOP + (
         "    if name.startswith('source gradients'):\n"
         "        text = sass(compile_launch(fn, types, consts, warps))\n"
         "        (lp,) = sass_loops(text)\n"
         "        lines = text.split(chr(10))\n"
-        "        out['token' if 'token' in name else 'planes'] = dict(ops=lp['ops'], total=lp['total'],\n"
+        "        layout = 'token' if 'token-major' in name else 'planes' if 'in planes' in name else DEFAULT\n"
+        "        out[layout] = dict(ops=lp['ops'], total=lp['total'],\n"
         "            wide=sum('LDG.E.128' in line for line in lines))\n"
         "print(json.dumps(out))\n")
     import json
@@ -1102,11 +1115,12 @@ def test_token_major_parts_are_one_store_a_statistic():
     backward's stats (DR alone) 2 instead of 8, with the same fp32 multiplies and adds, and each loop takes fewer
     instructions (pass 1 at most 92% of the planes', the stats 97%). Equal results:
     test_token_major_parts_equal_the_planes."""
-    code = _SMALL_KERNELS_LOOP + (
+    code = f"DEFAULT = {_layout_default('parts_layout')!r}\n" + _SMALL_KERNELS_LOOP + (
         "    if name.startswith('split forward, pass 1') or name.startswith('stats'):\n"
         "        lp = max(sass_loops(sass(compile_launch(fn, types, consts, warps))), key=lambda lp: lp['total'])\n"
         "        kind = 'pass1' if 'pass 1' in name else 'stats'\n"
-        "        out[kind + (' token' if 'token-major' in name else '')] = dict(ops=lp['ops'], total=lp['total'])\n"
+        "        layout = 'token' if 'token-major' in name else 'planes' if 'in planes' in name else DEFAULT\n"
+        "        out[kind + (' token' if layout == 'token' else '')] = dict(ops=lp['ops'], total=lp['total'])\n"
         "print(json.dumps(out))\n")
     import json
 

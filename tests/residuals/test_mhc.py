@@ -580,12 +580,14 @@ def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("residual,every", [("mhc", 2), ("mhc", 3), ("attnres_mhc_sum", 2)])
+@pytest.mark.parametrize("residual,every", [("mhc", 2), ("mhc", 3), ("mhc", None), ("attnres_mhc_sum", 2),
+                                            ("attnres_mhc_sum", None)])
 def test_recompute_every_trains_the_backbone_with_the_same_gradients(residual, every, monkeypatch):
     """residual.recompute_every=L_r (the paper's §4.3 recomputation; residual.mhc.recompute_every inside
     attnres_mhc_sum): the fused writes keep the streams of one sublayer in L_r and backward rebuilds the others (one
     write kernel each); the logits and every gradient of the whole backbone equal those of the run that keeps every
-    stream, to the bit. A forward without gradients keeps nothing to rebuild."""
+    stream (recompute_every=0), to the bit. The default (None) on the fused writes is the paper's L_r* (2 for these
+    6 sublayers). A forward without gradients keeps nothing to rebuild."""
     from kernels.mhc import fused
     from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
 
@@ -594,13 +596,16 @@ def test_recompute_every_trains_the_backbone_with_the_same_gradients(residual, e
     monkeypatch.setattr(fused, "post_fwd", lambda *a: rebuilt.append(1) or post_fwd(*a))
     key = "residual." if residual == "mhc" else "residual.mhc."
     models = []
-    for overrides in ((), (f"{key}recompute_every={every}",)):
+    for overrides in ((f"{key}recompute_every=0",), () if every is None else (f"{key}recompute_every={every}",)):
         torch.manual_seed(0)
         models.append(build_backbone(residual, vocab=37, n_blocks=3, residual_overrides=(f"{key}backend=triton",
                                                                                          *overrides)))
     keep_all, recomputed = models
     mhc = recomputed.residual if residual == "mhc" else recomputed.residual.mhc
     assert mhc.cfg.recompute_every == every
+    if every is None:
+        every = 2  # round(√(4·6/6))
+    assert mhc.stream_recompute_every(torch.device("cpu")) == every
     perturb_residual_params_alike(keep_all, recomputed)
     recomputed.load_state_dict(keep_all.state_dict())
     tokens, docs = packed_batch(2, 9, 37, n_docs=2)
@@ -619,6 +624,25 @@ def test_recompute_every_trains_the_backbone_with_the_same_gradients(residual, e
         one_doc = torch.zeros(1, 4, dtype=torch.long)
         state = mhc.begin(torch.randn(1, 4, recomputed.cfg.d_model), Context(doc_ids=one_doc))
     assert state.recompute is None
+
+
+def test_recompute_every_defaults_to_the_papers_optimum_on_the_fused_writes():
+    """recompute_every=None (the default): L_r* = √(nL/(n+2)) rounded where the writes are fused (backend triton,
+    or auto on a CUDA device), 0 (keep every stream) on the reference and where L_r* rounds to 1; an explicit value
+    is kept as given."""
+    from kernels.mhc import optimal_every
+
+    assert [optimal_every(4, L) for L in (2, 4, 16, 32, 64)] == [0, 2, 3, 5, 7]
+    assert optimal_every(1, 32) == 3 and optimal_every(2, 32) == 4
+    assert config_for("mhc").recompute_every is None
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # (only the device's type is read: no GPU needed)
+    for backend, on_cpu, on_cuda in (("auto", 0, 5), ("triton", 5, 5), ("torch", 0, 0)):
+        mhc = MHC(config_for("mhc", backend=backend), D, 32)
+        assert (mhc.stream_recompute_every(cpu), mhc.stream_recompute_every(cuda)) == (on_cpu, on_cuda), backend
+    for every in (0, 3):
+        mhc = MHC(config_for("mhc", backend="auto", recompute_every=every), D, 32)
+        assert mhc.stream_recompute_every(cuda) == mhc.stream_recompute_every(cpu) == every
+    MHC.validate(config_for("mhc", backend="torch"), d_model=D, n_sublayers=L)  # the default is valid everywhere
 
 
 def test_recompute_every_is_checked():
