@@ -580,14 +580,16 @@ def test_triton_backend_in_the_fake_stack_matches_torch(device, monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("residual,every", [("mhc", 2), ("mhc", 3), ("mhc", None), ("attnres_mhc_sum", 2),
-                                            ("attnres_mhc_sum", None)])
-def test_recompute_every_trains_the_backbone_with_the_same_gradients(residual, every, monkeypatch):
+@pytest.mark.parametrize("residual,every,sublayers", [("mhc", 2, "none"), ("mhc", 3, "none"), ("mhc", None, "none"),
+                                                      ("mhc", None, "full"), ("attnres_mhc_sum", 2, "none"),
+                                                      ("attnres_mhc_sum", None, "none")])
+def test_recompute_every_trains_the_backbone_with_the_same_gradients(residual, every, sublayers, monkeypatch):
     """residual.recompute_every=L_r (the paper's §4.3 recomputation; residual.mhc.recompute_every inside
     attnres_mhc_sum): the fused writes keep the streams of one sublayer in L_r and backward rebuilds the others (one
     write kernel each); the logits and every gradient of the whole backbone equal those of the run that keeps every
     stream (recompute_every=0), to the bit. The default (None) on the fused writes is the paper's L_r* (2 for these
-    6 sublayers). A forward without gradients keeps nothing to rebuild."""
+    6 sublayers); with the sublayers checkpointed too (model.recompute=full) the same holds. A forward without
+    gradients keeps nothing to rebuild."""
     from kernels.mhc import fused
     from tests.helpers import build_backbone, packed_batch, perturb_residual_params_alike
 
@@ -599,7 +601,8 @@ def test_recompute_every_trains_the_backbone_with_the_same_gradients(residual, e
     for overrides in ((f"{key}recompute_every=0",), () if every is None else (f"{key}recompute_every={every}",)):
         torch.manual_seed(0)
         models.append(build_backbone(residual, vocab=37, n_blocks=3, residual_overrides=(f"{key}backend=triton",
-                                                                                         *overrides)))
+                                                                                         *overrides),
+                                     recompute=sublayers))
     keep_all, recomputed = models
     mhc = recomputed.residual if residual == "mhc" else recomputed.residual.mhc
     assert mhc.cfg.recompute_every == every
