@@ -265,6 +265,8 @@
 #   msar_sources one GPU (about 940 s with the start): the GPU test of MSAR over bf16 sources, msar_block's sources in bf16 under autocast
 #            (residual.source_dtype=autocast, built 2026-12-05 on the CPU): medium's step and peak beside fp32 sources,
 #            with and without recompute_streams, in one process; then training parity at small against fp32 sources
+#   peaks    one GPU: the same medium rows (vanilla msar_block vanilla msar_block) with the compile caches on and off, each
+#            in its own process: whether a repeated row's higher peak comes from a cached compile (PEAKS_LIMIT each)
 #   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
 #            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
 #            (SPLIT_GRADS_PARTIALS) and consumers outside the sources (SPLIT_GRADS_CONSUMERS), each alone against the
@@ -282,7 +284,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next msar_sources"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next msar_sources peaks"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1114,13 +1116,14 @@ case "$PLAN" in
     # pairs_medium (the op's GPU tests; pass 2's forward alone with one and four tokens a trip beside the default two;
     # msar_block's medium step beside one token a trip) and the two token-major layouts built 2026-12-04 night and
     # CPU-tested only, alone beside the default: pass 1's and the stats' sums (Blocks.parts_layout, in the forward and
-    # the streams backward) and the backward's w, κ, μ (Blocks.coef_layout, the streams backward)
+    # the streams backward) and the backward's w, κ, μ (Blocks.coef_layout, the streams backward); since they won
+    # (2026-12-05) and are the defaults, the planes are the candidates here
     ONE2="py:kernels.msar_attn.fused.FIELDS={'split_trip':1}"
     msar_tests "${TEST_LIMIT:-140}"
     step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels forward --only split_trip=1 split_trip=4,split_bd=64 parts_layout=token --tag "${TAG:-_pass2_trips}"
+      --kernels forward --only split_trip=1 split_trip=4,split_bd=64 parts_layout=planes --tag "${TAG:-_pass2_trips}"
     step gpu0 coef_tiles "${COEF_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels stats "source gradients" --only parts_layout=token coef_layout=token --tag "${TAG:-_token_major}"
+      --kernels stats "source gradients" --only parts_layout=planes coef_layout=planes --tag "${TAG:-_token_major}"
     step gpu0 medium "${MEDIUM_LIMIT:-250}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       msar_block "msar_block@$ONE2" msar_block --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_pairs_medium}"
     ;;
@@ -1141,6 +1144,18 @@ case "$PLAN" in
       --reference residual.backend=auto --candidate residual.backend=auto $SRC --steps ${PARITY_STEPS:-150} \
       --seeds ${PARITY_SEEDS:-0 1 2} --set model=small trainer=gpu trainer.compile=false --name small_msar_block_bf16_sources
     ;;
+  peaks)
+    # the peaks of repeated rows (2026-12-05 later session: in one process a row after the first read about 2.5 GiB
+    # above the first row of the same settings, msar_block 47.61 then 50.05-50.24 GiB at medium, though what stays
+    # allocated after each run grows by 0.06 GiB): the same rows with Inductor's and AOTAutograd's caches on (the
+    # default) and off, each in its own process; if the repeats agree with the caches off, a cached compile is what
+    # plans the memory differently
+    step gpu0 cached "${PEAKS_LIMIT:-200}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      msar_block vanilla msar_block --compile model --graphs on --steps 3 --set $COMBO --tag "${TAG:-_peaks_cached}"
+    step gpu0 uncached "${PEAKS_LIMIT:-200}" env TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 \
+      python3 -m benchmarks.throughput --models medium --residuals vanilla msar_block vanilla msar_block --compile model \
+      --graphs on --steps 3 --set $COMBO --tag "${TAG:-_peaks_uncached}"
+    ;;
   mhc_next)
     # the read forward's fp32 projection at 32 tokens on 2 warps (4×4 outputs a thread: half the shared-memory bytes a
     # multiply-add, 14 warps an SM against 32; built 2026-12-04 night, CPU-tested only): GPU tests (the variant
@@ -1151,12 +1166,13 @@ case "$PLAN" in
     step gpu0 ops_fp32 "${OPS32_LIMIT:-100}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes small \
       medium --variants default pre_fwd_w2 --rounds 5 --tag _pre_fwd_w2
     step gpu0 small "${SMALL_LIMIT:-170}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
-      "mhc@$W2" mhc "mhc@residual.recompute_every=3" --compile model --graphs on --steps 8 --set $COMBO \
+      "mhc@$W2" mhc "mhc@residual.recompute_every=0" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_pre_fwd_w2}"
-    # the streams kept every L_r sublayers and rebuilt in backward (residual.recompute_every, built 2026-12-04 late,
-    # CPU-tested only): medium's peak and step beside keeping every stream, fp32 and bf16 streams
-    step gpu0 medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium --residuals vanilla mhc \
-      "mhc@residual.recompute_every=5" "mhc@residual.stream_dtype=bf16@residual.recompute_every=5" --compile model \
+    # the streams kept every L_r sublayers and rebuilt in backward (residual.recompute_every; the paper's L_r*, 5 at
+    # medium, by default on the fused writes since 2026-12-05): medium's peak and step beside keeping every stream,
+    # fp32 and bf16 streams
+    step gpu0 medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      "mhc@residual.recompute_every=0" mhc "mhc@residual.stream_dtype=bf16" --compile model \
       --graphs on --steps 6 --set $COMBO --tag "${TAG:-_mhc_recompute}"
     ;;
   attnres_next)
