@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import Tensor
 
 BACKENDS = ("torch", "triton")
@@ -16,10 +17,16 @@ BACKENDS = ("torch", "triton")
 
 def resolve_backend(backend: str, x: Tensor, op: str) -> str:
     """The backend ``op`` runs for input ``x``; ValueError naming the choices for an unknown one."""
+    return backend_on(backend, x.device, op)
+
+
+def backend_on(backend: str, device: torch.device | str, op: str) -> str:
+    """The backend ``op`` runs for inputs on ``device`` (only its type is read: no such device is needed), before
+    any input exists; ValueError naming the choices for an unknown one."""
     if backend not in ("auto", *BACKENDS):
         raise ValueError(f"{op}: unknown backend {backend!r}; choices: auto, {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if x.is_cuda else "torch"
+        return "triton" if torch.device(device).type == "cuda" else "torch"
     return backend
 
 

@@ -61,6 +61,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from kernels.backend import backend_on
 from kernels.mhc import BACKENDS, StreamRecompute, mhc_post, mhc_post_pre, mhc_pre, optimal_every
 from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
@@ -196,7 +197,7 @@ class MHC(Residual):
         fused there (backend triton, or auto on CUDA) and 0 (keep every stream) when they run the reference."""
         if self.cfg.recompute_every is not None:
             return self.cfg.recompute_every
-        fused = self.cfg.backend == "triton" or (self.cfg.backend == "auto" and torch.device(device).type == "cuda")
+        fused = backend_on(self.cfg.backend, device, "mhc") == "triton"
         return optimal_every(self.cfg.n, self.n_sublayers) if fused else 0
 
     def _read(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
