@@ -36,30 +36,50 @@ TARGETS = {
     ("medium", "msar"): 0.85,
 }
 VANILLA_MS = {"small": 15.5, "medium": 154.0}  # H200, 2026-12-02, beside msar_block in one process
-# the latest measured tokens/s ratios to vanilla on the H200 (same process), for the plot: (ratio, results file)
+# the latest measured tokens/s ratios to vanilla on the H200 (same process), for the plot: (ratio, results file); a row's
+# key is its name with its overrides, as passed to --residuals
 MEASURED = {
     ("small", "attnres_block"): (0.948, "throughput_small_fwd_check.md"),
-    ("small", "mhc"): (0.549, "throughput_small_lean3.md"),
-    ("small", "msar_block"): (0.388, "throughput_small_lean3.md"),
+    # mHC at `small` was timed before L_r* was the default (every stream kept); its default's step is not timed there
+    ("small", "mhc@residual.recompute_every=0"): (0.545, "throughput_small_mhc3.md"),
+    ("small", "mhc@residual.stream_dtype=bf16@residual.recompute_every=0"): (0.588, "throughput_small_mhc3.md"),
+    ("small", "msar_block"): (0.405, "throughput_small_pairs2.md"),
     ("small", "msar"): (0.213, "throughput_small_lean3.md"),
     ("medium", "attnres_block"): (0.964, "throughput_medium_logits_check_cut.txt"),
-    ("medium", "mhc"): (0.650, "throughput_medium_medium_all.md"),
-    ("medium", "msar_block"): (0.396, "throughput_medium_lean3_medium.md"),
+    ("medium", "mhc"): (0.617, "throughput_medium_mhc_recompute.md"),
+    ("medium", "mhc@residual.recompute_every=0"): (0.639, "throughput_medium_mhc_recompute.md"),
+    ("medium", "mhc@residual.stream_dtype=bf16"): (0.689, "throughput_medium_mhc_recompute.md"),
+    ("medium", "mhc@residual.stream_dtype=bf16@residual.recompute_every=0"): (0.690, "throughput_medium_mhc2.md"),
+    ("medium", "msar_block"): (0.452, "throughput_medium_msar_sources.md"),
     ("medium", "msar"): (0.168, "throughput_medium_medium_all.md"),
 }
 
 
+def stored_bytes(res) -> int:
+    """Bytes an element of what the residual's fused ops stream (mHC's streams, MSAR's sources), as `trainer=gpu`
+    trains (bf16 autocast, an fp32 stream): mHC's ``residual.stream_dtype`` ("input" is the embedding's fp32),
+    MSAR's ``residual.source_dtype`` ("autocast" is bf16 under bf16 autocast, "stream" the stream's fp32)."""
+    from residuals.mhc import MHC
+
+    if isinstance(res, MHC):
+        return 2 if res.cfg.stream_dtype == "bf16" else 4
+    setting = getattr(res.cfg, "source_dtype", "stream")
+    return 2 if setting in ("autocast", "bfloat16") else 4
+
+
 def step_calls(res, tokens: int, d: int) -> list[tuple[str, float, float]]:
-    """(call, minimal bytes, CUDA-core FLOPs) of every fused call of one step, forward + backward."""
+    """(call, minimal bytes, CUDA-core FLOPs) of every fused call of one step, forward + backward, with the streams'
+    or sources' element width of the residual's config (``stored_bytes``)."""
     from residuals.attnres_block import AttnResBlock
     from residuals.mhc import MHC
     from residuals.msar import Msar
 
+    elt = stored_bytes(res)
     if isinstance(res, Msar):  # msar, msar_block: one fused read (views, softmax, mixer) per consumer
         from benchmarks.msar_attn import op_bytes, op_flops
 
         m, kernels = res.n_views, tuple(res.cfg.kernels)
-        return [(f"read {c} (S={res.n_sources(c)})", op_bytes(res.n_sources(c), 1, tokens, d, m)[1],
+        return [(f"read {c} (S={res.n_sources(c)})", op_bytes(res.n_sources(c), 1, tokens, d, m, elt)[1],
                  op_flops(res.n_sources(c), 1, tokens, d, m, kernels)[1]) for c in range(res.n_consumers)]
     if isinstance(res, AttnResBlock):  # one phase 1 + merges per block of consumers, over the completed summaries
         from benchmarks.ops_attnres import flops, minimal_bytes
@@ -74,8 +94,16 @@ def step_calls(res, tokens: int, d: int) -> list[tuple[str, float, float]]:
     if isinstance(res, MHC):  # the write fused with the next read, per sublayer
         from benchmarks.ops_mhc import counts
 
-        nbytes, nflops = counts(tokens, res.cfg.n, d)["post+pre fwd+bwd"]
-        return [(f"sublayer {i}", nbytes, nflops) for i in range(res.n_sublayers)]
+        import torch
+
+        table = counts(tokens, res.cfg.n, d, elt)
+        nbytes, nflops = table["post+pre fwd+bwd"]
+        # with the streams kept every L_r sublayers (as trained on a GPU), backward rebuilds the others: one write each
+        every = res.stream_recompute_every(torch.device("cuda"))
+        rebuilt = 0 if not every else sum(i % every != 0 for i in range(res.n_sublayers))
+        calls = [(f"sublayer {i}", nbytes, nflops) for i in range(res.n_sublayers)]
+        return calls + ([(f"{rebuilt} streams rebuilt (L_r = {every})", rebuilt * table["post"][0],
+                          rebuilt * table["post"][1])] if rebuilt else [])
     raise SystemExit(f"error: residual {res.cfg.name!r} has no fused-op cost model here; supported: msar, "
                      "msar_block, attnres_block, mhc")
 
@@ -84,7 +112,8 @@ def floor(model: str, residual: str, fp32_tflops: float, copy_tbs: float) -> dic
     """The step's fused calls at their roofline (see the module docstring)."""
     from platform.accounting import meta_model
 
-    net, cfg = meta_model(model, residual)
+    name, *own = residual.split("@")  # a row's own overrides: mhc@residual.stream_dtype=bf16
+    net, cfg = meta_model(model, name, extra_overrides=tuple(own))
     tokens = BATCH * cfg.model.seq_len
     calls = step_calls(net.residual, tokens, cfg.model.d_model)
     byte_ms = [b / (copy_tbs * 1e12) * 1e3 for _, b, _ in calls]
@@ -119,6 +148,21 @@ def packed_bf16_view_error(k: int, d: int = 512, T: int = 4096, seed: int = 0) -
     return {"fp32": rel(fp32), "packed bf16": rel(packed), "one bf16 rounding": rel(exact.float().bfloat16())}
 
 
+SHORT = {"residual.stream_dtype": "streams", "residual.recompute_every": "L_r", "residual.source_dtype": "sources"}
+
+
+def bar_label(residual: str, model: str) -> str:
+    """A bar's label: the residual, each of the row's overrides on a line of its own (short names from ``SHORT``,
+    else without the ``residual.`` prefix), and the model (``mhc@residual.stream_dtype=bf16`` at small:
+    ``mhc / streams=bf16 / small``)."""
+    name, *own = residual.split("@")
+    lines = []
+    for item in own:
+        key, _, value = item.partition("=")
+        lines.append(f"{SHORT.get(key, key.removeprefix('residual.'))}={value}")
+    return "\n".join([name, *lines, model])
+
+
 def plot(points: list[dict], path: Path) -> None:
     """Bars per (model, residual): the latest measured ratio to vanilla, the best ratio at the floor, and the
     target as a tick: where a target sits above the floor's bar, no tile reaches it."""
@@ -127,7 +171,7 @@ def plot(points: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    fig, ax = plt.subplots(figsize=(max(10.0, 0.75 * len(points)), 4.6))
     width = 0.38
     for i, p in enumerate(points):
         if p["measured"] is not None:
@@ -136,7 +180,7 @@ def plot(points: list[dict], path: Path) -> None:
         if p["target"] is not None:
             ax.hlines(p["target"], i - 0.45, i + 0.45, colors="#c44e52", linewidth=2.5,
                       label="target" if not any(q["target"] for q in points[:i]) else None)
-    ax.set_xticks(range(len(points)), [f"{p['residual']}\n{p['model']}" for p in points], fontsize=8)
+    ax.set_xticks(range(len(points)), [bar_label(p["residual"], p["model"]) for p in points], fontsize=7)
     ax.set_ylim(0, 1.05)
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_ylabel("tokens/s vs vanilla")
@@ -176,7 +220,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import residuals
 
-    unknown = [r for r in args.residuals if r not in residuals.names()]
+    unknown = [r for r in args.residuals if r.split("@")[0] not in residuals.names()]
     if unknown:
         raise SystemExit(f"error: unknown residual(s) {unknown}; registered: {', '.join(residuals.names())}")
     vanilla = parse_ms(args.vanilla_ms)
@@ -192,7 +236,7 @@ def main(argv=None) -> int:
         for residual in args.residuals:
             f = floor(model, residual, args.fp32_tflops, args.copy_tbs)
             v = vanilla[model]
-            target = TARGETS.get((model, residual))
+            target = TARGETS.get((model, residual.split("@")[0]))  # a row's overrides keep its residual's target
             points.append({"model": model, "residual": residual, "best": v / (v + f["floor_ms"]), "target": target,
                            "measured": MEASURED.get((model, residual), (None,))[0]})
             need = "" if target is None else f"**{100 * f['floor_ms'] / (v / target - v):.0f}%**"
@@ -213,7 +257,7 @@ def main(argv=None) -> int:
         for model in args.models:
             for residual in (r for r in args.residuals if r.startswith("msar")):
                 f = floor(model, residual, 2 * args.fp32_tflops, args.copy_tbs)
-                v, target = vanilla[model], TARGETS.get((model, residual))
+                v, target = vanilla[model], TARGETS.get((model, residual.split("@")[0]))
                 need = "" if target is None else f"{100 * f['floor_ms'] / (v / target - v):.0f}%"
                 rows.append(f"| {model} | {residual} | {f['floor_ms']:.2f} | {v / (v + f['floor_ms']):.3f} | "
                             f"{'' if target is None else f'{target:.2f}'} | {need} |")

@@ -371,7 +371,8 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
     from platform.accounting import meta_model
 
     def calls(name):
-        net, cfg = meta_model("small", name)
+        base, *own = name.split("@")
+        net, cfg = meta_model("small", base, extra_overrides=tuple(own))
         return residual_floor.step_calls(net.residual, 16 * cfg.model.seq_len, cfg.model.d_model)
 
     msar = calls("msar_block")
@@ -379,7 +380,7 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
     assert sources == [1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5]  # 16 sublayers and the output
     by_s = {s: (b, fl) for s, (_, b, fl) in zip(sources, msar)}
     assert all(by_s[s + 1][0] > by_s[s][0] and by_s[s + 1][1] > by_s[s][1] for s in range(1, 5))  # more sources
-    assert len(calls("attnres_block")) == 5 and len(calls("mhc")) == 16
+    assert len(calls("attnres_block")) == 5 and len(calls("mhc@residual.recompute_every=0")) == 16
     f = residual_floor.floor("small", "msar_block", 51.2, 4.25)
     per_call = sum(max(b / 4.25e12, fl / 51.2e12) * 1e3 for _, b, fl in msar)
     assert abs(f["floor_ms"] - per_call) < 1e-9 and f["calls"] == 17
@@ -393,6 +394,42 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
     assert err["fp32"] < 1e-6 < 1e-3 < err["one bf16 rounding"] < err["packed bf16"] < 1e-2, err
 
 
+def test_residual_floor_counts_what_the_config_stores():
+    """The floor streams what the residual's config stores, as `trainer=gpu` trains: mHC's default fp32 streams move
+    twice the bytes of bf16 streams (`mhc@residual.stream_dtype=bf16`, a row's own overrides), msar_block's sources
+    are bf16 under autocast (its default) and msar's fp32 unless `source_dtype` says otherwise; with the streams kept
+    every L_r* sublayers (mHC's default on a GPU) backward rebuilds the others, one write each."""
+    from benchmarks import residual_floor
+    from benchmarks.ops_mhc import counts
+    from platform.accounting import meta_model
+
+    def calls(name):
+        base, *own = name.split("@")
+        net, cfg = meta_model("small", base, extra_overrides=tuple(own))
+        return net.residual, residual_floor.step_calls(net.residual, 16 * cfg.model.seq_len, cfg.model.d_model)
+
+    widths = {name: residual_floor.stored_bytes(calls(name)[0]) for name in (
+        "mhc", "mhc@residual.stream_dtype=fp32", "mhc@residual.stream_dtype=bf16", "msar_block",
+        "msar_block@residual.source_dtype=stream", "msar", "msar@residual.source_dtype=autocast")}
+    assert widths == {"mhc": 4, "mhc@residual.stream_dtype=fp32": 4, "mhc@residual.stream_dtype=bf16": 2,
+                      "msar_block": 2, "msar_block@residual.source_dtype=stream": 4, "msar": 4,
+                      "msar@residual.source_dtype=autocast": 2}
+    tokens = 16 * 1024
+    for name, elt in (("mhc", 4), ("mhc@residual.stream_dtype=bf16", 2)):
+        res, kept_all = calls(name + "@residual.recompute_every=0")
+        assert [c[1] for c in kept_all] == [counts(tokens, 4, 512, elt)["post+pre fwd+bwd"][0]] * 16
+        res, default = calls(name)
+        every = res.stream_recompute_every(__import__("torch").device("cuda"))
+        assert every == 3 and default[:16] == kept_all  # L_r* = round(sqrt(4 * 16 / 6)) at `small`
+        label, nbytes, nflops = default[16]
+        assert label == "10 streams rebuilt (L_r = 3)" and len(default) == 17  # sublayers 0, 3, ..., 15 kept
+        assert (nbytes, nflops) == tuple(10 * v for v in counts(tokens, 4, 512, elt)["post"])
+    fp32, bf16 = (residual_floor.floor("small", n, 51.2, 4.25) for n in ("mhc", "mhc@residual.stream_dtype=bf16"))
+    assert 1.9 < fp32["bytes_ms"] / bf16["bytes_ms"] < 2.1 and fp32["gflop"] == bf16["gflop"]
+    msar_fp32 = residual_floor.floor("small", "msar_block@residual.source_dtype=stream", 51.2, 4.25)
+    assert msar_fp32["gb"] > residual_floor.floor("small", "msar_block", 51.2, 4.25)["gb"]
+
+
 def test_residual_floor_writes_its_table_and_plot(tmp_path, monkeypatch):
     """The command writes its table (with the command that made it) and, with --plot, the bar chart."""
     from benchmarks import residual_floor
@@ -403,6 +440,10 @@ def test_residual_floor_writes_its_table_and_plot(tmp_path, monkeypatch):
     assert "python -m benchmarks.residual_floor --models small --residuals msar_block --plot --tag _t" in table
     row = next(line for line in table.splitlines() if line.startswith("| small (L=16) | msar_block |"))
     assert row.split("|")[-3].strip() == "0.80"  # the target
+    assert residual_floor.main(["--models", "small", "--residuals", "mhc@residual.stream_dtype=bf16", "--tag", "_b"]) == 0
+    row = next(line for line in (tmp_path / "residual_floor_b.md").read_text().splitlines()
+               if line.startswith("| small (L=16) | mhc@residual.stream_dtype=bf16 |"))
+    assert row.split("|")[-3].strip() == "0.85"  # a row's overrides keep its residual's target
     png = (tmp_path / "residual_floor_t.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     with pytest.raises(SystemExit, match=r"--vanilla-ms 'small=fast'.*MODEL=MS"):
