@@ -267,6 +267,10 @@
 #            with and without recompute_streams, in one process; then training parity at small against fp32 sources
 #   peaks    one GPU: the same medium rows (vanilla msar_block vanilla msar_block) with the compile caches on and off, each
 #            in its own process: whether a repeated row's higher peak comes from a cached compile (PEAKS_LIMIT each)
+#   mhc_long one GPU (about 400 s with the start): mHC's bf16 streams against its default fp32 streams over
+#            LONG_STEPS (default 1000) steps at small on the large corpus (data=large: carry data/shards/large, built by
+#            `python -m data.build_corpus --large`), seeds LONG_SEEDS (default 0 1), eager: whether a longer run than
+#            the 300 steps (two epochs of the shipped corpus) of 2026-12-02 still trains alike (LONG_LIMIT)
 #   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
 #            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
 #            (SPLIT_GRADS_PARTIALS) and consumers outside the sources (SPLIT_GRADS_CONSUMERS), each alone against the
@@ -284,7 +288,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next msar_sources peaks"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next msar_sources peaks mhc_long"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1155,6 +1159,18 @@ case "$PLAN" in
     step gpu0 uncached "${PEAKS_LIMIT:-200}" env TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 \
       python3 -m benchmarks.throughput --models medium --residuals vanilla msar_block vanilla msar_block --compile model \
       --graphs on --steps 3 --set $COMBO --tag "${TAG:-_peaks_uncached}"
+    ;;
+  mhc_long)
+    # the mHC targets need bf16 streams (residual_floor_dec5.md: with fp32 streams 0.786x small and 0.821x medium at
+    # best): whether they train as the fp32 streams do past the shipped corpus's 162 steps an epoch
+    if [ ! -f data/shards/large/manifest.json ]; then
+      echo "mhc_long: data/shards/large is missing: build it with python -m data.build_corpus --large and carry it" >&2
+      exit 2
+    fi
+    step gpu0 long "${LONG_LIMIT:-360}" python3 -m benchmarks.backend_training --residuals mhc \
+      --reference residual.backend=auto --candidate residual.stream_dtype=bf16 --steps "${LONG_STEPS:-1000}" \
+      --seeds ${LONG_SEEDS:-0 1} --set model=small trainer=gpu data=large trainer.compile=false \
+      --name small_mhc_bf16_streams_long
     ;;
   mhc_next)
     # the read forward's fp32 projection at 32 tokens on 2 warps (4×4 outputs a thread: half the shared-memory bytes a

@@ -125,6 +125,32 @@ def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     assert all("skipped (limit 0)" in line for line in summary)
 
 
+def test_gpu_session_mhc_long_needs_the_large_corpus(tmp_path):
+    """Plan mhc_long trains on data=large: without its shards it stops before any step, naming how to build them;
+    with them its one step runs under LONG_LIMIT (listed as skipped at 0)."""
+    import shutil
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "gpu_session.sh", repo / "benchmarks" / "gpu_session.sh")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ARCHIVE": str(tmp_path / "a.tgz"), "LONG_LIMIT": "0"}
+
+    def run():
+        return subprocess.run(["bash", str(repo / "benchmarks" / "gpu_session.sh"), "mhc_long", str(tmp_path / "o")],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    out = run()
+    assert out.returncode == 2 and "data.build_corpus --large" in out.stderr
+    assert not (tmp_path / "o" / "summary.txt").exists()
+    (repo / "data" / "shards" / "large").mkdir(parents=True)
+    (repo / "data" / "shards" / "large" / "manifest.json").write_text("{}")
+    out = run()
+    assert out.returncode == 0, out.stderr
+    summary = (tmp_path / "o" / "summary.txt").read_text().splitlines()
+    assert [line.split()[1] for line in summary] == ["long"] and "skipped (limit 0)" in summary[0]
+
+
 @pytest.mark.parametrize("plan, counts, groups", [("lean2", (4,), ("forward", "stats")),
                                                   ("msar_next", (3, 2), ("forward", "stats", "source gradients"))])
 @pytest.mark.parametrize("T, d", [(1024, 512), (2048, 1024)], ids=["small", "medium"])
