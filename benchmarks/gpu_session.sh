@@ -267,6 +267,9 @@
 #            with and without recompute_streams, in one process; then training parity at small against fp32 sources
 #   peaks    one GPU: the same medium rows (vanilla msar_block vanilla msar_block) with the compile caches on and off, each
 #            in its own process: whether a repeated row's higher peak comes from a cached compile (PEAKS_LIMIT each)
+#   parity_all one GPU (about 420 s with the start): the 60-step training parity of the fused ops against their
+#            references (eager, seeds 0 1) for the variants with no run of today's defaults on record: msar (never),
+#            mhc (last 2026-11-30, before the streams kept every L_r* sublayers); PARITY_ALL_RESIDUALS, PARITY_LIMIT
 #   mhc_long one GPU (about 400 s with the start): mHC's bf16 streams against its default fp32 streams over
 #            LONG_STEPS (default 1000) steps at small on the large corpus (data=large: carry data/shards/large, built by
 #            `python -m data.build_corpus --large`), seeds LONG_SEEDS (default 0 1), eager: whether a longer run than
@@ -288,7 +291,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next msar_sources peaks mhc_long"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1159,6 +1162,11 @@ case "$PLAN" in
     step gpu0 uncached "${PEAKS_LIMIT:-200}" env TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0 \
       python3 -m benchmarks.throughput --models medium --residuals vanilla msar_block vanilla msar_block --compile model \
       --graphs on --steps 3 --set $COMBO --tag "${TAG:-_peaks_uncached}"
+    ;;
+  parity_all)
+    # "a 60-step training run per fused variant": msar's fused read (S up to 17 at small) has never been held to its
+    # reference in training, mhc's not since the streams are kept every L_r* sublayers by default (2026-12-05)
+    PARITY_RESIDUALS="${PARITY_ALL_RESIDUALS:-msar mhc}" msar_parity small_parity_all "${PARITY_LIMIT:-420}"
     ;;
   mhc_long)
     # the mHC targets need bf16 streams (residual_floor_dec5.md: with fp32 streams 0.786x small and 0.821x medium at

@@ -104,7 +104,8 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("msar_next", ["gpu_tests", "msar_tiles", "coef_tiles", "medium"]),
                                          ("mhc_next", ["gpu_tests", "ops_fp32", "small", "medium"]),
                                          ("msar_sources", ["gpu_tests", "medium", "parity"]),
-                                         ("peaks", ["cached", "uncached"])])
+                                         ("peaks", ["cached", "uncached"]),
+                                         ("parity_all", ["parity"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""
