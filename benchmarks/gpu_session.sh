@@ -267,10 +267,10 @@
 #            with and without recompute_streams, in one process; then training parity at small against fp32 sources
 #   peaks    one GPU: the same medium rows (vanilla msar_block vanilla msar_block) with the compile caches on and off, each
 #            in its own process: whether a repeated row's higher peak comes from a cached compile (PEAKS_LIMIT each)
-#   parity_all one GPU (about 420 s with the start): the 60-step training parity of the fused ops against their
+#   parity_all one GPU (about 600 s with the start): the 60-step training parity of the fused ops against their
 #            references (eager, seeds 0 1) for the variants with no run of today's defaults on record: msar (never),
 #            mhc (last 2026-11-30, before the streams kept every L_r* sublayers); PARITY_ALL_RESIDUALS, PARITY_LIMIT
-#   mhc_long one GPU (about 400 s with the start): mHC's bf16 streams against its default fp32 streams over
+#   mhc_long one GPU (about 600 s with the start): mHC's bf16 streams against its default fp32 streams over
 #            LONG_STEPS (default 1000) steps at small on the large corpus (data=large: carry data/shards/large, built by
 #            `python -m data.build_corpus --large`), seeds LONG_SEEDS (default 0 1), eager: whether a longer run than
 #            the 300 steps (two epochs of the shipped corpus) of 2026-12-02 still trains alike (LONG_LIMIT)
@@ -1166,7 +1166,7 @@ case "$PLAN" in
   parity_all)
     # "a 60-step training run per fused variant": msar's fused read (S up to 17 at small) has never been held to its
     # reference in training, mhc's not since the streams are kept every L_r* sublayers by default (2026-12-05)
-    PARITY_RESIDUALS="${PARITY_ALL_RESIDUALS:-msar mhc}" msar_parity small_parity_all "${PARITY_LIMIT:-420}"
+    PARITY_RESIDUALS="${PARITY_ALL_RESIDUALS:-msar mhc}" msar_parity small_parity_all "${PARITY_LIMIT:-540}"
     ;;
   mhc_long)
     # the mHC targets need bf16 streams (residual_floor_dec5.md: with fp32 streams 0.786x small and 0.821x medium at
@@ -1175,7 +1175,7 @@ case "$PLAN" in
       echo "mhc_long: data/shards/large is missing: build it with python -m data.build_corpus --large and carry it" >&2
       exit 2
     fi
-    step gpu0 long "${LONG_LIMIT:-360}" python3 -m benchmarks.backend_training --residuals mhc \
+    step gpu0 long "${LONG_LIMIT:-540}" python3 -m benchmarks.backend_training --residuals mhc \
       --reference residual.backend=auto --candidate residual.stream_dtype=bf16 --steps "${LONG_STEPS:-1000}" \
       --seeds ${LONG_SEEDS:-0 1} --set model=small trainer=gpu data=large trainer.compile=false \
       --name small_mhc_bf16_streams_long
