@@ -55,16 +55,29 @@ MEASURED = {
 }
 
 
+def row_parts(residual: str) -> tuple[str, tuple[str, ...]]:
+    """A row of --residuals as (registered residual, its own overrides): ``mhc@residual.stream_dtype=bf16`` ->
+    ("mhc", ("residual.stream_dtype=bf16",)), the convention of ``benchmarks.throughput``'s rows."""
+    name, *own = residual.split("@")
+    return name, tuple(own)
+
+
 def stored_bytes(res) -> int:
     """Bytes an element of what the residual's fused ops stream (mHC's streams, MSAR's sources), as `trainer=gpu`
-    trains (bf16 autocast, an fp32 stream): mHC's ``residual.stream_dtype`` ("input" is the embedding's fp32),
-    MSAR's ``residual.source_dtype`` ("autocast" is bf16 under bf16 autocast, "stream" the stream's fp32)."""
-    from residuals.mhc import MHC
+    trains (bf16 autocast, an fp32 stream), from the residuals' own tables of their settings: mHC's
+    ``STREAM_DTYPES`` ("input": the embedding's fp32), the depth-attention residuals' ``SOURCE_DTYPES`` ("stream":
+    the stream's fp32) and "autocast" (bf16 under bf16 autocast)."""
+    import torch
+
+    from residuals.attnres import SOURCE_DTYPES
+    from residuals.mhc import MHC, STREAM_DTYPES
 
     if isinstance(res, MHC):
-        return 2 if res.cfg.stream_dtype == "bf16" else 4
-    setting = getattr(res.cfg, "source_dtype", "stream")
-    return 2 if setting in ("autocast", "bfloat16") else 4
+        dtype = STREAM_DTYPES[res.cfg.stream_dtype]
+    else:
+        setting = getattr(res.cfg, "source_dtype", "stream")
+        dtype = torch.bfloat16 if setting == "autocast" else SOURCE_DTYPES[setting]
+    return (dtype or torch.float32).itemsize
 
 
 def step_calls(res, tokens: int, d: int) -> list[tuple[str, float, float]]:
@@ -112,8 +125,8 @@ def floor(model: str, residual: str, fp32_tflops: float, copy_tbs: float) -> dic
     """The step's fused calls at their roofline (see the module docstring)."""
     from platform.accounting import meta_model
 
-    name, *own = residual.split("@")  # a row's own overrides: mhc@residual.stream_dtype=bf16
-    net, cfg = meta_model(model, name, extra_overrides=tuple(own))
+    name, own = row_parts(residual)  # a row's own overrides: mhc@residual.stream_dtype=bf16
+    net, cfg = meta_model(model, name, extra_overrides=own)
     tokens = BATCH * cfg.model.seq_len
     calls = step_calls(net.residual, tokens, cfg.model.d_model)
     byte_ms = [b / (copy_tbs * 1e12) * 1e3 for _, b, _ in calls]
@@ -155,7 +168,7 @@ def bar_label(residual: str, model: str) -> str:
     """A bar's label: the residual, each of the row's overrides on a line of its own (short names from ``SHORT``,
     else without the ``residual.`` prefix), and the model (``mhc@residual.stream_dtype=bf16`` at small:
     ``mhc / streams=bf16 / small``)."""
-    name, *own = residual.split("@")
+    name, own = row_parts(residual)
     lines = []
     for item in own:
         key, _, value = item.partition("=")
@@ -220,7 +233,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import residuals
 
-    unknown = [r for r in args.residuals if r.split("@")[0] not in residuals.names()]
+    unknown = [r for r in args.residuals if row_parts(r)[0] not in residuals.names()]
     if unknown:
         raise SystemExit(f"error: unknown residual(s) {unknown}; registered: {', '.join(residuals.names())}")
     vanilla = parse_ms(args.vanilla_ms)
@@ -236,7 +249,7 @@ def main(argv=None) -> int:
         for residual in args.residuals:
             f = floor(model, residual, args.fp32_tflops, args.copy_tbs)
             v = vanilla[model]
-            target = TARGETS.get((model, residual.split("@")[0]))  # a row's overrides keep its residual's target
+            target = TARGETS.get((model, row_parts(residual)[0]))  # a row's overrides keep its residual's target
             points.append({"model": model, "residual": residual, "best": v / (v + f["floor_ms"]), "target": target,
                            "measured": MEASURED.get((model, residual), (None,))[0]})
             need = "" if target is None else f"**{100 * f['floor_ms'] / (v / target - v):.0f}%**"
@@ -257,7 +270,7 @@ def main(argv=None) -> int:
         for model in args.models:
             for residual in (r for r in args.residuals if r.startswith("msar")):
                 f = floor(model, residual, 2 * args.fp32_tflops, args.copy_tbs)
-                v, target = vanilla[model], TARGETS.get((model, residual.split("@")[0]))
+                v, target = vanilla[model], TARGETS.get((model, row_parts(residual)[0]))
                 need = "" if target is None else f"{100 * f['floor_ms'] / (v / target - v):.0f}%"
                 rows.append(f"| {model} | {residual} | {f['floor_ms']:.2f} | {v / (v + f['floor_ms']):.3f} | "
                             f"{'' if target is None else f'{target:.2f}'} | {need} |")

@@ -362,18 +362,25 @@ def test_msar_tile_candidates_change_the_default_and_name_valid_modes(T, d):
     assert {"src_mode": "ring", "stats_mode": "tile"} in src  # the kernels before, beside the defaults
 
 
+def floor_calls(name: str, model: str = "small"):
+    """(residual, its step's fused calls) of a --residuals row of benchmarks.residual_floor, on a meta-device model."""
+    from benchmarks import residual_floor
+    from platform.accounting import meta_model
+
+    base, own = residual_floor.row_parts(name)
+    net, cfg = meta_model(model, base, extra_overrides=own)
+    return net.residual, residual_floor.step_calls(net.residual, 16 * cfg.model.seq_len, cfg.model.d_model)
+
+
 def test_residual_floor_counts_every_fused_call_of_a_step():
     """benchmarks.residual_floor takes a step's fused calls from the residual itself: msar_block at `small` reads
     over b_0, the completed summaries and the partial (S = 1, then 2 to 5 as blocks of 4 sublayers complete), Block
     AttnRes runs one phase 1 a block of consumers, mHC one write + read a sublayer; each call's floor is the larger
     of its byte and arithmetic times, and the step's is their sum."""
     from benchmarks import residual_floor
-    from platform.accounting import meta_model
 
     def calls(name):
-        base, *own = name.split("@")
-        net, cfg = meta_model("small", base, extra_overrides=tuple(own))
-        return residual_floor.step_calls(net.residual, 16 * cfg.model.seq_len, cfg.model.d_model)
+        return floor_calls(name)[1]
 
     msar = calls("msar_block")
     sources = [int(c[0].split("S=")[1].rstrip(")")) for c in msar]
@@ -401,13 +408,8 @@ def test_residual_floor_counts_what_the_config_stores():
     every L_r* sublayers (mHC's default on a GPU) backward rebuilds the others, one write each."""
     from benchmarks import residual_floor
     from benchmarks.ops_mhc import counts
-    from platform.accounting import meta_model
 
-    def calls(name):
-        base, *own = name.split("@")
-        net, cfg = meta_model("small", base, extra_overrides=tuple(own))
-        return net.residual, residual_floor.step_calls(net.residual, 16 * cfg.model.seq_len, cfg.model.d_model)
-
+    calls = floor_calls
     widths = {name: residual_floor.stored_bytes(calls(name)[0]) for name in (
         "mhc", "mhc@residual.stream_dtype=fp32", "mhc@residual.stream_dtype=bf16", "msar_block",
         "msar_block@residual.source_dtype=stream", "msar", "msar@residual.source_dtype=autocast")}
