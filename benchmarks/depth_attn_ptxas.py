@@ -125,19 +125,7 @@ def main(argv=None) -> int:
                   *((f"gradients, prefetched{label}", fused._split_grads_kernel, grads_types,
                      dict(BLOCK_S=per_load, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=False, PREFETCH=level,
                           maxnreg=fused.PREFETCH_MAXNREG), warps_b)
-                    for level, label in ((1, ""), (2, " with its scalars"))),
-                  # its query-gradient partial written per token block and summed apart (fused.SPLIT_GRADS_PARTIALS: a
-                  # program per token block × channel chunk), at the setting's tiles where it sets them, else the GPU's
-                  *(("gradients, partials per token block", fused._split_grads_blocks_kernel, grads_types,
-                     dict(BLOCK_S=min(bs_p, fused._pow2(n)), BLOCK_T=bt_p, BLOCK_D=min(bd_p, fused._pow2(d))), warps_b)
-                    for bt_p, bd_p, bs_p in [fused.SPLIT_GRADS_PARTIALS if isinstance(fused.SPLIT_GRADS_PARTIALS, tuple)
-                                             else fused.PARTIALS_TILES]),
-                  # the consumers' loop outside each trip's sources (fused.SPLIT_GRADS_CONSUMERS), at most
-                  # CONSUMERS_ROWS sources a trip
-                  *(("gradients, consumers outside the sources", fused._split_grads_consumers_kernel, grads_types,
-                     dict(ROWS_A_TRIP=rows_a_trip, TAIL=tail, BLOCK_D=block_d), warps_b)
-                    for cap in [fused.CONSUMERS_ROWS]
-                    for rows_a_trip, tail in [(n, 0) if n <= cap else (cap, n % cap)]))),
+                    for level, label in ((1, ""), (2, " with its scalars"))))),
             *((f"merge forward{label}", fused._merge_fwd_kernel,
                dict(o_ptr=bf16, lse_ptr=f32, p_ptr=bf16, qg_ptr=f32, h_ptr=bf16, w_ptr=f32, new_ptr=bf16, psum_ptr=bf16,
                     eps="fp32"),

@@ -51,11 +51,8 @@ MERGE = {512: [None, (2, 4), (1, 1), (2, 1), (4, 1), (1, 2), (4, 2), (4, 4), (8,
 # scores reduced as ``fused.scores_once`` says, once, or a chunk at a time: ``fused.SCORES_ONCE``; taking the forward's
 # logits or summing them again: ``fused.SCORES_FROM_LOGITS``; its gradients kernel under a register cap:
 # ``fused.SPLIT_GRADS_MAXNREG``; its sources as separate rows or in one (S, T, D) load: ``fused.SPLIT_GRADS_ROWS``;
-# loaded a trip ahead, with their scalars or not: ``fused.SPLIT_GRADS_PREFETCH``; a program per token block × channel
-# chunk writing its query-gradient partial per token block, summed apart: ``fused.SPLIT_GRADS_PARTIALS``, 16 tokens ×
-# 64 or 32 channels, one source a trip; the consumers' loop outside each trip's sources, at most 4 or 2 a trip:
-# ``fused.SPLIT_GRADS_CONSUMERS``) or one, whatever the rule says (``fused.SPLIT_BWD``; the split
-# ones take ``:TILES`` too);
+# loaded a trip ahead, with their scalars or not: ``fused.SPLIT_GRADS_PREFETCH``) or one, whatever the rule says
+# (``fused.SPLIT_BWD``; the split ones take ``:TILES`` too);
 # the forward at 4 warps a token
 # (``fused.FWD_WARPS``), in two loads for 3 and 5 sources or not (``fused.FWD_TAIL``), or at 4 warps in two loads
 SETTINGS = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
@@ -69,10 +66,6 @@ SETTINGS = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
             "split-blocks": {"SPLIT_BWD": True, "SPLIT_GRADS_ROWS": False},
             "split-prefetch": {"SPLIT_BWD": True, "SPLIT_GRADS_PREFETCH": True},
             "split-prefetch-all": {"SPLIT_BWD": True, "SPLIT_GRADS_PREFETCH": "all"},
-            "split-partials": {"SPLIT_BWD": True, "SPLIT_GRADS_PARTIALS": True},
-            "split-partials-16x32": {"SPLIT_BWD": True, "SPLIT_GRADS_PARTIALS": (16, 32, 1)},
-            "split-consumers": {"SPLIT_BWD": True, "SPLIT_GRADS_CONSUMERS": True},
-            "split-consumers-2": {"SPLIT_BWD": True, "SPLIT_GRADS_CONSUMERS": 2},
             "fwd-tail": {"FWD_TAIL": True}, "fwd-padded": {"FWD_TAIL": False}, "fwd4": {"FWD_WARPS": 4},
             "fwd4-tail": {"FWD_WARPS": 4, "FWD_TAIL": True},
             # the forward's sources streamed (fused.FWD_STREAM) at every source count, 1 or 2 rows a load; or nowhere
@@ -82,8 +75,7 @@ SETTINGS = {"split": {"SPLIT_BWD": True}, "one-kernel": {"SPLIT_BWD": False},
                                                                  "FWD_STREAM_FROM": 1}
                for rows in (1, 2) for pre in (False, True)}}
 SPLIT = ("split", "one-kernel", "split-once", "split-chunks", "split-logits", "split-recompute", "split-cap128",
-         "split-cap96", "split-rows", "split-blocks", "split-prefetch", "split-prefetch-all", "split-partials",
-         "split-partials-16x32", "split-consumers", "split-consumers-2")
+         "split-cap96", "split-rows", "split-blocks", "split-prefetch", "split-prefetch-all")
 
 
 def parse_tiles(text: str):

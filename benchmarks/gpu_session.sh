@@ -197,8 +197,8 @@
 #            beside vanilla, the `small` table of every study residual and ablation, the counters of MSAR's kernels
 #   mhc      one GPU (about 600 s with the start): the mHC kernel variants of 2026-12-02 (kernels/mhc/fused.py, off by
 #            default; MHC_VARIANTS) against the default in one process, bf16 streams at `small` and `medium`, fp32
-#            streams at `small`; the mHC GPU tests (every variant); mhc's `small` step with its default fp32 streams and
-#            with bf16 streams beside vanilla (MHC_ROWS)
+#            streams at `small`; the mHC GPU tests (every variant); mhc's `small` step with bf16 streams (its default
+#            under autocast since 2026-12-05) and fp32 streams (stream_dtype=input) beside vanilla (MHC_ROWS)
 #   mhc2     one GPU (about 600 s with the start): with the tensor-core variants the default for bf16 streams (the `mhc`
 #            plan's ops_mhc_variants.md), the defaults against the settings before, twice each in one process, bf16
 #            and fp32 streams; the mHC GPU tests; mhc's `medium` and `small` steps with fp32 and bf16 streams beside
@@ -274,10 +274,9 @@
 #            LONG_STEPS (default 1000) steps at small on the large corpus (data=large: carry data/shards/large, built by
 #            `python -m data.build_corpus --large`), seeds LONG_SEEDS (default 0 1), eager: whether a longer run than
 #            the 300 steps (two epochs of the shipped corpus) of 2026-12-02 still trains alike (LONG_LIMIT)
-#   attnres_next one GPU (about 600 s with the start): the depth-attention candidates of 2026-12-04 night in one call:
-#            the bf16 GPU test of the forward's streaming rule and of the split gradients' partials per token block
-#            (SPLIT_GRADS_PARTIALS) and consumers outside the sources (SPLIT_GRADS_CONSUMERS), each alone against the
-#            default, then full AttnRes's medium step with the rule
+#   attnres_next one GPU (about 450 s with the start): the bf16 GPU test of the forward's streaming rule, then full
+#            AttnRes's medium step with the rule (ran 2026-12-05 late with the split gradients' two candidates, since
+#            removed: they lost alone)
 #   prefetch_all one GPU (about 400 s with the start): the split gradients kernel loading a trip's sources and scalars
 #            a trip ahead (SPLIT_GRADS_PREFETCH='all'): GPU tests, alone at each call beside the sources alone, the step
 #   rows8    one GPU (about 400 s with the start): the split gradients kernel as rows at 8 warps a token
@@ -817,7 +816,7 @@ case "$PLAN" in
     step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py
     step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small --residuals \
-      ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} --compile model --graphs on --steps 8 --set $COMBO \
+      ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=input} --compile model --graphs on --steps 8 --set $COMBO \
       --tag ${TAG:-_mhc}
     ;;
   mhc2)
@@ -829,13 +828,13 @@ case "$PLAN" in
       tests/kernels/test_mhc_fused.py
     for model in medium small; do
       step gpu0 "$model" "$([ $model = medium ] && echo "${MEDIUM_LIMIT:-220}" || echo "${SMALL_LIMIT:-110}")" \
-        python3 -m benchmarks.throughput --models $model --residuals ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} \
+        python3 -m benchmarks.throughput --models $model --residuals ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=input} \
         --compile model --graphs on --steps 6 --set $COMBO --tag ${TAG:-_mhc2}
     done
     ;;
   mhc3)
     step gpu0 small "${SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals \
-      ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=bf16} --compile model --graphs on --steps 6 --set $COMBO \
+      ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=input} --compile model --graphs on --steps 6 --set $COMBO \
       --tag ${TAG:-_mhc3}
     COUNTER_LAUNCHES=${COUNTER_LAUNCHES:-10} counters_of mhc "${COUNTER_LIMIT:-90}"
     ;;
@@ -855,7 +854,7 @@ case "$PLAN" in
     # mHC's streams in bf16 against its default fp32 streams in training (the candidate held to the default's seed
     # spread); where a graphed attnres_block step's time goes now; mHC's kernels before and now at small, in rounds
     step gpu0 mhc_streams "${STREAMS_LIMIT:-300}" python3 -m benchmarks.backend_training --residuals mhc \
-      --reference residual.backend=auto --candidate residual.stream_dtype=bf16 --steps ${STREAM_STEPS:-300} \
+      --reference residual.stream_dtype=input --candidate residual.stream_dtype=bf16 --steps ${STREAM_STEPS:-300} \
       --seeds 0 1 2 --set model=small trainer=gpu trainer.compile=false --name small_mhc_bf16_streams
     step gpu0 profile "${PROFILE_LIMIT:-120}" python3 -m benchmarks.profile_step --model small --residuals vanilla \
       attnres_block --compile model --graphs on --top 40 --set $COMBO --tag _chain
@@ -865,7 +864,7 @@ case "$PLAN" in
   closing2)
     # every study residual and ablation at small in one process with the session's defaults, mhc's bf16 streams beside
     step gpu0 small_all "${SMALL_LIMIT:-340}" python3 -m benchmarks.throughput --models small --residuals vanilla attnres \
-      attnres_block mhc mhc@residual.stream_dtype=bf16 msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv \
+      attnres_block mhc mhc@residual.stream_dtype=input msar_block msar attnres_mhc_sum --ablations wo_conv attnres_conv \
       --compile model --graphs on --steps 8 --set $COMBO --tag ${TAG:-_closing2}
     ;;
   phase1)
@@ -1170,13 +1169,14 @@ case "$PLAN" in
     ;;
   mhc_long)
     # the mHC targets need bf16 streams (residual_floor_dec5.md: with fp32 streams 0.786x small and 0.821x medium at
-    # best): whether they train as the fp32 streams do past the shipped corpus's 162 steps an epoch
+    # best): whether they train as the fp32 streams do past the shipped corpus's 162 steps an epoch (ran 2026-12-05:
+    # they do, and bf16 under autocast is the default since; the reference arm is the fp32 "input" streams)
     if [ ! -f data/shards/large/manifest.json ]; then
       echo "mhc_long: data/shards/large is missing: build it with python -m data.build_corpus --large and carry it" >&2
       exit 2
     fi
     step gpu0 long "${LONG_LIMIT:-540}" python3 -m benchmarks.backend_training --residuals mhc \
-      --reference residual.backend=auto --candidate residual.stream_dtype=bf16 --steps "${LONG_STEPS:-1000}" \
+      --reference residual.stream_dtype=input --candidate residual.stream_dtype=bf16 --steps "${LONG_STEPS:-1000}" \
       --seeds ${LONG_SEEDS:-0 1} --set model=small trainer=gpu data=large trainer.compile=false \
       --name small_mhc_bf16_streams_long
     ;;
@@ -1196,20 +1196,15 @@ case "$PLAN" in
     # medium, by default on the fused writes since 2026-12-05): medium's peak and step beside keeping every stream,
     # fp32 and bf16 streams
     step gpu0 medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      "mhc@residual.recompute_every=0" mhc "mhc@residual.stream_dtype=bf16" --compile model \
+      "mhc@residual.recompute_every=0" "mhc@residual.stream_dtype=input" mhc --compile model \
       --graphs on --steps 6 --set $COMBO --tag "${TAG:-_mhc_recompute}"
     ;;
   attnres_next)
-    # the forward's streaming rule (from 9 sources; full AttnRes's medium step never timed) and the split gradients
-    # kernel's two candidates built 2026-12-04 night and CPU-tested only (the partial written per token block,
-    # SPLIT_GRADS_PARTIALS; the consumers' loop outside the sources', SPLIT_GRADS_CONSUMERS): the bf16 GPU test of
-    # them, each alone against the default (default first and last), then full AttnRes's medium step
+    # the forward's streaming rule (from 9 sources): its bf16 GPU test, then full AttnRes's medium step with and
+    # without it. Ran 2026-12-05 late on an H100 with the split gradients kernel's two candidates of 2026-12-04 night
+    # (the partial per token block, the consumers outside the sources) timed alone too: both lost and were removed
     step gpu0 gpu_tests "${TEST_LIMIT:-80}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_depth_attn_fused.py \
-      -k "bf16_matches_fp32_reference and (rule or one-kernel or split-partials or split-consumers)"
-    step gpu0 grads "${GRADS_LIMIT:-120}" python3 -m benchmarks.depth_attn_tiles --shapes medium --dtypes bf16 \
-      --ops block_n2 block_n3 block_n4 block_n5 block_n6 block_n8 block_final9 --phase1 split-blocks split-partials \
-      split-partials-16x32 split-consumers split-consumers-2 split-blocks --tag "${TAG:-_grads_night}"
+      tests/kernels/test_depth_attn_fused.py -k "bf16_matches_fp32_reference and (rule or one-kernel)"
     stream_rule_times "${TILES_LIMIT:-60}" "${SMALL_LIMIT:-0}" "${MEDIUM_LIMIT:-290}"  # small's step: 2026-12-04 evening
     ;;
   pairs_medium)

@@ -40,7 +40,7 @@ from kernels.depth_attn import (SourceBuffer, depth_attn, depth_attn_merge, dept
                                 summaries_keep_outputs)
 from kernels.msar_attn import BufferedSources
 
-from .base import Context, Residual, ResidualConfig, check_choice, rms_norm
+from .base import Context, Residual, ResidualConfig, bf16_autocast_on, check_choice, rms_norm
 from .registry import register
 
 QUERY_KINDS = ("static", "input")
@@ -55,8 +55,7 @@ def narrow_dtype(setting: str, device: str) -> torch.dtype | None:
     """The dtype a ``NARROW_CHOICES`` setting stores in on ``device`` now (None: the stream's): "autocast" is bf16
     while bf16 autocast is on there."""
     if setting == "autocast":
-        on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
-        return torch.bfloat16 if on else None
+        return torch.bfloat16 if bf16_autocast_on(device) else None
     return SOURCE_DTYPES[setting]
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
 

@@ -123,6 +123,12 @@ def check_choice(owner: str, field: str, value: object, choices: Sequence[object
                          f"choose one of: {', '.join(map(str, choices))}")
 
 
+def bf16_autocast_on(device: str) -> bool:
+    """Whether bf16 autocast is on for ``device`` now (mixed-precision training, ``trainer=gpu``): the settings that
+    narrow a residual's stored tensors only there ("autocast") ask this, so fp32 runs stay fp32."""
+    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+
+
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
     """RMSNorm over the last axis, shared by the variants; cast back to x's dtype.
 

@@ -402,22 +402,23 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
 
 
 def test_residual_floor_counts_what_the_config_stores():
-    """The floor streams what the residual's config stores, as `trainer=gpu` trains: mHC's default fp32 streams move
-    twice the bytes of bf16 streams (`mhc@residual.stream_dtype=bf16`, a row's own overrides), msar_block's sources
-    are bf16 under autocast (its default) and msar's fp32 unless `source_dtype` says otherwise; with the streams kept
-    every L_r* sublayers (mHC's default on a GPU) backward rebuilds the others, one write each."""
+    """The floor streams what the residual's config stores, as `trainer=gpu` trains: mHC's fp32 streams
+    (`mhc@residual.stream_dtype=fp32`, a row's own overrides) move twice the bytes of its default's (bf16 under
+    autocast), msar_block's sources are bf16 under autocast (its default) and msar's fp32 unless `source_dtype` says
+    otherwise; with the streams kept every L_r* sublayers (mHC's default on a GPU) backward rebuilds the others, one
+    write each."""
     from benchmarks import residual_floor
     from benchmarks.ops_mhc import counts
 
     calls = floor_calls
     widths = {name: residual_floor.stored_bytes(calls(name)[0]) for name in (
-        "mhc", "mhc@residual.stream_dtype=fp32", "mhc@residual.stream_dtype=bf16", "msar_block",
-        "msar_block@residual.source_dtype=stream", "msar", "msar@residual.source_dtype=autocast")}
-    assert widths == {"mhc": 4, "mhc@residual.stream_dtype=fp32": 4, "mhc@residual.stream_dtype=bf16": 2,
-                      "msar_block": 2, "msar_block@residual.source_dtype=stream": 4, "msar": 4,
-                      "msar@residual.source_dtype=autocast": 2}
+        "mhc", "mhc@residual.stream_dtype=input", "mhc@residual.stream_dtype=fp32", "mhc@residual.stream_dtype=bf16",
+        "msar_block", "msar_block@residual.source_dtype=stream", "msar", "msar@residual.source_dtype=autocast")}
+    assert widths == {"mhc": 2, "mhc@residual.stream_dtype=input": 4, "mhc@residual.stream_dtype=fp32": 4,
+                      "mhc@residual.stream_dtype=bf16": 2, "msar_block": 2, "msar_block@residual.source_dtype=stream": 4,
+                      "msar": 4, "msar@residual.source_dtype=autocast": 2}
     tokens = 16 * 1024
-    for name, elt in (("mhc", 4), ("mhc@residual.stream_dtype=bf16", 2)):
+    for name, elt in (("mhc@residual.stream_dtype=fp32", 4), ("mhc", 2)):
         res, kept_all = calls(name + "@residual.recompute_every=0")
         assert [c[1] for c in kept_all] == [counts(tokens, 4, 512, elt)["post+pre fwd+bwd"][0]] * 16
         res, default = calls(name)
@@ -426,7 +427,7 @@ def test_residual_floor_counts_what_the_config_stores():
         label, nbytes, nflops = default[16]
         assert label == "10 streams rebuilt (L_r = 3)" and len(default) == 17  # sublayers 0, 3, ..., 15 kept
         assert (nbytes, nflops) == tuple(10 * v for v in counts(tokens, 4, 512, elt)["post"])
-    fp32, bf16 = (residual_floor.floor("small", n, 51.2, 4.25) for n in ("mhc", "mhc@residual.stream_dtype=bf16"))
+    fp32, bf16 = (residual_floor.floor("small", n, 51.2, 4.25) for n in ("mhc@residual.stream_dtype=fp32", "mhc"))
     assert 1.9 < fp32["bytes_ms"] / bf16["bytes_ms"] < 2.1 and fp32["gflop"] == bf16["gflop"]
     msar_fp32 = residual_floor.floor("small", "msar_block@residual.source_dtype=stream", 51.2, 4.25)
     assert msar_fp32["gb"] > residual_floor.floor("small", "msar_block", 51.2, 4.25)["gb"]
@@ -474,7 +475,7 @@ def test_a_row_can_carry_overrides_of_its_own(tmp_path, monkeypatch):
     _, cfg = throughput.build("tiny", "mhc@residual.stream_dtype=bf16", 256, [], "cpu")
     assert cfg.residual.name == "mhc" and cfg.residual.stream_dtype == "bf16"
     _, plain = throughput.build("tiny", "mhc", 256, [], "cpu")
-    assert plain.residual.stream_dtype == "input"
+    assert plain.residual.stream_dtype == "autocast"
     with pytest.raises(SystemExit, match="stream_dtyp"):
         throughput.main(["--models", "tiny", "--residuals", "vanilla", "mhc@residual.stream_dtyp=bf16", "--compile",
                          "off", "--vocab", "256"])

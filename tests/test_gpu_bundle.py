@@ -100,7 +100,7 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("kept", ["gpu_tests", "saved", "small"]),
                                          ("lean", ["gpu_tests", "medium"]),
                                          ("sources2", ["parity", "small"]),
-                                         ("attnres_next", ["gpu_tests", "grads", "tiles", "small", "medium"]),
+                                         ("attnres_next", ["gpu_tests", "tiles", "small", "medium"]),
                                          ("msar_next", ["gpu_tests", "msar_tiles", "coef_tiles", "medium"]),
                                          ("mhc_next", ["gpu_tests", "ops_fp32", "small", "medium"]),
                                          ("msar_sources", ["gpu_tests", "medium", "parity"]),

@@ -51,12 +51,10 @@ registers and no reduction across warps: at `medium` 0.87-0.89x the one kernel's
 from 5 on with the logits summed again; taking them from the forward, 0.66-0.89x that again (2026-12-04).
 ``SPLIT_GRADS_ROWS`` (off: slower) takes the gradients kernel's sources as separate rows, one fused multiply-add a
 term; ``SPLIT_GRADS_PREFETCH`` (off: no gain in the step) loads each trip's sources (and with "all" its scalars) a trip
-ahead. ``SPLIT_GRADS_PARTIALS`` (off: not yet timed) runs the gradients kernel as one program per 16 tokens × 64
-channels (``_split_grads_blocks_kernel``), each writing its query-gradient partial into its token block's row of a
-scratch that ``torch.sum`` reduces, instead of holding the partial in registers over a persistent program's tokens.
-``SPLIT_GRADS_CONSUMERS`` (off: not yet timed) runs the consumers' loop outside each trip's sources
-(``_split_grads_consumers_kernel``: a token's sources held as rows with their gradients, at most 4 a trip, so each
-upstream gradient is loaded once a trip instead of once every 2 sources).
+ahead. Two other gradients kernels lost alone on an H100 at `medium` and were removed (2026-12-05): the
+query-gradient partial written per token block and summed apart (112 registers against 168; 1.15-1.49x the persistent
+kernel's time) and the consumers' loop outside each trip's sources (each upstream gradient loaded once a trip;
+1.00-1.09x).
 Both passes in one kernel (the scalars of a token block from a first pass over its chunks, the gradients from a
 second) was measured 2.2-12x slower alone and removed (2026-12-04, docs/kernel_attnres.md).
 The row gradients a buffered call adds into are in the rows' dtype (``buffer.ROW_GRADIENTS``).
@@ -741,134 +739,6 @@ def _split_grads_kernel(
 
 
 @triton.jit
-def _split_grads_blocks_kernel(
-    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
-    qg_ptr,  # gain-folded queries (C, d) fp32
-    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
-    w_ptr, dlr_ptr, coef_ptr,  # the first kernel's (C, n, N), (C, n, N), (n, N) fp32
-    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
-    dqg_ptr,  # result: the partial gradient of q ⊙ g of each token block (token blocks, C, d) fp32
-    n, n_add, N, D,
-    C: tl.constexpr, KEY_NORM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Split backward, second kernel, with the query-gradient partial written per token block
-    (``SPLIT_GRADS_PARTIALS``): the terms of ``_split_grads_kernel``,
-        dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c[block] = Σ_{s, t in block} dlr_cst x_st,
-    by one program per BLOCK_T tokens × BLOCK_D channels (not persistent; the channel chunks of a token block are
-    neighbours in the grid), its sources BLOCK_S a trip. Each consumer's partial is summed over the trip's sources
-    into a (1, T, D) accumulator, over the tokens once after the last trip, and written into row ``block`` of
-    (token blocks, C, d) at the program's channels; the caller sums the rows. Nothing is held from one token block
-    to the next; the scalars w and dlogit·r of a trip are one load of BLOCK_T neighbouring tokens."""
-    pid = tl.program_id(0)
-    n_chunks = tl.cdiv(D, BLOCK_D)
-    tile = pid // n_chunks
-    offs_t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = (pid % n_chunks) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_t = offs_t < N
-    mask_d = offs_d < D
-    mask_td = mask_t[:, None] & mask_d[None, :]
-    tok = offs_t.to(tl.int64)
-    dqs = (tl.zeros((1, BLOCK_T, BLOCK_D), dtype=tl.float32),) * C  # consumer c's partial, summed over T at the end
-    s0 = pid * 0
-    while s0 < n:
-        x, mask_s, rows = _load_chunk(src_ptr, s0, n, tok, mask_td, offs_d, N, D, BLOCK_S)  # (S, T, D)
-        ws, dlrs, coef = _trip_scalars(w_ptr, dlr_ptr, coef_ptr, rows, mask_s[:, None] & mask_t[None, :], n, N, C,
-                                       KEY_NORM)
-        mask_x = mask_s[:, None, None] & mask_td[None, :, :]
-        dx = _earlier_dsrc(dsrc_ptr, rows, offs_d, mask_x, n_add, N, D)
-        if KEY_NORM:
-            dx += coef[:, :, None] * x
-        for c in tl.static_range(C):
-            qg = tl.load(qg_ptr + c * D + offs_d[None, None, :], mask=mask_d[None, None, :], other=0.0)
-            do = tl.load(douts[c] + tok[None, :, None] * D + offs_d[None, None, :], mask=mask_td[None, :, :],
-                         other=0.0).to(tl.float32)
-            dlr = dlrs[c]
-            dx += ws[c][:, :, None] * do + dlr[:, :, None] * qg
-            dqs = dqs[:c] + (dqs[c] + tl.sum(dlr[:, :, None] * x, axis=0, keep_dims=True),) + dqs[c + 1:]
-        tl.store(dsrc_ptr + rows[:, :, None] * D + offs_d[None, None, :], dx.to(dsrc_ptr.dtype.element_ty), mask=mask_x)
-        s0 += BLOCK_S
-    for c in tl.static_range(C):  # row tile·C + c of (token blocks, C, d)
-        tl.store(dqg_ptr + (tile * C + c).to(tl.int64) * D + offs_d, tl.sum(tl.sum(dqs[c], axis=0), axis=0),
-                 mask=mask_d)
-
-
-@triton.jit
-def _consumers_trip(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n_add, N, D, cnN, tok, offs_d,
-                    mask_d, C: tl.constexpr, KEY_NORM: tl.constexpr, ROWS: tl.constexpr):
-    """A trip of ``_split_grads_consumers_kernel`` over sources s0 .. s0 + ROWS - 1 (all below n) of token ``tok``:
-    their gradients written (added to what rows [0, n_add) hold); returns the consumers' partials with this trip's
-    terms."""
-    xs = ()
-    dxs = ()
-    for j in tl.static_range(ROWS):  # every row's loads first, so that they are in flight together
-        row = (s0 + j).to(tl.int64) * N + tok  # in the (n, N) source-token grid
-        x = tl.load(src_ptr + row * D + offs_d, mask=mask_d).to(tl.float32)
-        dx = tl.load(dsrc_ptr + row * D + offs_d, mask=mask_d & (s0 + j < n_add), other=0.0).to(tl.float32)
-        if KEY_NORM:
-            dx += tl.load(coef_ptr + row) * x
-        xs = xs + (x,)
-        dxs = dxs + (dx,)
-    for c in tl.static_range(C):  # a consumer's upstream gradient and query once a trip, its terms into every row
-        qg = tl.load(qg_ptr + c * D + offs_d, mask=mask_d)
-        do = tl.load(douts[c] + tok * D + offs_d, mask=mask_d).to(tl.float32)
-        dq = dqs[c]
-        for j in tl.static_range(ROWS):
-            row = c * cnN + (s0 + j).to(tl.int64) * N + tok
-            dlr = tl.load(dlr_ptr + row)
-            dx = dxs[j] + tl.load(w_ptr + row) * do
-            dx += dlr * qg
-            dxs = dxs[:j] + (dx,) + dxs[j + 1:]
-            dq += dlr * xs[j]
-        dqs = dqs[:c] + (dq,) + dqs[c + 1:]
-    for j in tl.static_range(ROWS):
-        row = (s0 + j).to(tl.int64) * N + tok
-        tl.store(dsrc_ptr + row * D + offs_d, dxs[j].to(dsrc_ptr.dtype.element_ty), mask=mask_d)
-    return dqs
-
-
-@triton.jit
-def _split_grads_consumers_kernel(
-    src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
-    qg_ptr,  # gain-folded queries (C, d) fp32
-    douts,  # tuple of C upstream gradients of the outputs, each (N, d) contiguous
-    w_ptr, dlr_ptr, coef_ptr,  # the first kernel's (C, n, N), (C, n, N), (n, N) fp32
-    dsrc_ptr,  # result: gradient of the sources (n, N, d) (rows [0, n_add) added into, the rest written)
-    dqg_ptr,  # result: per-program partial gradient of q ⊙ g (programs, C, d) fp32
-    n, n_add, N, D,
-    C: tl.constexpr, KEY_NORM: tl.constexpr, ROWS_A_TRIP: tl.constexpr, TAIL: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Split backward, second kernel, with the consumers' loop outside the sources' (``SPLIT_GRADS_CONSUMERS``): the
-    terms of ``_split_grads_kernel``,
-        dx_s = Σ_c (w_cs dO_c + dlr_cs qg_c) + coef_s x_s,   dqg_c += Σ_s dlr_cs x_s,
-    persistent, one token over all d at a time. A token's sources are taken in trips of ROWS_A_TRIP, then one of TAIL
-    (0: none; n = trips × ROWS_A_TRIP + TAIL, so no row is padded), each source its own (1, 1, D) row held over the
-    trip with its gradient dx_s in registers (``_consumers_trip``). The consumers' loop runs outside the trip's rows:
-    dO_c and qg_c are loaded once a trip (once a token where the sources fit one trip), each of the trip's dx_s takes
-    consumer c's terms in place (two fused multiply-adds a channel), and consumer c's query-gradient partial, a
-    (1, 1, D) accumulator of its own over the program's tokens, takes Σ_s dlr_cs x_s within that consumer's iteration
-    (no select into a (C, d) tile)."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    offs_d = tl.arange(0, BLOCK_D)[None, None, :]
-    mask_d = offs_d < D
-    dqs = (tl.zeros((1, 1, BLOCK_D), dtype=tl.float32),) * C  # consumer c's partial over the program's tokens
-    cnN = n.to(tl.int64) * N  # a consumer's stride in the (C, n, N) scalars
-    tok = pid.to(tl.int64)
-    while tok < N:
-        s0 = pid * 0
-        while s0 + ROWS_A_TRIP <= n:
-            dqs = _consumers_trip(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n_add, N, D, cnN,
-                                  tok, offs_d, mask_d, C, KEY_NORM, ROWS_A_TRIP)
-            s0 += ROWS_A_TRIP
-        if TAIL > 0:
-            dqs = _consumers_trip(src_ptr, qg_ptr, douts, w_ptr, dlr_ptr, coef_ptr, dsrc_ptr, dqs, s0, n_add, N, D, cnN,
-                                  tok, offs_d, mask_d, C, KEY_NORM, TAIL)
-        tok += n_prog
-    for c in tl.static_range(C):  # row pid·C + c of (programs, C, d)
-        tl.store(dqg_ptr + (pid * C + c).to(tl.int64) * D + offs_d, dqs[c], mask=mask_d)
-
-
-@triton.jit
 def _merge_fwd_kernel(
     o_ptr,  # phase-1 output of this consumer (N, d)
     lse_ptr,  # its log-sum-exp (N,) fp32
@@ -1103,83 +973,6 @@ def split_grads_prefetch() -> int:
         raise ValueError(f"fused.SPLIT_GRADS_PREFETCH={setting!r} applies to loads of a trip's sources, not to "
                          "SPLIT_GRADS_ROWS=True: set one of them")
     return 2 if setting == "all" else int(setting)
-
-
-# The split gradients kernel with its query-gradient partial written per token block and summed apart
-# (``_split_grads_blocks_kernel``) instead of held in registers over a persistent program's tokens: False, True (a
-# program per 16 tokens × 64 channels, one source a trip: ``PARTIALS_TILES``) or (tokens, channels, sources a trip),
-# powers of two. Each program writes its (C, channels) share of the partial into its token block's row of a (token
-# blocks, C, d) fp32 scratch (32 MiB at `medium`'s 32,768 tokens and 4 consumers, 16 tokens a block), summed by
-# ``torch.sum`` (no atomics); a trip's scalars w and dlogit·r are one load of 16 neighbouring tokens where the
-# persistent kernel's are a 4-byte request each. By the sm_90 compiler (bf16 sources, 4 consumers, d = 1024, 4 warps)
-# 112 registers (4 programs an SM) against the default's 168 (3), no spills, but 95 for the persistent kernel at one
-# source a trip: the registers saved are the smaller trip's, not the partial's; 16 × 32 holds 78 (6 programs an SM).
-# Built and tested on the CPU, not timed (2026-12-04, night; docs/kernel_attnres.md). Off.
-SPLIT_GRADS_PARTIALS: bool | tuple[int, int, int] = False
-PARTIALS_TILES = (16, 64, 1)
-
-
-def split_grads_partials(n: int, d: int) -> tuple[int, int, int] | None:
-    """The tiles (tokens, channels, sources a trip) of the split gradients kernel that writes its query-gradient
-    partial per token block (``SPLIT_GRADS_PARTIALS``), within n sources and d channels; None for the persistent
-    kernel. Refused with ``SPLIT_GRADS_ROWS`` or ``SPLIT_GRADS_PREFETCH``, which apply to the persistent kernel only.
-    Under the interpreter True takes 8 tokens × 16 channels, 2 sources a trip (ragged blocks, chunks and trips in the
-    CPU tests)."""
-    setting = SPLIT_GRADS_PARTIALS
-    if isinstance(setting, bool):
-        tiles = PARTIALS_TILES if setting else None
-    elif (isinstance(setting, tuple) and len(setting) == 3
-          and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 and v & (v - 1) == 0 for v in setting)):
-        tiles = setting
-    else:
-        raise ValueError(f"fused.SPLIT_GRADS_PARTIALS={setting!r}: choose False (the persistent kernel, its partial in "
-                         "registers), True (a program per 16 tokens × 64 channels, one source a trip) or (tokens, "
-                         "channels, sources a trip), powers of two")
-    if tiles is None:
-        return None
-    if split_grads_rows() or split_grads_prefetch():
-        raise ValueError(f"fused.SPLIT_GRADS_PARTIALS={setting!r} replaces the persistent kernel that SPLIT_GRADS_ROWS "
-                         "and SPLIT_GRADS_PREFETCH apply to: set one of them")
-    if setting is True and interpreting():
-        tiles = (8, 16, 2)
-    return tiles[0], min(tiles[1], _pow2(d)), min(tiles[2], _pow2(n))
-
-
-# The split gradients kernel with the consumers' loop outside the sources' (``_split_grads_consumers_kernel``):
-# False, True (at most ``CONSUMERS_ROWS`` sources a trip) or that cap as a positive integer. A token's sources are
-# rows held in registers with their gradients over a trip (n ≤ cap: one trip, so each upstream gradient dO_c is loaded
-# once a token, where the persistent kernel loads it again every 2 sources; above, trips of the cap and one of the
-# rest, no row padded), every term a fused multiply-add, each consumer's query-gradient partial an accumulator of its
-# own formed in that consumer's iteration. By the sm_90 compiler (bf16 sources, 4 consumers, d = 1024, 4 warps):
-# at most 4 a trip 168 registers (3 programs an SM, as the default), no spills, 962 instructions a trip of 4 sources
-# against the default's 582 a trip of 2 (0.23 a term against 0.28), but 182 at 8 sources (two trips of 4: 2 programs
-# an SM); 5 a trip take 178. Accumulating dx_s in the source-gradient rows instead (read, add, write once a consumer)
-# would round bf16 row gradients once a consumer and read every source again a consumer for its query term. Built and
-# tested on the CPU, not timed (2026-12-04, night; docs/kernel_attnres.md). Off.
-SPLIT_GRADS_CONSUMERS: bool | int = False
-CONSUMERS_ROWS = 4
-
-
-def split_grads_consumers(n: int) -> tuple[int, int] | None:
-    """(sources a trip, sources of the last, shorter trip or 0) of the split gradients kernel with the consumers' loop
-    outside the sources' (``SPLIT_GRADS_CONSUMERS``) over n sources; None for the persistent kernel of trips of
-    sources. Refused with ``SPLIT_GRADS_ROWS``, ``SPLIT_GRADS_PREFETCH`` or ``SPLIT_GRADS_PARTIALS``, which set other
-    gradient kernels. Under the interpreter True takes at most 2 a trip (a ragged last trip in the CPU tests)."""
-    setting = SPLIT_GRADS_CONSUMERS
-    if isinstance(setting, bool):
-        cap = (2 if interpreting() else CONSUMERS_ROWS) if setting else None
-    elif isinstance(setting, int) and 1 <= setting <= 16:
-        cap = setting
-    else:
-        raise ValueError(f"fused.SPLIT_GRADS_CONSUMERS={setting!r}: choose False (the persistent kernel, its consumers "
-                         f"inside each trip of sources), True (at most {CONSUMERS_ROWS} sources a trip) or the most "
-                         "sources a trip, 1 to 16")
-    if cap is None:
-        return None
-    if split_grads_rows() or split_grads_prefetch() or SPLIT_GRADS_PARTIALS is not False:
-        raise ValueError(f"fused.SPLIT_GRADS_CONSUMERS={setting!r} replaces the gradients kernel that SPLIT_GRADS_ROWS, "
-                         "SPLIT_GRADS_PREFETCH and SPLIT_GRADS_PARTIALS set: set one of them")
-    return (n, 0) if n <= cap else (cap, n % cap)
 
 
 def split_grads_rows() -> bool:
@@ -1462,10 +1255,8 @@ def summaries_bwd(src: Tensor, n: int, qg: Tensor, lse: Tensor, douts: tuple[Ten
 
 
 def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d, logits=None, rstd=None) -> Tensor:
-    """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients (persistent, or with
-    ``SPLIT_GRADS_PARTIALS`` a program per token block and channel chunk, the token blocks' partials summed here; with
-    ``SPLIT_GRADS_CONSUMERS`` persistent, the consumers' loop outside each trip's sources);
-    returns dqg (C, d). With the forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
+    """The split backward: scalars (C, n, N) fp32 twice and (n, N), then the gradients (persistent); returns dqg
+    (C, d). With the forward's ``logits`` (and ``rstd``) the scores kernel sums only dO_c·x_s."""
     block_s = _pow2(n)
     (bt_a, chunk, warps_a), (bt_b, block_d, block_s_b), warps_b = split_tiles(n, d, C, logits is not None)
     w = torch.empty(C, n, N, device=src.device, dtype=torch.float32)
@@ -1477,29 +1268,6 @@ def _split_bwd(src, n, qg, lse, douts, dlse, dsrc, n_add, key_norm, eps, C, N, d
                                             rstd if from_logits and key_norm else w, n, N, d, eps, **common,
                                             BLOCK_T=bt_a, BLOCK_D=chunk, ONCE=scores_once(C), FROM_LOGITS=from_logits,
                                             num_warps=warps_a)
-    consumers = split_grads_consumers(n)
-    if consumers:  # persistent, the consumers' loop outside each trip's sources (rows held with their gradients)
-        rows_a_trip, tail = consumers
-        meta = dict(C=C, KEY_NORM=key_norm, ROWS_A_TRIP=rows_a_trip, TAIL=tail, BLOCK_D=block_d)
-        if split_grads_maxnreg():
-            meta["maxnreg"] = split_grads_maxnreg()
-        args = (src, qg, douts, w, dlr, coef, dsrc, None, n, n_add, N, d)
-        programs = _persistent_grid(_split_grads_consumers_kernel, args[:7] + (qg,) + args[8:], meta, warps_b, N,
-                                    src.device)
-        dqg = torch.empty(programs, C, d, device=src.device, dtype=torch.float32)
-        _split_grads_consumers_kernel[(programs,)](*args[:7], dqg, *args[8:], **meta, num_warps=warps_b)
-        return dqg.sum(0)
-    partials = split_grads_partials(n, d)
-    if partials:  # a program per token block × channel chunk, its query-gradient partial written per token block
-        bt_p, bd_p, bs_p = partials
-        blocks = _cdiv(N, bt_p)
-        meta = dict(C=C, KEY_NORM=key_norm, BLOCK_S=bs_p, BLOCK_T=bt_p, BLOCK_D=bd_p)
-        if split_grads_maxnreg():
-            meta["maxnreg"] = split_grads_maxnreg()
-        dqg = torch.empty(blocks, C, d, device=src.device, dtype=torch.float32)
-        _split_grads_blocks_kernel[(blocks * _cdiv(d, bd_p),)](src, qg, douts, w, dlr, coef, dsrc, dqg, n, n_add, N, d,
-                                                               **meta, num_warps=warps_b)
-        return dqg.sum(0)
     prefetch = split_grads_prefetch()  # 0, 1 or 2
     meta = dict(common, BLOCK_S=block_s_b, BLOCK_T=bt_b, BLOCK_D=block_d, ROWS=split_grads_rows(), PREFETCH=prefetch)
     cap = split_grads_maxnreg() or (PREFETCH_MAXNREG if prefetch and not interpreting() else 0)

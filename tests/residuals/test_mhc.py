@@ -125,7 +125,7 @@ def test_coefficients_gradcheck_fp64():
 
 def test_coefficients_fp32_under_bf16_autocast():
     torch.manual_seed(0)
-    m = make_mhc(n=4)
+    m = make_mhc(n=4, stream_dtype="input")  # the default ("autocast") stores bf16 streams here: see below
     randomise(m, alpha=(1.0, 2.0))
     x = random_streams(4)
     ref = m.coefficients(x, 1)
@@ -272,10 +272,10 @@ def test_read_write_end_match_the_update_rule_elementwise():
 @pytest.mark.parametrize("output", OUTPUTS)
 def test_bf16_streams_store_bf16_and_stay_close_to_fp32(output):
     """stream_dtype=bf16 under bf16 autocast (as in training): every state holds bf16 streams, end()
-    returns fp32 (summed in fp32), and output and gradients stay within bf16 rounding of the default
+    returns fp32 (summed in fp32), and output and gradients stay within bf16 rounding of "input"
     (the embedding's fp32) streams, same parameters, random upstream."""
     torch.manual_seed(0)
-    ref = make_mhc(n=3, output=output)
+    ref = make_mhc(n=3, output=output, stream_dtype="input")
     randomise(ref)
     low = make_mhc(n=3, output=output, stream_dtype="bf16")
     low.load_state_dict(ref.state_dict())
@@ -294,6 +294,34 @@ def test_bf16_streams_store_bf16_and_stay_close_to_fp32(output):
     out_low.backward(up)
     for (name, a), b in zip(ref.named_parameters(), low.parameters()):
         assert b.grad.dtype == torch.float32 and rel(b.grad, a.grad) < 5e-2, name
+
+
+@pytest.mark.parametrize("setting", ["autocast", "input", "fp32", "bf16"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_stream_dtype_stores_what_it_says(setting, amp):
+    """The default "autocast" stores bf16 streams only under bf16 autocast (trainer=gpu) and the embedding's fp32
+    without (trainer=cpu: fp32 runs stay fp32, to the bit of "input"); "input" keeps the embedding's dtype, "fp32" and
+    "bf16" store theirs either way. end() always returns fp32."""
+    assert config_for("mhc").stream_dtype == "autocast"
+    torch.manual_seed(0)
+    ref = make_mhc(n=3, stream_dtype="input")
+    randomise(ref)
+    res = make_mhc(n=3, stream_dtype=setting)
+    res.load_state_dict(ref.state_dict())
+    stacks = [FakeStack(ref), FakeStack(res)]
+    stacks[1].sublayers.load_state_dict(stacks[0].sublayers.state_dict())
+    emb = torch.randn(B, T, D)
+    keep = []
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        out_ref, _ = stacks[0](emb)
+        out, _ = stacks[1](emb, keep=keep)
+    narrow = setting == "bf16" or (setting == "autocast" and amp)
+    assert {s.streams.dtype for s in keep} == {torch.bfloat16 if narrow else torch.float32}
+    assert out.dtype == torch.float32
+    if not narrow:
+        torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+    else:
+        assert 0 < rel(out, out_ref) < 2e-2
 
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -368,7 +396,7 @@ def test_recorded_heatmaps():
         ({"output": "mean"}, r"residual\.output='mean' .*sum, head"),
         ({"phi_init_std": -1.0}, r"residual\.phi_init_std=-1\.0"),
         ({"b_pre": float("inf")}, r"residual\.b_pre=inf"),
-        ({"stream_dtype": "fp8"}, r"residual\.stream_dtype='fp8' .*input, fp32, bf16"),
+        ({"stream_dtype": "fp8"}, r"residual\.stream_dtype='fp8' .*input, fp32, bf16, autocast"),
     ],
 )
 def test_bad_config_names_value_and_choices(fields, match):
