@@ -76,6 +76,7 @@ OUTPUTS = ("sum", "head")
 # the bytes and memory; "autocast" (the default): bf16 while bf16 autocast is on (trainer=gpu), else "input"
 STREAM_DTYPES = {"input": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 STREAM_CHOICES = (*STREAM_DTYPES, "autocast")
+__all__ = ["MHC", "MHCState", "OUTPUTS", "mhc_coefficients", "sinkhorn"]
 
 
 def stream_dtype_on(setting: str, device: str) -> torch.dtype | None:
@@ -83,8 +84,6 @@ def stream_dtype_on(setting: str, device: str) -> torch.dtype | None:
     if setting == "autocast":
         return torch.bfloat16 if bf16_autocast_on(device) else None
     return STREAM_DTYPES[setting]
-
-__all__ = ["MHC", "MHCState", "OUTPUTS", "mhc_coefficients", "sinkhorn"]
 
 
 @dataclass
