@@ -267,13 +267,15 @@
 #            with and without recompute_streams, in one process; then training parity at small against fp32 sources
 #   peaks    one GPU: the same medium rows (vanilla msar_block vanilla msar_block) with the compile caches on and off, each
 #            in its own process: whether a repeated row's higher peak comes from a cached compile (PEAKS_LIMIT each)
-#   parity_all one GPU (about 600 s with the start): the 60-step training parity of the fused ops against their
-#            references (eager, seeds 0 1) for the variants with no run of today's defaults on record: msar (never),
-#            mhc (last 2026-11-30, before the streams kept every L_r* sublayers); PARITY_ALL_RESIDUALS, PARITY_LIMIT
-#   mhc_long one GPU (about 600 s with the start): mHC's bf16 streams against its default fp32 streams over
-#            LONG_STEPS (default 1000) steps at small on the large corpus (data=large: carry data/shards/large, built by
-#            `python -m data.build_corpus --large`), seeds LONG_SEEDS (default 0 1), eager: whether a longer run than
-#            the 300 steps (two epochs of the shipped corpus) of 2026-12-02 still trains alike (LONG_LIMIT)
+#   parity_all one GPU (commands about 320 s on an H100 on 2026-12-05, msar 246 and mhc 67, plus the start): the
+#            60-step training parity of the fused ops against their references (eager, seeds 0 1) for the variants
+#            with no run of today's defaults on record: msar (never), mhc (last 2026-11-30, before the streams kept
+#            every L_r* sublayers); PARITY_ALL_RESIDUALS, PARITY_LIMIT
+#   mhc_long one GPU (its command 361 s on an H100 on 2026-12-05, plus the start): mHC's bf16 streams against its
+#            fp32 streams (stream_dtype=input) over LONG_STEPS (default 1000) steps at small on the large corpus
+#            (data=large: carry data/shards/large, built by `python -m data.build_corpus --large`), seeds LONG_SEEDS
+#            (default 0 1), eager: whether a longer run than the 300 steps (two epochs of the shipped corpus) of
+#            2026-12-02 still trains alike (LONG_LIMIT)
 #   attnres_next one GPU (about 450 s with the start): the bf16 GPU test of the forward's streaming rule, then full
 #            AttnRes's medium step with the rule (ran 2026-12-05 late with the split gradients' two candidates, since
 #            removed: they lost alone)

@@ -66,17 +66,17 @@ def row_parts(residual: str) -> tuple[str, tuple[str, ...]]:
 
 def stored_bytes(res) -> int:
     """Bytes an element of what the residual's fused ops stream (mHC's streams, MSAR's sources), as `trainer=gpu`
-    trains (bf16 autocast, an fp32 stream), from the residuals' own tables of their settings: mHC's
-    ``STREAM_DTYPES`` ("input": the embedding's fp32), the depth-attention residuals' ``SOURCE_DTYPES`` ("stream":
-    the stream's fp32) and "autocast" (bf16 under bf16 autocast)."""
+    trains (bf16 autocast, an fp32 stream), resolved as the residuals resolve them (``residuals.base.stored_dtype``
+    over mHC's ``STREAM_DTYPES``, the depth-attention residuals' ``SOURCE_DTYPES``) under bf16 autocast."""
     import torch
 
     from residuals.attnres import SOURCE_DTYPES
+    from residuals.base import stored_dtype
     from residuals.mhc import MHC, STREAM_DTYPES
 
     setting = res.cfg.stream_dtype if isinstance(res, MHC) else getattr(res.cfg, "source_dtype", "stream")
-    table = STREAM_DTYPES if isinstance(res, MHC) else SOURCE_DTYPES
-    dtype = torch.bfloat16 if setting == "autocast" else table[setting]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as trainer=gpu trains
+        dtype = stored_dtype(setting, STREAM_DTYPES if isinstance(res, MHC) else SOURCE_DTYPES, "cpu")
     return (dtype or torch.float32).itemsize
 
 

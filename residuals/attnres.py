@@ -40,7 +40,7 @@ from kernels.depth_attn import (SourceBuffer, depth_attn, depth_attn_merge, dept
                                 summaries_keep_outputs)
 from kernels.msar_attn import BufferedSources
 
-from .base import Context, Residual, ResidualConfig, bf16_autocast_on, check_choice, rms_norm
+from .base import Context, Residual, ResidualConfig, check_choice, rms_norm, stored_dtype
 from .registry import register
 
 QUERY_KINDS = ("static", "input")
@@ -49,14 +49,6 @@ QUERY_KINDS = ("static", "input")
 # while bf16 autocast is on (mixed-precision training), else "stream" (fp32 runs stay fp32)
 SOURCE_DTYPES = {"stream": None, "bfloat16": torch.bfloat16}
 NARROW_CHOICES = (*SOURCE_DTYPES, "autocast")  # residual.source_dtype and DepthAttentionResidual.phase1_dtype
-
-
-def narrow_dtype(setting: str, device: str) -> torch.dtype | None:
-    """The dtype a ``NARROW_CHOICES`` setting stores in on ``device`` now (None: the stream's): "autocast" is bf16
-    while bf16 autocast is on there."""
-    if setting == "autocast":
-        return torch.bfloat16 if bf16_autocast_on(device) else None
-    return SOURCE_DTYPES[setting]
 BACKENDS = ("auto", "torch", "triton")  # auto: the fused op on CUDA tensors, the reference elsewhere
 
 
@@ -260,7 +252,7 @@ class DepthAttentionResidual(Residual):
 
     def _source_dtype(self, device: str) -> torch.dtype | None:
         """The buffer's dtype on ``device`` now (None: the embedding's, the stream's): ``residual.source_dtype``."""
-        return narrow_dtype(self.cfg.source_dtype, device)
+        return stored_dtype(self.cfg.source_dtype, SOURCE_DTYPES, device)
 
     # --- the protocol --------------------------------------------------------------------------
     def begin(self, embedding: Tensor, ctx: Context):
@@ -384,7 +376,7 @@ class DepthAttentionResidual(Residual):
 
     def _phase1_out_dtype(self, device: str) -> torch.dtype | None:
         """The phase-1 outputs' dtype per ``phase1_dtype`` (None: the sources' dtype)."""
-        return narrow_dtype(self.phase1_dtype, device)
+        return stored_dtype(self.phase1_dtype, SOURCE_DTYPES, device)
 
     def _merge_sum(self, state: FusedState, consumer: int, new: Tensor) -> FusedState:
         """The partial grows by ``new`` (B, T, d) and ``consumer`` merges it, in one op (``depth_attn_merge(new=...)``):

@@ -15,7 +15,7 @@ branches on a variant's name; everything a variant needs arrives through ``ctx``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -123,10 +123,14 @@ def check_choice(owner: str, field: str, value: object, choices: Sequence[object
                          f"choose one of: {', '.join(map(str, choices))}")
 
 
-def bf16_autocast_on(device: str) -> bool:
-    """Whether bf16 autocast is on for ``device`` now (mixed-precision training, ``trainer=gpu``): the settings that
-    narrow a residual's stored tensors only there ("autocast") ask this, so fp32 runs stay fp32."""
-    return torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+def stored_dtype(setting: str, table: Mapping[str, torch.dtype | None], device: str) -> torch.dtype | None:
+    """The dtype a residual's storage setting (mHC's ``stream_dtype``, the depth-attention residuals' ``source_dtype``)
+    stands for on ``device`` now, None for the input's own: ``table[setting]``, and "autocast" bf16 while bf16 autocast
+    is on there (mixed-precision training, ``trainer=gpu``), so that fp32 runs stay fp32."""
+    if setting == "autocast":
+        on = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+        return torch.bfloat16 if on else None
+    return table[setting]
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:

@@ -67,7 +67,7 @@ from kernels.backend import backend_on
 from kernels.mhc import BACKENDS, StreamRecompute, mhc_post, mhc_post_pre, mhc_pre, optimal_every
 from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
-from .base import Context, Residual, ResidualConfig, bf16_autocast_on, check_choice
+from .base import Context, Residual, ResidualConfig, check_choice, stored_dtype
 from .registry import register
 
 OUTPUTS = ("sum", "head")
@@ -77,13 +77,6 @@ OUTPUTS = ("sum", "head")
 STREAM_DTYPES = {"input": None, "fp32": torch.float32, "bf16": torch.bfloat16}
 STREAM_CHOICES = (*STREAM_DTYPES, "autocast")
 __all__ = ["MHC", "MHCState", "OUTPUTS", "mhc_coefficients", "sinkhorn"]
-
-
-def stream_dtype_on(setting: str, device: str) -> torch.dtype | None:
-    """The dtype a ``STREAM_CHOICES`` setting stores the streams in on ``device`` now (None: the embedding's)."""
-    if setting == "autocast":
-        return torch.bfloat16 if bf16_autocast_on(device) else None
-    return STREAM_DTYPES[setting]
 
 
 @dataclass
@@ -196,7 +189,7 @@ class MHC(Residual):
     # --- the protocol --------------------------------------------------------------------------
     def begin(self, embedding: Tensor, ctx: Context) -> MHCState:
         b, t, d = embedding.shape
-        dtype = stream_dtype_on(self.cfg.stream_dtype, embedding.device.type) or embedding.dtype
+        dtype = stored_dtype(self.cfg.stream_dtype, STREAM_DTYPES, embedding.device.type) or embedding.dtype
         # the embedding in every stream, materialised once: the first read and write (and their saved
         # tensors) share this copy instead of each making its own
         streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d).contiguous()  # (B, T, n, d)

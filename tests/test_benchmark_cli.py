@@ -410,8 +410,7 @@ def test_residual_floor_counts_what_the_config_stores():
     from benchmarks import residual_floor
     from benchmarks.ops_mhc import counts
 
-    calls = floor_calls
-    widths = {name: residual_floor.stored_bytes(calls(name)[0]) for name in (
+    widths = {name: residual_floor.stored_bytes(floor_calls(name)[0]) for name in (
         "mhc", "mhc@residual.stream_dtype=input", "mhc@residual.stream_dtype=fp32", "mhc@residual.stream_dtype=bf16",
         "msar_block", "msar_block@residual.source_dtype=stream", "msar", "msar@residual.source_dtype=autocast")}
     assert widths == {"mhc": 2, "mhc@residual.stream_dtype=input": 4, "mhc@residual.stream_dtype=fp32": 4,
@@ -419,9 +418,9 @@ def test_residual_floor_counts_what_the_config_stores():
                       "msar": 4, "msar@residual.source_dtype=autocast": 2}
     tokens = 16 * 1024
     for name, elt in (("mhc@residual.stream_dtype=fp32", 4), ("mhc", 2)):
-        res, kept_all = calls(name + "@residual.recompute_every=0")
+        res, kept_all = floor_calls(name + "@residual.recompute_every=0")
         assert [c[1] for c in kept_all] == [counts(tokens, 4, 512, elt)["post+pre fwd+bwd"][0]] * 16
-        res, default = calls(name)
+        res, default = floor_calls(name)
         every = res.stream_recompute_every(__import__("torch").device("cuda"))
         assert every == 3 and default[:16] == kept_all  # L_r* = round(sqrt(4 * 16 / 6)) at `small`
         label, nbytes, nflops = default[16]
