@@ -120,12 +120,20 @@ class Table:
         lines += ["| " + " | ".join(r) + " |" for r in self.rows]
         return "\n".join(lines) + "\n"
 
-    def write(self, name: str) -> Path:
+    def write(self, name: str, partial: str | None = None) -> Path:
+        """Save (and print) the table; with ``partial`` (e.g. "3 of 9 rows"), save it quietly as a table still
+        being filled, so a run stopped by a time limit leaves the rows it timed. The final write replaces it."""
         RESULTS.mkdir(parents=True, exist_ok=True)
         path = RESULTS / f"{name}.md"
         text = self.markdown()
-        path.write_text(text)
-        print(text)
+        if partial is not None:
+            title, rest = text.split("\n", 1)
+            text = f"{title}\n\n- **partial: {partial}** (written after each row; the run stopped or is still going)\n{rest}"
+        tmp = path.with_suffix(".md.tmp")
+        tmp.write_text(text)
+        tmp.replace(path)  # a reader (or a kill mid-write) never sees half a file
+        if partial is None:
+            print(text)
         return path
 
 

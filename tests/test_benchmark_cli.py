@@ -85,6 +85,40 @@ def test_throughput_sets_are_rows_and_a_failing_row_keeps_the_table(tmp_path, mo
     assert float(rows[1][9].strip()) > 0  # ms/step of the set after the failure
 
 
+def test_throughput_a_stopped_run_leaves_the_rows_it_timed(tmp_path, monkeypatch):
+    """A time limit that stops the command mid-table (here an interrupt in the third run) leaves the file with the
+    rows timed before it, marked partial; a run that ends replaces it with the whole table, unmarked."""
+    import benchmarks.roofline as roofline
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    real = throughput.time_training
+    calls = []
+
+    def stopped(model, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a kill would: not a failing row, the end of the process
+        return real(model, *args, **kwargs)
+
+    argv = ["--models", "tiny", "--residuals", "vanilla", "attnres_block", "mhc", "--steps", "1", "--warmup", "1",
+            "--compile", "off", "--vocab", "256", "--batch", "2", "--set", "model.seq_len=32", "--tag", "_stop"]
+    monkeypatch.setattr(throughput, "time_training", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        throughput.main(argv)
+    text = (tmp_path / "throughput_tiny_cpu_stop.md").read_text()
+    rows = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| tiny")]
+    assert rows == ["vanilla", "attnres_block"]
+    assert "partial: 2 of 3 runs timed" in text
+    assert text.startswith("# Training-step throughput") and "- command:" in text
+    assert not list(tmp_path.glob("*.tmp"))
+    monkeypatch.setattr(throughput, "time_training", real)
+    throughput.main(argv)
+    text = (tmp_path / "throughput_tiny_cpu_stop.md").read_text()
+    assert "partial" not in text
+    assert [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| tiny")] == [
+        "vanilla", "attnres_block", "mhc"]
+
+
 def test_flex_tile_candidates_are_what_the_config_passes():
     """benchmarks.flex_tiles times each candidate with the kernel_options that model.flex_fwd / flex_bwd give
     the backbone, and every candidate passes the config's validation."""
