@@ -355,20 +355,16 @@ def main(argv=None) -> str:
     out_name = "throughput_" + "_".join(a.models) + (f"_ddp{a.ddp}" if a.ddp else "") + (
         "" if device == "cuda" else "_cpu") + a.tag
     total = len(a.models) * len(a.compile) * len(a.graphs) * len(sets) * len(a.recompute) * len(runs)
-    done = 0
-
-    def timed_one() -> None:  # the file holds every row timed so far, in case a time limit stops the run
-        nonlocal done
-        done += 1
-        if done < total:
-            table.write(out_name, partial=f"{done} of {total} runs timed")
-
+    done = 0  # runs timed so far
     for model_name in a.models:
         for comp, graph, extra in [(c, g, e) for c in a.compile for g in a.graphs for e in sets]:
             graphs = graph == "on"
             for rec in a.recompute:
                 base = None
                 for name in runs:
+                    if done:  # before each run, the rows timed so far: a time limit that stops the run keeps them
+                        table.write(out_name, partial=f"{done} of {total} runs timed")
+                    done += 1
                     overrides = row_overrides(a.attention, extra, rec)
                     torch._dynamo.reset()  # every row compiles afresh: no graphs (or recompile counts) of earlier rows
                     torch.manual_seed(0)
@@ -401,12 +397,10 @@ def main(argv=None) -> str:
                            cfg.model.recompute, "1", f"{tokens:,}"]
                     if failed:
                         table.add(*row, failed, "-", "-", "-", "-", "-", "-", *([""] if a.ddp else []))
-                        timed_one()
                         continue
                     if peak == float("inf"):
                         table.add(*row, "OOM", "-", "-", "-", "-", "-", "> device", *([""] if a.ddp else []))
                         print(f"{model_name} {name} compile={comp} graphs={graph}: OOM", flush=True)
-                        timed_one()
                         continue
                     flops = tps * flops_per_token
                     cells = [f"{sec * 1e3:.1f}", f"{tps:,.0f}", f"{tps / base:.3f}" if base else "-",
@@ -429,7 +423,6 @@ def main(argv=None) -> str:
                                   f"{peak_n:.2f}", f"{tps_n / (a.ddp * tps):.3f}")
                         print(f"  DDP x{a.ddp} ({sync}, {comm} all-reduce): {sec_n * 1e3:.1f} ms/step, {tps_n:,.0f} tokens/s, "
                               f"scaling efficiency {tps_n / (a.ddp * tps):.3f}", flush=True)
-                    timed_one()
     table.write(out_name)
     return table.markdown()
 
