@@ -276,9 +276,9 @@
 #            (data=large: carry data/shards/large, built by `python -m data.build_corpus --large`), seeds LONG_SEEDS
 #            (default 0 1), eager: whether a longer run than the 300 steps (two epochs of the shipped corpus) of
 #            2026-12-02 still trains alike (LONG_LIMIT)
-#   msar_full_sources one GPU (about 560 s with the start, estimated): full msar's sources in bf16 under autocast
-#            (residual.source_dtype=autocast): its 60-step parity against the stream's dtype, eager, seeds 0 1; then
-#            medium's step and peak beside vanilla and today's msar (PARITY_LIMIT, MEDIUM_LIMIT)
+#   msar_full_sources one GPU (431 s on a cold H100, 2026-12-05 night): full msar's sources in bf16 under autocast
+#            (residual.source_dtype=autocast, its default since): its 60-step parity against fp32 sources, eager, seeds
+#            0 1; then medium's step and peak beside vanilla and fp32 sources (PARITY_LIMIT, MEDIUM_LIMIT)
 #   attnres_next one GPU (about 450 s with the start): the bf16 GPU test of the forward's streaming rule, then full
 #            AttnRes's medium step with the rule (ran 2026-12-05 late with the split gradients' two candidates, since
 #            removed: they lost alone)
@@ -1208,16 +1208,16 @@ case "$PLAN" in
       --graphs on --steps 6 --set $COMBO --tag "${TAG:-_mhc_recompute}"
     ;;
   msar_full_sources)
-    # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast; msar_block's default since 2026-12-05,
-    # full msar's still "stream"): at small on an H100 62.9 against 70.5 ms, peak 6.46 against 7.85 GiB
-    # (throughput_small_msar_autocast_h100.md). Before it can be msar's default: its 60-step parity against the
-    # stream's dtype (eager, seeds 0 1, both arms fused), then medium's step and peak beside vanilla and today's msar
-    SRC=residual.source_dtype=autocast
+    # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the
+    # stream's dtype (eager, seeds 0 1, both arms fused), then medium's step and peak beside vanilla and fp32 sources.
+    # Ran 2026-12-05 night on an H100 (431 s): parity ok, 741.1 against 842.8 ms, peak 47.88 against 54.13 GiB; msar's
+    # default since, so both arms now name their dtype (the run itself named only the candidate's)
+    SRC=residual.source_dtype=autocast FP32=residual.source_dtype=stream
     step gpu0 parity "${PARITY_LIMIT:-260}" python3 -m benchmarks.backend_training --residuals msar \
-      --reference residual.backend=auto --candidate residual.backend=auto $SRC --steps 60 --seeds 0 1 \
+      --reference residual.backend=auto $FP32 --candidate residual.backend=auto $SRC --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu trainer.compile=false --name small_msar_bf16_sources
     step gpu0 medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
-      "msar@$SRC" msar --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_msar_full_sources}"
+      "msar@$SRC" "msar@$FP32" --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_msar_full_sources}"
     ;;
   attnres_next)
     # the forward's streaming rule (from 9 sources): its bf16 GPU test, then full AttnRes's medium step with and

@@ -68,6 +68,12 @@ class Msar(DepthAttentionResidual):
         # pass over the sources a read: 2·m·d bytes a token and consumer less (bf16 under bf16-mixed), more time.
         # Fused backend only (backend=torch: recompute its reads with model.checkpoint_reads instead)
         recompute_streams: bool = False
+        # the sources' buffer (and the open block's partial, for msar_block) in bf16 under bf16 autocast; the default
+        # since 2026-12-05. Full msar on an H100, `medium`, one process (throughput_medium_msar_full_sources_h100.md):
+        # 842.8 -> 741.1 ms a step (0.204x -> 0.232x vanilla's), peak 54.13 -> 47.88 GiB; 60 training steps at `small`,
+        # seeds 0 and 1, within the run-to-run spread of fp32 sources (worst gap 0.0020 against 0.0576,
+        # backend_training_small_msar_bf16_sources_h100.md). Block MSAR's, on an H200: docs/kernel_msar.md
+        source_dtype: str = "autocast"
 
     @classmethod
     def validate(cls, cfg: Config, *, d_model: int, n_sublayers: int) -> None:

@@ -438,18 +438,18 @@ def test_residual_floor_counts_every_fused_call_of_a_step():
 def test_residual_floor_counts_what_the_config_stores():
     """The floor streams what the residual's config stores, as `trainer=gpu` trains: mHC's fp32 streams
     (`mhc@residual.stream_dtype=fp32`, a row's own overrides) move twice the bytes of its default's (bf16 under
-    autocast), msar_block's sources are bf16 under autocast (its default) and msar's fp32 unless `source_dtype` says
-    otherwise; with the streams kept every L_r* sublayers (mHC's default on a GPU) backward rebuilds the others, one
+    autocast), msar_block's and msar's sources are bf16 under autocast (their default) and fp32 with
+    `source_dtype=stream`; with the streams kept every L_r* sublayers (mHC's default on a GPU) backward rebuilds the others, one
     write each."""
     from benchmarks import residual_floor
     from benchmarks.ops_mhc import counts
 
     widths = {name: residual_floor.stored_bytes(floor_calls(name)[0]) for name in (
         "mhc", "mhc@residual.stream_dtype=input", "mhc@residual.stream_dtype=fp32", "mhc@residual.stream_dtype=bf16",
-        "msar_block", "msar_block@residual.source_dtype=stream", "msar", "msar@residual.source_dtype=autocast")}
+        "msar_block", "msar_block@residual.source_dtype=stream", "msar", "msar@residual.source_dtype=stream")}
     assert widths == {"mhc": 2, "mhc@residual.stream_dtype=input": 4, "mhc@residual.stream_dtype=fp32": 4,
                       "mhc@residual.stream_dtype=bf16": 2, "msar_block": 2, "msar_block@residual.source_dtype=stream": 4,
-                      "msar": 4, "msar@residual.source_dtype=autocast": 2}
+                      "msar": 2, "msar@residual.source_dtype=stream": 4}
     tokens = 16 * 1024
     for name, elt in (("mhc@residual.stream_dtype=fp32", 4), ("mhc", 2)):
         res, kept_all = floor_calls(name + "@residual.recompute_every=0")

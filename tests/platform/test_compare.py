@@ -426,7 +426,8 @@ def test_every_param_added_since_a_stored_study_has_its_old_behaviour_registered
 # Defaults changed after their field was added, (residual, param) -> today's default: the numbers changed with them, so
 # a stored run of the old default (logged, or stored before the field) is another configuration and trains again
 CHANGED_DEFAULTS = {("attnres_block", "residual/source_dtype"): "autocast",  # bf16 sources under autocast, 2026-12-03
-                    ("msar_block", "residual/source_dtype"): "autocast"}  # the same for Block MSAR, 2026-12-05
+                    ("msar_block", "residual/source_dtype"): "autocast",  # the same for Block MSAR, 2026-12-05
+                    ("msar", "residual/source_dtype"): "autocast"}  # and for full MSAR, 2026-12-05 (night)
 
 
 def test_a_run_stored_before_a_field_existed_matches_its_old_behaviour_only():
