@@ -46,6 +46,10 @@ def compile_launch(fn, types: dict, constexprs: dict, num_warps: int):
     kernel's spills read 64 instead of 376 bytes while a change was being made that cost 1.2 ms a backward on the
     H200)."""
     constexprs = {n: v for n, v in constexprs.items() if n in fn.arg_names}  # (--against: older kernels lack some)
+    # a constexpr not given takes its default, as a launch that omits it does (not an i32 argument, which would compile
+    # both sides of every branch on it)
+    constexprs.update({p.name: p.default for p in fn.params
+                       if p.is_constexpr and p.has_default and p.name not in constexprs})
     sig = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
     attrs = launch_attrs(fn.arg_names, sig, DIV16)
     return compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), {"num_warps": num_warps})
@@ -136,6 +140,13 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                    split_types,
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d, TRIP=2),
                    blk.split_warps)
+            if "AHEAD" in fused._streams_split_kernel.arg_names:  # Blocks.split_ahead (2026-12-05 night)
+                for tr in (1, 2):
+                    yield (f"split forward, pass 2 lean, {tr} token(s) a trip, rows a source ahead"
+                           f"{'' if (getattr(blk, 'split_ahead', False) and trip == tr) else ' (candidate)'}",
+                           fused._streams_split_kernel, split_types,
+                           dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
+                                TRIP=tr, AHEAD=True), blk.split_warps)
             # four tokens a trip (a candidate) on 64 channels a program: on 128 it takes 255 registers and spills
             # 204 bytes at `small` (sm_90a, 2026-12-04)
             yield (f"split forward, pass 2 lean, four tokens a trip on 64 channels"

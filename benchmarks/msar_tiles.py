@@ -73,6 +73,9 @@ def candidates(blk) -> dict[str, list[dict]]:
         # docs/kernel_msar.md, "Two tokens a trip of pass 2"); four on 64 channels a program (on 128 they spill)
         *(dict(fwd_mode="split", split_trip=trip) for trip in (1, 2) if trip != blk.split_trip),
         dict(fwd_mode="split", split_trip=4, split_bd=64),
+        # the unmasked loop's rows loaded one source ahead (Blocks.split_ahead; sm_90a at `small`: 243 registers as
+        # the default's, 392 against 345 instructions a trip of two tokens), or not once it is the default
+        dict(fwd_mode="split", split_ahead=not blk.split_ahead),
         # pass 1's sums token-major, a vector store a (token, statistic) (sm_90a at `small`: 762 -> 682 instructions
         # a trip of two tokens, 219 -> 235 registers; the glue kernel reads them 2·M_PAD floats apart), or in planes
         # once token-major is the default

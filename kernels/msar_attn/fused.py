@@ -1211,6 +1211,45 @@ def _add_views(acc, xs, c, w_s, KS: tl.constexpr, KOFF: tl.constexpr):
 
 
 @triton.jit
+def _full_rows(x_src, D, mask_d, ok, N: tl.constexpr, BD: tl.constexpr, EVEN: tl.constexpr):
+    """The N rows x[σ] = *(x_src - σ·D) of BD channels, as stored (no conversion), where ``ok`` (a scalar); else 0."""
+    x_tok = x_src + tl.arange(0, BD)
+    rows = ()
+    for sg in tl.static_range(N):
+        if EVEN:
+            rows = rows + (tl.load(x_tok - sg * D, mask=ok, other=0.0),)
+        else:
+            rows = rows + (tl.load(x_tok - sg * D, mask=mask_d & ok, other=0.0),)
+    return rows
+
+
+@triton.jit
+def _split_sources_ahead(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d,
+                         KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, P: tl.constexpr,
+                         EVEN: tl.constexpr):
+    """``_split_sources_trip``'s loop without masks (FULL: no token's window holds a document boundary) with a source's
+    KW + P - 1 rows loaded one source ahead (``Blocks.split_ahead``): source s+1's rows are loaded, as stored, before
+    source s's multiply-adds, so their latency overlaps them (the serial kernels' PREFETCH, one source instead of one
+    token ahead). Without masks: the first rows are loaded only where the loop runs (else from source 0's address, as
+    the loop's first trip would), and the last source's "next" rows are its own again (L1 hits), not a row past it."""
+    M: tl.constexpr = len(KS)
+    ahead = _full_rows(x_src, D, mask_d, s < s_end, KW + P - 1, BD, EVEN)
+    while s < s_end:
+        rows = ahead
+        x_src += tl.where(s + 1 < s_end, x_step, 0)
+        ahead = _full_rows(x_src, D, mask_d, True, KW + P - 1, BD, EVEN)
+        nacc = ()
+        for p in tl.static_range(P):
+            xs = ()
+            for sg in tl.static_range(KW):  # token t+p's x_s[t+p-σ] is row P-1-p+σ
+                xs = xs + (rows[P - 1 - p + sg].to(tl.float32),)
+            nacc = nacc + _add_views(acc[p * M:(p + 1) * M], xs, c, w_tok + p * SM + s * M, KS, KOFF)
+        acc = nacc
+        s += 1
+    return acc
+
+
+@triton.jit
 def _split_sources_trip(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d, bits,
                         KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, P: tl.constexpr,
                         FULL: tl.constexpr, EVEN: tl.constexpr):
@@ -1267,7 +1306,7 @@ def _split_sources_trip(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d, b
 @triton.jit
 def _split_trip(x_ptr, w_ptr, near_row, r_ptr, phi_ptr, mpart_ptr, c, t, b, dt, S, n_buf, p_off, B, T, D, offs_d,
                 mask_d, KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr, P: tl.constexpr,
-                EVEN: tl.constexpr, MIXER: tl.constexpr):
+                EVEN: tl.constexpr, MIXER: tl.constexpr, AHEAD: tl.constexpr = False):
     """One trip of the lean pass 2 over tokens t .. t+P-1: their window bits, every source (the buffer rows, then the
     partial when S > n_buf, each in a loop without masks or with them: of the two loops over the same sources one
     runs and the other not at all, so no branch yields a tuple), then each token's epilogue (``_split_store``)."""
@@ -1285,8 +1324,12 @@ def _split_trip(x_ptr, w_ptr, near_row, r_ptr, phi_ptr, mpart_ptr, c, t, b, dt, 
     last = t + P - 1
     row0 = x_ptr + _src_off(0, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # source 0 (a buffer row), last token
     part = x_ptr + _src_off(n_buf, b, B, T, D, n_buf, p_off) + last * D + dt * BD  # the partial there
-    acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d, bits,
-                              KS, KOFF, KW, BD, P, True, EVEN)
+    if AHEAD:
+        acc = _split_sources_ahead(row0, step, w_tok, S * M, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d,
+                                   KS, KOFF, KW, BD, P, EVEN)
+    else:
+        acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, 0, n_rows), n_rows, D, mask_d,
+                                  bits, KS, KOFF, KW, BD, P, True, EVEN)
     acc = _split_sources_trip(row0, step, w_tok, S * M, c, acc, tl.where(full, n_rows, 0), n_rows, D, mask_d, bits,
                               KS, KOFF, KW, BD, P, False, EVEN)
     acc = _split_sources_trip(part, 0, w_tok, S * M, c, acc, tl.where(full, n_rows, S), S, D, mask_d, bits,
@@ -1346,6 +1389,7 @@ def _streams_split_kernel(
     LEAN: tl.constexpr = False,  # fewer instructions a (token, source), below (``Blocks.split_lean``)
     DK: tl.constexpr = 0,  # with LEAN: d as a compile-time constant (one compile per model width)
     TRIP: tl.constexpr = 1,  # with LEAN: tokens a trip of the token loop (``Blocks.split_trip``: 2 or 4), below
+    AHEAD: tl.constexpr = False,  # with LEAN: a source's rows loaded one source ahead where no mask applies (below)
 ):
     """The split forward's pass 2: R_j[t] = Σ_s w_js[t] E_j(x_s)[t] on BD channels, one program per (channel tile,
     chunk of CH tokens, row), the taps in registers for the whole program, tokens outer and sources inner. A source's
@@ -1382,12 +1426,12 @@ def _streams_split_kernel(
     if LEAN and TRIP > 1:  # TRIP tokens a trip; a chunk's last tokens short of a trip fall through to the loop below
         while t + TRIP - 1 < t1:
             _split_trip(x_ptr, w_ptr, near_row, r_ptr, phi_ptr, mpart_ptr, c, t, b, dt, S, n_buf, p_off, B, T, D,
-                        offs_d, mask_d, KS, KOFF, KW, BD, TRIP, DK % BD == 0, MIXER)
+                        offs_d, mask_d, KS, KOFF, KW, BD, TRIP, DK % BD == 0, MIXER, AHEAD)
             t += TRIP
     while t < t1:
         if LEAN:
             _split_trip(x_ptr, w_ptr, near_row, r_ptr, phi_ptr, mpart_ptr, c, t, b, dt, S, n_buf, p_off, B, T, D,
-                        offs_d, mask_d, KS, KOFF, KW, BD, 1, DK % BD == 0, MIXER)
+                        offs_d, mask_d, KS, KOFF, KW, BD, 1, DK % BD == 0, MIXER, AHEAD)
         else:
             bits = tl.load(near_row + t)
             acc = _zeros(len(KS), BD)
@@ -1740,6 +1784,12 @@ class Blocks:
     # msar_block's `small` step 39.5 -> 38.6 / 38.4 ms (docs/kernel_msar.md, "Two tokens a trip of pass 2"). Four:
     # built and tested on the CPU, not timed (more registers: on 64 channels a program, see msar_tiles)
     split_trip: int = 2
+    # the lean pass 2's unmasked loop loading a source's rows one source ahead (``_split_sources_ahead``), so their
+    # latency overlaps the previous source's multiply-adds (pass 2 is latency-bound: about 7.5 one-warp programs an SM
+    # issuing 0.38 instructions a cycle). sm_90a at `small` (python -m benchmarks.msar_attn_ptxas --sass): two tokens a
+    # trip 243 registers as now, no spills, 392 instructions a trip of the loop against 345 (the rows' rotation); one
+    # token 215 against 190 registers. Built 2026-12-05 night, CPU-tested, not timed: opt-in until it is
+    split_ahead: bool = False
     # the split forward's small steps between its kernels (the softmax over the sources, the gate): "torch"
     # (PyTorch operations, about 20 launches a forward; the spec) or "triton" (one kernel each: ``softmax_parts``,
     # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean2.md), the forward with both switches at once and each
@@ -2041,7 +2091,7 @@ def _pass_2(x, packed, ks, m, near, w, blk, *, partial, phi=None, dtype=torch.fl
         x, packed, near, w, r if phi is None else phi, r, r if mparts is None else mparts, S, n_buf,
         offset_arg(p_off), B, T, d, k_max, ch, KS=ks, KOFF=pair_offsets(ks), KW=k_max, BD=blk.split_bd,
         MIXER=phi is not None, LEAN=blk.split_lean, DK=d if blk.split_lean else 0,
-        TRIP=split_trip(blk), num_warps=blk.split_warps)
+        TRIP=split_trip(blk), AHEAD=bool(blk.split_ahead and blk.split_lean), num_warps=blk.split_warps)
     return r, mparts
 
 

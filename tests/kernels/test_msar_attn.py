@@ -274,14 +274,15 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 @needs_triton
 @pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-planes",
-                                     "parts-planes"])
+                                     "parts-planes", "lean-ahead"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
     layout, with the ring source-gradient kernel (and the default forward), and with the split forward (the
     default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
-    as kernels too, Blocks.glue="triton"), and with the backward's w, κ, μ (Blocks.coef_layout) or pass 1's and the
-    stats kernel's sums (Blocks.parts_layout) in planes instead of token-major (the defaults)."""
+    as kernels too, Blocks.glue="triton"; and its rows loaded a source ahead, Blocks.split_ahead), and with the
+    backward's w, κ, μ (Blocks.coef_layout) or pass 1's and the stats kernel's sums (Blocks.parts_layout) in planes
+    instead of token-major (the defaults)."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -293,8 +294,10 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_views_3d(monkeypatch)
     if variant == "ring":
         _with_ring(monkeypatch)
-    if variant in ("split", "lean", "lean-glue"):
+    if variant in ("split", "lean", "lean-glue", "lean-ahead"):
         _with_split(monkeypatch, lean=variant != "split", glue="triton" if variant == "lean-glue" else "torch")
+    if variant == "lean-ahead":
+        _with_fields(monkeypatch, split_ahead=True)
     if variant == "coef-planes":
         _with_fields(monkeypatch, coef_layout="planes", stats_glue="triton")
     if variant == "parts-planes":
@@ -1347,7 +1350,8 @@ def test_pass_2_two_tokens_a_trip_equals_one_token_a_trip(case):
     documents starting at odd and even offsets (trips where every window is whole, where only some are, where none
     is), one and several buffer rows, with and without the partial, with and without the mixer's per-tile sums.
     Breaking either token's document mask or rows, the whole-window condition, the second token's weights or its
-    store fails it (checked at two tokens a trip)."""
+    store fails it (checked at two tokens a trip). Each trip also with a source's rows loaded one source ahead
+    (Blocks.split_ahead)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -1369,14 +1373,15 @@ def test_pass_2_two_tokens_a_trip_equals_one_token_a_trip(case):
     phi_t = torch.randn(m, m * d, generator=g) if mixer else None
     base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), fwd_mode="split", split_lean=True, split_bd=bd,
                                split_ch=ch)
-    out = {trip: fused._pass_2(x, packed, ks, m, near, w, dataclasses.replace(base, split_trip=trip),
-                               partial=partial, phi=phi_t)
-           for trip in (1, 2, 4)}
-    r1, mp1 = out[1]
+    out = {(trip, ahead): fused._pass_2(x, packed, ks, m, near, w,
+                                        dataclasses.replace(base, split_trip=trip, split_ahead=ahead),
+                                        partial=partial, phi=phi_t)
+           for trip in (1, 2, 4) for ahead in (False, True)}
+    r1, mp1 = out[1, False]
     xs = torch.cat([x, *(() if partial is None else (partial[None],))])
     r_ref, mp_ref = _pass_2_reference(xs, packed, ks, doc_ids, w, phi_t if mixer else torch.zeros(m, m * d), bd)
     assert r_ref.abs().max() > 0 and rel_err(r1, r_ref) < 1e-6
-    for trip in (2, 4):
+    for trip in ((2, False), (4, False), (1, True), (2, True), (4, True)):
         r2, mp2 = out[trip]
         assert (r2 - r1).abs().max() <= 1e-6 * r1.abs().max(), (trip, (r2 - r1).abs().max())
         assert rel_err(r2, r_ref) < 1e-6, trip
