@@ -879,11 +879,12 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     stdout = _run_compiled("-m", "benchmarks.msar_attn_ptxas", "--shapes", "small", "--views-3d", views_3d)
     lines = [line for line in stdout.splitlines() if "registers" in line]
     # window bits, the tile forward, the tile forward over one source, the split forward's two passes (pass 1 and
-    # its sums in planes; pass 2 plain, lean, lean two tokens a trip and four on 64 channels), the three glue
+    # its sums in planes; pass 2 plain, lean, lean two tokens a trip, one and two with a source's rows loaded a
+    # source ahead, and four on 64 channels), the three glue
     # kernels (the softmax also from sums in planes; w, κ, μ written in planes, and from sums in planes) and
     # its h, the mixer, the stats (and their sums in planes), the sources (and reading w, κ, μ in planes): the
     # layouts token-major by default since 2026-12-05, the planes the listed candidates
-    assert len(lines) == 21, stdout
+    assert len(lines) == 23, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -1044,7 +1045,8 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
         "        continue\n"
         "    k = compile_launch(fn, types, consts, warps)\n"
         "    loops = [lp for lp in sass_loops(sass(k)) if lp['depth'] > 0]\n"
-        "    out['four' if 'four' in name else 'pairs' if 'pairs' in name else 'lean' if 'lean' in name else 'plain'] = dict(\n"
+        "    key = 'ahead' + name.split(' token')[0][-1] if 'ahead' in name else None\n"
+        "    out[key or ('four' if 'four' in name else 'pairs' if 'pairs' in name else 'lean' if 'lean' in name else 'plain')] = dict(\n"
         "        loops=[dict(total=lp['total'], **sass_classes(lp['ops'])) for lp in loops],\n"
         "        shared=k.metadata.shared)\n"
         "print(json.dumps(out))\n")
@@ -1061,6 +1063,12 @@ def test_lean_pass_2_takes_fewer_instructions_a_source():
     # two tokens a trip: its four loops over the sources, then the one-token path's four for a chunk's odd last token
     pair_fast = min((lp for lp in out["pairs"]["loops"] if lp["fp32"] == 2 * fast["fp32"]), key=lambda lp: lp["total"])
     assert pair_fast["total"] <= 0.85 * 2 * fast["total"] and out["pairs"]["shared"] == 0, (pair_fast, fast)
+    # a source's rows loaded one source ahead (Blocks.split_ahead): the same arithmetic in its unmasked loop, no trip
+    # through shared memory, and at most 20% more instructions than the loop it replaces (the rows' rotation)
+    for trip, base in (("1", fast), ("2", pair_fast)):
+        ahead = out["ahead" + trip]
+        ahead_fast = min((lp for lp in ahead["loops"] if lp["fp32"] == base["fp32"]), key=lambda lp: lp["total"])
+        assert ahead["shared"] == 0 and ahead_fast["total"] <= 1.2 * base["total"], (trip, ahead_fast, base)
 
 
 def _layout_default(field: str) -> str:
