@@ -143,7 +143,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
             if "AHEAD" in fused._streams_split_kernel.arg_names:  # Blocks.split_ahead (2026-12-05 night)
                 for tr in (1, 2):
                     yield (f"split forward, pass 2 lean, {tr} token(s) a trip, rows a source ahead"
-                           f"{'' if (getattr(blk, 'split_ahead', False) and trip == tr) else ' (candidate)'}",
+                           f"{'' if (blk.split_ahead and trip == tr) else ' (candidate)'}",
                            fused._streams_split_kernel, split_types,
                            dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
                                 TRIP=tr, AHEAD=True), blk.split_warps)

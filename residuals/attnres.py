@@ -89,8 +89,9 @@ class DepthAttentionConfig(ResidualConfig):
     # how completed sources are stored (the buffer's dtype): "stream" (the residual stream's dtype, fp32 under mixed
     # precision) | "bfloat16" (half the bytes of every read of them; for AttnRes slower end to end on an H200 because
     # of the casts: docs/kernel_attnres.md) | "autocast" ("bfloat16" under bf16 autocast, else "stream"; the default of
-    # Block AttnRes, MSAR and Block MSAR). The reference path rounds its sources alike. MSAR's fused read also reads the open block's partial in
-    # the buffer's dtype, so there the partial is rounded too (and kept for backward in it): docs/kernel_msar.md
+    # Block AttnRes, MSAR and Block MSAR). The reference path rounds its sources alike. MSAR's fused read also reads
+    # the open block's partial in the buffer's dtype, so there the partial is rounded too (and kept for backward in
+    # it): docs/kernel_msar.md
     source_dtype: str = "stream"
 
 

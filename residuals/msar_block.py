@@ -26,7 +26,8 @@ class MsarBlock(BlockSummaries, Msar):
     class Config(BlockFields, Msar.Config):
         """MSAR's fields plus ``block_size``."""
 
-        # source_dtype="autocast" comes from msar's fields (bf16 sources under bf16 autocast). Block MSAR's timing, H200,
-        # `medium`, one process (throughput_medium_msar_sources.md): 361.5 -> 345.9 ms a step (0.432x -> 0.452x
-        # vanilla's), peak 47.61 -> 44.55 GiB; 60 training steps at `small`, seeds 0 and 1, within the run-to-run spread
-        # of fp32 sources (backend_training_small_msar_block_bf16_sources.md; docs/kernel_msar.md, "The sources in bf16")
+        # source_dtype="autocast" comes from msar's fields (bf16 sources under bf16 autocast). Block MSAR's timing,
+        # H200, `medium`, one process (throughput_medium_msar_sources.md): 361.5 -> 345.9 ms a step (0.432x -> 0.452x
+        # vanilla's), peak 47.61 -> 44.55 GiB; 60 training steps at `small`, seeds 0 and 1, within the run-to-run
+        # spread of fp32 sources (backend_training_small_msar_block_bf16_sources.md; docs/kernel_msar.md, "The
+        # sources in bf16")

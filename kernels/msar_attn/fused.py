@@ -1212,11 +1212,17 @@ def _add_views(acc, xs, c, w_s, KS: tl.constexpr, KOFF: tl.constexpr):
 
 @triton.jit
 def _full_rows(x_src, D, mask_d, ok, N: tl.constexpr, BD: tl.constexpr, EVEN: tl.constexpr):
-    """The N rows x[σ] = *(x_src - σ·D) of BD channels, as stored (no conversion), where ``ok`` (a scalar); else 0."""
+    """The N rows x[σ] = *(x_src - σ·D) of BD channels, as stored (no conversion): the channels past d masked unless
+    EVEN (BD divides d), and all of them 0 where ``ok`` (a scalar, or None: always loaded) is false."""
     x_tok = x_src + tl.arange(0, BD)
     rows = ()
     for sg in tl.static_range(N):
-        if EVEN:
+        if ok is None:
+            if EVEN:
+                rows = rows + (tl.load(x_tok - sg * D),)
+            else:
+                rows = rows + (tl.load(x_tok - sg * D, mask=mask_d, other=0.0),)
+        elif EVEN:
             rows = rows + (tl.load(x_tok - sg * D, mask=ok, other=0.0),)
         else:
             rows = rows + (tl.load(x_tok - sg * D, mask=mask_d & ok, other=0.0),)
@@ -1237,7 +1243,7 @@ def _split_sources_ahead(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d,
     while s < s_end:
         rows = ahead
         x_src += tl.where(s + 1 < s_end, x_step, 0)
-        ahead = _full_rows(x_src, D, mask_d, True, KW + P - 1, BD, EVEN)
+        ahead = _full_rows(x_src, D, mask_d, None, KW + P - 1, BD, EVEN)
         nacc = ()
         for p in tl.static_range(P):
             xs = ()
@@ -1279,12 +1285,10 @@ def _split_sources_trip(x_src, x_step, w_tok, SM, c, acc, s, s_end, D, mask_d, b
         x_tok = x_src + tl.arange(0, BD)
         views = ()  # per token, its KW shifted rows
         if FULL:
+            stored = _full_rows(x_src, D, mask_d, None, KW + P - 1, BD, EVEN)
             rows = ()
             for sg in tl.static_range(KW + P - 1):
-                if EVEN:
-                    rows = rows + (tl.load(x_tok - sg * D).to(tl.float32),)
-                else:
-                    rows = rows + (tl.load(x_tok - sg * D, mask=mask_d, other=0.0).to(tl.float32),)
+                rows = rows + (stored[sg].to(tl.float32),)
             for p in tl.static_range(P):
                 views = views + (rows[P - 1 - p:P - 1 - p + KW],)
         else:
