@@ -278,6 +278,9 @@
 #            2026-12-02 still trains alike (LONG_LIMIT)
 #   ahead    one GPU (about 520 s with the start on a cold host, estimated): MSAR's pass 2 loading a source's rows
 #            one source ahead (Blocks.split_ahead): GPU tests, alone against the default, msar_block's small step
+#            (249 s on a cold H200 with the start, 2026-12-05 late)
+#   ahead_medium one GPU: msar_block's medium step with pass 2's rows a source ahead against the default, then the
+#            training path's GPU tests (MSAR_MEDIUM_LIMIT, CLOSING_TEST_LIMIT)
 #   msar_full_sources one GPU (431 s on a cold H100, 2026-12-05 night): full msar's sources in bf16 under autocast
 #            (residual.source_dtype=autocast, its default since): its 60-step parity against fp32 sources, eager, seeds
 #            0 1; then medium's step and peak beside vanilla and fp32 sources (PARITY_LIMIT, MEDIUM_LIMIT)
@@ -297,7 +300,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1214,13 +1217,26 @@ case "$PLAN" in
     # night and tested on the CPU only; sm_90a at small: 243 registers as the default, 392 against 345 instructions a
     # trip of two tokens): the op's GPU tests, the forward alone at small and medium (checked against the default
     # first), then msar_block's small step alternating
-    AHEAD="py:kernels.msar_attn.fused.FIELDS={'split_ahead':True}"
+    # Run 2026-12-05 late with the rows ahead as the candidate; the default since, so the candidate row now has them
+    # where they are used (split_ahead=False)
+    AHEAD="py:kernels.msar_attn.fused.FIELDS={'split_ahead':False}"
     msar_tests "${TEST_LIMIT:-150}"
     step gpu0 msar_tiles "${MSAR_TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels forward --only fwd_mode=split,split_ahead=True --tag "${TAG:-_pass2_ahead}"
+      --kernels forward --only fwd_mode=split,split_ahead=False --tag "${TAG:-_pass2_ahead}"
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$AHEAD" msar_block "msar_block@$AHEAD" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_pass2_ahead}"
+    ;;
+  ahead_medium)
+    # msar_block's medium step with pass 2's rows a source ahead, alternating with the default (vanilla first for the
+    # ratio), then the training path's GPU tests (the closing run's third part); run 2026-12-05 late (352 s on a warm
+    # H200) with the rows ahead as the candidate, now the default: the candidate row loads them where they are used
+    AHEAD="py:kernels.msar_attn.fused.FIELDS={'split_ahead':False}"
+    step gpu0 msar_medium "${MSAR_MEDIUM_LIMIT:-290}" python3 -m benchmarks.throughput --models medium --residuals \
+      vanilla msar_block "msar_block@$AHEAD" msar_block "msar_block@$AHEAD" --compile model --graphs on --steps 6 \
+      --tag "${TAG:-_pass2_ahead}"
+    step gpu0 gpu_tests "${CLOSING_TEST_LIMIT:-260}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      ${CLOSING_TESTS:-tests/platform}
     ;;
   msar_full_sources)
     # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the

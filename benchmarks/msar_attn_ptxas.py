@@ -130,20 +130,28 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                blk.split_warps)
         if "LEAN" in fused._streams_split_kernel.arg_names:  # Blocks.split_lean (2026-12-02)
             lean = getattr(blk, "split_lean", False)
-            yield (f"split forward, pass 2 lean{'' if lean else ' (candidate)'}", fused._streams_split_kernel,
+            # the name without "(candidate)" is the one a launch compiles: its tokens a trip, its rows ahead or not
+            trip = fused.split_trip(blk) if lean and "TRIP" in fused._streams_split_kernel.arg_names else 1
+            ahead = bool(lean and getattr(blk, "split_ahead", False))
+            yield (f"split forward, pass 2 lean{'' if lean and trip == 1 and not ahead else ' (candidate)'}",
+                   fused._streams_split_kernel,
                    split_types,
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
                         TRIP=1), blk.split_warps)
         if "TRIP" in fused._streams_split_kernel.arg_names:  # Blocks.split_trip: the lean pass 2, tokens a trip
-            trip = fused.split_trip(blk) if getattr(blk, "split_lean", False) else 1
-            yield (f"split forward, pass 2 lean pairs{'' if trip == 2 else ' (candidate)'}", fused._streams_split_kernel,
+            lean = getattr(blk, "split_lean", False)
+            trip = fused.split_trip(blk) if lean else 1
+            ahead = bool(lean and getattr(blk, "split_ahead", False))
+            yield (f"split forward, pass 2 lean pairs{'' if trip == 2 and not ahead else ' (candidate)'}",
+                   fused._streams_split_kernel,
                    split_types,
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d, TRIP=2),
                    blk.split_warps)
-            if "AHEAD" in fused._streams_split_kernel.arg_names:  # Blocks.split_ahead (2026-12-05 night)
+            # Blocks.split_ahead (built 2026-12-05 night, the default since late that day)
+            if "AHEAD" in fused._streams_split_kernel.arg_names:
                 for tr in (1, 2):
                     yield (f"split forward, pass 2 lean, {tr} token(s) a trip, rows a source ahead"
-                           f"{'' if (blk.split_ahead and trip == tr) else ' (candidate)'}",
+                           f"{'' if (ahead and trip == tr) else ' (candidate)'}",
                            fused._streams_split_kernel, split_types,
                            dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
                                 TRIP=tr, AHEAD=True), blk.split_warps)

@@ -1792,8 +1792,11 @@ class Blocks:
     # latency overlaps the previous source's multiply-adds (pass 2 is latency-bound: about 7.5 one-warp programs an SM
     # issuing 0.38 instructions a cycle). sm_90a at `small` (python -m benchmarks.msar_attn_ptxas --sass): two tokens a
     # trip 243 registers as now, no spills, 392 instructions a trip of the loop against 345 (the rows' rotation); one
-    # token 215 against 190 registers. Built 2026-12-05 night, CPU-tested, not timed: opt-in until it is
-    split_ahead: bool = False
+    # token 215 against 190 registers. Timed 2026-12-05 late on an H200, one process each, the same results to the
+    # bit: the forward alone 0.450 -> 0.443 ms at `small`, 1.701 -> 1.654 at `medium`
+    # (msar_tiles_nvidia_h200_pass2_ahead.md); msar_block's step 36.7-36.9 -> 36.6 ms at `small`, 344.5-344.9 ->
+    # 343.1 at `medium` (throughput_*_pass2_ahead.md). The default since; False loads the rows where they are used
+    split_ahead: bool = True
     # the split forward's small steps between its kernels (the softmax over the sources, the gate): "torch"
     # (PyTorch operations, about 20 launches a forward; the spec) or "triton" (one kernel each: ``softmax_parts``,
     # ``gate``). H200, one process (msar_tiles_nvidia_h200_lean2.md), the forward with both switches at once and each

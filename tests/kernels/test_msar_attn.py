@@ -274,15 +274,15 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 @needs_triton
 @pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-planes",
-                                     "parts-planes", "lean-ahead"])
+                                     "parts-planes", "lean-near"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
     layout, with the ring source-gradient kernel (and the default forward), and with the split forward (the
     default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
-    as kernels too, Blocks.glue="triton"; and its rows loaded a source ahead, Blocks.split_ahead), and with the
-    backward's w, κ, μ (Blocks.coef_layout) or pass 1's and the stats kernel's sums (Blocks.parts_layout) in planes
-    instead of token-major (the defaults)."""
+    as kernels too, Blocks.glue="triton"; and its rows loaded where they are used instead of a source ahead,
+    Blocks.split_ahead=False), and with the backward's w, κ, μ (Blocks.coef_layout) or pass 1's and the stats
+    kernel's sums (Blocks.parts_layout) in planes instead of token-major (the defaults)."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -294,10 +294,10 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_views_3d(monkeypatch)
     if variant == "ring":
         _with_ring(monkeypatch)
-    if variant in ("split", "lean", "lean-glue", "lean-ahead"):
+    if variant in ("split", "lean", "lean-glue", "lean-near"):
         _with_split(monkeypatch, lean=variant != "split", glue="triton" if variant == "lean-glue" else "torch")
-    if variant == "lean-ahead":
-        _with_fields(monkeypatch, split_ahead=True)
+    if variant == "lean-near":
+        _with_fields(monkeypatch, split_ahead=False)
     if variant == "coef-planes":
         _with_fields(monkeypatch, coef_layout="planes", stats_glue="triton")
     if variant == "parts-planes":
