@@ -39,21 +39,22 @@ VANILLA_MS = {"small": 15.5, "medium": 154.0}  # H200, 2026-12-02, beside msar_b
 # the latest measured tokens/s ratios to vanilla on the H200 (same process), for the plot: (ratio, results file); a row's
 # key is its name with its overrides, as passed to --residuals
 MEASURED = {
-    ("small", "attnres_block"): (0.948, "throughput_small_fwd_check.md"),
-    # mHC at `small` was timed before L_r* was the default (every stream kept); its default's step is not timed there.
-    # Its streams are bf16 under autocast by default since 2026-12-05 ("mhc" below), fp32 before
+    # the latest H200 ratio of each row; the closing tables of 2026-12-05 (last session) where they have it
+    ("small", "attnres_block"): (0.945, "throughput_small_closing_h200.md"),
+    ("small", "mhc"): (0.579, "throughput_small_closing_h200.md"),
+    # mHC's streams are bf16 under autocast by default since 2026-12-05 ("mhc"), fp32 before
     ("small", "mhc@residual.stream_dtype=fp32@residual.recompute_every=0"): (0.545, "throughput_small_mhc3.md"),
     ("small", "mhc@residual.recompute_every=0"): (0.588, "throughput_small_mhc3.md"),
-    ("small", "msar_block"): (0.405, "throughput_small_pairs2.md"),
+    ("small", "msar_block"): (0.424, "throughput_small_closing_h200.md"),
     # msar's sources are bf16 under autocast by default since 2026-12-05 (night); these ratios are fp32 sources'
     ("small", "msar@residual.source_dtype=stream"): (0.213, "throughput_small_lean3.md"),
-    ("medium", "attnres_block"): (0.964, "throughput_medium_logits_check_cut.txt"),
+    ("medium", "attnres_block"): (0.970, "throughput_medium_closing_h200.md"),
     ("medium", "mhc@residual.stream_dtype=fp32"): (0.617, "throughput_medium_mhc_recompute.md"),
     ("medium", "mhc@residual.stream_dtype=fp32@residual.recompute_every=0"): (
         0.639, "throughput_medium_mhc_recompute.md"),
-    ("medium", "mhc"): (0.689, "throughput_medium_mhc_recompute.md"),
+    ("medium", "mhc"): (0.691, "throughput_medium_closing_h200.md"),
     ("medium", "mhc@residual.recompute_every=0"): (0.690, "throughput_medium_mhc2.md"),
-    ("medium", "msar_block"): (0.452, "throughput_medium_msar_sources.md"),
+    ("medium", "msar_block"): (0.449, "throughput_medium_closing_h200.md"),
     ("medium", "msar@residual.source_dtype=stream"): (0.168, "throughput_medium_medium_all.md"),
 }
 
