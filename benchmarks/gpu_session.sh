@@ -281,6 +281,8 @@
 #            (249 s on a cold H200 with the start, 2026-12-05 late)
 #   ahead_medium one GPU: msar_block's medium step with pass 2's rows a source ahead against the default, then the
 #            training path's GPU tests (MSAR_MEDIUM_LIMIT, CLOSING_TEST_LIMIT)
+#   src_ahead2 one GPU (about 450 s with the start, estimated): the source-gradient kernel with two tokens' loads in
+#            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step
 #   msar_full_sources one GPU (431 s on a cold H100, 2026-12-05 night): full msar's sources in bf16 under autocast
 #            (residual.source_dtype=autocast, its default since): its 60-step parity against fp32 sources, eager, seeds
 #            0 1; then medium's step and peak beside vanilla and fp32 sources (PARITY_LIMIT, MEDIUM_LIMIT)
@@ -300,7 +302,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1237,6 +1239,19 @@ case "$PLAN" in
       --tag "${TAG:-_pass2_ahead}"
     step gpu0 gpu_tests "${CLOSING_TEST_LIMIT:-260}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       ${CLOSING_TESTS:-tests/platform}
+    ;;
+  src_ahead2)
+    # the source-gradient kernel with two tokens' loads in flight (Blocks.serial_ahead2, built 2026-12-05 last session,
+    # CPU only; sm_90a at small 255 registers and 32 bytes spilled against 252 and none): the op's GPU tests (its
+    # own variant among them), the streams backward alone beside the default at small and medium, then msar_block's
+    # small step alternating with the default
+    AHEAD2="py:kernels.msar_attn.fused.FIELDS={'serial_ahead2':True}"
+    msar_tests "${TEST_LIMIT:-150}"
+    step gpu0 src_tiles "${SRC_TILES_LIMIT:-90}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels "source gradients" --only serial_ahead2=True --tag "${TAG:-_src_ahead2}"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals \
+      vanilla msar_block "msar_block@$AHEAD2" msar_block "msar_block@$AHEAD2" --compile model --graphs on --steps 8 \
+      --set $COMBO --tag "${TAG:-_src_ahead2}"
     ;;
   msar_full_sources)
     # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the

@@ -222,6 +222,11 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         if "CM" in fused._src_serial_kernel.arg_names:  # Blocks.coef_layout (2026-12-04): a token's w, κ, μ, one load
             yield (f"source gradients, w κ μ {_other_layout(token)} (candidate)", fused._src_serial_kernel,
                    src_types, dict(**src, CM=0 if token else m_pad), blk.serial_warps)
+        if "AHEAD2" in fused._src_serial_kernel.arg_names:  # Blocks.serial_ahead2 (2026-12-05, last session)
+            ahead2 = bool(getattr(blk, "serial_ahead2", False) and blk.serial_prefetch)
+            yield (f"source gradients, {'one token' if ahead2 else 'two tokens'} ahead (candidate)",
+                   fused._src_serial_kernel, src_types, dict(**src, CM=m_pad if token else 0, AHEAD2=not ahead2),
+                   blk.serial_warps)
         return
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,

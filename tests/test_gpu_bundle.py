@@ -153,7 +153,8 @@ def test_gpu_session_mhc_long_needs_the_large_corpus(tmp_path):
 
 
 @pytest.mark.parametrize("plan, counts, groups", [("lean2", (4,), ("forward", "stats")),
-                                                  ("msar_next", (3, 2), ("forward", "stats", "source gradients"))])
+                                                  ("msar_next", (3, 2), ("forward", "stats", "source gradients")),
+                                                  ("src_ahead2", (1,), ("source gradients",))])
 @pytest.mark.parametrize("T, d", [(1024, 512), (2048, 1024)], ids=["small", "medium"])
 def test_gpu_session_plans_time_only_candidates(T, d, plan, counts, groups):
     """Every ``--only`` of a plan's msar_tiles steps is a candidate of benchmarks.msar_tiles at the shapes it runs,

@@ -720,6 +720,16 @@ def _zeros(N: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit
+def _taps(taps_ptr, offs_d, mask_d, D, K_MAX, KS: tl.constexpr):
+    """The taps of a channel tile, a tuple over the (view, tap) pairs, view by view."""
+    c = ()
+    for j in tl.static_range(len(KS)):
+        for tau in tl.static_range(tl.constexpr(KS[j])):
+            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
+    return c
+
+
+@triton.jit
 def _serial_start(x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K_MAX, CH,
                   KS: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr):
     """What a serial program (grid: source and channel tile with the sources fastest, chunk of CH tokens, row)
@@ -733,10 +743,7 @@ def _serial_start(x_ptr, taps_ptr, qg_ptr, near_ptr, S, n_buf, p_off, B, T, D, K
     offs_d = (pid // S) * BD + tl.arange(0, BD)
     mask_d = offs_d < D
     x_row = x_ptr + _src_off(s, b, B, T, D, n_buf, p_off)
-    c = ()
-    for j in tl.static_range(len(KS)):
-        for tau in tl.static_range(tl.constexpr(KS[j])):
-            c = c + (tl.load(taps_ptr + (j * K_MAX + tau) * D + offs_d, mask=mask_d, other=0.0),)
+    c = _taps(taps_ptr, offs_d, mask_d, D, K_MAX, KS)
     qg = ()
     for j in tl.static_range(len(KS)):
         qg = qg + (tl.load(qg_ptr + j * D + offs_d, mask=mask_d, other=0.0),)
@@ -1612,6 +1619,7 @@ def _src_serial_kernel(
     BD: tl.constexpr, PREFETCH: tl.constexpr,  # load token t+1 during step t
     FAST: tl.constexpr,  # the document masks only where a boundary lies in the window (``_doc_masked``)
     CM: tl.constexpr = 0,  # 0: w, κ, μ in planes (3, M_PAD, S, B, T); M_PAD: token-major (S, B, T, 4, M_PAD)
+    AHEAD2: tl.constexpr = False,  # with PREFETCH: token t+2's loads issued during step t (Blocks.serial_ahead2)
 ):
     """Gradients of one source's row on CH tokens and BD channels, walking the tokens one at a time
     (one program per (source, channel tile), chunk, row; the sources vary fastest, so that the programs
@@ -1639,11 +1647,21 @@ def _src_serial_kernel(
     t = t0
     nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d, mask_d,
                         SOFTMAX, KS, CM)
+    if AHEAD2:  # a second token in flight: t+1's loads, then t+2's during step t
+        nxt2 = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t + 1, t + 1 < t_end, s, b, S, B, T, D, plane,
+                             offs_d, mask_d, SOFTMAX, KS, CM)
+    else:
+        nxt2 = nxt
     while t < t_end:
         if PREFETCH:
             cur = nxt
-            nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t + 1, t + 1 < t_end, s, b, S, B, T, D, plane,
-                                offs_d, mask_d, SOFTMAX, KS, CM)
+            if AHEAD2:
+                nxt = nxt2
+                nxt2 = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t + 2, t + 2 < t_end, s, b, S, B, T, D,
+                                     plane, offs_d, mask_d, SOFTMAX, KS, CM)
+            else:
+                nxt = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t + 1, t + 1 < t_end, s, b, S, B, T, D,
+                                    plane, offs_d, mask_d, SOFTMAX, KS, CM)
         else:
             cur = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, t < t_end, s, b, S, B, T, D, plane, offs_d,
                                 mask_d, SOFTMAX, KS, CM)
@@ -1737,6 +1755,12 @@ class Blocks:
     serial_warps: int = 4
     serial_ch: int = 128  # tokens per serial program (it also walks K_MAX - 1 past them)
     serial_prefetch: bool = True  # the serial kernel loads token t+1 during step t
+    # with serial_prefetch, the source-gradient kernel with two tokens' loads in flight (t+1's and t+2's issued during
+    # step t), for its steps' load latency (its warps wait on loads with 2 programs an SM). sm_90a at `small`
+    # (python -m benchmarks.msar_attn_ptxas): 255 registers and 32 bytes spilled, against 252 and none. Its taps
+    # loaded again every step from L1 instead of held (to make room) took more registers, not fewer: 255 and 48
+    # bytes spilled (152 with both), so that was not kept. Built 2026-12-05 (last session), CPU-tested, not timed
+    serial_ahead2: bool = False
     # both serial kernels: the document masks of the window (a select a tap a step) only in the steps whose window
     # holds a document boundary or the row's start, a branch the whole program takes alike (not yet timed)
     serial_fast: bool = False
@@ -2231,7 +2255,8 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
             x, packed, qg, near, dr, coef_mem, out, dqg_part, dtap_part, S, n_buf, offset_arg(p_off), n_add,
             offset_arg(q_off), B, T, d, k_max, plane, ch, n_chunks, SOFTMAX=S > 1, KS=ks, KOFF=koff, KW=k_max,
             NPAIR=sum(ks), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch, FAST=blk.serial_fast,
-            CM=m_pad if token else 0, num_warps=blk.serial_warps)
+            CM=m_pad if token else 0, AHEAD2=bool(blk.serial_ahead2 and blk.serial_prefetch),
+            num_warps=blk.serial_warps)
         dtaps_all = dtap_part.sum(0)  # (NPAIR, d)
         dtaps = [dtaps_all[koff[j]: koff[j] + c.shape[0]] for j, c in enumerate(taps, start=1)]
         return dx, dtaps, dqg_part.sum(0)

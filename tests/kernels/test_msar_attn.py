@@ -274,7 +274,7 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 @needs_triton
 @pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-planes",
-                                     "parts-planes", "lean-near"])
+                                     "parts-planes", "lean-near", "serial-ahead2"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
@@ -282,7 +282,8 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
     default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
     as kernels too, Blocks.glue="triton"; and its rows loaded where they are used instead of a source ahead,
     Blocks.split_ahead=False), and with the backward's w, κ, μ (Blocks.coef_layout) or pass 1's and the stats
-    kernel's sums (Blocks.parts_layout) in planes instead of token-major (the defaults)."""
+    kernel's sums (Blocks.parts_layout) in planes instead of token-major (the defaults), and with the
+    source-gradient kernel's loads two tokens ahead (Blocks.serial_ahead2)."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -298,6 +299,8 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_split(monkeypatch, lean=variant != "split", glue="triton" if variant == "lean-glue" else "torch")
     if variant == "lean-near":
         _with_fields(monkeypatch, split_ahead=False)
+    if variant == "serial-ahead2":
+        _with_fields(monkeypatch, serial_ahead2=True)
     if variant == "coef-planes":
         _with_fields(monkeypatch, coef_layout="planes", stats_glue="triton")
     if variant == "parts-planes":
@@ -882,9 +885,10 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # its sums in planes; pass 2 plain, lean, lean two tokens a trip, one and two with a source's rows loaded a
     # source ahead, and four on 64 channels), the three glue
     # kernels (the softmax also from sums in planes; w, κ, μ written in planes, and from sums in planes) and
-    # its h, the mixer, the stats (and their sums in planes), the sources (and reading w, κ, μ in planes): the
-    # layouts token-major by default since 2026-12-05, the planes the listed candidates
-    assert len(lines) == 23, stdout
+    # its h, the mixer, the stats (and their sums in planes), the sources (and reading w, κ, μ in planes: the
+    # layouts token-major by default since 2026-12-05, the planes the listed candidates; the source gradients with
+    # two tokens' loads in flight, a candidate)
+    assert len(lines) == 24, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -976,13 +980,16 @@ def check_fp32_matches_reference(case, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("pass2", ["plain", "lean"])
+@pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
-    3000 are the lean pass's unmasked and masked channel tiles)."""
+    3000 are the lean pass's unmasked and masked channel tiles), and with the source-gradient kernel's loads two
+    tokens ahead (Blocks.serial_ahead2, a candidate)."""
     if pass2 == "lean":
         _with_lean(monkeypatch)
+    if pass2 == "src-ahead2":
+        _with_fields(monkeypatch, serial_ahead2=True)
     check_bf16_matches_fp32_reference(case, "cuda")
 
 
