@@ -128,20 +128,17 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                split_types,
                dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=False, DK=0, TRIP=1),
                blk.split_warps)
+        # the lean pass 2 a launch compiles (named without "(candidate)"): its tokens a trip, its rows ahead or not
+        lean = getattr(blk, "split_lean", False)
+        trip = fused.split_trip(blk) if lean and "TRIP" in fused._streams_split_kernel.arg_names else 1
+        ahead = bool(lean and getattr(blk, "split_ahead", False))
         if "LEAN" in fused._streams_split_kernel.arg_names:  # Blocks.split_lean (2026-12-02)
-            lean = getattr(blk, "split_lean", False)
-            # the name without "(candidate)" is the one a launch compiles: its tokens a trip, its rows ahead or not
-            trip = fused.split_trip(blk) if lean and "TRIP" in fused._streams_split_kernel.arg_names else 1
-            ahead = bool(lean and getattr(blk, "split_ahead", False))
             yield (f"split forward, pass 2 lean{'' if lean and trip == 1 and not ahead else ' (candidate)'}",
                    fused._streams_split_kernel,
                    split_types,
                    dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.split_bd, MIXER=True, LEAN=True, DK=d,
                         TRIP=1), blk.split_warps)
         if "TRIP" in fused._streams_split_kernel.arg_names:  # Blocks.split_trip: the lean pass 2, tokens a trip
-            lean = getattr(blk, "split_lean", False)
-            trip = fused.split_trip(blk) if lean else 1
-            ahead = bool(lean and getattr(blk, "split_ahead", False))
             yield (f"split forward, pass 2 lean pairs{'' if trip == 2 and not ahead else ' (candidate)'}",
                    fused._streams_split_kernel,
                    split_types,

@@ -1650,8 +1650,6 @@ def _src_serial_kernel(
     if AHEAD2:  # a second token in flight: t+1's loads, then t+2's during step t
         nxt2 = _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t + 1, t + 1 < t_end, s, b, S, B, T, D, plane,
                              offs_d, mask_d, SOFTMAX, KS, CM)
-    else:
-        nxt2 = nxt
     while t < t_end:
         if PREFETCH:
             cur = nxt
