@@ -283,6 +283,8 @@
 #            training path's GPU tests (MSAR_MEDIUM_LIMIT, CLOSING_TEST_LIMIT)
 #   src_ahead2 one GPU (about 450 s with the start, estimated): the source-gradient kernel with two tokens' loads in
 #            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step
+#   mhc_tc_bwd one GPU (about 450 s with the start, estimated): mHC's write backward on tensor cores
+#            (POST_BWD_PROJ=bf16x3): GPU tests, the op alone in rounds at small and medium, mhc's small step alternating
 #   msar_full_sources one GPU (431 s on a cold H100, 2026-12-05 night): full msar's sources in bf16 under autocast
 #            (residual.source_dtype=autocast, its default since): its 60-step parity against fp32 sources, eager, seeds
 #            0 1; then medium's step and peak beside vanilla and fp32 sources (PARITY_LIMIT, MEDIUM_LIMIT)
@@ -302,7 +304,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1252,6 +1254,19 @@ case "$PLAN" in
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals \
       vanilla msar_block "msar_block@$AHEAD2" msar_block "msar_block@$AHEAD2" --compile model --graphs on --steps 8 \
       --set $COMBO --tag "${TAG:-_src_ahead2}"
+    ;;
+  mhc_tc_bwd)
+    # mHC's write backward with every reduction on tensor cores (POST_BWD_PROJ=bf16x3, built 2026-12-05, CPU only;
+    # sm_90a: 116 registers, 160 instructions a 16-token chunk without shuffles, against 64 and 371 a 8-token chunk):
+    # the GPU tests (the variant fixture takes it), the op alone in interleaved rounds at small and medium, then mhc's
+    # small step alternating with the default
+    TC="py:kernels.mhc.fused.POST_BWD_PROJ=bf16x3"
+    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py -k "default or post_bwd_tc or bf16_matches"
+    step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
+      --variants default post_bwd_tc --rounds 5 --tag "${TAG:-_post_bwd_tc}"
+    step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
+      "mhc@$TC" mhc "mhc@$TC" --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_post_bwd_tc}"
     ;;
   msar_full_sources)
     # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the

@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
             if opts.kernels and kernel.__name__ not in opts.kernels:
                 continue
             flags = {k: v for k, v in kwargs.items() if k in FLAGS}
-            launch = (kwargs["BLOCK_T"], kwargs.get("BLOCK_D", kwargs.get("BLOCK_R")), kwargs["num_warps"],
+            launch = (kwargs.get("BLOCK_T", kwargs.get("BLOCK_R")), kwargs.get("BLOCK_D", 0), kwargs.get("num_warps", 4),
                       kwargs.get("num_stages", 3), kwargs.get("maxnreg", 0))
             key = (kernel.__name__, tuple(sorted(flags.items())), launch)
             if key in seen:

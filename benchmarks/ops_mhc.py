@@ -190,6 +190,8 @@ FUSED_VARIANTS = {
     # fp32 streams (or PRE_PROJ=fp32): the read's forward at 32 tokens and 2 warps, 4×4 outputs of x'φ a thread
     # (2026-12-04 night, untimed): `--dtype fp32 --fused-only --variants default pre_fwd_w2 --rounds 5`
     "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},
+    # bf16 streams: the write's backward with its reductions as tensor-core products (2026-12-05, untimed)
+    "post_bwd_tc": {"POST_BWD_PROJ": "bf16x3"},
 }
 
 

@@ -90,8 +90,15 @@ DX_PROJ = "bf16x2"
 #   at 4.0 bytes an FFMA. "pre_fwd_w2": 32 tokens, 2 warps, 4×4 outputs a thread, 2.1 bytes an FFMA
 #   (docs/kernel_mhc.md, 2026-12-04).
 PRE_FWD_BLOCKS = "pre_fwd"
+# POST_BWD_PROJ (2026-12-05, untimed): the write's backward for **bf16** streams with n a power of two. "fp32"
+#   (default): ``_post_bwd_kernel``, its reductions over d and n on CUDA cores (shuffles and shared memory: the
+#   L1/shared pipe was 84% busy at `small`, kernel_counters_h200_mhc_tc.md). "bf16x3": ``_post_bwd_tc_kernel``,
+#   every reduction a tensor-core product (G Xᵀ, G Fᵀ, P G, Q G over a block of tokens' stream rows), the fp32
+#   factors in three bf16 parts. Other streams (and n = 3) take "fp32".
+POST_BWD_PROJ = "fp32"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
-                   "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2")}
+                   "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
+                   "POST_BWD_PROJ": ("fp32", "bf16x3")}
 
 
 def _variant(name: str) -> str:
@@ -452,6 +459,110 @@ def _post_bwd_kernel(
 
 
 @triton.jit
+def _block_diag_parts(vals_ptr, row_offs, col_offs, pid, N, N_STREAMS: tl.constexpr, BLOCK_T: tl.constexpr,
+                      TRANS: tl.constexpr, PART: tl.constexpr):
+    """One bf16 part (PART = 0, 1, 2: hi, mid, lo) of a block-diagonal fp32 matrix built from per-token
+    coefficients. With TRANS False, ``vals`` is H^post (N, n) and the tile is (BLOCK_T, R) with [t, t·n + i] =
+    H^post[t, i]; with TRANS True, ``vals`` is H^res (N, n, n) and the tile is (R, R) with [t·n + j, t·n + i] =
+    H^res[t, i, j]. R = BLOCK_T·n. The parts sum to the fp32 value to 24 bits."""
+    if TRANS:
+        tr = row_offs // N_STREAMS  # token of the row (local)
+        tc = col_offs // N_STREAMS
+        tok = pid * BLOCK_T + tr
+        ptr = vals_ptr + tok.to(tl.int64)[:, None] * (N_STREAMS * N_STREAMS) \
+            + (col_offs % N_STREAMS)[None, :] * N_STREAMS + (row_offs % N_STREAMS)[:, None]
+        mask = (tr[:, None] == tc[None, :]) & (tok < N)[:, None]
+    else:
+        tok = pid * BLOCK_T + row_offs  # rows are tokens
+        tc = col_offs // N_STREAMS
+        ptr = vals_ptr + tok.to(tl.int64)[:, None] * N_STREAMS + (col_offs % N_STREAMS)[None, :]
+        mask = (row_offs[:, None] == tc[None, :]) & (tok < N)[:, None]
+    v = tl.load(ptr, mask=mask, other=0.0)
+    for _ in tl.static_range(PART):
+        v = v - v.to(tl.bfloat16).to(tl.float32)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _post_bwd_tc_kernel(
+    x_ptr,  # streams (N, n, d) bf16, contiguous: read as the (N·n, d) matrix of stream rows
+    f_ptr,  # sublayer output (N, d), contiguous, bf16 / fp16 / fp32
+    hpost_ptr,  # H^post (N, n) fp32
+    hres_ptr,  # H^res (N, n, n) fp32
+    dout_ptr,  # upstream gradient dX' (N, n, d) bf16, contiguous
+    dx_ptr,  # result: dX = H^resᵀ dX' (N, n, d) bf16; written only when STORE_DX
+    df_ptr,  # result: df = Σ_i H^post_i dX'_i (N, d), f's dtype
+    dhpost_ptr,  # result: dH^post (N, n) fp32
+    dhres_ptr,  # result: dH^res (N, n, n) fp32
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, STORE_DX: tl.constexpr, F_PARTS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+):
+    """The write's backward with every reduction on tensor cores (bf16 streams, n a power of two;
+    ``POST_BWD_PROJ="bf16x3"``). The BLOCK_T tokens' stream rows are one (R, BLOCK_D) tile G of dX' and one
+    X of the streams per channel chunk (R = BLOCK_T·n, row t·n + i), so
+
+    - G Xᵀ (R, R), summed over the chunks, holds ⟨dX'_i, X_j⟩ of token t at [t·n + i, t·n + j]: dH^res is its
+      diagonal n×n blocks (the rest is discarded);
+    - G Fᵀ (R, BLOCK_T) holds ⟨dX'_i, f⟩ at [t·n + i, t]: dH^post;
+    - df = P G with P (BLOCK_T, R) block-diagonal of H^post, dX = Q G with Q (R, R) block-diagonal of H^resᵀ.
+
+    bf16 × bf16 products are exact in fp32; the fp32 factors (P, Q, f when fp32) are split in three bf16 parts
+    (hi + mid + lo, 24 bits), so every result is the fp32 one up to the order of the sums. No shuffles: the
+    fp32 kernel's reductions over d and over n were its cost (84% of the L1/shared pipe at `small`).
+    """
+    R: tl.constexpr = BLOCK_T * N_STREAMS
+    NN: tl.constexpr = N_STREAMS * N_STREAMS
+    pid = tl.program_id(0)
+    offs_r = tl.arange(0, R)  # local stream rows t·n + i
+    offs_b = tl.arange(0, BLOCK_T)  # local tokens
+    srow = (pid * R + offs_r).to(tl.int64)  # rows of the (N·n, d) matrices
+    mask_r = srow < N * N_STREAMS
+    rows = (pid * BLOCK_T + offs_b).to(tl.int64)
+    mask_t = rows < N
+    p0 = _block_diag_parts(hpost_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 0)  # (BLOCK_T, R)
+    p1 = _block_diag_parts(hpost_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 1)
+    p2 = _block_diag_parts(hpost_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 2)
+    if STORE_DX:
+        q0 = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 0)  # (R, R)
+        q1 = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 1)
+        q2 = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 2)
+    acc_res = tl.zeros((R, R), dtype=tl.float32)
+    acc_post = tl.zeros((R, BLOCK_T), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        mrd = mask_r[:, None] & mask_d[None, :]
+        mtd = mask_t[:, None] & mask_d[None, :]
+        g = tl.load(dout_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)  # (R, BLOCK_D) bf16
+        xv = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)
+        acc_res = _bf16_dot(g, tl.trans(xv), acc_res, INTERP)
+        f = tl.load(f_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
+        for p in tl.static_range(F_PARTS):  # f in bf16 parts (one when f is bf16)
+            fp = f.to(tl.bfloat16)
+            acc_post = _bf16_dot(g, tl.trans(fp), acc_post, INTERP)
+            f = f - fp.to(tl.float32)
+        df = _bf16_dot(p2, g, tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), INTERP)  # smallest part first
+        df = _bf16_dot(p1, g, df, INTERP)
+        df = _bf16_dot(p0, g, df, INTERP)
+        tl.store(df_ptr + rows[:, None] * D + offs_d[None, :], df.to(df_ptr.dtype.element_ty), mask=mtd)
+        if STORE_DX:
+            dx = _bf16_dot(q2, g, tl.zeros((R, BLOCK_D), dtype=tl.float32), INTERP)
+            dx = _bf16_dot(q1, g, dx, INTERP)
+            dx = _bf16_dot(q0, g, dx, INTERP)
+            tl.store(dx_ptr + srow[:, None] * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mrd)
+    # keep the diagonal blocks: row t·n + i, column t·n + j -> dH^res[t, i, j]; row t·n + i, column t -> dH^post[t, i]
+    tr = offs_r // N_STREAMS
+    tok = (pid * BLOCK_T + tr).to(tl.int64)
+    ii = offs_r % N_STREAMS
+    on_res = (tr[:, None] == (offs_r // N_STREAMS)[None, :]) & (tok < N)[:, None]
+    tl.store(dhres_ptr + tok[:, None] * NN + ii[:, None] * N_STREAMS + (offs_r % N_STREAMS)[None, :], acc_res,
+             mask=on_res)
+    on_post = (tr[:, None] == offs_b[None, :]) & (tok < N)[:, None]
+    tl.store(dhpost_ptr + tok[:, None] * N_STREAMS + ii[:, None] + 0 * offs_b[None, :], acc_post, mask=on_post)
+
+
+@triton.jit
 def _pre_bwd_kernel(
     x_ptr,  # streams (N, n, d), contiguous
     dh_ptr,  # upstream gradient of h (N, d), contiguous
@@ -680,6 +791,8 @@ GPU_BLOCKS = {
     "pre_dx": (32, 32, 4, 1),
     "post_fwd": (8, 128, 4, 3),
     "post_bwd": (8, 64, 4, 2),
+    # POST_BWD_PROJ="bf16x3": 16 tokens (R = 64 stream rows at n = 4, the smallest tensor-core tile), untimed
+    "post_bwd_tc": (16, 64, 4, 2),
 }
 
 
@@ -795,12 +908,29 @@ def _post_fwd_into(out, x, f, h_post, h_res):
         x, f, h_post, h_res, out, N, D=d, N_STREAMS=n, NP=_pow2(n), BLOCK_T=block_t, BLOCK_D=block_d, **launch)
 
 
+def _post_bwd_on_tensor_cores(x: Tensor, dout: Tensor) -> bool:
+    """Whether the write's backward takes ``_post_bwd_tc_kernel``: POST_BWD_PROJ="bf16x3", bf16 streams and
+    stream gradients, n a power of two up to 4 (R = BLOCK_T·n stream rows make a tensor-core tile)."""
+    n = x.shape[1]
+    return (_variant("POST_BWD_PROJ") == "bf16x3" and x.dtype == torch.bfloat16 and dout.dtype == torch.bfloat16
+            and n in (1, 2, 4))
+
+
 def post_bwd(x, f, h_post, h_res, dout, *, store_dx=True):
     N, n, d = x.shape
-    block_t, block_d, launch = _blocks(d, "post_bwd")
     dx, df = (torch.empty_like(x) if store_dx else None), torch.empty_like(f)
     d_post = torch.empty(N, n, device=x.device, dtype=torch.float32)
     d_res = torch.empty(N, n, n, device=x.device, dtype=torch.float32)
+    if _post_bwd_on_tensor_cores(x, dout):
+        block_t, block_d, launch = _blocks(d, "post_bwd_tc")
+        block_t = max(block_t, 16)  # tl.dot tiles: P is (BLOCK_T, R)
+        f_parts = {torch.bfloat16: 1, torch.float16: 2}.get(f.dtype, 3)
+        _post_bwd_tc_kernel[(triton.cdiv(N, block_t),)](
+            x, f, h_post, h_res, dout, x if dx is None else dx, df, d_post, d_res, N,
+            D=d, N_STREAMS=n, STORE_DX=store_dx, F_PARTS=f_parts, BLOCK_T=block_t, BLOCK_D=max(block_d, 16),
+            INTERP=interpreting(), **launch)
+        return dx, df, d_post, d_res
+    block_t, block_d, launch = _blocks(d, "post_bwd")
     _post_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, f, h_post, h_res, dout, x if dx is None else dx, df, d_post, d_res, N,
         D=d, N_STREAMS=n, NP=_pow2(n), STORE_DX=store_dx, BLOCK_T=block_t, BLOCK_D=block_d, **launch)

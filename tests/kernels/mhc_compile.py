@@ -37,7 +37,8 @@ def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
-    names = ("_pre_fwd_kernel", "_pre_bwd_kernel", "_pre_dx_kernel", "_post_fwd_kernel", "_post_bwd_kernel", "_phi_grad_kernel",
+    names = ("_pre_fwd_kernel", "_pre_bwd_kernel", "_pre_dx_kernel", "_post_fwd_kernel", "_post_bwd_kernel",
+             "_post_bwd_tc_kernel", "_phi_grad_kernel",
              "_split_kernel")
     for name in names:
         saved[name] = getattr(fused, name)

@@ -72,6 +72,7 @@ VARIANTS = {
     "fp32_projections": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32"},
     "dx_tf32": {"DX_PROJ": "tf32"},
     "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},  # 2026-12-04 night: the read's fp32 projection, 32 tokens, 2 warps
+    "post_bwd_tc": {"POST_BWD_PROJ": "bf16x3"},  # 2026-12-05: the write's backward on tensor cores (bf16 streams)
 }
 
 
@@ -332,6 +333,64 @@ def test_tensor_core_variants_engage_on_bf16_streams_only(monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("f_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["f_bf16", "f_fp16", "f_fp32"])
+@pytest.mark.parametrize("store_dx", [True, False], ids=["dx", "linked"])
+def test_write_backward_on_tensor_cores_matches_exact_sums(n, f_dtype, store_dx, monkeypatch):
+    """POST_BWD_PROJ="bf16x3" (``_post_bwd_tc_kernel``) on bf16 streams: dH^res and dH^post (fp32) within fp32
+    rounding of the exact fp64 sums, df and dX within one rounding to their dtype, and as close as the fp32 kernel's
+    results. Random coefficients and upstream gradients; 37 tokens (ragged last block of 16), d = 40 in chunks of 16."""
+    from kernels.mhc import fused
+
+    monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_t", 16)
+    monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_d", 16)
+    g = torch.Generator().manual_seed(3 + n)
+    N, d = 37, 40
+    x = torch.randn(N, n, d, generator=g).bfloat16()
+    dout = torch.randn(N, n, d, generator=g).bfloat16()
+    f = torch.randn(N, d, generator=g).to(f_dtype)
+    h_post, h_res = 2 * torch.rand(N, n, generator=g), torch.rand(N, n, n, generator=g)
+    launched = []
+    for name in ("_post_bwd_kernel", "_post_bwd_tc_kernel"):
+        kernel = getattr(fused, name)
+        monkeypatch.setattr(fused, name, type("K", (), {"__getitem__": lambda self, grid, k=kernel, nm=name: (
+            launched.append(nm) or k[grid])})())
+    results = {}
+    for setting in ("fp32", "bf16x3"):
+        monkeypatch.setattr(fused, "POST_BWD_PROJ", setting)
+        results[setting] = fused.post_bwd(x, f, h_post, h_res, dout, store_dx=store_dx)
+    assert launched == ["_post_bwd_kernel", "_post_bwd_tc_kernel"]
+    X, G, F = x.double(), dout.double(), f.double()
+    exact = {"dx": torch.einsum("tij,tid->tjd", h_res.double(), G), "df": torch.einsum("ti,tid->td", h_post.double(), G),
+             "d_post": torch.einsum("tid,td->ti", G, F), "d_res": torch.einsum("tid,tjd->tij", G, X)}
+    for i, name in enumerate(("dx", "df", "d_post", "d_res")):
+        if name == "dx" and not store_dx:
+            assert results["bf16x3"][0] is None
+            continue
+        got, fp32 = results["bf16x3"][i], results["fp32"][i]
+        assert got.dtype == fp32.dtype
+        err, err_fp32 = rel_err(got.double(), exact[name]), rel_err(fp32.double(), exact[name])
+        tol = 1e-6 if got.dtype == torch.float32 else 2.0 ** -8
+        assert err < tol and err <= 1.5 * err_fp32 + 1e-7, (name, err, err_fp32)
+
+
+@needs_interpreter
+def test_write_backward_on_tensor_cores_engages_where_it_applies(monkeypatch):
+    """The tensor-core write backward takes bf16 streams with n = 1, 2, 4 only; fp32 streams and n = 3 keep the fp32
+    kernel (documented, not a fallback); an unknown setting is refused with the choices."""
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, "POST_BWD_PROJ", "bf16x3")
+    for n, dtype, expected in ((4, torch.bfloat16, True), (1, torch.bfloat16, True), (3, torch.bfloat16, False),
+                               (4, torch.float32, False)):
+        x = torch.zeros(2, n, 8, dtype=dtype)
+        assert fused._post_bwd_on_tensor_cores(x, x) is expected, (n, dtype)
+    monkeypatch.setattr(fused, "POST_BWD_PROJ", "tf32")
+    with pytest.raises(ValueError, match="POST_BWD_PROJ='tf32'.*fp32, bf16x3"):
+        fused._post_bwd_on_tensor_cores(torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4, 8))
+
+
+@needs_interpreter
 @pytest.mark.parametrize("n", [2, 4])
 def test_fused_h_res_is_doubly_stochastic(n):
     inp = make_inputs(n, 32, 2, 11, False, seed=n)
@@ -573,12 +632,14 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = []
-    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"]):
+    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], ["--set", "POST_BWD_PROJ=bf16x3", "4,512"]):
         done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         lines += [ln for ln in done.stdout.splitlines() if ln.startswith("_")]
-    assert len(lines) == 2 * 22, "\n".join(lines)  # 22 launches per shape: every kernel and flag combination
+    assert len(lines) == 3 * 22, "\n".join(lines)  # 22 launches per shape: every kernel and flag combination
+    # the third run's write backward is the tensor-core kernel, with and without its own dX
+    assert sum(ln.startswith("_post_bwd_tc_kernel ") for ln in lines) == 2, "\n".join(lines)
     spills = [int(ln.split(" spills ")[1].split()[0]) for ln in lines]
     assert max(spills) <= 32, "\n".join(lines)  # a few bytes at most (ptxas sometimes parks one value)
 
