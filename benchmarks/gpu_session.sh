@@ -283,8 +283,9 @@
 #            training path's GPU tests (MSAR_MEDIUM_LIMIT, CLOSING_TEST_LIMIT)
 #   src_ahead2 one GPU (about 450 s with the start, estimated): the source-gradient kernel with two tokens' loads in
 #            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step
-#   mhc_tc_bwd one GPU (about 450 s with the start, estimated): mHC's write backward on tensor cores
-#            (POST_BWD_PROJ=bf16x3): GPU tests, the op alone in rounds at small and medium, mhc's small step alternating
+#   mhc_tc_bwd one GPU (about 480 s with the start, estimated): mHC's write backward (POST_BWD_PROJ=bf16x3) and the
+#            read's sums (PRE_SUMS=bf16x3) on tensor cores: GPU tests, the ops alone in rounds at small and medium, mhc's
+#            small step alternating
 #   msar_full_sources one GPU (431 s on a cold H100, 2026-12-05 night): full msar's sources in bf16 under autocast
 #            (residual.source_dtype=autocast, its default since): its 60-step parity against fp32 sources, eager, seeds
 #            0 1; then medium's step and peak beside vanilla and fp32 sources (PARITY_LIMIT, MEDIUM_LIMIT)
@@ -1260,13 +1261,16 @@ case "$PLAN" in
     # sm_90a: 116 registers, 160 instructions a 16-token chunk without shuffles, against 64 and 371 a 8-token chunk):
     # the GPU tests (the variant fixture takes it), the op alone in interleaved rounds at small and medium, then mhc's
     # small step alternating with the default
+    # and the read's sums over the streams the same way (PRE_SUMS=bf16x3; both together: variant tc_sums)
     TC="py:kernels.mhc.fused.POST_BWD_PROJ=bf16x3"
+    BOTH="$TC@py:kernels.mhc.fused.PRE_SUMS=bf16x3"
     step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "default or post_bwd_tc or bf16_matches"
+      tests/kernels/test_mhc_fused.py -k "default or tc_sums or bf16_matches"
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
-      --variants default post_bwd_tc --rounds 5 --tag "${TAG:-_post_bwd_tc}"
-    step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
-      "mhc@$TC" mhc "mhc@$TC" --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_post_bwd_tc}"
+      --variants default post_bwd_tc tc_sums --rounds 5 --tag "${TAG:-_post_bwd_tc}"
+    step gpu0 small "${SMALL_LIMIT:-220}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
+      "mhc@$BOTH" "mhc@$TC" mhc "mhc@$BOTH" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_post_bwd_tc}"
     ;;
   msar_full_sources)
     # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the

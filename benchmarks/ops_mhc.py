@@ -192,6 +192,8 @@ FUSED_VARIANTS = {
     "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},
     # bf16 streams: the write's backward with its reductions as tensor-core products (2026-12-05, untimed)
     "post_bwd_tc": {"POST_BWD_PROJ": "bf16x3"},
+    # and the read's sums over the streams (h, dH^pre) the same way
+    "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
 }
 
 

@@ -96,9 +96,14 @@ PRE_FWD_BLOCKS = "pre_fwd"
 #   every reduction a tensor-core product (G Xᵀ, G Fᵀ, P G, Q G over a block of tokens' stream rows), the fp32
 #   factors in three bf16 parts. Other streams (and n = 3) take "fp32".
 POST_BWD_PROJ = "fp32"
+# PRE_SUMS (2026-12-05, untimed): the read's sums over the streams for **bf16** streams with n a power of two, the same
+#   way: "bf16x3" makes the forward's h = Σ_i H^pre_i X_i one tensor-core product P X a chunk (P block-diagonal of
+#   H^pre in three bf16 parts; with PRE_PROJ="bf16x3" only) and the backward's dH^pre_i = ⟨dh, X_i⟩ the diagonal of
+#   X dhᵀ; "fp32" (default) keeps the (tokens, n, channels) reductions on CUDA cores.
+PRE_SUMS = "fp32"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
-                   "POST_BWD_PROJ": ("fp32", "bf16x3")}
+                   "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3")}
 
 
 def _variant(name: str) -> str:
@@ -288,10 +293,12 @@ def _pre_fwd_kernel(
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
     HAS_GAIN: tl.constexpr, FUSE_POST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PARTS: tl.constexpr = 0, INTERP: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, PARTS: tl.constexpr = 0, INTERP: tl.constexpr = False, TC_SUMS: tl.constexpr = False,
 ):
     """PARTS > 0 (bf16 streams, PRE_PROJ="bf16x3"): ``phi_ptr`` is φ' = g ⊙ φ as PARTS bf16 parts (PARTS, n·d, KP)
-    from ``split_bf16`` and the projection runs on tensor cores (``_project_parts``); HAS_GAIN is then False."""
+    from ``split_bf16`` and the projection runs on tensor cores (``_project_parts``); HAS_GAIN is then False.
+    TC_SUMS (PRE_SUMS="bf16x3", with PARTS > 0): sweep 2 is h = P X on tensor cores, X the block's (BLOCK_T·n, BLOCK_D)
+    stream rows and P (BLOCK_T, BLOCK_T·n) block-diagonal of H^pre in three bf16 parts."""
     K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
     NN: tl.constexpr = N_STREAMS * N_STREAMS
     pid = tl.program_id(0)
@@ -360,7 +367,27 @@ def _pre_fwd_kernel(
              mask=mask_t[:, None, None] & valid)
 
     # sweep 2 (same tokens, from L2): h = Σ_i H^pre_i X_i
-    for d0 in range(0, D, BLOCK_D):
+    if TC_SUMS:
+        R: tl.constexpr = BLOCK_T * N_STREAMS
+        tl.debug_barrier()  # H^pre, stored above, is read back as a block-diagonal tile by other threads
+        offs_r = tl.arange(0, R)
+        offs_b = tl.arange(0, BLOCK_T)
+        p0 = _block_diag_parts(hpre_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 0)  # (BLOCK_T, R)
+        p1 = _block_diag_parts(hpre_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 1)
+        p2 = _block_diag_parts(hpre_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 2)
+        srow = (pid * R + offs_r).to(tl.int64)  # rows of the (N·n, d) streams
+        mask_r = srow < N * N_STREAMS
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            xs = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                         other=0.0)  # (R, BLOCK_D) bf16
+            h = _bf16_dot(p2, xs, tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), INTERP)  # smallest part first
+            h = _bf16_dot(p1, xs, h, INTERP)
+            h = _bf16_dot(p0, xs, h, INTERP)
+            tl.store(h_ptr + rows[:, None] * D + offs_d[None, :], h.to(h_ptr.dtype.element_ty),
+                     mask=mask_t[:, None] & mask_d[None, :])
+    for d0 in range(0, D if not TC_SUMS else 0, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x3 = tl.load(x_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
@@ -582,10 +609,13 @@ def _pre_bwd_kernel(
     N, eps,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
     HAS_DPRE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    TC_SUMS: tl.constexpr = False, DH_PARTS: tl.constexpr = 1, INTERP: tl.constexpr = False,
 ):
     """The read's backward up to the per-token coefficients of dX (``_pre_dx_kernel`` then makes dX):
     one sweep over X and dh for dH^pre_i = ⟨dh, X_i⟩, then per token the logit gradients (σ', the
-    Sinkhorn iterations recomputed and backpropagated), w = r dz and c = ⟨dz, z⟩ r² / nd."""
+    Sinkhorn iterations recomputed and backpropagated), w = r dz and c = ⟨dz, z⟩ r² / nd.
+    TC_SUMS (PRE_SUMS="bf16x3", bf16 streams, n = NP): the sweep is X dhᵀ on tensor cores over the block's
+    (BLOCK_T·n, BLOCK_D) stream rows, dh in DH_PARTS bf16 parts (one when dh is bf16); dH^pre is its diagonal."""
     K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
     NN: tl.constexpr = N_STREAMS * N_STREAMS
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -598,7 +628,27 @@ def _pre_bwd_kernel(
 
     # sweep: dH^pre_i = ⟨dh, X_i⟩
     d_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    if TC_SUMS:
+        R: tl.constexpr = BLOCK_T * N_STREAMS
+        offs_r = tl.arange(0, R)
+        srow = (tl.program_id(0) * R + offs_r).to(tl.int64)  # rows of the (N·n, d) streams
+        mask_r = srow < N * N_STREAMS
+        acc = tl.zeros((R, BLOCK_T), dtype=tl.float32)  # ⟨X_i, dh⟩ of token t at [t·n + i, t]
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            xs = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :],
+                         other=0.0)  # (R, BLOCK_D) bf16
+            dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)
+            for _ in tl.static_range(DH_PARTS):
+                dh_p = dh.to(tl.bfloat16)
+                acc = _bf16_dot(xs, tl.trans(dh_p), acc, INTERP)
+                dh = dh - dh_p.to(tl.float32)
+        offs_b = tl.arange(0, BLOCK_T)
+        acc3 = tl.reshape(acc, (BLOCK_T, NP, BLOCK_T))  # [t, i, t']
+        d_pre = tl.sum(tl.where(offs_b[:, None, None] == offs_b[None, None, :], acc3, 0.0), axis=2)
+    for d0 in range(0, D if not TC_SUMS else 0, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x3 = tl.load(x_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
@@ -833,11 +883,12 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
     h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
     z, r = torch.empty(N, k, **f32), torch.empty(N, **f32)
     x_in, f, hp_in, hr_in = (x, x, z, z) if post is None else post
+    tc_sums = bool(parts) and _pre_sums_on_tensor_cores(x, block_t)
     _pre_fwd_kernel[(triton.cdiv(N, block_t),)](
         x, x_in, f, hp_in, hr_in, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre,
         h_post, h_res, z, r, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
         FUSE_POST=post is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-        DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), **launch)
+        DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), TC_SUMS=tc_sums, **launch)
     return h, h_pre, h_post, h_res, z, r
 
 
@@ -850,10 +901,12 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
     f32 = dict(device=x.device, dtype=torch.float32)
     dlogit, w, coef = torch.empty(N, k, **f32), torch.empty(N, k, **f32), torch.empty(N, n + 1, **f32)
     scratch = torch.empty(N, iters, 2, np_, **f32)
+    tc_sums = _pre_sums_on_tensor_cores(x, block_t)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, dh, z if d_pre is None else d_pre, d_post, d_res, z, r, alpha, b_pre, b_post, b_res, dlogit, w, coef,
         scratch, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_DPRE=d_pre is not None,
-        BLOCK_T=block_t, BLOCK_D=block_d, **launch)
+        BLOCK_T=block_t, BLOCK_D=max(block_d, 16) if tc_sums else block_d, TC_SUMS=tc_sums,
+        DH_PARTS={torch.bfloat16: 1, torch.float16: 2}.get(dh.dtype, 3), INTERP=interpreting(), **launch)
     dx = torch.empty_like(x)
     proj = {"fp32": 0, "tf32": 1, "bf16x2": 2}[_variant("DX_PROJ")] if x.dtype != torch.float32 else 0
     if proj == 2:  # g ⊙ φ, transposed, in two bf16 parts (DX_PROJ)
@@ -914,6 +967,16 @@ def _post_bwd_on_tensor_cores(x: Tensor, dout: Tensor) -> bool:
     n = x.shape[1]
     return (_variant("POST_BWD_PROJ") == "bf16x3" and x.dtype == torch.bfloat16 and dout.dtype == torch.bfloat16
             and n in (1, 2, 4))
+
+
+def _pre_sums_on_tensor_cores(x: Tensor, block_t: int) -> bool:
+    """Whether the read's sums over the streams run on tensor cores: PRE_SUMS="bf16x3", bf16 streams, n = 1, 2, 4
+    (the forward's also needs PRE_PROJ="bf16x3"). Its tiles need 16 tokens a program at least."""
+    if not (_variant("PRE_SUMS") == "bf16x3" and x.dtype == torch.bfloat16 and x.shape[1] in (1, 2, 4)):
+        return False
+    if block_t < 16:
+        raise ValueError(f"PRE_SUMS='bf16x3' needs 16 tokens a program or more, not {block_t}")
+    return True
 
 
 def post_bwd(x, f, h_post, h_res, dout, *, store_dx=True):

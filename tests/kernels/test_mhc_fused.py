@@ -72,7 +72,8 @@ VARIANTS = {
     "fp32_projections": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32"},
     "dx_tf32": {"DX_PROJ": "tf32"},
     "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},  # 2026-12-04 night: the read's fp32 projection, 32 tokens, 2 warps
-    "post_bwd_tc": {"POST_BWD_PROJ": "bf16x3"},  # 2026-12-05: the write's backward on tensor cores (bf16 streams)
+    # 2026-12-05: the write's backward and the read's sums over the streams on tensor cores (bf16 streams)
+    "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
 }
 
 
@@ -375,19 +376,39 @@ def test_write_backward_on_tensor_cores_matches_exact_sums(n, f_dtype, store_dx,
 
 
 @needs_interpreter
-def test_write_backward_on_tensor_cores_engages_where_it_applies(monkeypatch):
-    """The tensor-core write backward takes bf16 streams with n = 1, 2, 4 only; fp32 streams and n = 3 keep the fp32
-    kernel (documented, not a fallback); an unknown setting is refused with the choices."""
+def test_tensor_core_sums_engage_where_they_apply(monkeypatch):
+    """The tensor-core write backward and read sums take bf16 streams with n = 1, 2, 4 only; fp32 streams and n = 3
+    keep the fp32 kernels (documented, not a fallback); an unknown setting is refused with the choices, and the read's
+    sums refuse blocks under 16 tokens. In a bf16 sublayer both of the read's kernels and the write get the flag."""
     from kernels.mhc import fused
 
     monkeypatch.setattr(fused, "POST_BWD_PROJ", "bf16x3")
+    monkeypatch.setattr(fused, "PRE_SUMS", "bf16x3")
     for n, dtype, expected in ((4, torch.bfloat16, True), (1, torch.bfloat16, True), (3, torch.bfloat16, False),
                                (4, torch.float32, False)):
         x = torch.zeros(2, n, 8, dtype=dtype)
         assert fused._post_bwd_on_tensor_cores(x, x) is expected, (n, dtype)
-    monkeypatch.setattr(fused, "POST_BWD_PROJ", "tf32")
-    with pytest.raises(ValueError, match="POST_BWD_PROJ='tf32'.*fp32, bf16x3"):
-        fused._post_bwd_on_tensor_cores(torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4, 8))
+        assert fused._pre_sums_on_tensor_cores(x, 16) is expected, (n, dtype)
+    with pytest.raises(ValueError, match="16 tokens a program or more, not 8"):
+        fused._pre_sums_on_tensor_cores(torch.zeros(2, 4, 8, dtype=torch.bfloat16), 8)
+    flags = []
+    for name in ("_pre_fwd_kernel", "_pre_bwd_kernel"):
+        kernel = getattr(fused, name)
+        monkeypatch.setattr(fused, name, type("K", (), {"__getitem__": lambda self, grid, k=kernel, nm=name: (
+            lambda *a, **kw: flags.append((nm, kw["TC_SUMS"])) or k[grid](*a, **kw))})())
+    monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_t", 16)
+    for dtype in (torch.bfloat16, torch.float32):
+        inp = make_inputs(4, 20, 1, 5, True, seed=2)
+        lv = leaves({**inp, "x": inp["x"].to(dtype)})
+        run("triton", lv, 20)[0].float().sum().backward()
+    assert flags == [("_pre_fwd_kernel", True), ("_pre_bwd_kernel", True), ("_pre_fwd_kernel", False),
+                     ("_pre_bwd_kernel", False)], flags
+    for name in ("POST_BWD_PROJ", "PRE_SUMS"):
+        monkeypatch.setattr(fused, name, "tf32")
+        with pytest.raises(ValueError, match=f"{name}='tf32'.*fp32, bf16x3"):
+            fused._post_bwd_on_tensor_cores(torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4, 8))
+            fused._pre_sums_on_tensor_cores(torch.zeros(2, 4, 8, dtype=torch.bfloat16), 16)
+        monkeypatch.setattr(fused, name, "bf16x3")
 
 
 @needs_interpreter
@@ -632,7 +653,7 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = []
-    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], ["--set", "POST_BWD_PROJ=bf16x3", "4,512"]):
+    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], ["--set", "POST_BWD_PROJ=bf16x3", "--set", "PRE_SUMS=bf16x3", "4,512"]):
         done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
