@@ -282,7 +282,9 @@
 #   ahead_medium one GPU: msar_block's medium step with pass 2's rows a source ahead against the default, then the
 #            training path's GPU tests (MSAR_MEDIUM_LIMIT, CLOSING_TEST_LIMIT)
 #   src_ahead2 one GPU (about 450 s with the start, estimated): the source-gradient kernel with two tokens' loads in
-#            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step
+#            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step.
+#            Its first two steps ran 2026-12-05 late on an H100 (tests pass; 32-35% slower alone, so the step was not
+#            timed)
 #   mhc_tc_bwd one GPU (about 480 s with the start, estimated): mHC's write backward (POST_BWD_PROJ=bf16x3) and the
 #            read's sums (PRE_SUMS=bf16x3) on tensor cores: GPU tests, the ops alone in rounds at small and medium, mhc's
 #            small step alternating

@@ -92,8 +92,9 @@ def main(argv: list[str]) -> int:
             if opts.kernels and kernel.__name__ not in opts.kernels:
                 continue
             flags = {k: v for k, v in kwargs.items() if k in FLAGS}
-            launch = (kwargs.get("BLOCK_T", kwargs.get("BLOCK_R")), kwargs.get("BLOCK_D", 0), kwargs.get("num_warps", 4),
-                      kwargs.get("num_stages", 3), kwargs.get("maxnreg", 0))
+            # (BLOCK_T or the split kernel's BLOCK_R, BLOCK_D, warps, stages, maxnreg); Triton's defaults where unset
+            launch = (kwargs.get("BLOCK_T", kwargs.get("BLOCK_R")), kwargs.get("BLOCK_D", 0),
+                      kwargs.get("num_warps", 4), kwargs.get("num_stages", 3), kwargs.get("maxnreg", 0))
             key = (kernel.__name__, tuple(sorted(flags.items())), launch)
             if key in seen:
                 continue

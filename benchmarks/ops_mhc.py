@@ -179,19 +179,21 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
 
 # the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first), picked by
 # `--variants`; block sizes are swept by `--sweep-blocks` (BLOCK_CANDIDATES).
-_TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2"}
+_TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "POST_BWD_PROJ": "bf16x3"}
 FUSED_VARIANTS = {
     "default": {},
     # the projections before 2026-12-02 night (fp32 on CUDA cores; dX' is now loaded once either way)
-    "before": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32"},
+    "before": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "POST_BWD_PROJ": "fp32"},
     "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
     "dx_tf32": {"DX_PROJ": "tf32"},  # 16-bit streams: φ w in dX on tf32 tensor cores
     "tc": _TC,  # bf16 streams: the read's projection and φ's gradient bf16x3, φ w in dX bf16x2 (the defaults)
     # fp32 streams (or PRE_PROJ=fp32): the read's forward at 32 tokens and 2 warps, 4×4 outputs of x'φ a thread
     # (2026-12-04 night, untimed): `--dtype fp32 --fused-only --variants default pre_fwd_w2 --rounds 5`
     "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},
-    # bf16 streams: the write's backward with its reductions as tensor-core products (2026-12-05, untimed)
+    # bf16 streams: the write's backward with its reductions as tensor-core products (the default since 2026-12-05),
+    # and on CUDA cores as before
     "post_bwd_tc": {"POST_BWD_PROJ": "bf16x3"},
+    "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},
     # and the read's sums over the streams (h, dH^pre) the same way
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
 }
@@ -262,12 +264,15 @@ BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_com
     "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1)],
     "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
     "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
+    # the write's backward on tensor cores (POST_BWD_PROJ="bf16x3", bf16 streams); R = BLOCK_T·n stream rows
+    "post_bwd_tc": [(16, 64, 4, 2), (16, 32, 4, 2), (16, 128, 4, 2), (16, 64, 8, 2), (16, 64, 4, 3), (32, 64, 8, 2),
+                    (32, 32, 8, 2)],
 }
 SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
-            "post_bwd": "post+pre fwd+bwd"}
+            "post_bwd": "post+pre fwd+bwd", "post_bwd_tc": "post+pre fwd+bwd"}
 
 
-def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDATES)) -> None:
+def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDATES), tag: str = "") -> None:
     """Time each candidate block configuration of each fused kernel on the op that runs it; check that
     its outputs and gradients match the default configuration's; print the fastest as a GPU_BLOCKS dict."""
     from kernels.mhc import fused, mhc_post
@@ -329,7 +334,7 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
         table.notes.append(f"{name}: fastest GPU_BLOCKS = " + repr({k: v[0] for k, v in best.items()}))
         del p, coeffs, leaves, outs, ups, expected
         torch.cuda.empty_cache()
-    table.write("ops_mhc_blocks" if dtype_name == "bf16" else f"ops_mhc_blocks_{dtype_name}")
+    table.write(("ops_mhc_blocks" if dtype_name == "bf16" else f"ops_mhc_blocks_{dtype_name}") + tag)
 
 
 def main(argv=None) -> None:
@@ -357,7 +362,7 @@ def main(argv=None) -> None:
 
     dtype = DTYPES[args.dtype]
     if args.sweep_blocks:
-        return sweep_blocks(args.shapes, args.n, args.seed, dtype, args.dtype, args.kernels)
+        return sweep_blocks(args.shapes, args.n, args.seed, dtype, args.dtype, args.kernels, args.tag)
     ceil = Ceilings.measure()
     print(ceil.describe(), flush=True)
     table = Table(

@@ -20,7 +20,9 @@ Backward (recomputation instead of storage: only z and r are kept per token):
 - ``_post_bwd_kernel``: df = Σ_i H^post_i dX'_i and the per-token reductions over d
   dH^res_ij = ⟨dX'_i, X_j⟩, dH^post_i = ⟨dX'_i, f⟩; one pass. Its stream gradient H^resᵀ dX' is left to
   the read's backward (``GradientLink``) when the write used the read's own streams and coefficients,
-  so the two halves of dX are written once, not twice and then summed.
+  so the two halves of dX are written once, not twice and then summed. With bf16 streams (n = 1, 2, 4) the
+  default is ``_post_bwd_tc_kernel`` instead: the same results, each reduction a tensor-core product over a block
+  of tokens' stream rows (``POST_BWD_PROJ``).
 - ``_pre_bwd_kernel``: dH^pre_i = ⟨dh, X_i⟩ (one sweep), then per token the gradients of the logits:
   σ' for H^pre and H^post, and the Sinkhorn iterations recomputed from the logits and
   backpropagated last first (O(T) steps on an (n, n) register tile; only the 2n normalisers per
@@ -90,16 +92,21 @@ DX_PROJ = "bf16x2"
 #   at 4.0 bytes an FFMA. "pre_fwd_w2": 32 tokens, 2 warps, 4×4 outputs a thread, 2.1 bytes an FFMA
 #   (docs/kernel_mhc.md, 2026-12-04).
 PRE_FWD_BLOCKS = "pre_fwd"
-# POST_BWD_PROJ (2026-12-05, untimed): the write's backward for **bf16** streams with n a power of two. "fp32"
-#   (default): ``_post_bwd_kernel``, its reductions over d and n on CUDA cores (shuffles and shared memory: the
-#   L1/shared pipe was 84% busy at `small`, kernel_counters_h200_mhc_tc.md). "bf16x3": ``_post_bwd_tc_kernel``,
-#   every reduction a tensor-core product (G Xᵀ, G Fᵀ, P G, Q G over a block of tokens' stream rows), the fp32
-#   factors in three bf16 parts. Other streams (and n = 3) take "fp32".
-POST_BWD_PROJ = "fp32"
-# PRE_SUMS (2026-12-05, untimed): the read's sums over the streams for **bf16** streams with n a power of two, the same
-#   way: "bf16x3" makes the forward's h = Σ_i H^pre_i X_i one tensor-core product P X a chunk (P block-diagonal of
-#   H^pre in three bf16 parts; with PRE_PROJ="bf16x3" only) and the backward's dH^pre_i = ⟨dh, X_i⟩ the diagonal of
-#   X dhᵀ; "fp32" (default) keeps the (tokens, n, channels) reductions on CUDA cores.
+# POST_BWD_PROJ (2026-12-05): the write's backward for **bf16** streams with n a power of two. "fp32":
+#   ``_post_bwd_kernel``, its reductions over d and n on CUDA cores (shuffles and shared memory: the L1/shared pipe
+#   was 84% busy at `small`, kernel_counters_h200_mhc_tc.md). "bf16x3" (default since 2026-12-05):
+#   ``_post_bwd_tc_kernel``, every reduction a tensor-core product (G Xᵀ, G Fᵀ, P G, Q G over a block of tokens'
+#   stream rows), the fp32 factors in three bf16 parts. Other streams (and n = 3) take "fp32". On an H100, one
+#   process each (ops_mhc_post_bwd_tc_h100.md, throughput_{small,medium}_post_bwd_tc_h100.md): a `medium`
+#   sublayer's write + read forward and backward 3.771 -> 2.514 ms; mhc's step 0.603 -> 0.622x vanilla at `small`,
+#   0.685 -> 0.704x at `medium`.
+POST_BWD_PROJ = "bf16x3"
+# PRE_SUMS (2026-12-05; timed with POST_BWD_PROJ="bf16x3" on an H100: the step 0.707x against 0.704x at `medium`,
+#   0.619x against 0.622x at `small`, within the noise, so opt-in): the read's sums over the streams for **bf16**
+#   streams with n a power of two, the same way: "bf16x3" makes the forward's h = Σ_i H^pre_i X_i one tensor-core
+#   product P X a chunk (P block-diagonal of H^pre in three bf16 parts; with PRE_PROJ="bf16x3" only) and the
+#   backward's dH^pre_i = ⟨dh, X_i⟩ the diagonal of X dhᵀ; "fp32" (default) keeps the (tokens, n, channels)
+#   reductions on CUDA cores.
 PRE_SUMS = "fp32"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
@@ -578,7 +585,8 @@ def _post_bwd_tc_kernel(
             dx = _bf16_dot(q1, g, dx, INTERP)
             dx = _bf16_dot(q0, g, dx, INTERP)
             tl.store(dx_ptr + srow[:, None] * D + offs_d[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mrd)
-    # keep the diagonal blocks: row t·n + i, column t·n + j -> dH^res[t, i, j]; row t·n + i, column t -> dH^post[t, i]
+    # keep the diagonal blocks: row t·n + i, column t·n + j -> dH^res[t, i, j];
+    # row t·n + i, column t -> dH^post[t, i]
     tr = offs_r // N_STREAMS
     tok = (pid * BLOCK_T + tr).to(tl.int64)
     ii = offs_r % N_STREAMS
@@ -841,7 +849,7 @@ GPU_BLOCKS = {
     "pre_dx": (32, 32, 4, 1),
     "post_fwd": (8, 128, 4, 3),
     "post_bwd": (8, 64, 4, 2),
-    # POST_BWD_PROJ="bf16x3": 16 tokens (R = 64 stream rows at n = 4, the smallest tensor-core tile), untimed
+    # POST_BWD_PROJ="bf16x3" (the default): 16 tokens (R = 64 stream rows at n = 4); not swept
     "post_bwd_tc": (16, 64, 4, 2),
 }
 

@@ -1757,7 +1757,10 @@ class Blocks:
     # step t), for its steps' load latency (its warps wait on loads with 2 programs an SM). sm_90a at `small`
     # (python -m benchmarks.msar_attn_ptxas): 255 registers and 32 bytes spilled, against 252 and none. Its taps
     # loaded again every step from L1 instead of held (to make room) took more registers, not fewer: 255 and 48
-    # bytes spilled (152 with both), so that was not kept. Built 2026-12-05 (last session), CPU-tested, not timed
+    # bytes spilled (152 with both), so that was not kept. Built 2026-12-05 (last session). Timed 2026-12-05 late on an
+    # H100, one process (msar_tiles_nvidia_h100_80gb_hbm3_src_ahead2.md): the streams backward 0.788 -> 1.041 ms at
+    # `small` and 2.649 -> 3.578 ms at `medium` (S = 5), 32-35% slower: the spilled registers and the longer step
+    # cost more than the second token in flight gains. Kept opt-in and tested, as the measured counter-example
     serial_ahead2: bool = False
     # both serial kernels: the document masks of the window (a select a tap a step) only in the steps whose window
     # holds a document boundary or the row's start, a branch the whole program takes alike (not yet timed)

@@ -65,15 +65,16 @@ def leaves(inp):
 
 # the kernel variants of kernels/mhc/fused.py (module settings; the defaults and the choices): each must give the
 # reference's results. The tensor-core ones apply to 16-bit streams only; on fp32 streams they must leave the fp32 path.
-TENSOR_CORES = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2"}
+TENSOR_CORES = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "POST_BWD_PROJ": "bf16x3"}
 VARIANTS = {
     "default": {},
     "tensor_cores": TENSOR_CORES,  # the defaults since 2026-12-02, spelt out: they stay tested if the defaults move
-    "fp32_projections": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32"},
+    "fp32_projections": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "POST_BWD_PROJ": "fp32"},
     "dx_tf32": {"DX_PROJ": "tf32"},
     "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},  # 2026-12-04 night: the read's fp32 projection, 32 tokens, 2 warps
-    # 2026-12-05: the write's backward and the read's sums over the streams on tensor cores (bf16 streams)
+    # 2026-12-05: the read's sums over the streams on tensor cores too (bf16 streams), besides the write's backward
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
+    "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},  # the write's backward on CUDA cores (the default before 2026-12-05)
 }
 
 
@@ -362,7 +363,8 @@ def test_write_backward_on_tensor_cores_matches_exact_sums(n, f_dtype, store_dx,
         results[setting] = fused.post_bwd(x, f, h_post, h_res, dout, store_dx=store_dx)
     assert launched == ["_post_bwd_kernel", "_post_bwd_tc_kernel"]
     X, G, F = x.double(), dout.double(), f.double()
-    exact = {"dx": torch.einsum("tij,tid->tjd", h_res.double(), G), "df": torch.einsum("ti,tid->td", h_post.double(), G),
+    exact = {"dx": torch.einsum("tij,tid->tjd", h_res.double(), G),
+             "df": torch.einsum("ti,tid->td", h_post.double(), G),
              "d_post": torch.einsum("tid,td->ti", G, F), "d_res": torch.einsum("tid,tjd->tij", G, X)}
     for i, name in enumerate(("dx", "df", "d_post", "d_res")):
         if name == "dx" and not store_dx:
@@ -653,14 +655,16 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = []
-    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], ["--set", "POST_BWD_PROJ=bf16x3", "--set", "PRE_SUMS=bf16x3", "4,512"]):
+    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], ["--set", "POST_BWD_PROJ=fp32", "--set", "PRE_SUMS=bf16x3", "4,512"]):
         done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         lines += [ln for ln in done.stdout.splitlines() if ln.startswith("_")]
     assert len(lines) == 3 * 22, "\n".join(lines)  # 22 launches per shape: every kernel and flag combination
-    # the third run's write backward is the tensor-core kernel, with and without its own dX
-    assert sum(ln.startswith("_post_bwd_tc_kernel ") for ln in lines) == 2, "\n".join(lines)
+    # the write's backward: on tensor cores by default (bf16 streams, n = 4 and 2), with and without its own dX; on
+    # CUDA cores in the third run (POST_BWD_PROJ=fp32)
+    assert sum(ln.startswith("_post_bwd_tc_kernel ") for ln in lines) == 4, "\n".join(lines)
+    assert sum(ln.startswith("_post_bwd_kernel ") for ln in lines) == 2, "\n".join(lines)
     spills = [int(ln.split(" spills ")[1].split()[0]) for ln in lines]
     assert max(spills) <= 32, "\n".join(lines)  # a few bytes at most (ptxas sometimes parks one value)
 
