@@ -196,6 +196,8 @@ FUSED_VARIANTS = {
     "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},
     # and the read's sums over the streams (h, dH^pre) the same way
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
+    # bf16 streams: the read's dX on the block's stream rows, each term one tensor-core product (2026-12-05)
+    "dx_rows": {"DX_LAYOUT": "rows"},
 }
 
 

@@ -108,9 +108,15 @@ POST_BWD_PROJ = "bf16x3"
 #   backward's dH^pre_i = ⟨dh, X_i⟩ the diagonal of X dhᵀ; "fp32" (default) keeps the (tokens, n, channels)
 #   reductions on CUDA cores.
 PRE_SUMS = "fp32"
+# DX_LAYOUT (2026-12-05, untimed): the read's dX for **bf16** streams (with DX_PROJ="bf16x2", n = 1, 2, 4).
+#   "stream" (default): ``_pre_dx_kernel``, a (tokens, channels) tile a stream, the sum over the write's streams
+#   H^resᵀ dX' a (tokens, n, channels) reduction. "rows": ``_pre_dx_rows_kernel``, the tile's rows the block's
+#   stream rows and each term (H^pre dh, φ w, H^resᵀ dX') one tensor-core product.
+DX_LAYOUT = "stream"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
-                   "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3")}
+                   "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
+                   "DX_LAYOUT": ("stream", "rows")}
 
 
 def _variant(name: str) -> str:
@@ -773,6 +779,89 @@ def _pre_dx_kernel(
 
 
 @triton.jit
+def _pre_dx_rows_kernel(
+    x_ptr,  # streams (N, n, d) bf16, contiguous: read as the (N·n, d) matrix of stream rows
+    dh_ptr,  # upstream gradient of h (N, d) bf16, contiguous
+    w_ptr,  # r · dz (N, K) fp32, from _pre_bwd_kernel
+    coef_ptr,  # H^pre and c (N, n + 1) fp32, from _pre_bwd_kernel
+    phit_ptr,  # g ⊙ φ, transposed, in two bf16 parts (2, KP, n·d) from split_bf16
+    dout_ptr,  # the write's upstream gradient dX' (N, n, d) bf16; read only when HAS_DOUT
+    hres_ptr,  # H^res (N, n, n) fp32 as the write used it; read only when HAS_DOUT
+    dx_ptr,  # result: dX (N, n, d) bf16
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_DOUT: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+):
+    """dX on one (tokens, channels) tile with its rows the block's R = BLOCK_T·n stream rows (row t·n + i: stream i
+    of token t) and every product on tensor cores (``DX_LAYOUT="rows"``, bf16 streams, DX_PROJ="bf16x2"):
+
+        dX = A dh + W Φ − c ⊙ X (+ Q G)
+
+    A (R, BLOCK_T) holds H^pre[t, i] at [t·n + i, t] (three bf16 parts); W (R, n·KP) holds w[t, k] at
+    [t·n + i, i·KP + k] and Φ (n·KP, BLOCK_D) holds (g ⊙ φ)[i·d + c, k] at [i·KP + k, c], both in two bf16 parts as
+    ``_pre_dx_kernel``'s PROJ = 2 takes them (three products); Q (R, R) holds H^res[t, i, j] at [t·n + j, t·n + i]
+    (three parts) and G is the rows of dX'. The per-stream kernel sums over the streams with (tokens, n, channels)
+    reductions and runs a (BLOCK_T, KP) @ (KP, BLOCK_D) product a stream; here each term is one product."""
+    R: tl.constexpr = BLOCK_T * N_STREAMS
+    NK: tl.constexpr = N_STREAMS * KP
+    ND: tl.constexpr = N_STREAMS * D
+    pid = tl.program_id(0)
+    offs_r = tl.arange(0, R)
+    srow = (pid * R + offs_r).to(tl.int64)  # rows of the (N·n, d) matrices
+    mask_r = srow < N * N_STREAMS
+    tok_l = offs_r // N_STREAMS  # the row's token in the block
+    tok = (pid * BLOCK_T + tok_l).to(tl.int64)
+    ii = offs_r % N_STREAMS  # the row's stream
+    offs_b = tl.arange(0, BLOCK_T)
+    rows = (pid * BLOCK_T + offs_b).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    mrd = mask_r[:, None] & mask_d[None, :]
+
+    # A dh: H^pre_i dh, three parts of H^pre, smallest first
+    a = tl.load(coef_ptr + tok[:, None] * (N_STREAMS + 1) + ii[:, None] + 0 * offs_b[None, :],
+                mask=(tok_l[:, None] == offs_b[None, :]) & mask_r[:, None], other=0.0)  # (R, BLOCK_T) fp32
+    dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=(rows < N)[:, None] & mask_d[None, :],
+                 other=0.0)  # (BLOCK_T, BLOCK_D) bf16
+    a0 = a.to(tl.bfloat16)
+    a = a - a0.to(tl.float32)
+    a1 = a.to(tl.bfloat16)
+    a2 = (a - a1.to(tl.float32)).to(tl.bfloat16)
+    acc = _bf16_dot(a2, dh, tl.zeros((R, BLOCK_D), dtype=tl.float32), INTERP)
+    acc = _bf16_dot(a1, dh, acc, INTERP)
+    acc = _bf16_dot(a0, dh, acc, INTERP)
+
+    # W Φ: φ_i w for every row, w and φ in two parts each (three products, as PROJ = 2)
+    offs_j = tl.arange(0, NK)  # column i'·KP + k of W, row of Φ
+    kk = offs_j % KP
+    wv = tl.load(w_ptr + tok[:, None] * K + kk[None, :],
+                 mask=(ii[:, None] == (offs_j // KP)[None, :]) & (kk < K)[None, :] & mask_r[:, None], other=0.0)
+    w_hi = wv.to(tl.bfloat16)
+    w_lo = (wv - w_hi.to(tl.float32)).to(tl.bfloat16)
+    cols = kk[:, None] * ND + (offs_j // KP)[:, None] * D + offs_d[None, :]  # (NK, BLOCK_D)
+    ph_hi = tl.load(phit_ptr + cols, mask=mask_d[None, :], other=0.0)
+    ph_lo = tl.load(phit_ptr + KP * ND + cols, mask=mask_d[None, :], other=0.0)
+    acc = _bf16_dot(w_lo, ph_hi, acc, INTERP)
+    acc = _bf16_dot(w_hi, ph_lo, acc, INTERP)
+    acc = _bf16_dot(w_hi, ph_hi, acc, INTERP)
+
+    # − c X
+    c = tl.load(coef_ptr + tok * (N_STREAMS + 1) + N_STREAMS, mask=mask_r, other=0.0)
+    xv = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0).to(tl.float32)
+    acc -= c[:, None] * xv
+
+    if HAS_DOUT:  # + H^resᵀ dX': Q G, three parts of H^res
+        g = tl.load(dout_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)  # (R, BLOCK_D) bf16
+        q = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 2)
+        acc = _bf16_dot(q, g, acc, INTERP)
+        q = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 1)
+        acc = _bf16_dot(q, g, acc, INTERP)
+        q = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 0)
+        acc = _bf16_dot(q, g, acc, INTERP)
+    tl.store(dx_ptr + srow[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mrd)
+
+
+@triton.jit
 def _phi_grad_kernel(
     x_ptr,  # streams viewed as (N, n·d), contiguous
     w_ptr,  # r · dz (N, K) fp32
@@ -851,6 +940,8 @@ GPU_BLOCKS = {
     "post_bwd": (8, 64, 4, 2),
     # POST_BWD_PROJ="bf16x3" (the default): 16 tokens (R = 64 stream rows at n = 4); not swept
     "post_bwd_tc": (16, 64, 4, 2),
+    # DX_LAYOUT="rows": 16 tokens (R = 64 stream rows at n = 4), untimed
+    "pre_dx_rows": (16, 64, 4, 2),
 }
 
 
@@ -921,6 +1012,14 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
         phit, gain = split_bf16(phi, gain, 2, kp, trans=True), None
     else:
         phit = phi.t().contiguous()
+    if proj == 2 and _dx_on_rows(x, dh, dout):
+        block_t, block_d, launch = _blocks(d, "pre_dx_rows")
+        block_t, block_d = max(block_t, 16), max(block_d, 16)  # tensor-core tiles
+        _pre_dx_rows_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
+            x, dh, w, coef, phit, x if dout is None else dout, z if h_res is None else h_res, dx, N, D=d,
+            N_STREAMS=n, K=k, KP=kp, HAS_DOUT=dout is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+            INTERP=interpreting(), **launch)
+        return dx, dlogit, w
     block_t, block_d, launch = _blocks(d, "pre_dx")
     _pre_dx_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
         x, dh, w, coef, phit, phi if gain is None else gain, x if dout is None else dout,
@@ -975,6 +1074,13 @@ def _post_bwd_on_tensor_cores(x: Tensor, dout: Tensor) -> bool:
     n = x.shape[1]
     return (_variant("POST_BWD_PROJ") == "bf16x3" and x.dtype == torch.bfloat16 and dout.dtype == torch.bfloat16
             and n in (1, 2, 4))
+
+
+def _dx_on_rows(x: Tensor, dh: Tensor, dout: Tensor | None) -> bool:
+    """Whether the read's dX takes ``_pre_dx_rows_kernel``: DX_LAYOUT="rows" with DX_PROJ="bf16x2" (the caller's
+    check), bf16 streams, dh and dX', n = 1, 2, 4."""
+    return (_variant("DX_LAYOUT") == "rows" and x.dtype == torch.bfloat16 and dh.dtype == torch.bfloat16
+            and (dout is None or dout.dtype == torch.bfloat16) and x.shape[1] in (1, 2, 4))
 
 
 def _pre_sums_on_tensor_cores(x: Tensor, block_t: int) -> bool:

@@ -38,7 +38,7 @@ def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
             return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
 
     names = ("_pre_fwd_kernel", "_pre_bwd_kernel", "_pre_dx_kernel", "_post_fwd_kernel", "_post_bwd_kernel",
-             "_post_bwd_tc_kernel", "_phi_grad_kernel",
+             "_post_bwd_tc_kernel", "_pre_dx_rows_kernel", "_phi_grad_kernel",
              "_split_kernel")
     for name in names:
         saved[name] = getattr(fused, name)

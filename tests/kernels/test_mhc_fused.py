@@ -75,6 +75,7 @@ VARIANTS = {
     # 2026-12-05: the read's sums over the streams on tensor cores too (bf16 streams), besides the write's backward
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
     "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},  # the write's backward on CUDA cores (the default before 2026-12-05)
+    "dx_rows": {"DX_LAYOUT": "rows"},  # 2026-12-05: the read's dX on the block's stream rows, tensor-core products
 }
 
 
@@ -655,7 +656,8 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = []
-    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], ["--set", "POST_BWD_PROJ=fp32", "--set", "PRE_SUMS=bf16x3", "4,512"]):
+    candidates = ["--set", "POST_BWD_PROJ=fp32", "--set", "PRE_SUMS=bf16x3", "--set", "DX_LAYOUT=rows", "4,512"]
+    for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], candidates):
         done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
@@ -665,6 +667,7 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
     # CUDA cores in the third run (POST_BWD_PROJ=fp32)
     assert sum(ln.startswith("_post_bwd_tc_kernel ") for ln in lines) == 4, "\n".join(lines)
     assert sum(ln.startswith("_post_bwd_kernel ") for ln in lines) == 2, "\n".join(lines)
+    assert sum(ln.startswith("_pre_dx_rows_kernel ") for ln in lines) == 2, "\n".join(lines)  # DX_LAYOUT=rows
     spills = [int(ln.split(" spills ")[1].split()[0]) for ln in lines]
     assert max(spills) <= 32, "\n".join(lines)  # a few bytes at most (ptxas sometimes parks one value)
 
