@@ -111,7 +111,9 @@ PRE_SUMS = "fp32"
 # DX_LAYOUT (2026-12-05, untimed): the read's dX for **bf16** streams (with DX_PROJ="bf16x2", n = 1, 2, 4).
 #   "stream" (default): ``_pre_dx_kernel``, a (tokens, channels) tile a stream, the sum over the write's streams
 #   H^resᵀ dX' a (tokens, n, channels) reduction. "rows": ``_pre_dx_rows_kernel``, the tile's rows the block's
-#   stream rows and each term (H^pre dh, φ w, H^resᵀ dX') one tensor-core product.
+#   stream rows: φ w of every stream one tensor-core product, H^pre dh and c X elementwise, H^resᵀ dX' a
+#   block-diagonal product. sm_90a at (16, 64, 4, 2): 154 registers, 150 warp instructions a token and 32 channels
+#   against the per-stream kernel's 137 (docs/kernel_mhc.md).
 DX_LAYOUT = "stream"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
@@ -795,13 +797,13 @@ def _pre_dx_rows_kernel(
     """dX on one (tokens, channels) tile with its rows the block's R = BLOCK_T·n stream rows (row t·n + i: stream i
     of token t) and every product on tensor cores (``DX_LAYOUT="rows"``, bf16 streams, DX_PROJ="bf16x2"):
 
-        dX = A dh + W Φ − c ⊙ X (+ Q G)
+        dX = (w Φ reshaped to the rows) + H^pre ⊙ dh − c ⊙ X (+ Q G)
 
-    A (R, BLOCK_T) holds H^pre[t, i] at [t·n + i, t] (three bf16 parts); W (R, n·KP) holds w[t, k] at
-    [t·n + i, i·KP + k] and Φ (n·KP, BLOCK_D) holds (g ⊙ φ)[i·d + c, k] at [i·KP + k, c], both in two bf16 parts as
-    ``_pre_dx_kernel``'s PROJ = 2 takes them (three products); Q (R, R) holds H^res[t, i, j] at [t·n + j, t·n + i]
-    (three parts) and G is the rows of dX'. The per-stream kernel sums over the streams with (tokens, n, channels)
-    reductions and runs a (BLOCK_T, KP) @ (KP, BLOCK_D) product a stream; here each term is one product."""
+    w Φ is one product for every stream: w (BLOCK_T, KP) @ Φ (KP, n·BLOCK_D), Φ's column i·BLOCK_D + c holding
+    (g ⊙ φ)[i·d + c, :], both in two bf16 parts as ``_pre_dx_kernel``'s PROJ = 2 takes them (three products); in row-
+    major order its (BLOCK_T, n·BLOCK_D) result is the (R, BLOCK_D) tile. Q (R, R) holds H^res[t, i, j] at
+    [t·n + j, t·n + i] (three parts) and G is the rows of dX'. The per-stream kernel runs a (BLOCK_T, KP) @
+    (KP, BLOCK_D) product a stream and sums over the write's streams with (tokens, n, channels) tiles."""
     R: tl.constexpr = BLOCK_T * N_STREAMS
     NK: tl.constexpr = N_STREAMS * KP
     ND: tl.constexpr = N_STREAMS * D
@@ -818,46 +820,43 @@ def _pre_dx_rows_kernel(
     mask_d = offs_d < D
     mrd = mask_r[:, None] & mask_d[None, :]
 
-    # A dh: H^pre_i dh, three parts of H^pre, smallest first
-    a = tl.load(coef_ptr + tok[:, None] * (N_STREAMS + 1) + ii[:, None] + 0 * offs_b[None, :],
-                mask=(tok_l[:, None] == offs_b[None, :]) & mask_r[:, None], other=0.0)  # (R, BLOCK_T) fp32
-    dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=(rows < N)[:, None] & mask_d[None, :],
-                 other=0.0)  # (BLOCK_T, BLOCK_D) bf16
-    a0 = a.to(tl.bfloat16)
-    a = a - a0.to(tl.float32)
-    a1 = a.to(tl.bfloat16)
-    a2 = (a - a1.to(tl.float32)).to(tl.bfloat16)
-    acc = _bf16_dot(a2, dh, tl.zeros((R, BLOCK_D), dtype=tl.float32), INTERP)
-    acc = _bf16_dot(a1, dh, acc, INTERP)
-    acc = _bf16_dot(a0, dh, acc, INTERP)
-
-    # W Φ: φ_i w for every row, w and φ in two parts each (three products, as PROJ = 2)
-    offs_j = tl.arange(0, NK)  # column i'·KP + k of W, row of Φ
-    kk = offs_j % KP
-    wv = tl.load(w_ptr + tok[:, None] * K + kk[None, :],
-                 mask=(ii[:, None] == (offs_j // KP)[None, :]) & (kk < K)[None, :] & mask_r[:, None], other=0.0)
+    # φ_i w for every stream at once: w (BLOCK_T, KP) @ Φ (KP, n·BLOCK_D), Φ's column i·BLOCK_D + c holding
+    # (g ⊙ φ)[i·d + c, :], two bf16 parts of each (three products, as PROJ = 2); row-major, (BLOCK_T, n·BLOCK_D) is
+    # (R, BLOCK_D) with row t·n + i
+    offs_k = tl.arange(0, KP)
+    wv = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(rows < N)[:, None] & (offs_k < K)[None, :],
+                 other=0.0)  # (BLOCK_T, KP) fp32
     w_hi = wv.to(tl.bfloat16)
     w_lo = (wv - w_hi.to(tl.float32)).to(tl.bfloat16)
-    cols = kk[:, None] * ND + (offs_j // KP)[:, None] * D + offs_d[None, :]  # (NK, BLOCK_D)
-    ph_hi = tl.load(phit_ptr + cols, mask=mask_d[None, :], other=0.0)
-    ph_lo = tl.load(phit_ptr + KP * ND + cols, mask=mask_d[None, :], other=0.0)
-    acc = _bf16_dot(w_lo, ph_hi, acc, INTERP)
-    acc = _bf16_dot(w_hi, ph_lo, acc, INTERP)
-    acc = _bf16_dot(w_hi, ph_hi, acc, INTERP)
+    offs_j = tl.arange(0, N_STREAMS * BLOCK_D)  # column i·BLOCK_D + c of Φ
+    ch = tl.program_id(1) * BLOCK_D + offs_j % BLOCK_D
+    cols = offs_k[:, None] * ND + ((offs_j // BLOCK_D) * D + ch)[None, :]  # (KP, n·BLOCK_D)
+    ph_hi = tl.load(phit_ptr + cols, mask=(ch < D)[None, :], other=0.0)
+    ph_lo = tl.load(phit_ptr + KP * ND + cols, mask=(ch < D)[None, :], other=0.0)
+    proj = _bf16_dot(w_lo, ph_hi, tl.zeros((BLOCK_T, N_STREAMS * BLOCK_D), dtype=tl.float32), INTERP)
+    proj = _bf16_dot(w_hi, ph_lo, proj, INTERP)
+    proj = _bf16_dot(w_hi, ph_hi, proj, INTERP)
+    acc = tl.reshape(proj, (R, BLOCK_D))
 
-    # − c X
+    # H^pre_i dh − c X, elementwise on the rows (each token's dh read n times, from L1)
+    hp = tl.load(coef_ptr + tok * (N_STREAMS + 1) + ii, mask=mask_r, other=0.0)
     c = tl.load(coef_ptr + tok * (N_STREAMS + 1) + N_STREAMS, mask=mask_r, other=0.0)
+    dh = tl.load(dh_ptr + tok[:, None] * D + offs_d[None, :], mask=mrd, other=0.0).to(tl.float32)
     xv = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0).to(tl.float32)
-    acc -= c[:, None] * xv
+    acc += hp[:, None] * dh - c[:, None] * xv
 
-    if HAS_DOUT:  # + H^resᵀ dX': Q G, three parts of H^res
+    if HAS_DOUT:  # + H^resᵀ dX': Q G, H^res loaded once and split in three bf16 parts
         g = tl.load(dout_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)  # (R, BLOCK_D) bf16
-        q = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 2)
-        acc = _bf16_dot(q, g, acc, INTERP)
-        q = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 1)
-        acc = _bf16_dot(q, g, acc, INTERP)
-        q = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 0)
-        acc = _bf16_dot(q, g, acc, INTERP)
+        tc = offs_r // N_STREAMS
+        q = tl.load(hres_ptr + tok[:, None] * (N_STREAMS * N_STREAMS) + (offs_r % N_STREAMS)[None, :] * N_STREAMS
+                    + ii[:, None], mask=(tok_l[:, None] == tc[None, :]) & mask_r[:, None], other=0.0)  # (R, R)
+        q0 = q.to(tl.bfloat16)
+        q = q - q0.to(tl.float32)
+        q1 = q.to(tl.bfloat16)
+        q2 = (q - q1.to(tl.float32)).to(tl.bfloat16)
+        acc = _bf16_dot(q2, g, acc, INTERP)
+        acc = _bf16_dot(q1, g, acc, INTERP)
+        acc = _bf16_dot(q0, g, acc, INTERP)
     tl.store(dx_ptr + srow[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mrd)
 
 
@@ -940,7 +939,8 @@ GPU_BLOCKS = {
     "post_bwd": (8, 64, 4, 2),
     # POST_BWD_PROJ="bf16x3" (the default): 16 tokens (R = 64 stream rows at n = 4); not swept
     "post_bwd_tc": (16, 64, 4, 2),
-    # DX_LAYOUT="rows": 16 tokens (R = 64 stream rows at n = 4), untimed
+    # DX_LAYOUT="rows": 16 tokens (R = 64 stream rows at n = 4), untimed; (16, 128, 4, 2): fewer instructions a
+    # token (108.5 against 150), 241 registers
     "pre_dx_rows": (16, 64, 4, 2),
 }
 
