@@ -387,9 +387,7 @@ def _pre_fwd_kernel(
         tl.debug_barrier()  # H^pre, stored above, is read back as a block-diagonal tile by other threads
         offs_r = tl.arange(0, R)
         offs_b = tl.arange(0, BLOCK_T)
-        p0 = _block_diag_parts(hpre_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 0)  # (BLOCK_T, R)
-        p1 = _block_diag_parts(hpre_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 1)
-        p2 = _block_diag_parts(hpre_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 2)
+        p0, p1, p2 = _bf16_parts3(_block_diag(hpre_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False))
         srow = (pid * R + offs_r).to(tl.int64)  # rows of the (N·n, d) streams
         mask_r = srow < N * N_STREAMS
         for d0 in range(0, D, BLOCK_D):
@@ -501,12 +499,20 @@ def _post_bwd_kernel(
 
 
 @triton.jit
-def _block_diag_parts(vals_ptr, row_offs, col_offs, pid, N, N_STREAMS: tl.constexpr, BLOCK_T: tl.constexpr,
-                      TRANS: tl.constexpr, PART: tl.constexpr):
-    """One bf16 part (PART = 0, 1, 2: hi, mid, lo) of a block-diagonal fp32 matrix built from per-token
-    coefficients. With TRANS False, ``vals`` is H^post (N, n) and the tile is (BLOCK_T, R) with [t, t·n + i] =
-    H^post[t, i]; with TRANS True, ``vals`` is H^res (N, n, n) and the tile is (R, R) with [t·n + j, t·n + i] =
-    H^res[t, i, j]. R = BLOCK_T·n. The parts sum to the fp32 value to 24 bits."""
+def _bf16_parts3(v):
+    """(hi, mid, lo): three bf16 parts of an fp32 tile, each what the parts before it left; they hold its 24 bits."""
+    hi = v.to(tl.bfloat16)
+    v = v - hi.to(tl.float32)
+    mid = v.to(tl.bfloat16)
+    return hi, mid, (v - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _block_diag(vals_ptr, row_offs, col_offs, pid, N, N_STREAMS: tl.constexpr, BLOCK_T: tl.constexpr,
+                TRANS: tl.constexpr):
+    """A block-diagonal fp32 tile built from per-token coefficients, loaded once. With TRANS False, ``vals`` is H^post
+    or H^pre (N, n) and the tile is (BLOCK_T, R) with [t, t·n + i] = vals[t, i]; with TRANS True, ``vals`` is H^res
+    (N, n, n) and the tile is (R, R) with [t·n + j, t·n + i] = H^res[t, i, j]. R = BLOCK_T·n."""
     if TRANS:
         tr = row_offs // N_STREAMS  # token of the row (local)
         tc = col_offs // N_STREAMS
@@ -519,10 +525,7 @@ def _block_diag_parts(vals_ptr, row_offs, col_offs, pid, N, N_STREAMS: tl.conste
         tc = col_offs // N_STREAMS
         ptr = vals_ptr + tok.to(tl.int64)[:, None] * N_STREAMS + (col_offs % N_STREAMS)[None, :]
         mask = (row_offs[:, None] == tc[None, :]) & (tok < N)[:, None]
-    v = tl.load(ptr, mask=mask, other=0.0)
-    for _ in tl.static_range(PART):
-        v = v - v.to(tl.bfloat16).to(tl.float32)
-    return v.to(tl.bfloat16)
+    return tl.load(ptr, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -562,13 +565,10 @@ def _post_bwd_tc_kernel(
     mask_r = srow < N * N_STREAMS
     rows = (pid * BLOCK_T + offs_b).to(tl.int64)
     mask_t = rows < N
-    p0 = _block_diag_parts(hpost_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 0)  # (BLOCK_T, R)
-    p1 = _block_diag_parts(hpost_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 1)
-    p2 = _block_diag_parts(hpost_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False, 2)
+    # P (BLOCK_T, R) and Q (R, R), each in three bf16 parts
+    p0, p1, p2 = _bf16_parts3(_block_diag(hpost_ptr, offs_b, offs_r, pid, N, N_STREAMS, BLOCK_T, False))
     if STORE_DX:
-        q0 = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 0)  # (R, R)
-        q1 = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 1)
-        q2 = _block_diag_parts(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True, 2)
+        q0, q1, q2 = _bf16_parts3(_block_diag(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True))
     acc_res = tl.zeros((R, R), dtype=tl.float32)
     acc_post = tl.zeros((R, BLOCK_T), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -580,7 +580,7 @@ def _post_bwd_tc_kernel(
         xv = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)
         acc_res = _bf16_dot(g, tl.trans(xv), acc_res, INTERP)
         f = tl.load(f_ptr + rows[:, None] * D + offs_d[None, :], mask=mtd, other=0.0).to(tl.float32)
-        for p in tl.static_range(F_PARTS):  # f in bf16 parts (one when f is bf16)
+        for _ in tl.static_range(F_PARTS):  # f in bf16 parts (one when f is bf16)
             fp = f.to(tl.bfloat16)
             acc_post = _bf16_dot(g, tl.trans(fp), acc_post, INTERP)
             f = f - fp.to(tl.float32)
@@ -598,7 +598,7 @@ def _post_bwd_tc_kernel(
     tr = offs_r // N_STREAMS
     tok = (pid * BLOCK_T + tr).to(tl.int64)
     ii = offs_r % N_STREAMS
-    on_res = (tr[:, None] == (offs_r // N_STREAMS)[None, :]) & (tok < N)[:, None]
+    on_res = (tr[:, None] == tr[None, :]) & (tok < N)[:, None]
     tl.store(dhres_ptr + tok[:, None] * NN + ii[:, None] * N_STREAMS + (offs_r % N_STREAMS)[None, :], acc_res,
              mask=on_res)
     on_post = (tr[:, None] == offs_b[None, :]) & (tok < N)[:, None]
@@ -847,13 +847,7 @@ def _pre_dx_rows_kernel(
 
     if HAS_DOUT:  # + H^resᵀ dX': Q G, H^res loaded once and split in three bf16 parts
         g = tl.load(dout_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)  # (R, BLOCK_D) bf16
-        tc = offs_r // N_STREAMS
-        q = tl.load(hres_ptr + tok[:, None] * (N_STREAMS * N_STREAMS) + (offs_r % N_STREAMS)[None, :] * N_STREAMS
-                    + ii[:, None], mask=(tok_l[:, None] == tc[None, :]) & mask_r[:, None], other=0.0)  # (R, R)
-        q0 = q.to(tl.bfloat16)
-        q = q - q0.to(tl.float32)
-        q1 = q.to(tl.bfloat16)
-        q2 = (q - q1.to(tl.float32)).to(tl.bfloat16)
+        q0, q1, q2 = _bf16_parts3(_block_diag(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True))  # (R, R)
         acc = _bf16_dot(q2, g, acc, INTERP)
         acc = _bf16_dot(q1, g, acc, INTERP)
         acc = _bf16_dot(q0, g, acc, INTERP)
