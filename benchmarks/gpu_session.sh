@@ -1274,6 +1274,20 @@ case "$PLAN" in
       "mhc@$BOTH" "mhc@$TC" mhc "mhc@$BOTH" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_post_bwd_tc}"
     ;;
+  mhc_dx_rows)
+    # mHC's read dX on the block's stream rows (DX_LAYOUT=rows, built 2026-12-05, CPU only; sm_90a 154 registers at 64
+    # channels, 241 at 128 = DX_ROWS_BLOCKS=pre_dx_rows_d128): its GPU tests (the variant fixture takes it), the op
+    # alone in interleaved rounds at small and medium against the default, then mhc's small step alternating with it
+    ROWS="py:kernels.mhc.fused.DX_LAYOUT=rows"
+    ROWS128="$ROWS@py:kernels.mhc.fused.DX_ROWS_BLOCKS=pre_dx_rows_d128"
+    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py -k "dx_rows or bf16_matches"
+    step gpu0 ops "${OPS_LIMIT:-150}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
+      --variants default dx_rows dx_rows_d128 --rounds 5 --tag "${TAG:-_dx_rows}"
+    step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
+      "mhc@$ROWS" "mhc@$ROWS128" mhc "mhc@$ROWS" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_dx_rows}"
+    ;;
   msar_full_sources)
     # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the
     # stream's dtype (eager, seeds 0 1, both arms fused), then medium's step and peak beside vanilla and fp32 sources.

@@ -198,6 +198,7 @@ FUSED_VARIANTS = {
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
     # bf16 streams: the read's dX on the block's stream rows, each term one tensor-core product (2026-12-05)
     "dx_rows": {"DX_LAYOUT": "rows"},
+    "dx_rows_d128": {"DX_LAYOUT": "rows", "DX_ROWS_BLOCKS": "pre_dx_rows_d128"},  # at 128 channels (2026-12-06)
 }
 
 

@@ -115,10 +115,14 @@ PRE_SUMS = "fp32"
 #   block-diagonal product. sm_90a at (16, 64, 4, 2): 154 registers, 150 warp instructions a token and 32 channels
 #   against the per-stream kernel's 137 (docs/kernel_mhc.md).
 DX_LAYOUT = "stream"
+# DX_ROWS_BLOCKS (2026-12-06): the GPU_BLOCKS entry of ``_pre_dx_rows_kernel`` (DX_LAYOUT="rows"). "pre_dx_rows"
+#   (default): 16 tokens and 64 channels, 154 registers; "pre_dx_rows_d128": 16 tokens and 128 channels, 241 registers
+#   and 108.5 warp instructions a token and 32 channels against 150 (docs/kernel_mhc.md).
+DX_ROWS_BLOCKS = "pre_dx_rows"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
-                   "DX_LAYOUT": ("stream", "rows")}
+                   "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128")}
 
 
 def _variant(name: str) -> str:
@@ -936,6 +940,7 @@ GPU_BLOCKS = {
     # DX_LAYOUT="rows": 16 tokens (R = 64 stream rows at n = 4), untimed; (16, 128, 4, 2): fewer instructions a
     # token (108.5 against 150), 241 registers
     "pre_dx_rows": (16, 64, 4, 2),
+    "pre_dx_rows_d128": (16, 128, 4, 2),  # DX_ROWS_BLOCKS="pre_dx_rows_d128"
 }
 
 
@@ -1007,7 +1012,7 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
     else:
         phit = phi.t().contiguous()
     if proj == 2 and _dx_on_rows(x, dh, dout):
-        block_t, block_d, launch = _blocks(d, "pre_dx_rows")
+        block_t, block_d, launch = _blocks(d, _variant("DX_ROWS_BLOCKS"))
         block_t, block_d = max(block_t, 16), max(block_d, 16)  # tensor-core tiles
         _pre_dx_rows_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
             x, dh, w, coef, phit, x if dout is None else dout, z if h_res is None else h_res, dx, N, D=d,

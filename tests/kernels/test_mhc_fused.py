@@ -577,6 +577,39 @@ def test_read_forward_at_its_gpu_blocks_matches_the_reference(case, setting, mon
         assert rel_err(a, b) < 2e-5, f"d{name}: rel err {rel_err(a, b):.2e}"
 
 
+@needs_interpreter
+@pytest.mark.parametrize("setting", ["pre_dx_rows", "pre_dx_rows_d128"])
+def test_rows_dx_at_its_gpu_blocks_matches_the_reference(setting, monkeypatch):
+    """DX_LAYOUT="rows" with the read's dX at the GPU blocks of ``DX_ROWS_BLOCKS`` (16 tokens; 64 or 128 channels):
+    bf16 streams, d = 200 (a channel tail in the last block at either width), 74 tokens (a ragged token block); the
+    write + read chain's outputs and gradients against the fp32 reference, as the GPU chain test checks them."""
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, "DX_LAYOUT", "rows")
+    monkeypatch.setattr(fused, "DX_ROWS_BLOCKS", setting)
+    asked, blocks = [], fused._blocks
+
+    def gpu_rows_blocks(width, kernel):
+        asked.append(kernel)
+        if kernel in fused.VARIANT_CHOICES["DX_ROWS_BLOCKS"]:
+            block_t, block_d = fused.GPU_BLOCKS[kernel][:2]
+            return block_t, min(block_d, fused._pow2(width, 16)), {}
+        return blocks(width, kernel)
+
+    monkeypatch.setattr(fused, "_blocks", gpu_rows_blocks)
+    check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
+    assert setting in asked and not set(asked) & (set(fused.VARIANT_CHOICES["DX_ROWS_BLOCKS"]) - {setting})
+
+
+def test_rows_dx_blocks_setting_is_checked(monkeypatch):
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, "DX_ROWS_BLOCKS", "pre_dx_rows_d256")
+    with pytest.raises(ValueError, match="DX_ROWS_BLOCKS='pre_dx_rows_d256': choose one of pre_dx_rows, "
+                                         "pre_dx_rows_d128"):
+        fused._variant("DX_ROWS_BLOCKS")
+
+
 def test_read_forward_blocks_setting_is_checked(monkeypatch):
     from kernels.mhc import fused
 
