@@ -26,6 +26,7 @@ Writes benchmarks/results/ops_mhc.md (command, GPU, date).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import math
 
 import torch
@@ -340,6 +341,35 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
     table.write(("ops_mhc_blocks" if dtype_name == "bf16" else f"ops_mhc_blocks_{dtype_name}") + tag)
 
 
+def pick_variant(table: str, op: str, gain: float) -> str | None:
+    """The fused variant of a results table (``main``'s markdown) whose median ``op`` time is at least ``gain`` (a
+    fraction) below the default's ("triton") at the same shape, the one with the largest gain over the shapes; None
+    when none is. Rows of variants that errored or failed their parity do not count."""
+    cols, times = None, {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cols is None:
+            if "backend" in cells and "op" in cells and "ms" in cells:
+                cols = {c: i for i, c in enumerate(cells)}
+            continue
+        if len(cells) != len(cols) or cells[cols["op"]] != op or not cells[cols["parity (vs fp32 ref)"]].endswith(" ok"):
+            continue
+        backend = cells[cols["backend"]]
+        name = "default" if backend == "triton" else backend.removeprefix("triton (").removesuffix(")")
+        try:
+            times[(cells[cols["shape"]], name)] = float(cells[cols["ms"]].split()[0])
+        except ValueError:  # an error row
+            continue
+    best, best_gain = None, gain
+    for (shape, name), ms in times.items():
+        base = times.get((shape, "default"))
+        if name == "default" or not base:
+            continue
+        if 1 - ms / base >= best_gain:
+            best, best_gain = name, 1 - ms / base
+    return best
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -358,7 +388,17 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every backend this many times, interleaved round by round; the table gives the median "
                          "and, with more than one round, the range")
+    ap.add_argument("--pick", metavar="TABLE", help="instead: read a table this script wrote and print the fused "
+                    "variant whose --op time is --gain or more below the default's at some shape (the largest gain), "
+                    "or nothing; runs without a GPU")
+    ap.add_argument("--op", default="post+pre fwd+bwd", help="with --pick: the op compared")
+    ap.add_argument("--gain", type=float, default=0.03, help="with --pick: the least fraction of the default's time")
     args = ap.parse_args(argv)
+    if args.pick:
+        best = pick_variant(Path(args.pick).read_text(), args.op, args.gain)
+        if best:
+            print(best)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
     from kernels.mhc import fused

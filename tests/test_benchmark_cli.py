@@ -538,6 +538,33 @@ def test_ops_mhc_rounds_interleave_the_backends_and_take_medians():
     assert "broken" not in medians
 
 
+def test_ops_mhc_pick_takes_the_largest_gain_past_the_threshold_over_ok_rows():
+    """benchmarks.ops_mhc --pick (a GPU plan's branch): the variant whose op time is the threshold or more below the
+    default's at some shape, the largest gain winning; failed parity, error rows and other ops do not count."""
+    from benchmarks.ops_mhc import pick_variant
+
+    head = ("| shape | B×T | d | n | parity (vs fp32 ref) | backend | op | ms | min MB | GFLOP | roofline ms | binds "
+            "| % of roofline |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+
+    def row(shape, parity, backend, op, ms):
+        return f"| {shape} | 16×1024 | 512 | 4 | {parity} | {backend} | {op} | {ms} | 1 | 1 | 1 | bytes | 1% |\n"
+
+    op = "post+pre fwd+bwd"
+    table = head + "".join([
+        row("small", "2.9e-03 ok", "triton", op, "1.000 (0.99–1.10)"),
+        row("small", "2.9e-03 ok", "triton (a)", op, "0.980 (0.97–0.99)"),  # 2%: below the threshold
+        row("small", "2.9e-03 ok", "triton (b)", "fwd", "0.100"),  # another op
+        row("medium", "2.9e-03 ok", "triton", op, "4.000"),
+        row("medium", "2.9e-03 ok", "triton (a)", op, "3.800"),  # 5%
+        row("medium", "2.9e-03 ok", "triton (b)", op, "3.000"),  # 25%
+        row("medium", "3.0e-01 FAIL", "triton (c)", op, "1.000"),  # fastest, but its parity failed
+        row("medium", "error", "triton (d)", "all", "error: RuntimeError")])
+    assert pick_variant(table, op, 0.03) == "b"
+    assert pick_variant(table, op, 0.30) is None
+    assert pick_variant(table.replace("| 3.000 |", "| 4.100 |"), op, 0.03) == "a"
+    assert pick_variant(table, "fwd", 0.03) is None  # no default row of that op
+
+
 def test_throughput_py_settings_hold_for_their_row_alone(monkeypatch, tmp_path):
     """``NAME@py:MODULE.NAME.ATTR=VALUE`` sets a code attribute while that row is built and timed, and restores it
     for the next row; a setting that does not resolve ends the command before any timing, naming it."""
