@@ -1275,25 +1275,22 @@ case "$PLAN" in
       --tag "${TAG:-_post_bwd_tc}"
     ;;
   mhc_dx_rows)
-    # mHC's read dX on the block's stream rows (DX_LAYOUT=rows, built 2026-12-05, CPU only; sm_90a 154 registers at 64
-    # channels, 241 at 128 = DX_ROWS_BLOCKS=pre_dx_rows_d128): its GPU tests (the variant fixture takes it), the op
-    # alone in interleaved rounds at small and medium against the default, then mhc's small step alternating with it
-    ROWS="py:kernels.mhc.fused.DX_LAYOUT=rows"
-    ROWS128="$ROWS@py:kernels.mhc.fused.DX_ROWS_BLOCKS=pre_dx_rows_d128"
+    # mHC's read: dX on the block's stream rows (DX_LAYOUT=rows, built 2026-12-05, CPU only; sm_90a 154 registers at 64
+    # channels, 241 at 128 = DX_ROWS_BLOCKS=pre_dx_rows_d128) and the Sinkhorn iterations a thread a token
+    # (SINKHORN=token, 2026-12-06: no barriers, 484 against 291 instructions an iteration): the GPU tests (the
+    # variant fixture takes them), each alone in interleaved rounds at small and medium against the default, the
+    # read's block sweep with more stages, then mhc's small step alternating with the variant that won alone (3% or
+    # more off the write + read forward and backward at some shape; none: no step)
     step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "dx_rows or bf16_matches"
-    step gpu0 ops "${OPS_LIMIT:-150}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
-      --variants default dx_rows dx_rows_d128 --rounds 5 --tag "${TAG:-_dx_rows}"
-    # the step only for a layout that won alone (3% or more off the default's write + read forward and backward, at
-    # small or medium), alternating with the default
-    WIN=$(python3 -m benchmarks.ops_mhc --pick "benchmarks/results/ops_mhc${TAG:-_dx_rows}.md" --op "post+pre fwd+bwd" \
-      --gain 0.03 2>> "$OUTDIR/summary.txt")
-    case "$WIN" in
-      dx_rows) ROW="$ROWS" ;;
-      dx_rows_d128) ROW="$ROWS128" ;;
-      *) ROW=""; echo "small step skipped: no rows layout won alone (${WIN:-none})" >> "$OUTDIR/summary.txt" ;;
-    esac
-    [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-220}" python3 -m benchmarks.throughput --models small \
+      tests/kernels/test_mhc_fused.py -k "dx_rows or token_sinkhorn or bf16_matches"
+    step gpu0 ops "${OPS_LIMIT:-170}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
+      --variants default dx_rows dx_rows_d128 token_sinkhorn --rounds 5 --tag "${TAG:-_dx_rows}"
+    step gpu0 sweep "${SWEEP_LIMIT:-120}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
+      --kernels pre_fwd_tc pre_dx --tag "${TAG:-_dx_rows}"
+    ROW=$(python3 -m benchmarks.ops_mhc --pick "benchmarks/results/ops_mhc${TAG:-_dx_rows}.md" --op "post+pre fwd+bwd" \
+      --gain 0.03 --row 2>> "$OUTDIR/summary.txt")
+    [ -z "$ROW" ] && echo "small step skipped: no variant won alone" >> "$OUTDIR/summary.txt"
+    [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_dx_rows}"
     ;;

@@ -200,6 +200,9 @@ FUSED_VARIANTS = {
     # bf16 streams: the read's dX on the block's stream rows, each term one tensor-core product (2026-12-05)
     "dx_rows": {"DX_LAYOUT": "rows"},
     "dx_rows_d128": {"DX_LAYOUT": "rows", "DX_ROWS_BLOCKS": "pre_dx_rows_d128"},  # at 128 channels (2026-12-06)
+    # the read's Sinkhorn iterations (forward and backward) a thread a token: no shuffles, shared memory or barriers
+    # (2026-12-06)
+    "token_sinkhorn": {"SINKHORN": "token"},
 }
 
 
@@ -263,9 +266,11 @@ def backends(fused_only=False, variants=tuple(FUSED_VARIANTS)):
 BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_compile.py): none spills at n=4
     "pre_fwd": [(32, 16, 4, 1), (32, 16, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2), (16, 64, 4, 2), (64, 16, 8, 1),
                 (32, 64, 2, 2)],  # the last: GPU_BLOCKS["pre_fwd_w2"] (134 registers, no spills)
-    "pre_fwd_tc": [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 32, 4, 2)],  # bf16 streams
+    "pre_fwd_tc": [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 32, 4, 2),  # bf16 streams
+                   (32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 3)],  # more loads in flight (2026-12-06)
     "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
-    "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1)],
+    "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1),
+               (32, 32, 4, 3), (16, 32, 4, 2)],  # more loads in flight (2026-12-06)
     "post_fwd": [(8, 64, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (8, 128, 4, 3)],
     "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
     # the write's backward on tensor cores (POST_BWD_PROJ="bf16x3", bf16 streams); R = BLOCK_T·n stream rows
@@ -393,10 +398,14 @@ def main(argv=None) -> None:
                     "or nothing; runs without a GPU")
     ap.add_argument("--op", default="post+pre fwd+bwd", help="with --pick: the op compared")
     ap.add_argument("--gain", type=float, default=0.03, help="with --pick: the least fraction of the default's time")
+    ap.add_argument("--row", action="store_true", help="with --pick: print the variant's module settings as a "
+                    "benchmarks.throughput row suffix (py:kernels.mhc.fused.NAME=VALUE@...)")
     args = ap.parse_args(argv)
     if args.pick:
         best = pick_variant(Path(args.pick).read_text(), args.op, args.gain)
-        if best:
+        if best and args.row:  # as a row's code settings for benchmarks.throughput
+            print("@".join(f"py:kernels.mhc.fused.{k}={v}" for k, v in FUSED_VARIANTS[best].items()))
+        elif best:
             print(best)
         return
     if not torch.cuda.is_available():

@@ -538,7 +538,7 @@ def test_ops_mhc_rounds_interleave_the_backends_and_take_medians():
     assert "broken" not in medians
 
 
-def test_ops_mhc_pick_takes_the_largest_gain_past_the_threshold_over_ok_rows():
+def test_ops_mhc_pick_takes_the_largest_gain_past_the_threshold_over_ok_rows(tmp_path, capsys):
     """benchmarks.ops_mhc --pick (a GPU plan's branch): the variant whose op time is the threshold or more below the
     default's at some shape, the largest gain winning; failed parity, error rows and other ops do not count."""
     from benchmarks.ops_mhc import pick_variant
@@ -563,6 +563,14 @@ def test_ops_mhc_pick_takes_the_largest_gain_past_the_threshold_over_ok_rows():
     assert pick_variant(table, op, 0.30) is None
     assert pick_variant(table.replace("| 3.000 |", "| 4.100 |"), op, 0.03) == "a"
     assert pick_variant(table, "fwd", 0.03) is None  # no default row of that op
+    from benchmarks import ops_mhc  # the command line a GPU plan calls: the name, or the row's code settings
+
+    path = tmp_path / "t.md"
+    path.write_text(table.replace("triton (b)", "triton (dx_rows_d128)"))
+    ops_mhc.main(["--pick", str(path)])
+    ops_mhc.main(["--pick", str(path), "--row"])
+    assert capsys.readouterr().out.split() == [
+        "dx_rows_d128", "py:kernels.mhc.fused.DX_LAYOUT=rows@py:kernels.mhc.fused.DX_ROWS_BLOCKS=pre_dx_rows_d128"]
 
 
 def test_throughput_py_settings_hold_for_their_row_alone(monkeypatch, tmp_path):

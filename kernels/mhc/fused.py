@@ -119,10 +119,17 @@ DX_LAYOUT = "stream"
 #   (default): 16 tokens and 64 channels, 154 registers; "pre_dx_rows_d128": 16 tokens and 128 channels, 241 registers
 #   and 108.5 warp instructions a token and 32 channels against 150 (docs/kernel_mhc.md).
 DX_ROWS_BLOCKS = "pre_dx_rows"
+# SINKHORN (2026-12-06, untimed): the layout of the 20 Sinkhorn iterations in the read's forward and backward kernels.
+#   "tile" (default): the (BLOCK_T, NP, NP) tile spread over the block's threads, its sums over i and over j
+#   shuffles and, across warps, shared memory and barriers (the forward's iteration: 291 sm_90a instructions a warp,
+#   16 SHFL, 16 STS, 16 LDS, 6 BAR). "token": a thread holds a whole token's n² entries as a tuple of (BLOCK_T,)
+#   vectors, so the sums are its own register arithmetic (docs/kernel_mhc.md).
+SINKHORN = "tile"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
-                   "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128")}
+                   "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
+                   "SINKHORN": ("tile", "token")}
 
 
 def _variant(name: str) -> str:
@@ -235,6 +242,118 @@ def _sinkhorn_fwd_bwd(logits, valid, dh_res, scratch_ptr, rows, mask_t, ITERS: t
     return h_res, g
 
 
+# --- per-token helpers, a thread a token (SINKHORN="token"): the n² entries of H^res as a tuple of (BLOCK_T,) vectors,
+# so that the sums over i and over j are in a thread's registers (no shuffles, no shared memory, no barriers)
+
+
+@triton.jit
+def _res_logits(z_ptr, alpha_ptr, bres_ptr, rows, mask_t, N_STREAMS: tl.constexpr):
+    """α_res z_res + b_res of the block's tokens: a tuple of n² (BLOCK_T,) vectors, entry (i, j) at i·n + j."""
+    K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
+    zrow = z_ptr + rows * K + 2 * N_STREAMS
+    a_res = tl.load(alpha_ptr + 2)
+    out = ()
+    for k in tl.static_range(N_STREAMS * N_STREAMS):
+        out = out + (a_res * tl.load(zrow + k, mask=mask_t, other=0.0) + tl.load(bres_ptr + k),)
+    return out
+
+
+@triton.jit
+def _lse_line(lm, start: tl.constexpr, step: tl.constexpr, N_STREAMS: tl.constexpr):
+    """log Σ exp of the n entries lm[start], lm[start + step], ... (a column: step n; a row: step 1)."""
+    m = lm[start]
+    for q in tl.static_range(1, N_STREAMS):
+        m = tl.maximum(m, lm[start + q * step])
+    s = tl.exp(lm[start] - m)
+    for q in tl.static_range(1, N_STREAMS):
+        s += tl.exp(lm[start + q * step] - m)
+    return m + tl.log(s)
+
+
+@triton.jit
+def _token_columns(lm, N_STREAMS: tl.constexpr):
+    """The column normalisers c_j = lse_i lm[i, j] (a tuple of n) and lm with them subtracted."""
+    c = ()
+    for j in tl.static_range(N_STREAMS):
+        c = c + (_lse_line(lm, j, N_STREAMS, N_STREAMS),)
+    out = ()
+    for k in tl.static_range(N_STREAMS * N_STREAMS):
+        out = out + (lm[k] - c[k % N_STREAMS],)
+    return c, out
+
+
+@triton.jit
+def _token_rows(lm, N_STREAMS: tl.constexpr):
+    """The row normalisers r_i = lse_j lm[i, j] (a tuple of n) and lm with them subtracted."""
+    r = ()
+    for i in tl.static_range(N_STREAMS):
+        r = r + (_lse_line(lm, i * N_STREAMS, 1, N_STREAMS),)
+    out = ()
+    for k in tl.static_range(N_STREAMS * N_STREAMS):
+        out = out + (lm[k] - r[k // N_STREAMS],)
+    return r, out
+
+
+@triton.jit
+def _token_sinkhorn_log(lm, ITERS: tl.constexpr, N_STREAMS: tl.constexpr):
+    """``_sinkhorn_log`` on a token's entries (``_res_logits``): log H^res after ITERS iterations."""
+    for _ in range(ITERS):
+        _, lm = _token_columns(lm, N_STREAMS)
+        _, lm = _token_rows(lm, N_STREAMS)
+    return lm
+
+
+@triton.jit
+def _token_sinkhorn_fwd_bwd(lm, dh_res, scratch_ptr, rows, mask_t, ITERS: tl.constexpr, NP: tl.constexpr,
+                            N_STREAMS: tl.constexpr):
+    """``_sinkhorn_fwd_bwd`` on a token's entries: dL/dlogits (a tuple of n²) from dL/dH^res (``dh_res``, the same
+    layout), the normalisers kept in the same scratch rows (N, ITERS, 2, NP)."""
+    sp = scratch_ptr + rows * (2 * ITERS * NP)
+    for t in range(ITERS):
+        c, lm = _token_columns(lm, N_STREAMS)
+        r, lm = _token_rows(lm, N_STREAMS)
+        for q in tl.static_range(N_STREAMS):
+            tl.store(sp + (2 * t) * NP + q, c[q], mask=mask_t)
+            tl.store(sp + (2 * t + 1) * NP + q, r[q], mask=mask_t)
+    tl.debug_barrier()  # a replicated layout may store a token's row from another thread than the one reading it
+    g = ()
+    for k in tl.static_range(N_STREAMS * N_STREAMS):
+        g = g + (dh_res[k] * tl.exp(lm[k]),)  # dL/d log H^res
+    for t in range(ITERS):
+        back = ITERS - 1 - t
+        c = ()
+        r = ()
+        for q in tl.static_range(N_STREAMS):
+            c = c + (tl.load(sp + (2 * back) * NP + q, mask=mask_t, other=0.0),)
+            r = r + (tl.load(sp + (2 * back + 1) * NP + q, mask=mask_t, other=0.0),)
+        rs = ()  # through the row step: g -= exp(lm) Σ_j g
+        for i in tl.static_range(N_STREAMS):
+            acc = g[i * N_STREAMS]
+            for j in tl.static_range(1, N_STREAMS):
+                acc += g[i * N_STREAMS + j]
+            rs = rs + (acc,)
+        a = ()
+        ng = ()
+        for k in tl.static_range(N_STREAMS * N_STREAMS):
+            ng = ng + (g[k] - tl.exp(lm[k]) * rs[k // N_STREAMS],)
+            a = a + (lm[k] + r[k // N_STREAMS],)  # the state after this iteration's column step
+        g = ng
+        cs = ()  # through the column step: g -= exp(a) Σ_i g
+        for j in tl.static_range(N_STREAMS):
+            acc = g[j]
+            for i in tl.static_range(1, N_STREAMS):
+                acc += g[i * N_STREAMS + j]
+            cs = cs + (acc,)
+        ng = ()
+        nl = ()
+        for k in tl.static_range(N_STREAMS * N_STREAMS):
+            ng = ng + (g[k] - tl.exp(a[k]) * cs[k % N_STREAMS],)
+            nl = nl + (a[k] + c[k % N_STREAMS],)  # the state before this iteration
+        g = ng
+        lm = nl
+    return g
+
+
 @triton.jit
 def _coefficients(
     z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
@@ -313,6 +432,7 @@ def _pre_fwd_kernel(
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
     HAS_GAIN: tl.constexpr, FUSE_POST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PARTS: tl.constexpr = 0, INTERP: tl.constexpr = False, TC_SUMS: tl.constexpr = False,
+    TOKEN_SINKHORN: tl.constexpr = False,
 ):
     """PARTS > 0 (bf16 streams, PRE_PROJ="bf16x3"): ``phi_ptr`` is φ' = g ⊙ φ as PARTS bf16 parts (PARTS, n·d, KP)
     from ``split_bf16`` and the projection runs on tensor cores (``_project_parts``); HAS_GAIN is then False.
@@ -378,12 +498,17 @@ def _pre_fwd_kernel(
 
     h_pre, h_post, logits, valid = _coefficients(z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
                                                  N_STREAMS, NP, ITERS)
-    h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
+    if TOKEN_SINKHORN:  # a thread a token (SINKHORN="token")
+        lm = _token_sinkhorn_log(_res_logits(z_ptr, alpha_ptr, bres_ptr, rows, mask_t, N_STREAMS), ITERS, N_STREAMS)
+        for k in tl.static_range(N_STREAMS * N_STREAMS):
+            tl.store(hres_ptr + rows * (N_STREAMS * N_STREAMS) + k, tl.exp(lm[k]), mask=mask_t)
+    else:
+        h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
+        res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
+        tl.store(hres_ptr + rows[:, None, None] * (N_STREAMS * N_STREAMS) + res_offs[None, :, :], h_res,
+                 mask=mask_t[:, None, None] & valid)
     tl.store(hpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_pre, mask=m2)
     tl.store(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_post, mask=m2)
-    res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
-    tl.store(hres_ptr + rows[:, None, None] * (N_STREAMS * N_STREAMS) + res_offs[None, :, :], h_res,
-             mask=mask_t[:, None, None] & valid)
 
     # sweep 2 (same tokens, from L2): h = Σ_i H^pre_i X_i
     if TC_SUMS:
@@ -630,6 +755,7 @@ def _pre_bwd_kernel(
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
     HAS_DPRE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     TC_SUMS: tl.constexpr = False, DH_PARTS: tl.constexpr = 1, INTERP: tl.constexpr = False,
+    TOKEN_SINKHORN: tl.constexpr = False,
 ):
     """The read's backward up to the per-token coefficients of dX (``_pre_dx_kernel`` then makes dX):
     one sweep over X and dh for dH^pre_i = ⟨dh, X_i⟩, then per token the logit gradients (σ', the
@@ -684,15 +810,25 @@ def _pre_bwd_kernel(
                                                  N_STREAMS, NP, ITERS)
     d_post = tl.load(dhpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
     res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
-    d_res = tl.load(dhres_ptr + rows[:, None, None] * NN + res_offs[None, :, :], mask=mask_t[:, None, None] & valid,
-                    other=0.0)
     dl_pre = d_pre * h_pre * (1.0 - h_pre)  # σ'
     dl_post = d_post * h_post * (1.0 - 0.5 * h_post)  # (2σ)' = 2σ(1 − σ)
-    _, dl_res = _sinkhorn_fwd_bwd(logits, valid, d_res, scratch_ptr, rows, mask_t, ITERS, NP)
     dl_row = dlogit_ptr + rows * K
+    if TOKEN_SINKHORN:  # a thread a token (SINKHORN="token")
+        d_res = ()
+        for k in tl.static_range(NN):
+            d_res = d_res + (tl.load(dhres_ptr + rows * NN + k, mask=mask_t, other=0.0),)
+        dl_res = _token_sinkhorn_fwd_bwd(_res_logits(z_ptr, alpha_ptr, bres_ptr, rows, mask_t, N_STREAMS), d_res,
+                                         scratch_ptr, rows, mask_t, ITERS, NP, N_STREAMS)
+        for k in tl.static_range(NN):
+            tl.store(dl_row + 2 * N_STREAMS + k, dl_res[k], mask=mask_t)
+    else:
+        d_res = tl.load(dhres_ptr + rows[:, None, None] * NN + res_offs[None, :, :],
+                        mask=mask_t[:, None, None] & valid, other=0.0)
+        _, dl_res = _sinkhorn_fwd_bwd(logits, valid, d_res, scratch_ptr, rows, mask_t, ITERS, NP)
+        tl.store(dl_row[:, None, None] + 2 * N_STREAMS + res_offs[None, :, :], dl_res,
+                 mask=mask_t[:, None, None] & valid)
     tl.store(dl_row[:, None] + offs_n[None, :], dl_pre, mask=m2)
     tl.store(dl_row[:, None] + N_STREAMS + offs_n[None, :], dl_post, mask=m2)
-    tl.store(dl_row[:, None, None] + 2 * N_STREAMS + res_offs[None, :, :], dl_res, mask=mask_t[:, None, None] & valid)
     tl.debug_barrier()  # read back below in z's flat column layout, by other threads of the block
 
     # dz = α ⊙ dlogit, flat (BLOCK_T, KP); the RMS factor's share: c = ⟨dz, z⟩ r² / nd
@@ -986,7 +1122,8 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
         x, x_in, f, hp_in, hr_in, phi, phi if gain is None else gain, alpha, b_pre, b_post, b_res, h, h_pre,
         h_post, h_res, z, r, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_GAIN=gain is not None,
         FUSE_POST=post is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-        DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), TC_SUMS=tc_sums, **launch)
+        DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), TC_SUMS=tc_sums,
+        TOKEN_SINKHORN=_variant("SINKHORN") == "token", **launch)
     return h, h_pre, h_post, h_res, z, r
 
 
@@ -1004,7 +1141,8 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
         x, dh, z if d_pre is None else d_pre, d_post, d_res, z, r, alpha, b_pre, b_post, b_res, dlogit, w, coef,
         scratch, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_DPRE=d_pre is not None,
         BLOCK_T=block_t, BLOCK_D=max(block_d, 16) if tc_sums else block_d, TC_SUMS=tc_sums,
-        DH_PARTS={torch.bfloat16: 1, torch.float16: 2}.get(dh.dtype, 3), INTERP=interpreting(), **launch)
+        DH_PARTS={torch.bfloat16: 1, torch.float16: 2}.get(dh.dtype, 3), INTERP=interpreting(),
+        TOKEN_SINKHORN=_variant("SINKHORN") == "token", **launch)
     dx = torch.empty_like(x)
     proj = {"fp32": 0, "tf32": 1, "bf16x2": 2}[_variant("DX_PROJ")] if x.dtype != torch.float32 else 0
     if proj == 2:  # g ⊙ φ, transposed, in two bf16 parts (DX_PROJ)

@@ -76,6 +76,7 @@ VARIANTS = {
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
     "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},  # the write's backward on CUDA cores (the default before 2026-12-05)
     "dx_rows": {"DX_LAYOUT": "rows"},  # 2026-12-05: the read's dX on the block's stream rows, tensor-core products
+    "token_sinkhorn": {"SINKHORN": "token"},  # 2026-12-06: the Sinkhorn iterations a thread a token
 }
 
 
