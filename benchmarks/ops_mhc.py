@@ -197,8 +197,10 @@ FUSED_VARIANTS = {
     "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},
     # and the read's sums over the streams (h, dH^pre) the same way
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
-    # bf16 streams: the read's dX on the block's stream rows, each term one tensor-core product (2026-12-05)
+    # bf16 streams: the read's dX on the block's stream rows, each term one tensor-core product (built 2026-12-05, the
+    # default since 2026-12-06), and a tile a stream as before
     "dx_rows": {"DX_LAYOUT": "rows"},
+    "dx_stream": {"DX_LAYOUT": "stream"},
     "dx_rows_d128": {"DX_LAYOUT": "rows", "DX_ROWS_BLOCKS": "pre_dx_rows_d128"},  # at 128 channels (2026-12-06)
     # the read's Sinkhorn iterations (forward and backward) a thread a token: no shuffles, shared memory or barriers
     # (2026-12-06)

@@ -108,22 +108,26 @@ POST_BWD_PROJ = "bf16x3"
 #   backward's dH^pre_i = ⟨dh, X_i⟩ the diagonal of X dhᵀ; "fp32" (default) keeps the (tokens, n, channels)
 #   reductions on CUDA cores.
 PRE_SUMS = "fp32"
-# DX_LAYOUT (2026-12-05, untimed): the read's dX for **bf16** streams (with DX_PROJ="bf16x2", n = 1, 2, 4).
-#   "stream" (default): ``_pre_dx_kernel``, a (tokens, channels) tile a stream, the sum over the write's streams
-#   H^resᵀ dX' a (tokens, n, channels) reduction. "rows": ``_pre_dx_rows_kernel``, the tile's rows the block's
+# DX_LAYOUT (built 2026-12-05; timed 2026-12-06 on an H100, the default since): the read's dX for **bf16** streams
+#   (with DX_PROJ="bf16x2", n = 1, 2, 4). "rows" (default): ``_pre_dx_rows_kernel``, the tile's rows the block's
 #   stream rows: φ w of every stream one tensor-core product, H^pre dh and c X elementwise, H^resᵀ dX' a
-#   block-diagonal product. sm_90a at (16, 64, 4, 2): 154 registers, 150 warp instructions a token and 32 channels
-#   against the per-stream kernel's 137 (docs/kernel_mhc.md).
-DX_LAYOUT = "stream"
+#   block-diagonal product. "stream" (the default before): ``_pre_dx_kernel``, a (tokens, channels) tile a stream,
+#   the sum over the write's streams H^resᵀ dX' a (tokens, n, channels) reduction. Timed in one process each
+#   (ops_mhc_dx_rows_h100.md, throughput_{small,medium}_dx_rows_h100.md): a `medium` sublayer's write + read forward
+#   and backward 2.488 -> 2.275 ms (1.069 -> 1.045 at `small`, within the rounds' range); mhc's step 0.621/0.623 ->
+#   0.650/0.652x vanilla at `small`, 0.704 -> 0.736x at `medium` (docs/kernel_mhc.md).
+DX_LAYOUT = "rows"
 # DX_ROWS_BLOCKS (2026-12-06): the GPU_BLOCKS entry of ``_pre_dx_rows_kernel`` (DX_LAYOUT="rows"). "pre_dx_rows"
 #   (default): 16 tokens and 64 channels, 154 registers; "pre_dx_rows_d128": 16 tokens and 128 channels, 241 registers
-#   and 108.5 warp instructions a token and 32 channels against 150 (docs/kernel_mhc.md).
+#   and 108.5 warp instructions a token and 32 channels against 150. Timed on an H100: the op 1.064 against 1.045 ms at
+#   `small` and 2.292 against 2.275 at `medium`; mhc's `medium` step 0.742x against 0.736x (within the noise).
 DX_ROWS_BLOCKS = "pre_dx_rows"
-# SINKHORN (2026-12-06, untimed): the layout of the 20 Sinkhorn iterations in the read's forward and backward kernels.
+# SINKHORN (2026-12-06; timed on an H100 the same day: slower, so opt-in): the layout of the 20 Sinkhorn iterations in the read's forward and backward kernels.
 #   "tile" (default): the (BLOCK_T, NP, NP) tile spread over the block's threads, its sums over i and over j
 #   shuffles and, across warps, shared memory and barriers (the forward's iteration: 291 sm_90a instructions a warp,
 #   16 SHFL, 16 STS, 16 LDS, 6 BAR). "token": a thread holds a whole token's n² entries as a tuple of (BLOCK_T,)
-#   vectors, so the sums are its own register arithmetic (docs/kernel_mhc.md).
+#   vectors, so the sums are its own register arithmetic; a write + read forward and backward 1.069 -> 1.100 ms at
+#   `small`, 2.488 -> 2.524 at `medium` (ops_mhc_dx_rows_h100.md, docs/kernel_mhc.md).
 SINKHORN = "tile"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
@@ -1073,8 +1077,8 @@ GPU_BLOCKS = {
     "post_bwd": (8, 64, 4, 2),
     # POST_BWD_PROJ="bf16x3" (the default): 16 tokens (R = 64 stream rows at n = 4); not swept
     "post_bwd_tc": (16, 64, 4, 2),
-    # DX_LAYOUT="rows": 16 tokens (R = 64 stream rows at n = 4), untimed; (16, 128, 4, 2): fewer instructions a
-    # token (108.5 against 150), 241 registers
+    # DX_LAYOUT="rows" (the default since 2026-12-06): 16 tokens (R = 64 stream rows at n = 4); (16, 128, 4, 2):
+    # fewer instructions a token (108.5 against 150), 241 registers, not faster (DX_ROWS_BLOCKS)
     "pre_dx_rows": (16, 64, 4, 2),
     "pre_dx_rows_d128": (16, 128, 4, 2),  # DX_ROWS_BLOCKS="pre_dx_rows_d128"
 }

@@ -75,7 +75,8 @@ VARIANTS = {
     # 2026-12-05: the read's sums over the streams on tensor cores too (bf16 streams), besides the write's backward
     "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
     "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},  # the write's backward on CUDA cores (the default before 2026-12-05)
-    "dx_rows": {"DX_LAYOUT": "rows"},  # 2026-12-05: the read's dX on the block's stream rows, tensor-core products
+    "dx_rows": {"DX_LAYOUT": "rows"},  # the read's dX on the block's stream rows (the default since 2026-12-06)
+    "dx_stream": {"DX_LAYOUT": "stream"},  # the read's dX a (tokens, channels) tile a stream (the default before)
     "token_sinkhorn": {"SINKHORN": "token"},  # 2026-12-06: the Sinkhorn iterations a thread a token
 }
 
@@ -690,7 +691,7 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = []
-    candidates = ["--set", "POST_BWD_PROJ=fp32", "--set", "PRE_SUMS=bf16x3", "--set", "DX_LAYOUT=rows", "4,512"]
+    candidates = ["--set", "POST_BWD_PROJ=fp32", "--set", "PRE_SUMS=bf16x3", "--set", "DX_LAYOUT=stream", "4,512"]
     for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], candidates):
         done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
                               capture_output=True, text=True, timeout=600)
