@@ -275,6 +275,15 @@ def _lse_line(lm, start: tl.constexpr, step: tl.constexpr, N_STREAMS: tl.constex
 
 
 @triton.jit
+def _line_sum(v, start: tl.constexpr, step: tl.constexpr, N_STREAMS: tl.constexpr):
+    """Σ of the n entries v[start], v[start + step], ... (a column: step n; a row: step 1)."""
+    acc = v[start]
+    for q in tl.static_range(1, N_STREAMS):
+        acc += v[start + q * step]
+    return acc
+
+
+@triton.jit
 def _token_columns(lm, N_STREAMS: tl.constexpr):
     """The column normalisers c_j = lse_i lm[i, j] (a tuple of n) and lm with them subtracted."""
     c = ()
@@ -332,10 +341,7 @@ def _token_sinkhorn_fwd_bwd(lm, dh_res, scratch_ptr, rows, mask_t, ITERS: tl.con
             r = r + (tl.load(sp + (2 * back + 1) * NP + q, mask=mask_t, other=0.0),)
         rs = ()  # through the row step: g -= exp(lm) Σ_j g
         for i in tl.static_range(N_STREAMS):
-            acc = g[i * N_STREAMS]
-            for j in tl.static_range(1, N_STREAMS):
-                acc += g[i * N_STREAMS + j]
-            rs = rs + (acc,)
+            rs = rs + (_line_sum(g, i * N_STREAMS, 1, N_STREAMS),)
         a = ()
         ng = ()
         for k in tl.static_range(N_STREAMS * N_STREAMS):
@@ -344,10 +350,7 @@ def _token_sinkhorn_fwd_bwd(lm, dh_res, scratch_ptr, rows, mask_t, ITERS: tl.con
         g = ng
         cs = ()  # through the column step: g -= exp(a) Σ_i g
         for j in tl.static_range(N_STREAMS):
-            acc = g[j]
-            for i in tl.static_range(1, N_STREAMS):
-                acc += g[i * N_STREAMS + j]
-            cs = cs + (acc,)
+            cs = cs + (_line_sum(g, j, N_STREAMS, N_STREAMS),)
         ng = ()
         nl = ()
         for k in tl.static_range(N_STREAMS * N_STREAMS):

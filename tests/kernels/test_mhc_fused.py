@@ -543,6 +543,25 @@ READ_BLOCK_CASES = [  # (n, d, B, T, norm gain): N = B·T tokens, d not a multip
 ]
 
 
+def gpu_blocks_under_the_interpreter(monkeypatch, setting: str) -> list:
+    """Under the interpreter, the kernels whose GPU_BLOCKS entry a module ``setting`` picks (its choices) take their
+    GPU token and channel blocks instead of the interpreter's; the others keep theirs. Returns the list of the
+    GPU_BLOCKS names asked for, filled as the kernels launch."""
+    from kernels.mhc import fused
+
+    asked, blocks = [], fused._blocks
+
+    def gpu_blocks(width, kernel):
+        asked.append(kernel)
+        if kernel in fused.VARIANT_CHOICES[setting]:
+            block_t, block_d = fused.GPU_BLOCKS[kernel][:2]
+            return block_t, min(block_d, fused._pow2(width, 16)), {}
+        return blocks(width, kernel)
+
+    monkeypatch.setattr(fused, "_blocks", gpu_blocks)
+    return asked
+
+
 @needs_interpreter
 @pytest.mark.parametrize("setting", ["pre_fwd", "pre_fwd_w2"])
 @pytest.mark.parametrize("case", READ_BLOCK_CASES, ids=[f"n{c[0]}_d{c[1]}_N{c[2] * c[3]}" for c in READ_BLOCK_CASES])
@@ -553,16 +572,7 @@ def test_read_forward_at_its_gpu_blocks_matches_the_reference(case, setting, mon
 
     n, d, B, T, gain = case
     monkeypatch.setattr(fused, "PRE_FWD_BLOCKS", setting)
-    asked, blocks = [], fused._blocks
-
-    def gpu_read_blocks(width, kernel):
-        asked.append(kernel)
-        if kernel in fused.VARIANT_CHOICES["PRE_FWD_BLOCKS"]:
-            block_t, block_d = fused.GPU_BLOCKS[kernel][:2]
-            return block_t, min(block_d, fused._pow2(width, 16)), {}
-        return blocks(width, kernel)
-
-    monkeypatch.setattr(fused, "_blocks", gpu_read_blocks)
+    asked = gpu_blocks_under_the_interpreter(monkeypatch, "PRE_FWD_BLOCKS")
     inp = make_inputs(n, d, B, T, gain, seed=11)
     ref_in, fused_in = leaves(inp), leaves(inp)
     ref = run("torch", {**inp, **ref_in}, 20)
@@ -589,16 +599,7 @@ def test_rows_dx_at_its_gpu_blocks_matches_the_reference(setting, monkeypatch):
 
     monkeypatch.setattr(fused, "DX_LAYOUT", "rows")
     monkeypatch.setattr(fused, "DX_ROWS_BLOCKS", setting)
-    asked, blocks = [], fused._blocks
-
-    def gpu_rows_blocks(width, kernel):
-        asked.append(kernel)
-        if kernel in fused.VARIANT_CHOICES["DX_ROWS_BLOCKS"]:
-            block_t, block_d = fused.GPU_BLOCKS[kernel][:2]
-            return block_t, min(block_d, fused._pow2(width, 16)), {}
-        return blocks(width, kernel)
-
-    monkeypatch.setattr(fused, "_blocks", gpu_rows_blocks)
+    asked = gpu_blocks_under_the_interpreter(monkeypatch, "DX_ROWS_BLOCKS")
     check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
     assert setting in asked and not set(asked) & (set(fused.VARIANT_CHOICES["DX_ROWS_BLOCKS"]) - {setting})
 
