@@ -285,6 +285,8 @@
 #            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step.
 #            Its first two steps ran 2026-12-05 late on an H100 (tests pass; 32-35% slower alone, so the step was not
 #            timed)
+#   mhc_next2  one GPU (about 700 s with the start, estimated; PARITY_LIMIT=0 for the sweep alone): the rows dX's
+#              training parity, then the read forward's 64-token blocks checked result by result
 #   mhc_dx_rows one GPU (about 600 s with the start, estimated): the rows dX, the token Sinkhorn and the read's block
 #              sweep alone, then mhc's small step with the variant that won alone
 #   mhc_tc_bwd one GPU (about 480 s with the start, estimated): mHC's write backward (POST_BWD_PROJ=bf16x3) and the
@@ -309,7 +311,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1295,6 +1297,16 @@ case "$PLAN" in
     [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_dx_rows}"
+    ;;
+  mhc_next2)
+    # the next session's mHC calls (2026-12-06): the rows dX's 60-step training parity (the default since; 330 s was not
+    # enough for the reference backend's mHC), then the read forward's 64-token blocks (wgmma: 0.57-0.68x of the time,
+    # results off by 5e-3-1.5e-2 on the GPU only) against the default in the sweep, one result at a time, also at one
+    # stage
+    step gpu0 parity "${PARITY_LIMIT:-600}" python3 -m benchmarks.backend_training --residuals mhc --steps 60 \
+      --seeds 0 1 --set model=small trainer=gpu --name small_mhc_dx_rows
+    step gpu0 sweep "${SWEEP_LIMIT:-90}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
+      --kernels pre_fwd_tc --tag "${TAG:-_read64}"
     ;;
   msar_full_sources)
     # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the

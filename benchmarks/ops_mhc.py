@@ -286,6 +286,12 @@ SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post",
             "post_bwd": "post+pre fwd+bwd", "post_bwd_tc": "post+pre fwd+bwd"}
 
 
+# the results a sweep compares, in the order of ``results() + [post_out]`` below: the write + read's outputs, the
+# gradients of its leaves, then the write alone
+SWEEP_RESULTS = ("X'", "h", "H^pre", "H^post", "H^res", "dX", "dφ", "dα", "db_pre", "db_post", "db_res", "df",
+                 "dH^post_in", "dH^res_in", "write alone")
+
+
 def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDATES), tag: str = "") -> None:
     """Time each candidate block configuration of each fused kernel on the op that runs it; check that
     its outputs and gradients match the default configuration's; print the fastest as a GPU_BLOCKS dict."""
@@ -294,7 +300,8 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
     table = Table(title="mHC fused kernels: block sizes (BLOCK_T, BLOCK_D, warps, stages)",
                   columns=["shape", "kernel", "blocks", "op timed", "ms", "vs default", "check"],
                   notes=[f"n={n}, {dtype_name} streams, projections {fused.DOT_PRECISION}; other kernels at their "
-                         "defaults; check: outputs and gradients vs the default blocks (rel L2 < 1e-2)"])
+                         "defaults; check: outputs and gradients vs the default blocks (rel L2 < 1e-2), with the "
+                         "result furthest from them"])
     defaults = dict(fused.GPU_BLOCKS)
     fns = {"post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
            "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
@@ -324,6 +331,7 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
         with torch.no_grad():
             post_out = fns["post"](p, *coeffs)
         expected = results() + [post_out]
+        assert len(expected) == len(SWEEP_RESULTS), (len(expected), SWEEP_RESULTS)
         best = {}
         for kernel in kernels:
             candidates, op = BLOCK_CANDIDATES[kernel], SWEEP_OP[kernel]
@@ -333,7 +341,9 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
                 try:
                     with torch.no_grad():
                         post_out = fns["post"](p, *coeffs)
-                    err = max(rel_err(a, b) for a, b in zip(results() + [post_out], expected))
+                    errs = [rel_err(a, b) for a, b in zip(results() + [post_out], expected)]
+                    err = max(errs)
+                    worst = SWEEP_RESULTS[errs.index(err)]
                     ms = time_op(op)
                 except Exception as e:  # a configuration that does not compile or run is reported
                     table.add(name, kernel, str(cand), op, "", "", f"error: {type(e).__name__}")
@@ -341,7 +351,8 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
                 finally:
                     fused.GPU_BLOCKS[kernel] = defaults[kernel]
                 ok = err < 1e-2
-                table.add(name, kernel, str(cand), op, f"{ms:.3f}", f"{ms / base:.2f}", f"{err:.1e} {'ok' if ok else 'FAIL'}")
+                table.add(name, kernel, str(cand), op, f"{ms:.3f}", f"{ms / base:.2f}",
+                          f"{err:.1e} {'ok' if ok else 'FAIL'}" + (f" (worst: {worst})" if err > 0 else ""))
                 print(" | ".join(table.rows[-1]), flush=True)
                 if ok and (kernel not in best or ms < best[kernel][1]):
                     best[kernel] = (cand, ms)
