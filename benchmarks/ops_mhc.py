@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from benchmarks.roofline import Ceilings, Table, bench_ms, held
+from benchmarks.roofline import Ceilings, Table, bench_ms, held, read_rows
 
 # (name, B, T, d): model=small (d=512, 16×1024), model=medium (d=1024, 16×2048), and d=2048
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "d2048": (8, 2048, 2048)}
@@ -366,19 +366,13 @@ def pick_variant(table: str, op: str, gain: float) -> str | None:
     """The fused variant of a results table (``main``'s markdown) whose median ``op`` time is at least ``gain`` (a
     fraction) below the default's ("triton") at the same shape, the one with the largest gain over the shapes; None
     when none is. Rows of variants that errored or failed their parity do not count."""
-    cols, times = None, {}
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if cols is None:
-            if "backend" in cells and "op" in cells and "ms" in cells:
-                cols = {c: i for i, c in enumerate(cells)}
+    times = {}
+    for row in read_rows(table):
+        if row["op"] != op or not row["parity (vs fp32 ref)"].endswith(" ok"):
             continue
-        if len(cells) != len(cols) or cells[cols["op"]] != op or not cells[cols["parity (vs fp32 ref)"]].endswith(" ok"):
-            continue
-        backend = cells[cols["backend"]]
-        name = "default" if backend == "triton" else backend.removeprefix("triton (").removesuffix(")")
+        name = "default" if row["backend"] == "triton" else row["backend"].removeprefix("triton (").removesuffix(")")
         try:
-            times[(cells[cols["shape"]], name)] = float(cells[cols["ms"]].split()[0])
+            times[(row["shape"], name)] = float(row["ms"].split()[0])
         except ValueError:  # an error row
             continue
     best, best_gain = None, gain

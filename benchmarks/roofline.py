@@ -137,6 +137,24 @@ class Table:
         return path
 
 
+def read_rows(text: str) -> list[dict[str, str]]:
+    """The rows of the first table in a file ``Table.write`` wrote (its ``rows_markdown``), each a dict from column to
+    cell; the title and provenance lines are skipped."""
+    lines = [ln.strip() for ln in text.splitlines()]
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("|") and lines[i + 1].startswith("|---"):
+            columns = [c.strip() for c in line.strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                cells = [c.strip() for c in row.strip("|").split("|")]
+                if len(cells) == len(columns):
+                    rows.append(dict(zip(columns, cells)))
+            return rows
+    return []
+
+
 def _module_name() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)

@@ -284,35 +284,30 @@ def _line_sum(v, start: tl.constexpr, step: tl.constexpr, N_STREAMS: tl.constexp
 
 
 @triton.jit
-def _token_columns(lm, N_STREAMS: tl.constexpr):
-    """The column normalisers c_j = lse_i lm[i, j] (a tuple of n) and lm with them subtracted."""
-    c = ()
-    for j in tl.static_range(N_STREAMS):
-        c = c + (_lse_line(lm, j, N_STREAMS, N_STREAMS),)
+def _token_normalise(lm, COLUMNS: tl.constexpr, N_STREAMS: tl.constexpr):
+    """One half of a Sinkhorn iteration on a token's entries: with COLUMNS the column normalisers c_j = lse_i
+    lm[i, j], else the row normalisers r_i = lse_j lm[i, j] (a tuple of n), and lm with them subtracted."""
+    norms = ()
+    for q in tl.static_range(N_STREAMS):
+        if COLUMNS:
+            norms = norms + (_lse_line(lm, q, N_STREAMS, N_STREAMS),)
+        else:
+            norms = norms + (_lse_line(lm, q * N_STREAMS, 1, N_STREAMS),)
     out = ()
     for k in tl.static_range(N_STREAMS * N_STREAMS):
-        out = out + (lm[k] - c[k % N_STREAMS],)
-    return c, out
-
-
-@triton.jit
-def _token_rows(lm, N_STREAMS: tl.constexpr):
-    """The row normalisers r_i = lse_j lm[i, j] (a tuple of n) and lm with them subtracted."""
-    r = ()
-    for i in tl.static_range(N_STREAMS):
-        r = r + (_lse_line(lm, i * N_STREAMS, 1, N_STREAMS),)
-    out = ()
-    for k in tl.static_range(N_STREAMS * N_STREAMS):
-        out = out + (lm[k] - r[k // N_STREAMS],)
-    return r, out
+        if COLUMNS:
+            out = out + (lm[k] - norms[k % N_STREAMS],)
+        else:
+            out = out + (lm[k] - norms[k // N_STREAMS],)
+    return norms, out
 
 
 @triton.jit
 def _token_sinkhorn_log(lm, ITERS: tl.constexpr, N_STREAMS: tl.constexpr):
     """``_sinkhorn_log`` on a token's entries (``_res_logits``): log H^res after ITERS iterations."""
     for _ in range(ITERS):
-        _, lm = _token_columns(lm, N_STREAMS)
-        _, lm = _token_rows(lm, N_STREAMS)
+        _, lm = _token_normalise(lm, True, N_STREAMS)
+        _, lm = _token_normalise(lm, False, N_STREAMS)
     return lm
 
 
@@ -323,8 +318,8 @@ def _token_sinkhorn_fwd_bwd(lm, dh_res, scratch_ptr, rows, mask_t, ITERS: tl.con
     layout), the normalisers kept in the same scratch rows (N, ITERS, 2, NP)."""
     sp = scratch_ptr + rows * (2 * ITERS * NP)
     for t in range(ITERS):
-        c, lm = _token_columns(lm, N_STREAMS)
-        r, lm = _token_rows(lm, N_STREAMS)
+        c, lm = _token_normalise(lm, True, N_STREAMS)
+        r, lm = _token_normalise(lm, False, N_STREAMS)
         for q in tl.static_range(N_STREAMS):
             tl.store(sp + (2 * t) * NP + q, c[q], mask=mask_t)
             tl.store(sp + (2 * t + 1) * NP + q, r[q], mask=mask_t)
