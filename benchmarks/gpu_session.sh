@@ -285,8 +285,8 @@
 #            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step.
 #            Its first two steps ran 2026-12-05 late on an H100 (tests pass; 32-35% slower alone, so the step was not
 #            timed)
-#   mhc_next2  one GPU (about 700 s with the start, estimated; PARITY_LIMIT=0 for the sweep alone): the rows dX's
-#              training parity, then the read forward's 64-token blocks checked result by result
+#   mhc_next2  one GPU (about 550 s with the start, estimated; PARITY_LIMIT=0 for the checks alone): the read
+#              forward's 64-token blocks checked result by result and swept, then the rows dX's training parity (eager)
 #   mhc_dx_rows one GPU (about 600 s with the start, estimated): the rows dX, the token Sinkhorn and the read's block
 #              sweep alone, then mhc's small step with the variant that won alone
 #   mhc_tc_bwd one GPU (about 480 s with the start, estimated): mHC's write backward (POST_BWD_PROJ=bf16x3) and the
@@ -1299,14 +1299,17 @@ case "$PLAN" in
       --tag "${TAG:-_dx_rows}"
     ;;
   mhc_next2)
-    # the next session's mHC calls (2026-12-06): the rows dX's 60-step training parity (the default since; 330 s was not
-    # enough for the reference backend's mHC), then the read forward's 64-token blocks (wgmma: 0.57-0.68x of the time,
-    # results off by 5e-3-1.5e-2 on the GPU only) against the default in the sweep, one result at a time, also at one
-    # stage
-    step gpu0 parity "${PARITY_LIMIT:-600}" python3 -m benchmarks.backend_training --residuals mhc --steps 60 \
-      --seeds 0 1 --set model=small trainer=gpu --name small_mhc_dx_rows
+    # the next session's mHC calls (2026-12-06): the read forward's 64-token blocks (wgmma: 0.57-0.68x of the time,
+    # results off by 5e-3-1.5e-2 on the GPU only) result by result against the fp64 reference, with the positions in
+    # the block of the tokens that are off and whether two launches agree (benchmarks.mhc_read_check); the block
+    # sweep; then the rows dX's 60-step training parity, eager as mHC's parities before it (compiled, the reference
+    # backend's mHC ran past 330 s)
+    step gpu0 read_check "${CHECK_LIMIT:-120}" python3 -m benchmarks.mhc_read_check --shapes small medium \
+      --sums fp32 bf16x3 --tag "${TAG:-_read64}"
     step gpu0 sweep "${SWEEP_LIMIT:-90}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
       --kernels pre_fwd_tc --tag "${TAG:-_read64}"
+    step gpu0 parity "${PARITY_LIMIT:-300}" python3 -m benchmarks.backend_training --residuals mhc --steps 60 \
+      --seeds 0 1 --set model=small trainer=gpu trainer.compile=false --name small_mhc_dx_rows
     ;;
   msar_full_sources)
     # full MSAR's sources in bf16 under autocast (residual.source_dtype=autocast): its 60-step parity against the

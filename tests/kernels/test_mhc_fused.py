@@ -840,3 +840,46 @@ def test_gpu_recomputed_streams_give_the_same_gradients_to_the_bit(dtype):
     assert recompute.rebuilds == 4
     for a, b in zip(grads[3], grads[0]):
         assert torch.equal(a, b)
+
+
+@needs_interpreter
+def test_read_check_reports_a_wrong_token_and_its_block_position(tmp_path, monkeypatch):
+    """benchmarks.mhc_read_check: the kernel's read matches the fp64 reference at the interpreter's blocks (no token
+    off), and a result corrupted at one token is reported with that token's position in the block."""
+    import benchmarks.roofline as roofline
+    from benchmarks import mhc_read_check as check
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    monkeypatch.setattr(check, "SHAPES", {"tiny": (1, 45, 40)})
+    argv = ["--shapes", "tiny", "--device", "cpu", "--blocks", "32,64,4,2", "16,32,4,1"]
+    rows = [r.split("|") for r in check.main(argv).splitlines() if r.startswith("| tiny")]
+    assert len(rows) == 2 * len(check.RESULTS)
+    assert all(r[8].strip() == "0" and r[10].strip() == "same" for r in rows), rows
+    assert float(rows[0][5]) < 1e-5  # z, fp32 from three bf16 parts of φ'
+
+    right = check.fused_read
+
+    def corrupt(p):  # token 37 of the second configuration's H^res: position 37 mod 16 = 5
+        out = right(p)
+        if corrupt.calls >= 2:
+            out["H^res"][37, 1, 2] += 1e-2
+        corrupt.calls += 1
+        return out
+
+    corrupt.calls = 0
+    monkeypatch.setattr(check, "fused_read", corrupt)
+    rows = [r.split("|") for r in check.main(argv).splitlines() if r.startswith("| tiny")]
+    res = [r for r in rows if r[2].strip() == "(16, 32, 4, 1)" and r[4].strip() == "H^res"][0]
+    assert res[8].strip() == "1" and res[9].strip() == "5×1", res
+    assert float(res[7]) > 100  # worst error against the default configuration's
+
+
+def test_read_check_names_bad_blocks():
+    import argparse
+
+    from benchmarks.mhc_read_check import parse_blocks
+
+    assert parse_blocks("64,32,4,1") == (64, 32, 4, 1)
+    for bad in ("64,32,4", "48,32,4,1", "8,32,4,1", "a,32,4,1"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            parse_blocks(bad)
