@@ -285,6 +285,8 @@
 #            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step.
 #            Its first two steps ran 2026-12-05 late on an H100 (tests pass; 32-35% slower alone, so the step was not
 #            timed)
+#   mhc_read64 one GPU (about 500 s with the start, estimated; MEDIUM_LIMIT=300 SMALL_LIMIT=0 for medium alone): the read
+#              forward at 64 tokens, one stage: GPU tests, alone against 32 tokens, mhc's steps beside vanilla
 #   mhc_next2  one GPU (about 550 s with the start, estimated; PARITY_LIMIT=0 for the checks alone): the read
 #              forward's 64-token blocks checked result by result and swept, then the rows dX's training parity (eager)
 #   mhc_dx_rows one GPU (about 600 s with the start, estimated): the rows dX, the token Sinkhorn and the read's block
@@ -311,7 +313,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1297,6 +1299,22 @@ case "$PLAN" in
     [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_dx_rows}"
+    ;;
+  mhc_read64)
+    # mHC's read forward on tensor cores at 64 tokens and one stage (READ_BLOCKS=pre_fwd_tc, the default since
+    # 2026-12-06 late; mhc_next2 found two stages racing and one stage right): the mHC GPU tests, the write + read
+    # alone in interleaved rounds against 32 tokens (read_t32), then mhc's steps beside vanilla and the 32-token read
+    # (MEDIUM_LIMIT=0 by default: medium's three rows need a call of their own on a cold host)
+    T32=py:kernels.mhc.fused.READ_BLOCKS=pre_fwd_tc_t32
+    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py
+    step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
+      --variants default read_t32 --rounds 5 --tag "${TAG:-_read64}"
+    step gpu0 small "${SMALL_LIMIT:-240}" python3 -m benchmarks.throughput --models small \
+      --residuals vanilla "mhc@$T32" mhc "mhc@$T32" mhc --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_read64}"
+    step gpu0 medium "${MEDIUM_LIMIT:-0}" python3 -m benchmarks.throughput --models medium \
+      --residuals vanilla "mhc@$T32" mhc --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_read64}"
     ;;
   mhc_next2)
     # the next session's mHC calls (2026-12-06): the read forward's 64-token blocks (wgmma: 0.57-0.68x of the time,

@@ -119,7 +119,7 @@ def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed:
         base_max: dict[str, float] = {}
         for cand in blocks:
             for mode in sums:
-                with _blocks_held(fused, cand), held([(fused, "PRE_SUMS", mode)]):
+                with _blocks_held(fused, cand), held([(fused, "PRE_SUMS", mode), (fused, "READ_BLOCKS", "pre_fwd_tc")]):
                     try:
                         got = fused_read(p)
                         again = fused_read(p)

@@ -204,6 +204,9 @@ FUSED_VARIANTS = {
     "dx_rows_d128": {"DX_LAYOUT": "rows", "DX_ROWS_BLOCKS": "pre_dx_rows_d128"},  # at 128 channels (2026-12-06)
     # the read's Sinkhorn iterations (forward and backward) a thread a token: no shuffles, shared memory or barriers
     # (2026-12-06)
+    # bf16 streams: the read's forward on tensor cores at 32 tokens and two stages (READ_BLOCKS, the default before
+    # 2026-12-06 late; 64 tokens at one stage since)
+    "read_t32": {"READ_BLOCKS": "pre_fwd_tc_t32"},
     "token_sinkhorn": {"SINKHORN": "token"},
 }
 
@@ -292,6 +295,11 @@ SWEEP_RESULTS = ("X'", "h", "H^pre", "H^post", "H^res", "dX", "dφ", "dα", "db_
                  "dH^post_in", "dH^res_in", "write alone")
 
 
+# the largest relative L2 difference from the default blocks' results a candidate may have (a right candidate differs
+# by the order of its fp32 sums: up to 2e-5 in the sweeps of 2026-12-06; 1e-2 let a racing one pass)
+SWEEP_TOL = 1e-3
+
+
 def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDATES), tag: str = "") -> None:
     """Time each candidate block configuration of each fused kernel on the op that runs it; check that
     its outputs and gradients match the default configuration's; print the fastest as a GPU_BLOCKS dict."""
@@ -300,8 +308,8 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
     table = Table(title="mHC fused kernels: block sizes (BLOCK_T, BLOCK_D, warps, stages)",
                   columns=["shape", "kernel", "blocks", "op timed", "ms", "vs default", "check"],
                   notes=[f"n={n}, {dtype_name} streams, projections {fused.DOT_PRECISION}; other kernels at their "
-                         "defaults; check: outputs and gradients vs the default blocks (rel L2 < 1e-2), with the "
-                         "result furthest from them"])
+                         "defaults; check: outputs and gradients vs the default blocks (rel L2 < "
+                         f"{SWEEP_TOL:g}) and two launches the same bits, with the result furthest from them"])
     defaults = dict(fused.GPU_BLOCKS)
     fns = {"post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
            "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
@@ -341,7 +349,10 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
                 try:
                     with torch.no_grad():
                         post_out = fns["post"](p, *coeffs)
-                    errs = [rel_err(a, b) for a, b in zip(results() + [post_out], expected)]
+                    got = results() + [post_out]
+                    again = results()  # a race shows as two launches that differ
+                    same = all(torch.equal(a, b) for a, b in zip(got, again))
+                    errs = [rel_err(a, b) for a, b in zip(got, expected)]
                     err = max(errs)
                     worst = SWEEP_RESULTS[errs.index(err)]
                     ms = time_op(op)
@@ -350,9 +361,10 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
                     continue
                 finally:
                     fused.GPU_BLOCKS[kernel] = defaults[kernel]
-                ok = err < 1e-2
+                ok = err < SWEEP_TOL and same
                 table.add(name, kernel, str(cand), op, f"{ms:.3f}", f"{ms / base:.2f}",
-                          f"{err:.1e} {'ok' if ok else 'FAIL'}" + (f" (worst: {worst})" if err > 0 else ""))
+                          f"{err:.1e} {'ok' if ok else 'FAIL'}" + (f" (worst: {worst})" if err > 0 else "")
+                          + ("" if same else ", two launches differ"))
                 print(" | ".join(table.rows[-1]), flush=True)
                 if ok and (kernel not in best or ms < best[kernel][1]):
                     best[kernel] = (cand, ms)

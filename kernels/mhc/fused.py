@@ -129,11 +129,17 @@ DX_ROWS_BLOCKS = "pre_dx_rows"
 #   vectors, so the sums are its own register arithmetic; a write + read forward and backward 1.069 -> 1.100 ms at
 #   `small`, 2.488 -> 2.524 at `medium` (ops_mhc_dx_rows_h100.md, docs/kernel_mhc.md).
 SINKHORN = "tile"
+# READ_BLOCKS (2026-12-06): the GPU_BLOCKS entry of the read's forward on tensor cores (bf16 streams, PRE_PROJ="bf16x3").
+#   "pre_fwd_tc" (default): 64 tokens, 64 channels, one stage; "pre_fwd_tc_t32": 32 tokens, two stages, the default
+#   before. In one sweep on an H100 (ops_mhc_blocks_read64_h100.md, the write + read forward): 0.174 against 0.213-0.229
+#   ms for the 32-token rows timed after the first at `small`, 0.536 against 0.682-0.821 at `medium`; results the same
+#   bits as 32 tokens'.
+READ_BLOCKS = "pre_fwd_tc"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
-                   "SINKHORN": ("tile", "token")}
+                   "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32")}
 
 
 def _variant(name: str) -> str:
@@ -1067,7 +1073,11 @@ GPU_BLOCKS = {
     # PRE_FWD_BLOCKS="pre_fwd_w2" (off by default, untimed): the fp32 projection at 4×4 outputs a thread; sm_90,
     # n = 4, d = 512 and 1024: 134 registers (166 with the norm gain), no spills; capped at 128 it spills with the gain
     "pre_fwd_w2": (32, 64, 2, 2),
-    "pre_fwd_tc": (32, 64, 4, 2),  # PRE_PROJ="bf16x3" (tensor cores): beat 16 tokens (ops_mhc_variants.md); --sweep-blocks
+    # PRE_PROJ="bf16x3" (tensor cores), READ_BLOCKS: 64 tokens at one stage since 2026-12-06 (the projection a
+    # wgmma; 32 tokens compile to mma.sync). At two stages 64 tokens are faster still but race: z wrong on 43 of 16k
+    # tokens at `small`, different from launch to launch (mhc_read_check_read64_h100.md), so not a candidate
+    "pre_fwd_tc": (64, 64, 4, 1),
+    "pre_fwd_tc_t32": (32, 64, 4, 2),  # READ_BLOCKS="pre_fwd_tc_t32": the default before (beat 16 tokens)
     "pre_fwd_post": (32, 16, 4, 1),  # the one-pass write + read (POST_PRE_ONE_PASS): its earlier default
     "pre_bwd": (32, 32, 8, 1),
     "pre_dx": (32, 32, 4, 1),
@@ -1111,8 +1121,8 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
     parts = 3 if _variant("PRE_PROJ") == "bf16x3" and x.dtype == torch.bfloat16 and post is None else 0
     if parts:  # φ' = g ⊙ φ in three bf16 parts: the projection on tensor cores (PRE_PROJ)
         phi, gain = split_bf16(phi, gain, parts, kp), None
-    fp32_blocks = _variant("PRE_FWD_BLOCKS")  # checked whichever path runs
-    block_t, block_d, launch = _blocks(d, "pre_fwd_post" if post is not None else "pre_fwd_tc" if parts
+    fp32_blocks, tc_blocks = _variant("PRE_FWD_BLOCKS"), _variant("READ_BLOCKS")  # checked whichever path runs
+    block_t, block_d, launch = _blocks(d, "pre_fwd_post" if post is not None else tc_blocks if parts
                                        else fp32_blocks)
     f32 = dict(device=x.device, dtype=torch.float32)
     h = torch.empty(N, d, device=x.device, dtype=x.dtype)
