@@ -285,6 +285,8 @@
 #            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step.
 #            Its first two steps ran 2026-12-05 late on an H100 (tests pass; 32-35% slower alone, so the step was not
 #            timed)
+#   mhc_bwd_blocks one GPU (about 300 s with the start, estimated): the block sweep of mHC's write backward and rows dX
+#              with one-stage candidates (TEST_LIMIT=150 adds the mHC GPU tests)
 #   mhc_read64 one GPU (about 500 s with the start, estimated; MEDIUM_LIMIT=300 SMALL_LIMIT=0 for medium alone): the read
 #              forward at 64 tokens, one stage: GPU tests, alone against 32 tokens, mhc's steps beside vanilla
 #   mhc_next2  one GPU (about 550 s with the start, estimated; PARITY_LIMIT=0 for the checks alone): the read
@@ -313,7 +315,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1299,6 +1301,15 @@ case "$PLAN" in
     [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_dx_rows}"
+    ;;
+  mhc_bwd_blocks)
+    # mHC's backward kernels at one stage and 32 tokens (8 warps), as the read's forward gained at 64 tokens and one
+    # stage (2026-12-06 late): the write's backward on tensor cores and the read's rows dX in the block sweep, which
+    # fails a candidate whose two launches differ; then the mHC GPU tests
+    step gpu0 sweep "${SWEEP_LIMIT:-180}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
+      --kernels post_bwd_tc pre_dx_rows --tag "${TAG:-_bwd_blocks}"
+    step gpu0 gpu_tests "${TEST_LIMIT:-0}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py
     ;;
   mhc_read64)
     # mHC's read forward on tensor cores at 64 tokens and one stage (READ_BLOCKS=pre_fwd_tc, the default since

@@ -283,10 +283,17 @@ BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_com
     "post_bwd": [(4, 64, 4, 2), (8, 32, 4, 2), (8, 64, 4, 2), (16, 32, 4, 2), (16, 32, 8, 2), (8, 32, 8, 3)],
     # the write's backward on tensor cores (POST_BWD_PROJ="bf16x3", bf16 streams); R = BLOCK_T·n stream rows
     "post_bwd_tc": [(16, 64, 4, 2), (16, 32, 4, 2), (16, 128, 4, 2), (16, 64, 8, 2), (16, 64, 4, 3), (32, 64, 8, 2),
-                    (32, 32, 8, 2)],
+                    (32, 32, 8, 2),
+                    # one stage, as the read's forward gained from (2026-12-06 late); sm_90a at n = 4, d = 1024 with
+                    # dX stored: 150 and 230 registers, no spills (32 tokens at 4 warps spill 712 bytes)
+                    (16, 64, 4, 1), (32, 64, 8, 1)],
+    # the read's dX on the stream rows (DX_LAYOUT="rows", the default; R = BLOCK_T·n rows); sm_90a at n = 4, d = 1024
+    # with the write's dX': (16, 64, 4, 1) 154 registers, (32, 64, 8, 1) 196, (16, 32, 4, 1) 94, no spills (32 tokens at
+    # 4 warps spill 40-232 bytes)
+    "pre_dx_rows": [(16, 64, 4, 2), (16, 64, 4, 1), (32, 64, 8, 1), (16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 8, 2)],
 }
 SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
-            "post_bwd": "post+pre fwd+bwd", "post_bwd_tc": "post+pre fwd+bwd"}
+            "post_bwd": "post+pre fwd+bwd", "post_bwd_tc": "post+pre fwd+bwd", "pre_dx_rows": "post+pre fwd+bwd"}
 
 
 # the results a sweep compares, in the order of ``results() + [post_out]`` below: the write + read's outputs, the

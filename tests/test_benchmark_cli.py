@@ -634,3 +634,21 @@ def test_profile_step_sorts_kernels_into_kinds_and_differences_them_to_the_first
     assert rows["GEMMs"][1:] == ["2.00 (3)", "2.50 (3)", "+0.50"]
     assert rows[profile_step.KINDS[0]][1:] == ["0.00 (0)", "0.75 (2)", "+0.75"]
     assert rows["**all**"][1:] == ["3.00 (8)", "3.50 (6)", "+0.50"]
+
+
+def test_ops_mhc_sweep_candidates_name_real_kernels_and_blocks():
+    """Every kernel of the mHC block sweep is a GPU_BLOCKS entry with an op to time, and every candidate is (BLOCK_T,
+    BLOCK_D, warps, stages[, maxnreg]) with power-of-two blocks of 16 or more where the kernel has tensor-core tiles."""
+    from benchmarks import ops_mhc
+    from kernels.mhc import fused
+
+    assert set(ops_mhc.BLOCK_CANDIDATES) <= set(fused.GPU_BLOCKS)
+    assert set(ops_mhc.BLOCK_CANDIDATES) == set(ops_mhc.SWEEP_OP)
+    for kernel, candidates in ops_mhc.BLOCK_CANDIDATES.items():
+        assert len(set(candidates)) == len(candidates), kernel
+        for cand in candidates:
+            assert len(cand) in (4, 5) and all(isinstance(v, int) and v > 0 for v in cand), (kernel, cand)
+            block_t, block_d, warps = cand[:3]
+            assert block_t & (block_t - 1) == 0 and block_d & (block_d - 1) == 0 and warps in (1, 2, 4, 8), cand
+            if kernel.startswith(("pre_", "post_bwd_tc")) and kernel != "pre_fwd":
+                assert block_t >= 16 and block_d >= 16, (kernel, cand)
