@@ -178,37 +178,12 @@ def timings(fns: dict, p: dict, up: list) -> dict[str, float]:
     return out
 
 
-# the fused variants timed side by side: module settings of kernels/mhc/fused.py (the defaults first), picked by
-# `--variants`; block sizes are swept by `--sweep-blocks` (BLOCK_CANDIDATES).
-_TC = {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "POST_BWD_PROJ": "bf16x3"}
-FUSED_VARIANTS = {
-    "default": {},
-    # the projections before 2026-12-02 night (fp32 on CUDA cores; dX' is now loaded once either way)
-    "before": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "POST_BWD_PROJ": "fp32"},
-    "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
-    "dx_tf32": {"DX_PROJ": "tf32"},  # 16-bit streams: φ w in dX on tf32 tensor cores
-    "tc": _TC,  # bf16 streams: the read's projection and φ's gradient bf16x3, φ w in dX bf16x2 (the defaults)
-    # fp32 streams (or PRE_PROJ=fp32): the read's forward at 32 tokens and 2 warps, 4×4 outputs of x'φ a thread
-    # (2026-12-04 night, untimed): `--dtype fp32 --fused-only --variants default pre_fwd_w2 --rounds 5`
-    "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},
-    # bf16 streams: the write's backward with its reductions as tensor-core products (the default since 2026-12-05),
-    # and on CUDA cores as before
-    "post_bwd_tc": {"POST_BWD_PROJ": "bf16x3"},
-    "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},
-    # and the read's sums over the streams (h, dH^pre) the same way
-    "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
-    # bf16 streams: the read's dX on the block's stream rows, each term one tensor-core product (built 2026-12-05, the
-    # default since 2026-12-06), and a tile a stream as before
-    "dx_rows": {"DX_LAYOUT": "rows"},
-    "dx_stream": {"DX_LAYOUT": "stream"},
-    "dx_rows_d128": {"DX_LAYOUT": "rows", "DX_ROWS_BLOCKS": "pre_dx_rows_d128"},  # at 128 channels (2026-12-06)
-    # the read's Sinkhorn iterations (forward and backward) a thread a token: no shuffles, shared memory or barriers
-    # (2026-12-06)
-    # bf16 streams: the read's forward on tensor cores at 32 tokens and two stages (READ_BLOCKS, the default before
-    # 2026-12-06 late; 64 tokens at one stage since)
-    "read_t32": {"READ_BLOCKS": "pre_fwd_tc_t32"},
-    "token_sinkhorn": {"SINKHORN": "token"},
-}
+# the fused variants timed side by side (`--variants`): kernels.mhc.fused.NAMED_VARIANTS, the same table the tests run;
+# block sizes are swept by `--sweep-blocks` (BLOCK_CANDIDATES).
+def fused_variants() -> dict:
+    from kernels.mhc import fused
+
+    return fused.NAMED_VARIANTS
 
 
 def interleaved_rounds(entries: list, rounds: int, time_one) -> tuple[dict, dict]:
@@ -236,7 +211,7 @@ def interleaved_rounds(entries: list, rounds: int, time_one) -> tuple[dict, dict
     return medians, errors
 
 
-def backends(fused_only=False, variants=tuple(FUSED_VARIANTS)):
+def backends(fused_only=False, variants=None):
     from kernels.mhc import mhc_post, mhc_pre, reference
 
     def pre_of(backend):
@@ -250,8 +225,8 @@ def backends(fused_only=False, variants=tuple(FUSED_VARIANTS)):
     fused_fns = {
         "pre": pre_of("triton"), "post": lambda p, hp, hr: mhc_post(p["x"], p["out"], hp, hr, backend="triton"),
         "sublayer": lambda p: sublayer("triton", p), "post_pre": lambda p, hp, hr: post_pre("triton", p, hp, hr)}
-    for name in variants:
-        yield ("triton" if name == "default" else f"triton ({name})"), FUSED_VARIANTS[name], fused_fns
+    for name in variants if variants is not None else fused_variants():
+        yield ("triton" if name == "default" else f"triton ({name})"), fused_variants()[name], fused_fns
     if fused_only:
         return
     compiled_pre = torch.compile(ref_pre)
@@ -273,9 +248,12 @@ BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_com
                 (32, 64, 2, 2)],  # the last: GPU_BLOCKS["pre_fwd_w2"] (134 registers, no spills)
     "pre_fwd_tc": [(16, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (64, 32, 4, 2),  # bf16 streams
                    (32, 64, 4, 3), (32, 64, 4, 4), (16, 64, 4, 3),  # more loads in flight (2026-12-06)
-                   # 64 tokens compile to wgmma (HGMMA) instead of mma.sync and ran 0.57-0.68x, but their results were
-                   # off on the GPU (2026-12-06): without the loads' pipelining, to tell whether that is what differs
-                   (64, 64, 4, 1), (64, 32, 4, 1)],
+                   # 64 tokens compile to wgmma (HGMMA) instead of mma.sync; at two stages they race on the GPU
+                   # (2026-12-06, mhc_read_check_read64_h100.md), at one they are right: (64, 64, 4, 1) the default since
+                   (64, 64, 4, 1), (64, 32, 4, 1),
+                   # untimed: two warp groups a program (right at two stages on the H100, same check; 70 registers), 128
+                   # channels (168 registers); sm_90a, n = 4, d = 1024, no spills
+                   (64, 64, 8, 1), (64, 128, 4, 1)],
     "pre_bwd": [(32, 16, 8, 1), (16, 16, 8, 1), (16, 32, 4, 1), (32, 32, 4, 1), (32, 64, 8, 1), (64, 32, 8, 1)],
     "pre_dx": [(16, 32, 4, 1), (32, 32, 4, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 16, 4, 1), (64, 16, 4, 1),
                (32, 32, 4, 3), (16, 32, 4, 2)],  # more loads in flight (2026-12-06)
@@ -416,8 +394,8 @@ def main(argv=None) -> None:
     ap.add_argument("--fused-only", action="store_true", help="time only the fused variants (no reference)")
     ap.add_argument("--kernels", nargs="+", default=list(BLOCK_CANDIDATES), choices=list(BLOCK_CANDIDATES),
                     help="with --sweep-blocks: only these kernels")
-    ap.add_argument("--variants", nargs="+", default=["default", "one_pass"], choices=list(FUSED_VARIANTS),
-                    help="fused variants to time (FUSED_VARIANTS: module settings of kernels/mhc/fused.py)")
+    ap.add_argument("--variants", nargs="+", default=["default", "one_pass"], choices=list(fused_variants()),
+                    help="fused variants to time (kernels.mhc.fused.NAMED_VARIANTS: its module settings)")
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every backend this many times, interleaved round by round; the table gives the median "
@@ -433,7 +411,7 @@ def main(argv=None) -> None:
     if args.pick:
         best = pick_variant(Path(args.pick).read_text(), args.op, args.gain)
         if best and args.row:  # as a row's code settings for benchmarks.throughput
-            print("@".join(f"py:kernels.mhc.fused.{k}={v}" for k, v in FUSED_VARIANTS[best].items()))
+            print("@".join(f"py:kernels.mhc.fused.{k}={v}" for k, v in fused_variants()[best].items()))
         elif best:
             print(best)
         return

@@ -71,7 +71,7 @@ DOT_PRECISION = "ieee"
 POST_PRE_ONE_PASS = False
 
 # Kernel variants of 2026-12-02 night, timed against each other in one process by benchmarks/ops_mhc.py
-# (``FUSED_VARIANTS`` there; ops_mhc_variants.md); every variant computes the same math and is tested against the
+# (``NAMED_VARIANTS`` below; ops_mhc_variants.md); every variant computes the same math and is tested against the
 # reference. At `medium` with bf16 streams the tensor-core set below (now the default) took a sublayer's write + read,
 # forward and backward, from 3.965 to 3.565 ms. Measured and removed: the sums over d kept lane by lane and reduced
 # once after the channel loop (slower everywhere, 3.965 -> 4.074; commit f9b393a has them).
@@ -140,6 +140,41 @@ VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
                    "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32")}
+
+# Named sets of the settings above: what `benchmarks.ops_mhc --variants NAME ...` times side by side and what the
+# tests' ``variant`` fixture runs every chain test with (less tests/kernels/test_mhc_fused.py's ``NOT_EVERY_TEST``),
+# one table so that a variant timed is a variant tested. Each must give the reference's results; the tensor-core ones
+# apply to 16-bit streams only (on fp32 streams they must leave the fp32 path).
+NAMED_VARIANTS = {
+    "default": {},
+    # the tensor-core projections (the defaults since 2026-12-02 night), spelt out: they stay tested if the defaults
+    # move. bf16 streams: the read's projection and φ's gradient bf16x3, φ w in dX bf16x2, the write's backward bf16x3
+    "tc": {"PRE_PROJ": "bf16x3", "PHI_GRAD_PROJ": "bf16x3", "DX_PROJ": "bf16x2", "POST_BWD_PROJ": "bf16x3"},
+    # the projections before 2026-12-02 night (fp32 on CUDA cores; dX' is now loaded once either way)
+    "before": {"PRE_PROJ": "fp32", "PHI_GRAD_PROJ": "fp32", "DX_PROJ": "fp32", "POST_BWD_PROJ": "fp32"},
+    "one_pass": {"POST_PRE_ONE_PASS": True},  # the write fused with the next read in one kernel (slower, 2026-11-30)
+    "dx_tf32": {"DX_PROJ": "tf32"},  # 16-bit streams: φ w in dX on tf32 tensor cores
+    # fp32 streams (or PRE_PROJ=fp32): the read's forward at 32 tokens and 2 warps, 4×4 outputs of x'φ a thread
+    # (2026-12-04 night, untimed): `--dtype fp32 --fused-only --variants default pre_fwd_w2 --rounds 5`
+    "pre_fwd_w2": {"PRE_FWD_BLOCKS": "pre_fwd_w2"},
+    # bf16 streams: the write's backward with its reductions as tensor-core products (the default since 2026-12-05),
+    # and on CUDA cores as before
+    "post_bwd_tc": {"POST_BWD_PROJ": "bf16x3"},
+    "post_bwd_fp32": {"POST_BWD_PROJ": "fp32"},
+    # and the read's sums over the streams (h, dH^pre) the same way (2026-12-05)
+    "tc_sums": {"POST_BWD_PROJ": "bf16x3", "PRE_SUMS": "bf16x3"},
+    # bf16 streams: the read's dX on the block's stream rows, each term one tensor-core product (built 2026-12-05, the
+    # default since 2026-12-06), and a (tokens, channels) tile a stream as before
+    "dx_rows": {"DX_LAYOUT": "rows"},
+    "dx_stream": {"DX_LAYOUT": "stream"},
+    "dx_rows_d128": {"DX_LAYOUT": "rows", "DX_ROWS_BLOCKS": "pre_dx_rows_d128"},  # at 128 channels (2026-12-06)
+    # the read's Sinkhorn iterations (forward and backward) a thread a token: no shuffles, shared memory or barriers
+    # (2026-12-06; slower)
+    "token_sinkhorn": {"SINKHORN": "token"},
+    # bf16 streams: the read's forward on tensor cores at 32 tokens and two stages (READ_BLOCKS, the default before
+    # 2026-12-06 late; 64 tokens at one stage since)
+    "read_t32": {"READ_BLOCKS": "pre_fwd_tc_t32"},
+}
 
 
 def _variant(name: str) -> str:
