@@ -285,6 +285,8 @@
 #            flight (Blocks.serial_ahead2): GPU tests with it, the streams backward alone, msar_block's small step.
 #            Its first two steps ran 2026-12-05 late on an H100 (tests pass; 32-35% slower alone, so the step was not
 #            timed)
+#   mhc_read_split one GPU (about 450 s with the start, estimated): the read forward as three kernels: GPU tests, alone
+#              against the one-kernel read, then mhc's small step if it won alone
 #   mhc_profile one GPU (about 200 s with the start, estimated): vanilla and mhc's graphed step profiled, by kernel and kind
 #   mhc_bwd_blocks one GPU (about 300 s with the start, estimated): the block sweep of mHC's write backward and rows dX
 #              with one-stage candidates (TEST_LIMIT=150 adds the mHC GPU tests)
@@ -316,7 +318,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1302,6 +1304,23 @@ case "$PLAN" in
     [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_dx_rows}"
+    ;;
+  mhc_read_split)
+    # mHC's read forward as three kernels (READ_LAYOUT=split, built 2026-12-06 late on the CPU; the one-kernel read is
+    # at 19% of its bytes' time at small, 256 programs for 132 SMs): its GPU tests (launch to launch the same bits,
+    # every result near the fp64 read; the chain against the reference), alone in interleaved rounds against the
+    # one-kernel read, then mhc's small step alternating with it if it won alone (3% or more off some op)
+    SPLIT=py:kernels.mhc.fused.READ_LAYOUT=split
+    step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py -k "tensor_core_read or read_split or write_and_next_read"
+    step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
+      --variants default read_split --rounds 5 --tag "${TAG:-_read_split}"
+    ROW=$(python3 -m benchmarks.ops_mhc --pick "benchmarks/results/ops_mhc${TAG:-_read_split}.md" --op "post+pre" \
+      --gain 0.03 --row 2>> "$OUTDIR/summary.txt")
+    [ -z "$ROW" ] && echo "small step skipped: the split read did not win alone" >> "$OUTDIR/summary.txt"
+    [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
+      --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_read_split}"
     ;;
   mhc_profile)
     # where mHC's step goes with the day's defaults (2026-12-06 late): vanilla and mhc graphed at `small`, every

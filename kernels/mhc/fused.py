@@ -135,11 +135,20 @@ SINKHORN = "tile"
 #   ms for the 32-token rows timed after the first at `small`, 0.536 against 0.682-0.821 at `medium`; results the same
 #   bits as 32 tokens'.
 READ_BLOCKS = "pre_fwd_tc"
+# READ_LAYOUT (2026-12-06 late; built on the CPU, untimed, so opt-in): the read's forward for **bf16** streams with
+#   PRE_PROJ="bf16x3". "fused" (default): ``_pre_fwd_kernel``, a program a block of tokens through its whole n·d
+#   projection, the Sinkhorn iterations and h (256 programs at `small` for 132 SMs: 19% of its bytes' time on an H100,
+#   profile_step_small_graphs_read64_h100.md). "split": three kernels, each with more programs or less to wait on:
+#   the projection a program a (token block, stream) into per-stream parts (``_read_proj_kernel``), the parts summed
+#   and the coefficients (``_read_coef_kernel``, no stream loads), and h over a (tokens, channels) grid
+#   (``_read_sum_kernel``). The price: the streams are read twice from memory, and n·KP + n fp32 a token of parts.
+READ_LAYOUT = "fused"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
-                   "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32")}
+                   "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32"),
+                   "READ_LAYOUT": ("fused", "split")}
 
 # Named sets of the settings above: what `benchmarks.ops_mhc --variants NAME ...` times side by side and what the
 # tests' ``variant`` fixture runs every chain test with (less tests/kernels/test_mhc_fused.py's ``NOT_EVERY_TEST``),
@@ -174,6 +183,9 @@ NAMED_VARIANTS = {
     # bf16 streams: the read's forward on tensor cores at 32 tokens and two stages (READ_BLOCKS, the default before
     # 2026-12-06 late; 64 tokens at one stage since)
     "read_t32": {"READ_BLOCKS": "pre_fwd_tc_t32"},
+    # bf16 streams: the read's forward as three kernels, the projection a program a (token block, stream) (2026-12-06
+    # late, untimed)
+    "read_split": {"READ_LAYOUT": "split"},
 }
 
 
@@ -453,6 +465,120 @@ def _project_parts(xb, y, i, offs_d, mask_d, parts_ptr, offs_k, ND: tl.constexpr
 
 
 @triton.jit
+def _read_coefficients(y, ss, eps, z_ptr, r_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, hpre_ptr, hpost_ptr,
+                       hres_ptr, rows, mask_t, ND: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr,
+                       KP: tl.constexpr, ITERS: tl.constexpr, TOKEN_SINKHORN: tl.constexpr):
+    """A token block's read coefficients from its projection y = x'φ before the norm (BLOCK_T, KP) and Σx² over the
+    n·d values (BLOCK_T,): stores z = r·y and r (kept for backward), H^pre, H^post and H^res; returns H^pre
+    (BLOCK_T, NP)."""
+    K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
+    offs_k = tl.arange(0, KP)
+    mask_k = offs_k < K
+    offs_n = tl.arange(0, NP)
+    m2 = mask_t[:, None] & (offs_n < N_STREAMS)[None, :]
+    r = tl.rsqrt(ss / ND + eps)
+    z = y * r[:, None]
+    tl.store(z_ptr + rows[:, None] * K + offs_k[None, :], z, mask=mask_t[:, None] & mask_k[None, :])
+    tl.store(r_ptr + rows, r, mask=mask_t)
+    tl.debug_barrier()  # z is read back below in the (token, i, j) layout, by other threads of the block
+
+    h_pre, h_post, logits, valid = _coefficients(z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
+                                                 N_STREAMS, NP, ITERS)
+    if TOKEN_SINKHORN:  # a thread a token (SINKHORN="token")
+        lm = _token_sinkhorn_log(_res_logits(z_ptr, alpha_ptr, bres_ptr, rows, mask_t, N_STREAMS), ITERS, N_STREAMS)
+        for k in tl.static_range(N_STREAMS * N_STREAMS):
+            tl.store(hres_ptr + rows * (N_STREAMS * N_STREAMS) + k, tl.exp(lm[k]), mask=mask_t)
+    else:
+        h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
+        res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
+        tl.store(hres_ptr + rows[:, None, None] * (N_STREAMS * N_STREAMS) + res_offs[None, :, :], h_res,
+                 mask=mask_t[:, None, None] & valid)
+    tl.store(hpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_pre, mask=m2)
+    tl.store(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_post, mask=m2)
+    return h_pre
+
+
+@triton.jit
+def _read_proj_kernel(
+    x_ptr,  # bf16 streams (N, n, d), contiguous
+    parts_ptr,  # φ' = g ⊙ φ in PARTS bf16 parts (PARTS, n·d, KP)
+    yp_ptr,  # result: each stream's part of the projection, y_i = x_i φ'_i (N, n, KP) fp32
+    ssp_ptr,  # result: each stream's Σ x_i² (N, n) fp32
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, KP: tl.constexpr, PARTS: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+):
+    """READ_LAYOUT="split", the first of three kernels: a program a (token block, stream), n times the programs of the
+    one-kernel read, each stream's part of the projection on tensor cores (``_project_parts``)."""
+    pid = tl.program_id(0)
+    i = tl.program_id(1)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)
+    ND: tl.constexpr = N_STREAMS * D
+    offs_k = tl.arange(0, KP)
+    ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    y = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        xr = tl.load(x_ptr + rows[:, None] * ND + i * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                     other=0.0)
+        xv = xr.to(tl.float32)
+        ss += tl.sum(xv * xv, axis=1)
+        y = _project_parts(xr, y, i, offs_d, mask_d, parts_ptr, offs_k, ND, D, KP, PARTS, INTERP)
+    tl.store(yp_ptr + (rows * N_STREAMS + i)[:, None] * KP + offs_k[None, :], y, mask=mask_t[:, None])
+    tl.store(ssp_ptr + rows * N_STREAMS + i, ss, mask=mask_t)
+
+
+@triton.jit
+def _read_coef_kernel(
+    yp_ptr, ssp_ptr,  # the streams' parts of the projection (N, n, KP) and of Σx² (N, n), fp32
+    alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr,  # as ``_pre_fwd_kernel``'s
+    hpre_ptr, hpost_ptr, hres_ptr, z_ptr, r_ptr,  # results, as ``_pre_fwd_kernel``'s
+    N, eps,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
+    BLOCK_T: tl.constexpr, TOKEN_SINKHORN: tl.constexpr = False,
+):
+    """READ_LAYOUT="split", the second: the parts summed over the streams, then the coefficients (no stream loads)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < N
+    rows = offs_t.to(tl.int64)
+    offs_k = tl.arange(0, KP)
+    y = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for i in tl.static_range(N_STREAMS):
+        y += tl.load(yp_ptr + (rows * N_STREAMS + i)[:, None] * KP + offs_k[None, :], mask=mask_t[:, None], other=0.0)
+        ss += tl.load(ssp_ptr + rows * N_STREAMS + i, mask=mask_t, other=0.0)
+    _read_coefficients(y, ss, eps, z_ptr, r_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, hpre_ptr, hpost_ptr,
+                       hres_ptr, rows, mask_t, N_STREAMS * D, N_STREAMS, NP, KP, ITERS, TOKEN_SINKHORN)
+
+
+@triton.jit
+def _read_sum_kernel(
+    x_ptr,  # streams (N, n, d), contiguous
+    hpre_ptr,  # H^pre (N, n) fp32
+    h_ptr,  # result: h = Σ_i H^pre_i X_i (N, d), x's dtype
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """READ_LAYOUT="split", the third: h over a (tokens, channels) grid, as the write's forward runs."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < N
+    mask_d = offs_d < D
+    rows = offs_t.to(tl.int64)
+    offs_n = tl.arange(0, NP)
+    m2 = mask_t[:, None] & (offs_n < N_STREAMS)[None, :]
+    x3 = tl.load(x_ptr + rows[:, None, None] * (N_STREAMS * D) + offs_n[None, :, None] * D + offs_d[None, None, :],
+                 mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+    h_pre = tl.load(hpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    h = tl.sum(h_pre[:, :, None] * x3, axis=1)
+    tl.store(h_ptr + rows[:, None] * D + offs_d[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.jit
 def _pre_fwd_kernel(
     x_ptr,  # streams (N, n, d), contiguous, fp32 / bf16 / fp16; written here when FUSE_POST
     xin_ptr,  # FUSE_POST: the previous streams X_{l-1} (N, n, d), x's dtype
@@ -531,27 +657,10 @@ def _pre_fwd_kernel(
                 else:
                     y = _project(xv, y, i, offs_d, mask_d, phi_ptr, gain_ptr, offs_k, mask_k, D, K, HAS_GAIN,
                                  DOT_PRECISION)
-    r = tl.rsqrt(ss / ND + eps)
-    z = y * r[:, None]
-    tl.store(z_ptr + rows[:, None] * K + offs_k[None, :], z, mask=mask_t[:, None] & mask_k[None, :])
-    tl.store(r_ptr + rows, r, mask=mask_t)
-    # z is read back below in the (token, i, j) layout and (FUSE_POST) the streams in sweep 2, by other
-    # threads of the block
-    tl.debug_barrier()
-
-    h_pre, h_post, logits, valid = _coefficients(z_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, rows, mask_t,
-                                                 N_STREAMS, NP, ITERS)
-    if TOKEN_SINKHORN:  # a thread a token (SINKHORN="token")
-        lm = _token_sinkhorn_log(_res_logits(z_ptr, alpha_ptr, bres_ptr, rows, mask_t, N_STREAMS), ITERS, N_STREAMS)
-        for k in tl.static_range(N_STREAMS * N_STREAMS):
-            tl.store(hres_ptr + rows * (N_STREAMS * N_STREAMS) + k, tl.exp(lm[k]), mask=mask_t)
-    else:
-        h_res = tl.exp(_sinkhorn_log(logits, valid, ITERS))
-        res_offs = offs_n[:, None] * N_STREAMS + offs_n[None, :]
-        tl.store(hres_ptr + rows[:, None, None] * (N_STREAMS * N_STREAMS) + res_offs[None, :, :], h_res,
-                 mask=mask_t[:, None, None] & valid)
-    tl.store(hpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_pre, mask=m2)
-    tl.store(hpost_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], h_post, mask=m2)
+    # z is read back in the (token, i, j) layout and (FUSE_POST) the streams in sweep 2, by other threads of the
+    # block: _read_coefficients has a barrier between its stores and those reads
+    h_pre = _read_coefficients(y, ss, eps, z_ptr, r_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, hpre_ptr, hpost_ptr,
+                               hres_ptr, rows, mask_t, ND, N_STREAMS, NP, KP, ITERS, TOKEN_SINKHORN)
 
     # sweep 2 (same tokens, from L2): h = Σ_i H^pre_i X_i
     if TC_SUMS:
@@ -1113,6 +1222,11 @@ GPU_BLOCKS = {
     # tokens at `small`, different from launch to launch (mhc_read_check_read64_h100.md), so not a candidate
     "pre_fwd_tc": (64, 64, 4, 1),
     "pre_fwd_tc_t32": (32, 64, 4, 2),  # READ_BLOCKS="pre_fwd_tc_t32": the default before (beat 16 tokens)
+    # READ_LAYOUT="split" (untimed): the projection at the read's blocks, one stage (two race at 64 tokens); the
+    # coefficients at 64 tokens; h as the write's forward runs
+    "read_proj": (64, 64, 4, 1),
+    "read_coef": (64, 16, 4, 1),
+    "read_sum": (8, 128, 4, 3),
     "pre_fwd_post": (32, 16, 4, 1),  # the one-pass write + read (POST_PRE_ONE_PASS): its earlier default
     "pre_bwd": (32, 32, 8, 1),
     "pre_dx": (32, 32, 4, 1),
@@ -1157,6 +1271,8 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
     if parts:  # φ' = g ⊙ φ in three bf16 parts: the projection on tensor cores (PRE_PROJ)
         phi, gain = split_bf16(phi, gain, parts, kp), None
     fp32_blocks, tc_blocks = _variant("PRE_FWD_BLOCKS"), _variant("READ_BLOCKS")  # checked whichever path runs
+    if parts and _variant("READ_LAYOUT") == "split":
+        return _pre_fwd_split(x, phi, alpha, b_pre, b_post, b_res, parts, iters=iters, eps=eps)
     block_t, block_d, launch = _blocks(d, "pre_fwd_post" if post is not None else tc_blocks if parts
                                        else fp32_blocks)
     f32 = dict(device=x.device, dtype=torch.float32)
@@ -1171,6 +1287,29 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
         FUSE_POST=post is not None, BLOCK_T=block_t, BLOCK_D=block_d,
         DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), TC_SUMS=tc_sums,
         TOKEN_SINKHORN=_variant("SINKHORN") == "token", **launch)
+    return h, h_pre, h_post, h_res, z, r
+
+
+def _pre_fwd_split(x, parts_phi, alpha, b_pre, b_post, b_res, parts, *, iters, eps):
+    """READ_LAYOUT="split": ``pre_fwd``'s results from three kernels (``parts_phi``: φ' in ``parts`` bf16 parts)."""
+    N, n, d = x.shape
+    k, np_, kp = _consts(n)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    yp, ssp = torch.empty(N, n, kp, **f32), torch.empty(N, n, **f32)
+    block_t, block_d, launch = _blocks(d, "read_proj")
+    _read_proj_kernel[(triton.cdiv(N, block_t), n)](
+        x, parts_phi, yp, ssp, N, D=d, N_STREAMS=n, KP=kp, PARTS=parts, BLOCK_T=block_t, BLOCK_D=block_d,
+        INTERP=interpreting(), **launch)
+    h_pre, h_post, h_res = torch.empty(N, n, **f32), torch.empty(N, n, **f32), torch.empty(N, n, n, **f32)
+    z, r = torch.empty(N, k, **f32), torch.empty(N, **f32)
+    block_t, _, launch = _blocks(d, "read_coef")
+    _read_coef_kernel[(triton.cdiv(N, block_t),)](
+        yp, ssp, alpha, b_pre, b_post, b_res, h_pre, h_post, h_res, z, r, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp,
+        ITERS=iters, BLOCK_T=block_t, TOKEN_SINKHORN=_variant("SINKHORN") == "token", **launch)
+    h = torch.empty(N, d, device=x.device, dtype=x.dtype)
+    block_t, block_d, launch = _blocks(d, "read_sum")
+    _read_sum_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
+        x, h_pre, h, N, D=d, N_STREAMS=n, NP=np_, BLOCK_T=block_t, BLOCK_D=block_d, **launch)
     return h, h_pre, h_post, h_res, z, r
 
 

@@ -556,17 +556,18 @@ READ_BLOCK_CASES = [  # (n, d, B, T, norm gain): N = B·T tokens, d not a multip
 ]
 
 
-def gpu_blocks_under_the_interpreter(monkeypatch, setting: str) -> list:
-    """Under the interpreter, the kernels whose GPU_BLOCKS entry a module ``setting`` picks (its choices) take their
-    GPU token and channel blocks instead of the interpreter's; the others keep theirs. Returns the list of the
-    GPU_BLOCKS names asked for, filled as the kernels launch."""
+def gpu_blocks_under_the_interpreter(monkeypatch, setting: str | None, kernels: tuple = ()) -> list:
+    """Under the interpreter, the kernels whose GPU_BLOCKS entry a module ``setting`` picks (its choices), and those
+    named in ``kernels``, take their GPU token and channel blocks instead of the interpreter's; the others keep theirs.
+    Returns the list of the GPU_BLOCKS names asked for, filled as the kernels launch."""
     from kernels.mhc import fused
 
     asked, blocks = [], fused._blocks
+    gpu = set(kernels) | (set(fused.VARIANT_CHOICES[setting]) if setting else set())
 
     def gpu_blocks(width, kernel):
         asked.append(kernel)
-        if kernel in fused.VARIANT_CHOICES[setting]:
+        if kernel in gpu:
             block_t, block_d = fused.GPU_BLOCKS[kernel][:2]
             return block_t, min(block_d, fused._pow2(width, 16)), {}
         return blocks(width, kernel)
@@ -631,17 +632,33 @@ def test_tensor_core_read_at_its_gpu_blocks_matches_the_reference(setting, monke
     assert setting in asked and not set(asked) & (set(fused.VARIANT_CHOICES["READ_BLOCKS"]) - {setting})
 
 
+@needs_interpreter
+def test_split_read_at_its_gpu_blocks_matches_the_reference(monkeypatch):
+    """READ_LAYOUT="split": the read's forward as three kernels (the projection a program a token block and stream,
+    the coefficients, h on a (tokens, channels) grid), each at its GPU blocks under the interpreter (64 tokens and 64
+    channels; 64 tokens; 8 tokens and 128 channels), bf16 streams, d = 200, 74 tokens: the write + read chain's
+    outputs and gradients against the fp32 reference, as the GPU chain test checks them."""
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, "READ_LAYOUT", "split")
+    split = ("read_proj", "read_coef", "read_sum")
+    asked = gpu_blocks_under_the_interpreter(monkeypatch, None, split)
+    check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
+    assert set(split) <= set(asked) and not set(asked) & {"pre_fwd_tc", "pre_fwd_tc_t32"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("setting", ["pre_fwd_tc", "pre_fwd_tc_t32"])
-def test_gpu_tensor_core_read_is_the_same_at_every_launch_and_near_fp64(setting, monkeypatch):
-    """The read's forward at its GPU blocks: two launches give the same bits (64 tokens at two stages did not: a
-    race), and r and the coefficients are within 1e-5 of the fp64 read of the same bf16 streams, z within 5e-5 (on
+@pytest.mark.parametrize("name, setting", [("READ_BLOCKS", "pre_fwd_tc"), ("READ_BLOCKS", "pre_fwd_tc_t32"),
+                                           ("READ_LAYOUT", "split")])
+def test_gpu_tensor_core_read_is_the_same_at_every_launch_and_near_fp64(name, setting, monkeypatch):
+    """The read's forward at its GPU blocks (READ_BLOCKS) or as three kernels (READ_LAYOUT="split"): two launches give
+    the same bits (64 tokens at two stages did not: a race), and r and the coefficients are within 1e-5 of the fp64 read of the same bf16 streams, z within 5e-5 (on
     an H100 at d = 512: 6.8e-6; the racing blocks: 4.7e-3), h within rounding to bf16 of it, at every token."""
     from benchmarks import mhc_read_check as check
     from kernels.mhc import fused
 
-    monkeypatch.setattr(fused, "READ_BLOCKS", setting)
+    monkeypatch.setattr(fused, name, setting)
     p = check.make_read_inputs(4, 1000, 4, 512, 0, "cuda")  # 4000 tokens: a ragged last block of 64 or 32
     want, got, again = check.reference_read(p), check.fused_read(p), check.fused_read(p)
     for name in check.RESULTS:
