@@ -349,6 +349,19 @@ step() {
   printf '%-6s %-22s rc=%-3s %4ss  %s\n' "$lane" "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$OUTDIR/summary.txt"
 }
 
+# mhc_small_if_won TAG OP: after `benchmarks.ops_mhc --variants ... --tag TAG`, mhc's small step beside vanilla,
+# alternating with the variant whose OP time won by 3% or more at some shape (none: no step, said in the summary)
+mhc_small_if_won() {
+  local row
+  row=$(python3 -m benchmarks.ops_mhc --pick "benchmarks/results/ops_mhc$1.md" --op "$2" --gain 0.03 --row \
+    2>> "$OUTDIR/summary.txt")
+  if [ -z "$row" ]; then
+    echo "small step skipped: no variant won alone ($2)" >> "$OUTDIR/summary.txt"
+    return 0
+  fi
+  step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
+    --residuals vanilla mhc "mhc@$row" mhc "mhc@$row" --compile model --graphs on --steps 8 --set $COMBO --tag "$1"
+}
 STUDY=(python3 -m platform.compare compare=paper_small mlflow.depth_heatmaps=false)
 SCALING=(python3 -m platform.scaling trainer=gpu data=large mlflow.depth_heatmaps=false)
 # throughput LANE LIMIT: the training-step table of every study residual (alone on its GPU for timings)
@@ -1298,29 +1311,18 @@ case "$PLAN" in
       --variants default dx_rows dx_rows_d128 token_sinkhorn --rounds 5 --tag "${TAG:-_dx_rows}"
     step gpu0 sweep "${SWEEP_LIMIT:-120}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
       --kernels pre_fwd_tc pre_dx --tag "${TAG:-_dx_rows}"
-    ROW=$(python3 -m benchmarks.ops_mhc --pick "benchmarks/results/ops_mhc${TAG:-_dx_rows}.md" --op "post+pre fwd+bwd" \
-      --gain 0.03 --row 2>> "$OUTDIR/summary.txt")
-    [ -z "$ROW" ] && echo "small step skipped: no variant won alone" >> "$OUTDIR/summary.txt"
-    [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
-      --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
-      --tag "${TAG:-_dx_rows}"
+    mhc_small_if_won "${TAG:-_dx_rows}" "post+pre fwd+bwd"
     ;;
   mhc_read_split)
     # mHC's read forward as three kernels (READ_LAYOUT=split, built 2026-12-06 late on the CPU; the one-kernel read is
     # at 19% of its bytes' time at small, 256 programs for 132 SMs): its GPU tests (launch to launch the same bits,
     # every result near the fp64 read; the chain against the reference), alone in interleaved rounds against the
     # one-kernel read, then mhc's small step alternating with it if it won alone (3% or more off some op)
-    SPLIT=py:kernels.mhc.fused.READ_LAYOUT=split
     step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py -k "tensor_core_read or read_split or write_and_next_read"
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
       --variants default read_split --rounds 5 --tag "${TAG:-_read_split}"
-    ROW=$(python3 -m benchmarks.ops_mhc --pick "benchmarks/results/ops_mhc${TAG:-_read_split}.md" --op "post+pre" \
-      --gain 0.03 --row 2>> "$OUTDIR/summary.txt")
-    [ -z "$ROW" ] && echo "small step skipped: the split read did not win alone" >> "$OUTDIR/summary.txt"
-    [ -n "$ROW" ] && step gpu0 small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small \
-      --residuals vanilla mhc "mhc@$ROW" mhc "mhc@$ROW" --compile model --graphs on --steps 8 --set $COMBO \
-      --tag "${TAG:-_read_split}"
+    mhc_small_if_won "${TAG:-_read_split}" "post+pre"
     ;;
   mhc_profile)
     # where mHC's step goes with the day's defaults (2026-12-06 late): vanilla and mhc graphed at `small`, every

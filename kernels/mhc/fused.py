@@ -465,6 +465,15 @@ def _project_parts(xb, y, i, offs_d, mask_d, parts_ptr, offs_k, ND: tl.constexpr
 
 
 @triton.jit
+def _token_channel_tile(N, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A (tokens, channels) grid's tile: its token rows (int64: N·n·d can pass 2³¹) with their mask, and its channels
+    with theirs."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    return offs_t.to(tl.int64), offs_t < N, offs_d, offs_d < D
+
+
+@triton.jit
 def _read_coefficients(y, ss, eps, z_ptr, r_ptr, alpha_ptr, bpre_ptr, bpost_ptr, bres_ptr, hpre_ptr, hpost_ptr,
                        hres_ptr, rows, mask_t, ND: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr,
                        KP: tl.constexpr, ITERS: tl.constexpr, TOKEN_SINKHORN: tl.constexpr):
@@ -563,11 +572,7 @@ def _read_sum_kernel(
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """READ_LAYOUT="split", the third: h over a (tokens, channels) grid, as the write's forward runs."""
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_t = offs_t < N
-    mask_d = offs_d < D
-    rows = offs_t.to(tl.int64)
+    rows, mask_t, offs_d, mask_d = _token_channel_tile(N, D, BLOCK_T, BLOCK_D)
     offs_n = tl.arange(0, NP)
     m2 = mask_t[:, None] & (offs_n < N_STREAMS)[None, :]
     x3 = tl.load(x_ptr + rows[:, None, None] * (N_STREAMS * D) + offs_n[None, :, None] * D + offs_d[None, None, :],
@@ -701,11 +706,7 @@ def _post_fwd_kernel(
     N,
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_t = offs_t < N
-    mask_d = offs_d < D
-    rows = offs_t.to(tl.int64)
+    rows, mask_t, offs_d, mask_d = _token_channel_tile(N, D, BLOCK_T, BLOCK_D)
     ND: tl.constexpr = N_STREAMS * D
     offs_n = tl.arange(0, NP)
     mask_n = offs_n < N_STREAMS
