@@ -286,7 +286,7 @@
 #            Its first two steps ran 2026-12-05 late on an H100 (tests pass; 32-35% slower alone, so the step was not
 #            timed)
 #   mhc_read_split one GPU (about 450 s with the start, estimated): the read forward as three kernels: GPU tests, alone
-#              against the one-kernel read, then mhc's small step if it won alone
+#              against the one-kernel read, then mhc's small step if it won alone; then the race reduced (wgmma_race)
 #   mhc_profile one GPU (about 200 s with the start, estimated): vanilla and mhc's graphed step profiled, by kernel and kind
 #   mhc_bwd_blocks one GPU (about 300 s with the start, estimated): the block sweep of mHC's write backward and rows dX
 #              with one-stage candidates (TEST_LIMIT=150 adds the mHC GPU tests)
@@ -1323,6 +1323,8 @@ case "$PLAN" in
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
       --variants default read_split --rounds 5 --tag "${TAG:-_read_split}"
     mhc_small_if_won "${TAG:-_read_split}" "post+pre"
+    # and the read's race of 2026-12-06 late reduced to a projection alone (benchmarks.wgmma_race)
+    step gpu0 race "${RACE_LIMIT:-60}" python3 -m benchmarks.wgmma_race
     ;;
   mhc_profile)
     # where mHC's step goes with the day's defaults (2026-12-06 late): vanilla and mhc graphed at `small`, every

@@ -652,3 +652,33 @@ def test_ops_mhc_sweep_candidates_name_real_kernels_and_blocks():
             assert block_t & (block_t - 1) == 0 and block_d & (block_d - 1) == 0 and warps in (1, 2, 4, 8), cand
             if kernel.startswith(("pre_", "post_bwd_tc")) and kernel != "pre_fwd":
                 assert block_t >= 16 and block_d >= 16, (kernel, cand)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel runs on a CPU under the interpreter")
+def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path, monkeypatch):
+    """benchmarks.wgmma_race: every configuration right and launch-to-launch identical under the interpreter (ragged
+    last block, 3 streams); a launch corrupted at one token is reported as one token off and launches that differ."""
+    import benchmarks.roofline as roofline
+    from benchmarks import wgmma_race
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, True), (64, 32, 2, False)])
+    argv = ["--tokens", "150", "--d", "64", "--streams", "3", "--launches", "2", "--device", "cpu"]
+    rows = [r.split("|") for r in wgmma_race.main(argv).splitlines() if r.startswith("| 32") or r.startswith("| 64")]
+    assert len(rows) == 2 and all(r[5].strip() == "0" and r[7].strip() == "yes" for r in rows), rows
+
+    right, calls = wgmma_race.run, []
+
+    def racing(x, w, block_t, block_d, stages, readback):
+        z, out = right(x, w, block_t, block_d, stages, readback)
+        calls.append(1)
+        if len(calls) == 2:  # the first configuration's second launch: token 77 off
+            z[77, 3] += 1.0
+        return z, out
+
+    monkeypatch.setattr(wgmma_race, "run", racing)
+    rows = [r.split("|") for r in wgmma_race.main(argv).splitlines() if r.startswith("| 32") or r.startswith("| 64")]
+    assert [r[5].strip() for r in rows] == ["1", "0"] and [r[7].strip() for r in rows] == ["NO", "yes"], rows
+    assert rows[0][6].strip() == "1 of 2"
+    with pytest.raises(SystemExit, match="--d 48: a power of two"):
+        wgmma_race.main(["--d", "48", "--device", "cpu"])
