@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from unittest.mock import patch
 
 import torch
 
@@ -119,7 +120,8 @@ def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed:
         base_max: dict[str, float] = {}
         for cand in blocks:
             for mode in sums:
-                with _blocks_held(fused, cand), held([(fused, "PRE_SUMS", mode), (fused, "READ_BLOCKS", "pre_fwd_tc")]):
+                with patch.dict(fused.GPU_BLOCKS, {"pre_fwd_tc": cand}), \
+                        held([(fused, "PRE_SUMS", mode), (fused, "READ_BLOCKS", "pre_fwd_tc")]):
                     try:
                         got = fused_read(p)
                         again = fused_read(p)
@@ -142,20 +144,6 @@ def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed:
             torch.cuda.empty_cache()
     table.write("mhc_read_check" + tag)
     return table
-
-
-class _blocks_held:
-    """GPU_BLOCKS["pre_fwd_tc"] set to a candidate for the body, restored after."""
-
-    def __init__(self, fused, cand):
-        self.fused, self.cand = fused, cand
-
-    def __enter__(self):
-        self.before = self.fused.GPU_BLOCKS["pre_fwd_tc"]
-        self.fused.GPU_BLOCKS["pre_fwd_tc"] = self.cand
-
-    def __exit__(self, *exc):
-        self.fused.GPU_BLOCKS["pre_fwd_tc"] = self.before
 
 
 def parse_blocks(text: str) -> tuple[int, int, int, int]:

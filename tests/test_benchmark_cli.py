@@ -664,8 +664,9 @@ def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
     monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, True), (64, 32, 2, False)])
     argv = ["--tokens", "150", "--d", "64", "--streams", "3", "--launches", "2", "--device", "cpu"]
-    rows = [r.split("|") for r in wgmma_race.main(argv).splitlines() if r.startswith("| 32") or r.startswith("| 64")]
-    assert len(rows) == 2 and all(r[5].strip() == "0" and r[7].strip() == "yes" for r in rows), rows
+    rows = roofline.read_rows(wgmma_race.main(argv))
+    assert len(rows) == 2 and all(r["tokens off (worst launch)"] == "0" and r["launches agree"] == "yes"
+                                  for r in rows), rows
 
     right, calls = wgmma_race.run, []
 
@@ -677,8 +678,8 @@ def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path
         return z, out
 
     monkeypatch.setattr(wgmma_race, "run", racing)
-    rows = [r.split("|") for r in wgmma_race.main(argv).splitlines() if r.startswith("| 32") or r.startswith("| 64")]
-    assert [r[5].strip() for r in rows] == ["1", "0"] and [r[7].strip() for r in rows] == ["NO", "yes"], rows
-    assert rows[0][6].strip() == "1 of 2"
+    rows = roofline.read_rows(wgmma_race.main(argv))
+    assert [r["tokens off (worst launch)"] for r in rows] == ["1", "0"], rows
+    assert [r["launches agree"] for r in rows] == ["NO", "yes"] and rows[0]["launches off"] == "1 of 2", rows
     with pytest.raises(SystemExit, match="--d 48: a power of two"):
         wgmma_race.main(["--d", "48", "--device", "cpu"])

@@ -921,14 +921,15 @@ def test_read_check_reports_a_wrong_token_and_its_block_position(tmp_path, monke
     off), and a result corrupted at one token is reported with that token's position in the block."""
     import benchmarks.roofline as roofline
     from benchmarks import mhc_read_check as check
+    from benchmarks.roofline import read_rows
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
     monkeypatch.setattr(check, "SHAPES", {"tiny": (1, 45, 40)})
     argv = ["--shapes", "tiny", "--device", "cpu", "--blocks", "32,64,4,2", "16,32,4,1"]
-    rows = [r.split("|") for r in check.main(argv).splitlines() if r.startswith("| tiny")]
+    rows = read_rows(check.main(argv))
     assert len(rows) == 2 * len(check.RESULTS)
-    assert all(r[8].strip() == "0" and r[10].strip() == "same" for r in rows), rows
-    assert float(rows[0][5]) < 1e-5  # z, fp32 from three bf16 parts of φ'
+    assert all(r["tokens off"] == "0" and r["two launches"] == "same" for r in rows), rows
+    assert float(rows[0]["rel L2 vs fp64"]) < 1e-5  # z, fp32 from three bf16 parts of φ'
 
     right = check.fused_read
 
@@ -941,10 +942,9 @@ def test_read_check_reports_a_wrong_token_and_its_block_position(tmp_path, monke
 
     corrupt.calls = 0
     monkeypatch.setattr(check, "fused_read", corrupt)
-    rows = [r.split("|") for r in check.main(argv).splitlines() if r.startswith("| tiny")]
-    res = [r for r in rows if r[2].strip() == "(16, 32, 4, 1)" and r[4].strip() == "H^res"][0]
-    assert res[8].strip() == "1" and res[9].strip() == "5×1", res
-    assert float(res[7]) > 100  # worst error against the default configuration's
+    res = [r for r in read_rows(check.main(argv)) if r["blocks"] == "(16, 32, 4, 1)" and r["result"] == "H^res"][0]
+    assert res["tokens off"] == "1" and res["their block positions"] == "5×1", res
+    assert float(res["vs default max"]) > 100  # worst error against the default configuration's
 
 
 def test_read_check_names_bad_blocks():
