@@ -94,12 +94,17 @@ def test_named_variants_set_real_settings_to_valid_values():
                 assert key in fused.VARIANT_CHOICES and value in fused.VARIANT_CHOICES[key], (name, key, value)
 
 
-@pytest.fixture(params=list(VARIANTS))
-def variant(request, monkeypatch):
+def set_variant(monkeypatch, name: str) -> None:
+    """The settings of ``fused.NAMED_VARIANTS[name]``, for the test."""
     from kernels.mhc import fused
 
-    for key, value in VARIANTS[request.param].items():
+    for key, value in fused.NAMED_VARIANTS[name].items():
         monkeypatch.setattr(fused, key, value)
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request, monkeypatch):
+    set_variant(monkeypatch, request.param)
     return request.param
 
 
@@ -638,9 +643,7 @@ def test_split_read_at_its_gpu_blocks_matches_the_reference(monkeypatch):
     the coefficients, h on a (tokens, channels) grid), each at its GPU blocks under the interpreter (64 tokens and 64
     channels; 64 tokens; 8 tokens and 128 channels), bf16 streams, d = 200, 74 tokens: the write + read chain's
     outputs and gradients against the fp32 reference, as the GPU chain test checks them."""
-    from kernels.mhc import fused
-
-    monkeypatch.setattr(fused, "READ_LAYOUT", "split")
+    set_variant(monkeypatch, "read_split")
     split = ("read_proj", "read_coef", "read_sum")
     asked = gpu_blocks_under_the_interpreter(monkeypatch, None, split)
     check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
@@ -649,16 +652,15 @@ def test_split_read_at_its_gpu_blocks_matches_the_reference(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name, setting", [("READ_BLOCKS", "pre_fwd_tc"), ("READ_BLOCKS", "pre_fwd_tc_t32"),
-                                           ("READ_LAYOUT", "split")])
-def test_gpu_tensor_core_read_is_the_same_at_every_launch_and_near_fp64(name, setting, monkeypatch):
-    """The read's forward at its GPU blocks (READ_BLOCKS) or as three kernels (READ_LAYOUT="split"): two launches give
-    the same bits (64 tokens at two stages did not: a race), and r and the coefficients are within 1e-5 of the fp64 read of the same bf16 streams, z within 5e-5 (on
-    an H100 at d = 512: 6.8e-6; the racing blocks: 4.7e-3), h within rounding to bf16 of it, at every token."""
+@pytest.mark.parametrize("read", ["default", "read_t32", "read_split"])
+def test_gpu_tensor_core_read_is_the_same_at_every_launch_and_near_fp64(read, monkeypatch):
+    """The read's forward at its GPU blocks (64 tokens; read_t32: 32) or as three kernels (read_split): two launches
+    give the same bits (64 tokens at two stages did not: a race), and r and the coefficients are within 1e-5 of the
+    fp64 read of the same bf16 streams, z within 5e-5 (on an H100 at d = 512: 6.8e-6; the racing blocks: 4.7e-3), h
+    within rounding to bf16 of it, at every token."""
     from benchmarks import mhc_read_check as check
-    from kernels.mhc import fused
 
-    monkeypatch.setattr(fused, name, setting)
+    set_variant(monkeypatch, read)
     p = check.make_read_inputs(4, 1000, 4, 512, 0, "cuda")  # 4000 tokens: a ragged last block of 64 or 32
     want, got, again = check.reference_read(p), check.fused_read(p), check.fused_read(p)
     for name in check.RESULTS:
