@@ -287,6 +287,10 @@
 #            timed)
 #   mhc_read_split one GPU (about 450 s with the start, estimated): the read forward as three kernels: GPU tests, alone
 #              against the one-kernel read, then mhc's small step if it won alone; then the race reduced (wgmma_race)
+#   mhc_split_step one GPU (about 400 s with the start, estimated): the split read in mhc's graphed small step, then
+#              its kernels profiled beside the one-kernel read's
+#   mhc_auto_read one GPU (about 450 s with the start, estimated): READ_LAYOUT="auto" (the default since 2026-12-06,
+#              end): the mHC GPU tests, then mhc's graphed small step against the fused read
 #   mhc_profile one GPU (about 200 s with the start, estimated): vanilla and mhc's graphed step profiled, by kernel and kind
 #   mhc_bwd_blocks one GPU (about 300 s with the start, estimated): the block sweep of mHC's write backward and rows dX
 #              with one-stage candidates (TEST_LIMIT=150 adds the mHC GPU tests)
@@ -318,7 +322,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1325,6 +1329,28 @@ case "$PLAN" in
     mhc_small_if_won "${TAG:-_read_split}" "post+pre"
     # and the read's race of 2026-12-06 late reduced to a projection alone (benchmarks.wgmma_race)
     step gpu0 race "${RACE_LIMIT:-60}" python3 -m benchmarks.wgmma_race
+    ;;
+  mhc_split_step)
+    # the split read in mhc's graphed `small` step whatever its alone timing: alone (mhc_read_split, 2026-12-06) the
+    # ops' `small` times were launch-bound (do_bench without graphs, 0.12-0.30 ms a round), so the step decides;
+    # then its kernels in the profile beside the one-kernel read
+    SPLIT=py:kernels.mhc.fused.READ_LAYOUT=split
+    step gpu0 small "${SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small \
+      --residuals vanilla mhc "mhc@$SPLIT" mhc "mhc@$SPLIT" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_read_split}"
+    step gpu0 profile "${PROFILE_LIMIT:-150}" python3 -m benchmarks.profile_step --model small \
+      --residuals mhc "mhc@$SPLIT" --compile model --graphs on --top 40 --set $COMBO --tag "${TAG:-_read_split}"
+    ;;
+  mhc_auto_read)
+    # READ_LAYOUT="auto" (the split read below two programs an SM, the default since 2026-12-06, end): every mHC GPU
+    # test (the chain with read_fused and the default, which splits at the tests' token counts), then mhc's graphed
+    # `small` step (auto: split) against the fused read, alternating
+    FUSED=py:kernels.mhc.fused.READ_LAYOUT=fused
+    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py
+    step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small \
+      --residuals vanilla mhc "mhc@$FUSED" mhc "mhc@$FUSED" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_auto_read}"
     ;;
   mhc_profile)
     # where mHC's step goes with the day's defaults (2026-12-06 late): vanilla and mhc graphed at `small`, every

@@ -121,7 +121,8 @@ def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed:
         for cand in blocks:
             for mode in sums:
                 with patch.dict(fused.GPU_BLOCKS, {"pre_fwd_tc": cand}), \
-                        held([(fused, "PRE_SUMS", mode), (fused, "READ_BLOCKS", "pre_fwd_tc")]):
+                        held([(fused, "PRE_SUMS", mode), (fused, "READ_BLOCKS", "pre_fwd_tc"),
+                              (fused, "READ_LAYOUT", "fused")]):
                     try:
                         got = fused_read(p)
                         again = fused_read(p)

@@ -135,20 +135,27 @@ SINKHORN = "tile"
 #   ms for the 32-token rows timed after the first at `small`, 0.536 against 0.682-0.821 at `medium`; results the same
 #   bits as 32 tokens'.
 READ_BLOCKS = "pre_fwd_tc"
-# READ_LAYOUT (2026-12-06 late; built on the CPU, untimed, so opt-in): the read's forward for **bf16** streams with
-#   PRE_PROJ="bf16x3". "fused" (default): ``_pre_fwd_kernel``, a program a block of tokens through its whole n·d
-#   projection, the Sinkhorn iterations and h (256 programs at `small` for 132 SMs: 19% of its bytes' time on an H100,
-#   profile_step_small_graphs_read64_h100.md). "split": three kernels, each with more programs or less to wait on:
-#   the projection a program a (token block, stream) into per-stream parts (``_read_proj_kernel``), the parts summed
-#   and the coefficients (``_read_coef_kernel``, no stream loads), and h over a (tokens, channels) grid
-#   (``_read_sum_kernel``). The price: the streams are read twice from memory, and n·KP + n fp32 a token of parts.
-READ_LAYOUT = "fused"
+# READ_LAYOUT: the read's forward for **bf16** streams with PRE_PROJ="bf16x3". "fused": ``_pre_fwd_kernel``, a
+#   program a block of tokens through its whole n·d projection, the Sinkhorn iterations and h (256 programs at `small`
+#   for 132 SMs: 19% of its bytes' time on an H100, profile_step_small_graphs_read64_h100.md). "split" (2026-12-06
+#   late): three kernels, each with more programs or less to wait on: the projection a program a (token block, stream)
+#   into per-stream parts (``_read_proj_kernel``), the parts summed and the coefficients (``_read_coef_kernel``, no
+#   stream loads), and h over a (tokens, channels) grid (``_read_sum_kernel``); the price: the streams read twice
+#   from memory, and n·KP + n fp32 a token of parts. "auto" (the default since 2026-12-06, end): "split" where the
+#   fused kernel would launch fewer than READ_SPLIT_BELOW programs an SM, else "fused"; "fused" off a GPU (the
+#   interpreter has no SMs). Timed on an H100, one process each: mhc's graphed `small` step 26.9 / 26.8 -> 26.6 / 26.5
+#   ms with the split read (0.661 / 0.665 -> 0.668 / 0.673x vanilla; its three kernels 1.52 ms a step against the fused
+#   read's 1.82, throughput_small_read_split_h100.md, profile_step_small_graphs_read_split_kinds_h100.md), and "auto"
+#   26.4 / 26.5 against the fused read's 26.8 / 26.7 (throughput_small_auto_read_h100.md); alone at `medium` (512
+#   programs) the fused read wins, 0.318 against 0.328 ms (ops_mhc_read_split_h100.md).
+READ_LAYOUT = "auto"
+READ_SPLIT_BELOW = 2  # programs an SM of the fused read under which "auto" splits it
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
                    "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32"),
-                   "READ_LAYOUT": ("fused", "split")}
+                   "READ_LAYOUT": ("auto", "fused", "split")}
 
 # Named sets of the settings above: what `benchmarks.ops_mhc --variants NAME ...` times side by side and what the
 # tests' ``variant`` fixture runs every chain test with (less tests/kernels/test_mhc_fused.py's ``NOT_EVERY_TEST``),
@@ -182,10 +189,12 @@ NAMED_VARIANTS = {
     "token_sinkhorn": {"SINKHORN": "token"},
     # bf16 streams: the read's forward on tensor cores at 32 tokens and two stages (READ_BLOCKS, the default before
     # 2026-12-06 late; 64 tokens at one stage since)
-    "read_t32": {"READ_BLOCKS": "pre_fwd_tc_t32"},
+    "read_t32": {"READ_BLOCKS": "pre_fwd_tc_t32", "READ_LAYOUT": "fused"},
     # bf16 streams: the read's forward as three kernels, the projection a program a (token block, stream) (2026-12-06
-    # late, untimed)
+    # late; READ_LAYOUT="auto" picks it on a GPU where the fused read has fewer than two programs an SM), and the fused
+    # read whatever the token count (what "auto" picks off a GPU and at `medium`)
     "read_split": {"READ_LAYOUT": "split"},
+    "read_fused": {"READ_LAYOUT": "fused"},
 }
 
 
@@ -1272,7 +1281,7 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
     if parts:  # φ' = g ⊙ φ in three bf16 parts: the projection on tensor cores (PRE_PROJ)
         phi, gain = split_bf16(phi, gain, parts, kp), None
     fp32_blocks, tc_blocks = _variant("PRE_FWD_BLOCKS"), _variant("READ_BLOCKS")  # checked whichever path runs
-    if parts and _variant("READ_LAYOUT") == "split":
+    if parts and read_layout(_variant("READ_LAYOUT"), N, tc_blocks, x.device) == "split":
         return _pre_fwd_split(x, phi, alpha, b_pre, b_post, b_res, parts, iters=iters, eps=eps)
     block_t, block_d, launch = _blocks(d, "pre_fwd_post" if post is not None else tc_blocks if parts
                                        else fp32_blocks)
@@ -1289,6 +1298,18 @@ def pre_fwd(x, phi, gain, alpha, b_pre, b_post, b_res, *, iters, eps, post=None)
         DOT_PRECISION=DOT_PRECISION, PARTS=parts, INTERP=interpreting(), TC_SUMS=tc_sums,
         TOKEN_SINKHORN=_variant("SINKHORN") == "token", **launch)
     return h, h_pre, h_post, h_res, z, r
+
+
+def read_layout(setting: str, tokens: int, blocks: str, device: torch.device) -> str:
+    """The read's forward layout for READ_LAYOUT ``setting``: "auto" is "split" on a GPU where the fused kernel at
+    GPU_BLOCKS[``blocks``] would launch fewer than READ_SPLIT_BELOW programs (token blocks) an SM for ``tokens``,
+    else "fused"; off a GPU "fused"."""
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return "fused"
+    programs = triton.cdiv(tokens, GPU_BLOCKS[blocks][0])
+    return "split" if programs < READ_SPLIT_BELOW * _sm_count(device) else "fused"
 
 
 def _pre_fwd_split(x, parts_phi, alpha, b_pre, b_post, b_res, parts, *, iters, eps):

@@ -69,12 +69,16 @@ def leaves(inp):
 # does not take (dx_rows_d128, read_t32: each has a test at its GPU blocks), and the one-pass write + read (its own
 # parametrisation below).
 NOT_EVERY_TEST = ("post_bwd_tc", "dx_rows_d128", "read_t32", "one_pass")
+# variants that differ from the default on a GPU only (off a GPU READ_LAYOUT="auto" is the fused read): the GPU
+# chain test runs them, the interpreter's tests would run the default again
+GPU_ONLY = ("read_fused",)
 
 
-def chain_variants() -> dict:
+def chain_variants(gpu: bool = False) -> dict:
     from kernels.mhc import fused
 
-    return {k: v for k, v in fused.NAMED_VARIANTS.items() if k not in NOT_EVERY_TEST}
+    return {k: v for k, v in fused.NAMED_VARIANTS.items()
+            if k not in NOT_EVERY_TEST and (gpu or k not in GPU_ONLY)}
 
 
 VARIANTS = chain_variants()
@@ -85,7 +89,7 @@ def test_named_variants_set_real_settings_to_valid_values():
     set a new attribute and time or test the defaults under another name); NOT_EVERY_TEST names real variants."""
     from kernels.mhc import fused
 
-    assert set(NOT_EVERY_TEST) <= set(fused.NAMED_VARIANTS)
+    assert set(NOT_EVERY_TEST) <= set(fused.NAMED_VARIANTS) and set(GPU_ONLY) <= set(fused.NAMED_VARIANTS)
     for name, settings in fused.NAMED_VARIANTS.items():
         for key, value in settings.items():
             if key == "POST_PRE_ONE_PASS":
@@ -104,6 +108,12 @@ def set_variant(monkeypatch, name: str) -> None:
 
 @pytest.fixture(params=list(VARIANTS))
 def variant(request, monkeypatch):
+    set_variant(monkeypatch, request.param)
+    return request.param
+
+
+@pytest.fixture(params=list(chain_variants(gpu=True)))
+def gpu_variant(request, monkeypatch):
     set_variant(monkeypatch, request.param)
     return request.param
 
@@ -256,7 +266,7 @@ def test_fused_write_and_next_read_match_the_reference(blocks, monkeypatch, dire
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gpu_fused_write_and_next_read_match_the_reference(dtype, variant):
+def test_gpu_fused_write_and_next_read_match_the_reference(dtype, gpu_variant):
     """The chain above on the GPU at a model-like width (several programs, ragged token block)."""
     check_fused_chain_against_the_reference(dtype, "cuda", d=512, T=301)
 
@@ -652,9 +662,10 @@ def test_split_read_at_its_gpu_blocks_matches_the_reference(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("read", ["default", "read_t32", "read_split"])
+@pytest.mark.parametrize("read", ["default", "read_fused", "read_t32", "read_split"])
 def test_gpu_tensor_core_read_is_the_same_at_every_launch_and_near_fp64(read, monkeypatch):
-    """The read's forward at its GPU blocks (64 tokens; read_t32: 32) or as three kernels (read_split): two launches
+    """The read's forward at its GPU blocks (read_fused: 64 tokens; read_t32: 32), as three kernels (read_split) or
+    as READ_LAYOUT="auto" picks at 4000 tokens (default: split on an H100 or H200, 63 programs for 132 SMs): two launches
     give the same bits (64 tokens at two stages did not: a race), and r and the coefficients are within 1e-5 of the
     fp64 read of the same bf16 streams, z within 5e-5 (on an H100 at d = 512: 6.8e-6; the racing blocks: 4.7e-3), h
     within rounding to bf16 of it, at every token."""
@@ -669,6 +680,29 @@ def test_gpu_tensor_core_read_is_the_same_at_every_launch_and_near_fp64(read, mo
         assert err < {"h": 5e-3, "z": 5e-5}.get(name, 1e-5), f"{name}: rel err {err:.2e}"
         off = check.off_tokens(name, got[name], want[name], 1e-5 * want[name].abs().max().item())
         assert not off.any(), f"{name}: {int(off.sum())} tokens off, at {check.positions(off, 64)}"
+
+
+def test_auto_read_layout_splits_below_two_programs_an_sm_on_a_gpu_only(monkeypatch):
+    """READ_LAYOUT="auto": the split read where the fused read's token blocks (GPU_BLOCKS[READ_BLOCKS]'s BLOCK_T) are
+    fewer than READ_SPLIT_BELOW a multiprocessor, the fused read from there on and off a GPU; a layout set is kept.
+    The multiprocessor count is the device's (here a stand-in of 132, an H100's or H200's)."""
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, "_sm_count", lambda device: 132)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    for blocks in ("pre_fwd_tc", "pre_fwd_tc_t32"):
+        block_t = fused.GPU_BLOCKS[blocks][0]
+        edge = fused.READ_SPLIT_BELOW * 132 * block_t  # the first token count with enough programs
+        assert fused.read_layout("auto", edge - block_t, blocks, gpu) == "split"
+        assert fused.read_layout("auto", edge - block_t + 1, blocks, gpu) == "fused"
+        assert fused.read_layout("auto", edge, blocks, gpu) == "fused"
+        assert fused.read_layout("auto", 1, blocks, cpu) == "fused"
+        for setting in ("fused", "split"):
+            assert fused.read_layout(setting, 1, blocks, gpu) == setting
+            assert fused.read_layout(setting, edge, blocks, cpu) == setting
+    # 16 x 1024 tokens (`small`) at 64 tokens a program: 256 programs, split; 16 x 2048 (`medium`): 512, fused
+    assert fused.read_layout("auto", 16 * 1024, "pre_fwd_tc", gpu) == "split"
+    assert fused.read_layout("auto", 16 * 2048, "pre_fwd_tc", gpu) == "fused"
 
 
 def test_read_blocks_setting_is_checked(monkeypatch):
