@@ -150,12 +150,21 @@ READ_BLOCKS = "pre_fwd_tc"
 #   programs) the fused read wins, 0.318 against 0.328 ms (ops_mhc_read_split_h100.md).
 READ_LAYOUT = "auto"
 READ_SPLIT_BELOW = 2  # programs an SM of the fused read under which "auto" splits it
+# PRE_BWD_LAYOUT (2026-12-06, end): the read's backward up to dX's coefficients. "fused" (default): ``_pre_bwd_kernel``
+#   sweeps X and dh for dH^pre, then runs the Sinkhorn backward, a program 32 tokens (512 at `small`: 26% of its
+#   bytes' time on an H100, profile_step_small_graphs_read64_h100.md). "split": the sweep as a kernel of its own at 8
+#   tokens a program (``_pre_sweep_kernel``, dH^pre (N, n) fp32 through memory), then ``_pre_bwd_kernel`` without it,
+#   as the split read does for the forward. Timed on an H100, one process: mhc's graphed `small` step 26.5 / 26.5 ms
+#   against 26.7 / 26.8 with it (throughput_small_bwd_split_h100.md): slower, so opt-in, kept as the measured
+#   counter-example (the one-kernel backward's 512 programs are already about four an SM; the split adds a launch and
+#   dH^pre's round trip and leaves the Sinkhorn backward's latency where it was).
+PRE_BWD_LAYOUT = "fused"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
                    "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32"),
-                   "READ_LAYOUT": ("auto", "fused", "split")}
+                   "READ_LAYOUT": ("auto", "fused", "split"), "PRE_BWD_LAYOUT": ("fused", "split")}
 
 # Named sets of the settings above: what `benchmarks.ops_mhc --variants NAME ...` times side by side and what the
 # tests' ``variant`` fixture runs every chain test with (less tests/kernels/test_mhc_fused.py's ``NOT_EVERY_TEST``),
@@ -195,6 +204,8 @@ NAMED_VARIANTS = {
     # read whatever the token count (what "auto" picks off a GPU and at `medium`)
     "read_split": {"READ_LAYOUT": "split"},
     "read_fused": {"READ_LAYOUT": "fused"},
+    # the read's backward with its sweep over X and dh as a kernel of its own (2026-12-06, end; 1% slower in the step)
+    "bwd_split": {"PRE_BWD_LAYOUT": "split"},
 }
 
 
@@ -897,6 +908,35 @@ def _post_bwd_tc_kernel(
 
 
 @triton.jit
+def _pre_sweep_kernel(
+    x_ptr,  # streams (N, n, d), contiguous
+    dh_ptr,  # upstream gradient of h (N, d), contiguous
+    dhpre_ptr,  # upstream gradient of H^pre (N, n) fp32; read only when HAS_DPRE
+    out_ptr,  # result: dH^pre_i = ⟨dh, X_i⟩ (+ the upstream dH^pre) (N, n) fp32
+    N,
+    D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, HAS_DPRE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """PRE_BWD_LAYOUT="split", the first of two: the read backward's sweep over X and dh alone, a program a few
+    tokens (more programs than the one-kernel backward's, and none waits on the Sinkhorn); fp32 sums."""
+    rows, mask_t, _, _ = _token_channel_tile(N, D, BLOCK_T, BLOCK_D)
+    offs_n = tl.arange(0, NP)
+    m2 = mask_t[:, None] & (offs_n < N_STREAMS)[None, :]
+    d_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x3 = tl.load(x_ptr + rows[:, None, None] * (N_STREAMS * D) + offs_n[None, :, None] * D + offs_d[None, None, :],
+                     mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                     other=0.0).to(tl.float32)
+        d_pre += tl.sum(x3 * dh[:, None, :], axis=2)
+    if HAS_DPRE:
+        d_pre += tl.load(dhpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
+    tl.store(out_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], d_pre, mask=m2)
+
+
+@triton.jit
 def _pre_bwd_kernel(
     x_ptr,  # streams (N, n, d), contiguous
     dh_ptr,  # upstream gradient of h (N, d), contiguous
@@ -917,13 +957,14 @@ def _pre_bwd_kernel(
     D: tl.constexpr, N_STREAMS: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr, ITERS: tl.constexpr,
     HAS_DPRE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     TC_SUMS: tl.constexpr = False, DH_PARTS: tl.constexpr = 1, INTERP: tl.constexpr = False,
-    TOKEN_SINKHORN: tl.constexpr = False,
+    TOKEN_SINKHORN: tl.constexpr = False, SWEEP: tl.constexpr = True,
 ):
     """The read's backward up to the per-token coefficients of dX (``_pre_dx_kernel`` then makes dX):
     one sweep over X and dh for dH^pre_i = ⟨dh, X_i⟩, then per token the logit gradients (σ', the
     Sinkhorn iterations recomputed and backpropagated), w = r dz and c = ⟨dz, z⟩ r² / nd.
     TC_SUMS (PRE_SUMS="bf16x3", bf16 streams, n = NP): the sweep is X dhᵀ on tensor cores over the block's
-    (BLOCK_T·n, BLOCK_D) stream rows, dh in DH_PARTS bf16 parts (one when dh is bf16); dH^pre is its diagonal."""
+    (BLOCK_T·n, BLOCK_D) stream rows, dh in DH_PARTS bf16 parts (one when dh is bf16); dH^pre is its diagonal.
+    Without SWEEP (PRE_BWD_LAYOUT="split") ``_pre_sweep_kernel`` made dH^pre, read as ``dhpre_ptr`` (HAS_DPRE)."""
     K: tl.constexpr = N_STREAMS * N_STREAMS + 2 * N_STREAMS
     NN: tl.constexpr = N_STREAMS * N_STREAMS
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -936,7 +977,7 @@ def _pre_bwd_kernel(
 
     # sweep: dH^pre_i = ⟨dh, X_i⟩
     d_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    if TC_SUMS:
+    if SWEEP and TC_SUMS:
         R: tl.constexpr = BLOCK_T * N_STREAMS
         offs_r = tl.arange(0, R)
         srow = (tl.program_id(0) * R + offs_r).to(tl.int64)  # rows of the (N·n, d) streams
@@ -956,7 +997,7 @@ def _pre_bwd_kernel(
         offs_b = tl.arange(0, BLOCK_T)
         acc3 = tl.reshape(acc, (BLOCK_T, NP, BLOCK_T))  # [t, i, t']
         d_pre = tl.sum(tl.where(offs_b[:, None, None] == offs_b[None, None, :], acc3, 0.0), axis=2)
-    for d0 in range(0, D if not TC_SUMS else 0, BLOCK_D):
+    for d0 in range(0, D if SWEEP and not TC_SUMS else 0, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         x3 = tl.load(x_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
@@ -1232,13 +1273,17 @@ GPU_BLOCKS = {
     # tokens at `small`, different from launch to launch (mhc_read_check_read64_h100.md), so not a candidate
     "pre_fwd_tc": (64, 64, 4, 1),
     "pre_fwd_tc_t32": (32, 64, 4, 2),  # READ_BLOCKS="pre_fwd_tc_t32": the default before (beat 16 tokens)
-    # READ_LAYOUT="split" (untimed): the projection at the read's blocks, one stage (two race at 64 tokens); the
+    # READ_LAYOUT="split" (blocks not swept): the projection at the read's blocks, one stage (two race at 64 tokens); the
     # coefficients at 64 tokens; h as the write's forward runs
     "read_proj": (64, 64, 4, 1),
     "read_coef": (64, 16, 4, 1),
     "read_sum": (8, 128, 4, 3),
     "pre_fwd_post": (32, 16, 4, 1),  # the one-pass write + read (POST_PRE_ONE_PASS): its earlier default
     "pre_bwd": (32, 32, 8, 1),
+    # PRE_BWD_LAYOUT="split" (2026-12-06, end; blocks not swept): the sweep 8 tokens a program (2,048 programs at
+    # `small`), the coefficients' backward without it at 32 tokens and 4 warps; sm_90a, n = 4: 32 and 48 registers
+    "pre_sweep": (8, 128, 4, 2),
+    "pre_bwd_coef": (32, 16, 4, 1),
     "pre_dx": (32, 32, 4, 1),
     "post_fwd": (8, 128, 4, 3),
     "post_bwd": (8, 64, 4, 2),
@@ -1340,17 +1385,25 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
     gets H^resᵀ dX'. Two kernels: the per-token coefficients, then dX over a (tokens, channels) grid."""
     N, n, d = x.shape
     k, np_, kp = _consts(n)
-    block_t, block_d, launch = _blocks(d, "pre_bwd")
+    sweep = _variant("PRE_BWD_LAYOUT") == "fused"
+    block_t, block_d, launch = _blocks(d, "pre_bwd" if sweep else "pre_bwd_coef")
     f32 = dict(device=x.device, dtype=torch.float32)
     dlogit, w, coef = torch.empty(N, k, **f32), torch.empty(N, k, **f32), torch.empty(N, n + 1, **f32)
     scratch = torch.empty(N, iters, 2, np_, **f32)
-    tc_sums = _pre_sums_on_tensor_cores(x, block_t)
+    if not sweep:  # PRE_BWD_LAYOUT="split": dH^pre by a kernel of its own, then the coefficients' backward
+        sweep_t, sweep_d, sweep_launch = _blocks(d, "pre_sweep")
+        summed = torch.empty(N, n, **f32)
+        _pre_sweep_kernel[(triton.cdiv(N, sweep_t),)](
+            x, dh, z if d_pre is None else d_pre, summed, N, D=d, N_STREAMS=n, NP=np_, HAS_DPRE=d_pre is not None,
+            BLOCK_T=sweep_t, BLOCK_D=sweep_d, **sweep_launch)
+        d_pre = summed
+    tc_sums = sweep and _pre_sums_on_tensor_cores(x, block_t)
     _pre_bwd_kernel[(triton.cdiv(N, block_t),)](
         x, dh, z if d_pre is None else d_pre, d_post, d_res, z, r, alpha, b_pre, b_post, b_res, dlogit, w, coef,
         scratch, N, eps, D=d, N_STREAMS=n, NP=np_, KP=kp, ITERS=iters, HAS_DPRE=d_pre is not None,
         BLOCK_T=block_t, BLOCK_D=max(block_d, 16) if tc_sums else block_d, TC_SUMS=tc_sums,
         DH_PARTS={torch.bfloat16: 1, torch.float16: 2}.get(dh.dtype, 3), INTERP=interpreting(),
-        TOKEN_SINKHORN=_variant("SINKHORN") == "token", **launch)
+        TOKEN_SINKHORN=_variant("SINKHORN") == "token", SWEEP=sweep, **launch)
     dx = torch.empty_like(x)
     proj = {"fp32": 0, "tf32": 1, "bf16x2": 2}[_variant("DX_PROJ")] if x.dtype != torch.float32 else 0
     if proj == 2:  # g ⊙ φ, transposed, in two bf16 parts (DX_PROJ)

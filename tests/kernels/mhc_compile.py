@@ -39,7 +39,7 @@ def capture_launches(n: int, d: int, dtype=torch.bfloat16) -> list:
 
     names = ("_pre_fwd_kernel", "_pre_bwd_kernel", "_pre_dx_kernel", "_post_fwd_kernel", "_post_bwd_kernel",
              "_post_bwd_tc_kernel", "_pre_dx_rows_kernel", "_phi_grad_kernel",
-             "_split_kernel", "_read_proj_kernel", "_read_coef_kernel", "_read_sum_kernel")
+             "_split_kernel", "_read_proj_kernel", "_read_coef_kernel", "_read_sum_kernel", "_pre_sweep_kernel")
     for name in names:
         saved[name] = getattr(fused, name)
         setattr(fused, name, Capture(saved[name]))

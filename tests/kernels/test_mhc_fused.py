@@ -69,12 +69,14 @@ def leaves(inp):
 # does not take (dx_rows_d128, read_t32: each has a test at its GPU blocks), and the one-pass write + read (its own
 # parametrisation below).
 NOT_EVERY_TEST = ("post_bwd_tc", "dx_rows_d128", "read_t32", "one_pass")
-# variants that differ from the default on a GPU only (off a GPU READ_LAYOUT="auto" is the fused read): the GPU
-# chain test runs them, the interpreter's tests would run the default again
-GPU_ONLY = ("read_fused",)
+# variants only the GPU chain test runs: the fused read (off a GPU READ_LAYOUT="auto" is the fused read, so the
+# interpreter's tests would run the default again) and the split read backward (slower, opt-in; its interpreter test
+# runs it at its GPU blocks)
+GPU_ONLY = ("read_fused", "bwd_split")
 
 
 def chain_variants(gpu: bool = False) -> dict:
+    """The variants the chain tests run (``gpu``: the GPU chain test's, GPU_ONLY's included)."""
     from kernels.mhc import fused
 
     return {k: v for k, v in fused.NAMED_VARIANTS.items()
@@ -658,6 +660,19 @@ def test_split_read_at_its_gpu_blocks_matches_the_reference(monkeypatch):
     asked = gpu_blocks_under_the_interpreter(monkeypatch, None, split)
     check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
     assert set(split) <= set(asked) and not set(asked) & {"pre_fwd_tc", "pre_fwd_tc_t32"}
+
+
+@needs_interpreter
+def test_split_read_backward_at_its_gpu_blocks_matches_the_reference(monkeypatch):
+    """PRE_BWD_LAYOUT="split": the read backward's sweep over X and dh as a kernel of its own (8 tokens, 128 channels),
+    then the coefficients' backward without it (32 tokens), at their GPU blocks under the interpreter, bf16 streams,
+    d = 200 (a channel tail), 74 tokens (ragged blocks at either): the write + read chain's outputs and gradients
+    against the fp32 reference, as the GPU chain test checks them (the chain's second read gets dH^pre from above)."""
+    set_variant(monkeypatch, "bwd_split")
+    split = ("pre_sweep", "pre_bwd_coef")
+    asked = gpu_blocks_under_the_interpreter(monkeypatch, None, split)
+    check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
+    assert set(split) <= set(asked) and "pre_bwd" not in asked
 
 
 @pytest.mark.gpu
