@@ -269,9 +269,14 @@ BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_com
     # with the write's dX': (16, 64, 4, 1) 154 registers, (32, 64, 8, 1) 196, (16, 32, 4, 1) 94, no spills (32 tokens at
     # 4 warps spill 40-232 bytes)
     "pre_dx_rows": [(16, 64, 4, 2), (16, 64, 4, 1), (32, 64, 8, 1), (16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 8, 2)],
+    # φ's gradient: (tokens a step, rows of n·d a program, warps, stages); fewer reloads of w with more rows, more
+    # tokens a step; sm_90a at n = 4, d = 512 and 1024: 48-114 registers, no spills (2026-12-06, end)
+    "phi_grad": [(32, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3),
+                 (128, 64, 4, 3), (128, 128, 8, 3)],
 }
 SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",
-            "post_bwd": "post+pre fwd+bwd", "post_bwd_tc": "post+pre fwd+bwd", "pre_dx_rows": "post+pre fwd+bwd"}
+            "post_bwd": "post+pre fwd+bwd", "post_bwd_tc": "post+pre fwd+bwd", "pre_dx_rows": "post+pre fwd+bwd",
+            "phi_grad": "post+pre fwd+bwd"}
 
 
 # the results a sweep compares, in the order of ``results() + [post_out]`` below: the write + read's outputs, the

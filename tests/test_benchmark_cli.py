@@ -650,7 +650,7 @@ def test_ops_mhc_sweep_candidates_name_real_kernels_and_blocks():
             assert len(cand) in (4, 5) and all(isinstance(v, int) and v > 0 for v in cand), (kernel, cand)
             block_t, block_d, warps = cand[:3]
             assert block_t & (block_t - 1) == 0 and block_d & (block_d - 1) == 0 and warps in (1, 2, 4, 8), cand
-            if kernel.startswith(("pre_", "post_bwd_tc")) and kernel != "pre_fwd":
+            if kernel.startswith(("pre_", "post_bwd_tc", "phi_grad")) and kernel != "pre_fwd":
                 assert block_t >= 16 and block_d >= 16, (kernel, cand)
 
 

@@ -1293,6 +1293,10 @@ GPU_BLOCKS = {
     # fewer instructions a token (108.5 against 150), 241 registers, not faster (DX_ROWS_BLOCKS)
     "pre_dx_rows": (16, 64, 4, 2),
     "pre_dx_rows_d128": (16, 128, 4, 2),  # DX_ROWS_BLOCKS="pre_dx_rows_d128"
+    # φ's gradient Σ_t vec(X_t)ᵀ w_t: (tokens a step, rows of n·d a program, warps, stages), the programs split over the
+    # tokens to about four an SM; 43% of its bytes' time at `small` on an H100 (profile_step_small_graphs_read64_h100.md),
+    # a block sweep entry since 2026-12-06 (end; the blocks it always had, Triton's default of 3 stages)
+    "phi_grad": (32, 64, 4, 3),
 }
 
 
@@ -1434,15 +1438,17 @@ def phi_grad(x, w):
     if interpreting():
         block_t, split = INTERPRETER_BLOCKS["block_t"], INTERPRETER_BLOCKS["split"]
         block_r = INTERPRETER_BLOCKS["block_r"] or _pow2(nd, 16)
-    else:
-        block_t, block_r = 32, 64
+        launch = {"num_warps": 4}
+    else:  # GPU_BLOCKS["phi_grad"]: (tokens a step, rows of n·d a program, warps, stages)
+        block_t, block_r, warps, stages = GPU_BLOCKS["phi_grad"]
+        launch = {"num_warps": warps, "num_stages": stages}
         split = max(1, min(triton.cdiv(N, block_t), 4 * _sm_count(x.device) // triton.cdiv(nd, block_r)))
     blocks = triton.cdiv(triton.cdiv(N, block_t), split)
     part = torch.empty(split, nd, k, device=x.device, dtype=torch.float32)
     split3 = _variant("PHI_GRAD_PROJ") == "bf16x3" and x.dtype == torch.bfloat16
     _phi_grad_kernel[(triton.cdiv(nd, block_r), split)](
         x, w, part, N, nd, blocks, K=k, KP=_pow2(k, 16), BLOCK_T=block_t, BLOCK_R=block_r,
-        DOT_PRECISION=DOT_PRECISION, SPLIT3=split3, INTERP=interpreting(), num_warps=4)
+        DOT_PRECISION=DOT_PRECISION, SPLIT3=split3, INTERP=interpreting(), **launch)
     return part.sum(0)
 
 

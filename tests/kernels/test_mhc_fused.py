@@ -816,13 +816,19 @@ def test_kernels_compile_for_sm90_with_the_gpu_launch_configuration():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     lines = []
-    candidates = ["--set", "POST_BWD_PROJ=fp32", "--set", "PRE_SUMS=bf16x3", "--set", "DX_LAYOUT=stream", "4,512"]
+    candidates = ["--set", "POST_BWD_PROJ=fp32", "--set", "PRE_SUMS=bf16x3", "--set", "DX_LAYOUT=stream",
+                  "--set", "READ_LAYOUT=split", "--set", "PRE_BWD_LAYOUT=split", "4,512"]
     for args in (["4,512"], ["--precision", "tf32x3", "2,1000"], candidates):
         done = subprocess.run([sys.executable, "-m", "tests.kernels.mhc_compile", *args], env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         lines += [ln for ln in done.stdout.splitlines() if ln.startswith("_")]
-    assert len(lines) == 3 * 22, "\n".join(lines)  # 22 launches per shape: every kernel and flag combination
+    # 22 launches per shape: every kernel and flag combination; the third run's four reads of bf16 streams without
+    # the one-pass write are three kernels each (READ_LAYOUT=split: 4 -> 12) and its two read backwards two each
+    assert len(lines) == 22 + 22 + 32, "\n".join(lines)
+    for kernel in ("_read_proj_kernel", "_read_coef_kernel", "_read_sum_kernel"):
+        assert sum(ln.startswith(kernel + " ") for ln in lines) == 4, "\n".join(lines)
+    assert sum(ln.startswith("_pre_sweep_kernel ") for ln in lines) == 2, "\n".join(lines)
     # the write's backward: on tensor cores by default (bf16 streams, n = 4 and 2), with and without its own dX; on
     # CUDA cores in the third run (POST_BWD_PROJ=fp32)
     assert sum(ln.startswith("_post_bwd_tc_kernel ") for ln in lines) == 4, "\n".join(lines)
