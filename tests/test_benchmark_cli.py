@@ -41,6 +41,24 @@ def test_throughput_times_ablations_beside_the_residuals(tmp_path, monkeypatch):
     assert (tmp_path / "throughput_tiny_cpu_test.md").exists()
 
 
+def test_throughput_frees_the_cublas_workspaces_before_it_reads_what_earlier_rows_left(monkeypatch):
+    """Between rows: the cuBLAS workspaces (one pair a stream, kept by PyTorch; each graph capture's stream added
+    about 64 MiB that the next rows' peaks counted) are cleared and the cache emptied before the bytes still allocated
+    are read, which the next row's peak then leaves out. The GPU calls stand in for a GPU here."""
+    from benchmarks import throughput
+
+    calls, allocated = [], {"bytes": 3 << 26}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("synchronize"))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces",
+                        lambda: (calls.append("clear"), allocated.update(bytes=allocated["bytes"] - (2 << 25))),
+                        raising=False)  # a CPU build of torch has no CUDA bindings
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: (calls.append("read"), allocated["bytes"])[1])
+    assert throughput.free_between_rows() == (3 << 26) - (2 << 25)
+    assert calls == ["synchronize", "clear", "empty_cache", "read"]
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU refusal")
 def test_throughput_refuses_cuda_graphs_without_a_gpu():
     with pytest.raises(SystemExit, match=r"--graphs on: CUDA graphs need a CUDA device; valid here: --graphs off"):
