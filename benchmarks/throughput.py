@@ -208,9 +208,10 @@ def training_step(model, batch: int, seq: int, vocab: int, device: str, seed: in
 def free_between_rows() -> int:
     """Free what an earlier row left on the GPU and return the bytes still allocated: its graphed callables (reference
     cycles), the cached blocks, and the cuBLAS / cuBLASLt workspaces, which PyTorch keeps per (handle, stream) pair
-    until told otherwise, so that every graph capture's side stream added about 64 MiB that the next rows' peaks
-    counted (on an H100, 2026-12-06: 0.16 GiB left after the first row, 0.06 more after each). PyTorch's own memory
-    leak check clears them the same way (``torch._C._cuda_clearCublasWorkspaces``)."""
+    until told otherwise: before 2026-12-06 (end) 0.16 GiB stayed after a table's first row and 64 MiB more after each
+    next one (H100 logs), the size of two 32 MiB workspaces for each graph capture's side stream, and the next rows'
+    peaks counted them. PyTorch's own memory leak check clears them the same way
+    (``torch._C._cuda_clearCublasWorkspaces``)."""
     gc.collect()
     if not torch.cuda.is_available():
         return 0
