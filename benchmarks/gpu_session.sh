@@ -293,8 +293,8 @@
 #              end): the mHC GPU tests, then mhc's graphed small step against the fused read
 #   mhc_bwd_split one GPU (about 400 s with the start, estimated): PRE_BWD_LAYOUT="split": its GPU tests, then mhc's
 #              graphed small step with it against the default, alternating (no vanilla row, for the budget)
-#   mhc_phi_blocks one GPU (about 250 s with the start, estimated): the block sweep of phi's gradient (a GPU_BLOCKS
-#              entry since 2026-12-06, end), then mhc's GPU tests
+#   mhc_phi_blocks one GPU (about 350 s with the start, estimated): the reads timed as CUDA graph replays (--timer
+#              graphs), the block sweep of phi's gradient (a GPU_BLOCKS entry since 2026-12-06, end), mhc's GPU tests
 #   mhc_profile one GPU (about 200 s with the start, estimated): vanilla and mhc's graphed step profiled, by kernel and kind
 #   mhc_bwd_blocks one GPU (about 300 s with the start, estimated): the block sweep of mHC's write backward and rows dX
 #              with one-stage candidates (TEST_LIMIT=150 adds the mHC GPU tests)
@@ -1368,9 +1368,13 @@ case "$PLAN" in
       --tag "${TAG:-_bwd_split}"
     ;;
   mhc_phi_blocks)
-    # φ's gradient (`_phi_grad_kernel`, 43% of its bytes' time at `small` on an H100) in the block sweep: more rows of
-    # n·d a program (fewer reloads of w), more tokens a step, stages; a candidate whose two launches differ or whose
+    # first the ops timed as CUDA graph replays (--timer graphs, new 2026-12-06 end; untried on a GPU): the split and
+    # one-kernel reads alone without launch gaps, which should side with the graphed step (split faster at `small`);
+    # then φ's gradient (`_phi_grad_kernel`, 43% of its bytes' time at `small` on an H100) in the block sweep: more rows
+    # of n·d a program (fewer reloads of w), more tokens a step, stages; a candidate whose two launches differ or whose
     # results are 1e-3 off fails; then the mHC GPU tests (TEST_LIMIT=0 skips them)
+    step gpu0 ops "${OPS_LIMIT:-100}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
+      --variants default read_fused read_split --rounds 3 --timer graphs --tag "${TAG:-_phi_grad}_graphs"
     step gpu0 sweep "${SWEEP_LIMIT:-150}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
       --kernels phi_grad --tag "${TAG:-_phi_grad}"
     step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \

@@ -31,6 +31,7 @@ import math
 
 import torch
 
+from benchmarks import roofline
 from benchmarks.roofline import Ceilings, Table, bench_ms, held, read_rows
 
 # (name, B, T, d): model=small (d=512, 16×1024), model=medium (d=1024, 16×2048), and d=2048
@@ -297,7 +298,8 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
 
     table = Table(title="mHC fused kernels: block sizes (BLOCK_T, BLOCK_D, warps, stages)",
                   columns=["shape", "kernel", "blocks", "op timed", "ms", "vs default", "check"],
-                  notes=[f"n={n}, {dtype_name} streams, projections {fused.DOT_PRECISION}; other kernels at their "
+                  notes=[f"n={n}, {dtype_name} streams, projections {fused.DOT_PRECISION}; timer {roofline.TIMER} "
+                         "(benchmarks.roofline.TIMER); other kernels at their "
                          "defaults; check: outputs and gradients vs the default blocks (rel L2 < "
                          f"{SWEEP_TOL:g}) and two launches the same bits, with the result furthest from them"])
     defaults = dict(fused.GPU_BLOCKS)
@@ -404,6 +406,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", nargs="+", default=["default", "one_pass"], choices=list(fused_variants()),
                     help="fused variants to time (kernels.mhc.fused.NAMED_VARIANTS: its module settings)")
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
+    ap.add_argument("--timer", default="events", choices=list(roofline.TIMERS),
+                    help="events: CUDA events around each call (launch gaps count); graphs: replays of a CUDA graph "
+                         "of the calls, as a graphed step runs them (benchmarks.roofline.TIMER)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every backend this many times, interleaved round by round; the table gives the median "
                          "and, with more than one round, the range")
@@ -424,6 +429,12 @@ def main(argv=None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_mhc needs a CUDA GPU (the CPU interpreter cannot time kernels)")
+    with held([(roofline, "TIMER", args.timer)]):
+        return _timed(args)
+
+
+def _timed(args) -> None:
+    """main's timing (the op table, or the block sweep), under its --timer."""
     from kernels.mhc import fused
 
     dtype = DTYPES[args.dtype]
@@ -442,7 +453,9 @@ def main(argv=None) -> None:
                "(see `counts` in benchmarks/ops_mhc.py); roofline = max(bytes / copy, FLOPs / fp32 rate)",
                f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL[args.dtype]}",
                f"ms: median of {max(1, args.rounds)} round(s), every backend once a round, interleaved"
-               + (" (range in brackets)" if args.rounds > 1 else "")])
+               + (" (range in brackets)" if args.rounds > 1 else "")
+               + ("; each a CUDA graph's replays (no launch gaps, no L2 flush)" if args.timer == "graphs" else
+                  "; CUDA events around each call (launch gaps count)")])
     failed = []
     for name in args.shapes:
         B, T, d = SHAPES[name]

@@ -43,10 +43,23 @@ def held(settings):
             setattr(obj, attr, value)
 
 
+# How bench_ms times a call. "events": triton.testing.do_bench, CUDA events around each call with L2 flushed between
+# calls, so the gaps while the host launches a call's kernels count (an op of several small kernels at `small` reads
+# launch-bound: mHC's split read, 2026-12-06). "graphs": triton.testing.do_bench_cudagraph, replays of one CUDA graph
+# of many calls, as a graphed training step runs them: no launch gaps, no L2 flush. Set for a run with
+# held([(roofline, "TIMER", ...)]) (the benchmarks' --timer).
+TIMERS = ("events", "graphs")
+TIMER = "events"
+
+
 def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median milliseconds of ``fn()`` timed with CUDA events (triton.testing.do_bench)."""
+    """Median milliseconds of ``fn()``, timed as TIMER says."""
     import triton.testing
 
+    if TIMER not in TIMERS:
+        raise ValueError(f"benchmarks.roofline.TIMER={TIMER!r}: choose one of {', '.join(TIMERS)}")
+    if TIMER == "graphs":
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 

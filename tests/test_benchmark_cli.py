@@ -654,6 +654,34 @@ def test_profile_step_sorts_kernels_into_kinds_and_differences_them_to_the_first
     assert rows["**all**"][1:] == ["3.00 (8)", "3.50 (6)", "+0.50"]
 
 
+def test_bench_ms_times_as_its_timer_says_and_names_the_choices(monkeypatch):
+    """benchmarks.roofline.TIMER: "events" times with triton.testing.do_bench, "graphs" with do_bench_cudagraph (CUDA
+    graph replays: no launch gaps), each asked for the median; another value is refused with the choices."""
+    import triton.testing
+
+    from benchmarks import roofline
+
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (calls.append(("events", kw)), 1.5)[1])
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, **kw: (calls.append(("graphs", kw)), 0.5)[1])
+    assert roofline.bench_ms(lambda: None) == 1.5
+    with roofline.held([(roofline, "TIMER", "graphs")]):
+        assert roofline.bench_ms(lambda: None, rep_ms=40) == 0.5
+    assert roofline.TIMER == "events"
+    assert calls == [("events", {"warmup": 25, "rep": 100, "return_mode": "median"}),
+                     ("graphs", {"rep": 40, "return_mode": "median"})]
+    monkeypatch.setattr(roofline, "TIMER", "wall")
+    with pytest.raises(ValueError, match="TIMER='wall': choose one of events, graphs"):
+        roofline.bench_ms(lambda: None)
+
+
+def test_ops_mhc_refuses_an_unknown_timer():
+    from benchmarks import ops_mhc
+
+    with pytest.raises(SystemExit):
+        ops_mhc.main(["--timer", "wall"])
+
+
 def test_ops_mhc_sweep_candidates_name_real_kernels_and_blocks():
     """Every kernel of the mHC block sweep is a GPU_BLOCKS entry with an op to time, and every candidate is (BLOCK_T,
     BLOCK_D, warps, stages[, maxnreg]) with power-of-two blocks of 16 or more where the kernel has tensor-core tiles."""
