@@ -908,6 +908,21 @@ def _post_bwd_tc_kernel(
 
 
 @triton.jit
+def _dpre_sweep(d_pre, x_ptr, dh_ptr, rows, mask_t, m2, offs_n, D: tl.constexpr, N_STREAMS: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """d_pre (BLOCK_T, NP) + dH^pre_i = ⟨dh, X_i⟩ of the block's tokens, fp32 on CUDA cores, BLOCK_D channels a trip."""
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x3 = tl.load(x_ptr + rows[:, None, None] * (N_STREAMS * D) + offs_n[None, :, None] * D + offs_d[None, None, :],
+                     mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
+                     other=0.0).to(tl.float32)
+        d_pre += tl.sum(x3 * dh[:, None, :], axis=2)
+    return d_pre
+
+
+@triton.jit
 def _pre_sweep_kernel(
     x_ptr,  # streams (N, n, d), contiguous
     dh_ptr,  # upstream gradient of h (N, d), contiguous
@@ -923,14 +938,7 @@ def _pre_sweep_kernel(
     offs_n = tl.arange(0, NP)
     m2 = mask_t[:, None] & (offs_n < N_STREAMS)[None, :]
     d_pre = tl.zeros((BLOCK_T, NP), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x3 = tl.load(x_ptr + rows[:, None, None] * (N_STREAMS * D) + offs_n[None, :, None] * D + offs_d[None, None, :],
-                     mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
-                     other=0.0).to(tl.float32)
-        d_pre += tl.sum(x3 * dh[:, None, :], axis=2)
+    d_pre = _dpre_sweep(d_pre, x_ptr, dh_ptr, rows, mask_t, m2, offs_n, D, N_STREAMS, BLOCK_D)
     if HAS_DPRE:
         d_pre += tl.load(dhpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
     tl.store(out_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], d_pre, mask=m2)
@@ -997,14 +1005,8 @@ def _pre_bwd_kernel(
         offs_b = tl.arange(0, BLOCK_T)
         acc3 = tl.reshape(acc, (BLOCK_T, NP, BLOCK_T))  # [t, i, t']
         d_pre = tl.sum(tl.where(offs_b[:, None, None] == offs_b[None, None, :], acc3, 0.0), axis=2)
-    for d0 in range(0, D if SWEEP and not TC_SUMS else 0, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x3 = tl.load(x_ptr + rows[:, None, None] * ND + offs_n[None, :, None] * D + offs_d[None, None, :],
-                     mask=m2[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
-                     other=0.0).to(tl.float32)
-        d_pre += tl.sum(x3 * dh[:, None, :], axis=2)
+    if SWEEP and not TC_SUMS:
+        d_pre = _dpre_sweep(d_pre, x_ptr, dh_ptr, rows, mask_t, m2, offs_n, D, N_STREAMS, BLOCK_D)
     if HAS_DPRE:
         d_pre += tl.load(dhpre_ptr + rows[:, None] * N_STREAMS + offs_n[None, :], mask=m2, other=0.0)
 
