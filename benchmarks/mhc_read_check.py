@@ -2,6 +2,7 @@
 
     python -m benchmarks.mhc_read_check                      # GPU: small and medium, the candidate blocks below
     python -m benchmarks.mhc_read_check --blocks 32,64,4,2 64,64,4,1 --sums fp32 bf16x3
+    python -m benchmarks.mhc_read_check --shapes small --blocks 64,64,4,1 64,64,4,2 --iters 0 1 20 --sinkhorn tile token
 
 The read of bf16 streams on tensor cores (``fused.pre_fwd`` with PRE_PROJ="bf16x3") at each ``pre_fwd_tc`` block
 configuration (BLOCK_T, BLOCK_D, warps, stages), against the fp64 reference of the same inputs
@@ -10,13 +11,16 @@ largest absolute error; whether two launches agree bit for bit (a race shows as 
 tokens are off by more than 10x the first (default) configuration's worst error on that result (for h, by more
 than rounding to bf16 explains), and their positions in the block (token index modulo BLOCK_T). A right
 configuration matches the reference as closely as the default does; a wrong one that is wrong on some rows of its
-tile points at them. Writes benchmarks/results/mhc_read_check<tag>.md. On a CPU (``--device cpu``, under
+tile points at them. ``--iters`` and ``--sinkhorn`` narrow down what a race needs: the racing blocks (64, 64, 4, 2)
+without the Sinkhorn iterations, or with one thread a token for them (no shared memory or barriers there).
+Writes benchmarks/results/mhc_read_check<tag>.md. On a CPU (``--device cpu``, under
 ``TRITON_INTERPRET=1``) the interpreter's blocks replace the candidates: the check of the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from unittest.mock import patch
 
@@ -99,52 +103,68 @@ def positions(bad: torch.Tensor, block_t: int, most: int = 6) -> str:
 
 
 def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed: int, device: str,
-          tag: str = "") -> Table:
+          tag: str = "", iters: list[int] = (ITERS,), sinkhorn: list[str] = ("tile",)) -> Table:
+    """Each shape, each setting (PRE_SUMS ``sums`` × Sinkhorn ``iters`` × SINKHORN ``sinkhorn``: what a race needs,
+    narrowed down) and each block configuration, the first configuration the baseline of its setting."""
     from kernels.mhc import fused
     from kernels.backend import interpreting
 
+    here = sys.modules[__name__]
     table = Table(title="mHC read forward (bf16 streams, tensor-core projection): results by block configuration",
-                  columns=["shape", "blocks", "sums", "result", "rel L2 vs fp64", "max abs", "vs default max",
+                  columns=["shape", "blocks", "settings", "result", "rel L2 vs fp64", "max abs", "vs default max",
                            "tokens off", "their block positions", "two launches"],
-                  notes=[f"n={n}, seed {seed}, reference: the fp64 read of the same bf16 streams; 'tokens off': "
+                  notes=[f"n={n}, seed {seed}, reference: the fp64 read of the same bf16 streams; settings: PRE_SUMS, "
+                         "Sinkhorn iterations, SINKHORN; 'tokens off': "
                          "tokens whose largest error on the result is above 10x the default blocks' (first "
-                         "row's) largest error on it (+1e-6 of its largest value), for h (bf16) an error above "
-                         "2^-7 of the value (+1e-3 of its mean size), more than rounding to bf16 explains; positions: token index mod BLOCK_T, the commonest, with "
+                         "row's of the setting) largest error on it (+1e-6 of its largest value), for h (bf16) an "
+                         "error above 2^-7 of the value (+1e-3 of its mean size), more than rounding to bf16 explains; "
+                         "positions: token index mod BLOCK_T, the commonest, with "
                          "counts; two launches: 'same' when a second launch gives the same bits"])
     if interpreting():
         table.notes.append("under the interpreter: every configuration runs the interpreter's blocks")
     for name in shapes:
         B, T, d = SHAPES[name]
         p = make_read_inputs(B, T, n, d, seed, device)
-        want = reference_read(p)
-        base_max: dict[str, float] = {}
-        for cand in blocks:
-            for mode in sums:
-                with patch.dict(fused.GPU_BLOCKS, {"pre_fwd_tc": cand}), \
-                        held([(fused, "PRE_SUMS", mode), (fused, "READ_BLOCKS", "pre_fwd_tc"),
-                              (fused, "READ_LAYOUT", "fused")]):
-                    try:
-                        got = fused_read(p)
-                        again = fused_read(p)
-                    except Exception as e:  # a configuration that does not compile or run is reported
-                        table.add(name, str(cand), mode, "", "", "", "", "", "", f"error: {type(e).__name__}: {e}")
-                        continue
-                same = all(torch.equal(got[k], again[k]) for k in RESULTS)
-                maxes = {k: token_errors(got[k], want[k]) for k in RESULTS}
-                if not base_max:
-                    base_max = {k: v.max().item() for k, v in maxes.items()}
-                ratios = {k: maxes[k].max().item() / max(base_max[k], 1e-30) for k in RESULTS}
-                for k in RESULTS:
-                    bad = off_tokens(k, got[k], want[k], base_max[k])
-                    table.add(name, str(cand), mode, k, f"{rel_l2(got[k], want[k]):.1e}",
-                              f"{maxes[k].max().item():.1e}", f"{ratios[k]:.2g}",
-                              str(int(bad.sum())), positions(bad, cand[0]), "same" if same else "DIFFER")
-                    print(" | ".join(table.rows[-1]), flush=True)
+        for it in iters:
+            with held([(here, "ITERS", it)]):  # the reference's and the kernel's iterations alike
+                want = reference_read(p)
+                for mode in sums:
+                    for sk in sinkhorn:
+                        check_setting(table, name, p, want, blocks, f"{mode}, {it} iterations, {sk}",
+                                      [(fused, "PRE_SUMS", mode), (fused, "SINKHORN", sk)])
         del p, want
         if device == "cuda":
             torch.cuda.empty_cache()
     table.write("mhc_read_check" + tag)
     return table
+
+
+def check_setting(table: Table, name: str, p: dict, want: dict, blocks: list[tuple], label: str,
+                  settings: list) -> None:
+    """The rows of one setting: each block configuration against the fp64 read and against the first's errors."""
+    from kernels.mhc import fused
+
+    base_max: dict[str, float] = {}
+    for cand in blocks:
+        with patch.dict(fused.GPU_BLOCKS, {"pre_fwd_tc": cand}), \
+                held(settings + [(fused, "READ_BLOCKS", "pre_fwd_tc"), (fused, "READ_LAYOUT", "fused")]):
+            try:
+                got = fused_read(p)
+                again = fused_read(p)
+            except Exception as e:  # a configuration that does not compile or run is reported
+                table.add(name, str(cand), label, "", "", "", "", "", "", f"error: {type(e).__name__}: {e}")
+                continue
+        same = all(torch.equal(got[k], again[k]) for k in RESULTS)
+        maxes = {k: token_errors(got[k], want[k]) for k in RESULTS}
+        if not base_max:
+            base_max = {k: v.max().item() for k, v in maxes.items()}
+        ratios = {k: maxes[k].max().item() / max(base_max[k], 1e-30) for k in RESULTS}
+        for k in RESULTS:
+            bad = off_tokens(k, got[k], want[k], base_max[k])
+            table.add(name, str(cand), label, k, f"{rel_l2(got[k], want[k]):.1e}",
+                      f"{maxes[k].max().item():.1e}", f"{ratios[k]:.2g}",
+                      str(int(bad.sum())), positions(bad, cand[0]), "same" if same else "DIFFER")
+            print(" | ".join(table.rows[-1]), flush=True)
 
 
 def parse_blocks(text: str) -> tuple[int, int, int, int]:
@@ -163,6 +183,9 @@ def main(argv=None) -> str:
     p.add_argument("--blocks", nargs="+", type=parse_blocks, default=[parse_blocks(b) for b in DEFAULT_BLOCKS],
                    help="pre_fwd_tc candidates BLOCK_T,BLOCK_D,warps,stages; the first is the baseline")
     p.add_argument("--sums", nargs="+", default=["fp32"], choices=["fp32", "bf16x3"], help="PRE_SUMS settings")
+    p.add_argument("--iters", nargs="+", type=int, default=[ITERS],
+                   help="Sinkhorn iterations, the reference's and the kernel's (0: H^res from the logits' exp alone)")
+    p.add_argument("--sinkhorn", nargs="+", default=["tile"], choices=["tile", "token"], help="SINKHORN settings")
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -170,7 +193,10 @@ def main(argv=None) -> str:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here; valid here: --device cpu (under TRITON_INTERPRET=1)")
-    return check(args.shapes, args.blocks, args.sums, args.n, args.seed, args.device, args.tag).markdown()
+    if any(it < 0 for it in args.iters):
+        raise SystemExit(f"--iters {args.iters}: Sinkhorn iterations are 0 or more")
+    return check(args.shapes, args.blocks, args.sums, args.n, args.seed, args.device, args.tag, args.iters,
+                 args.sinkhorn).markdown()
 
 
 if __name__ == "__main__":

@@ -1004,6 +1004,27 @@ def test_read_check_reports_a_wrong_token_and_its_block_position(tmp_path, monke
     assert float(res["vs default max"]) > 100  # worst error against the default configuration's
 
 
+@needs_interpreter
+def test_read_check_runs_each_sinkhorn_setting_against_its_own_reference(tmp_path, monkeypatch):
+    """benchmarks.mhc_read_check --iters --sinkhorn: a row set per (iterations, SINKHORN) setting, each against the fp64
+    read with as many iterations (so none is off: with 0 iterations H^res is the logits' exp alone, far from 20's)."""
+    import benchmarks.roofline as roofline
+    from benchmarks import mhc_read_check as check
+    from benchmarks.roofline import read_rows
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    monkeypatch.setattr(check, "SHAPES", {"tiny": (1, 21, 24)})
+    rows = read_rows(check.main(["--shapes", "tiny", "--device", "cpu", "--blocks", "16,32,4,1",
+                                 "--iters", "0", "3", "--sinkhorn", "tile", "token"]))
+    assert [r["settings"] for r in rows[::len(check.RESULTS)]] == [
+        "fp32, 0 iterations, tile", "fp32, 0 iterations, token", "fp32, 3 iterations, tile", "fp32, 3 iterations, token"]
+    assert all(r["tokens off"] == "0" and r["two launches"] == "same" for r in rows), rows
+    assert all(float(r["rel L2 vs fp64"]) < 1e-4 for r in rows if r["result"] != "h"), rows
+    assert check.ITERS == 20  # held for the run only
+    with pytest.raises(SystemExit, match="--iters"):
+        check.main(["--device", "cpu", "--iters", "-1"])
+
+
 def test_read_check_names_bad_blocks():
     import argparse
 
