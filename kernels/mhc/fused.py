@@ -159,12 +159,19 @@ READ_SPLIT_BELOW = 2  # programs an SM of the fused read under which "auto" spli
 #   counter-example (the one-kernel backward's 512 programs are already about four an SM; the split adds a launch and
 #   dH^pre's round trip and leaves the Sinkhorn backward's latency where it was).
 PRE_BWD_LAYOUT = "fused"
+# DX_ROWS_TOKEN_BLOCKS (2026-12-06, end; built on the CPU, untimed): token blocks a program of the read's rows dX
+#   (DX_LAYOUT="rows") walks for one channel tile. Each program loads Φ for its channel tile, 2·KP·n·BLOCK_D bf16 (32
+#   KB at n = 4 and 64 channels), more than the stream bytes of its own (16 tokens, 64 channels) tile (about 26 KB):
+#   at `small` 268 MB from L2 a launch beside 218 MB from memory (136 µs a launch, 53% of its bytes' time on an H100).
+#   With 4 blocks a program Φ is loaded a quarter as often. 1 (default): a program a token block, as before.
+DX_ROWS_TOKEN_BLOCKS = 1
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
                    "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32"),
-                   "READ_LAYOUT": ("auto", "fused", "split"), "PRE_BWD_LAYOUT": ("fused", "split")}
+                   "READ_LAYOUT": ("auto", "fused", "split"), "PRE_BWD_LAYOUT": ("fused", "split"),
+                   "DX_ROWS_TOKEN_BLOCKS": (1, 2, 4, 8)}
 
 # Named sets of the settings above: what `benchmarks.ops_mhc --variants NAME ...` times side by side and what the
 # tests' ``variant`` fixture runs every chain test with (less tests/kernels/test_mhc_fused.py's ``NOT_EVERY_TEST``),
@@ -206,6 +213,9 @@ NAMED_VARIANTS = {
     "read_fused": {"READ_LAYOUT": "fused"},
     # the read's backward with its sweep over X and dh as a kernel of its own (2026-12-06, end; 1% slower in the step)
     "bwd_split": {"PRE_BWD_LAYOUT": "split"},
+    # the read's rows dX walking 4 or 8 token blocks a program, Φ loaded once for them (2026-12-06, end; untimed)
+    "dx_rows_tb4": {"DX_LAYOUT": "rows", "DX_ROWS_TOKEN_BLOCKS": 4},
+    "dx_rows_tb8": {"DX_LAYOUT": "rows", "DX_ROWS_TOKEN_BLOCKS": 8},
 }
 
 
@@ -1137,7 +1147,7 @@ def _pre_dx_rows_kernel(
     dx_ptr,  # result: dX (N, n, d) bf16
     N,
     D: tl.constexpr, N_STREAMS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, HAS_DOUT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, INTERP: tl.constexpr, TOKEN_BLOCKS: tl.constexpr = 1,
 ):
     """dX on one (tokens, channels) tile with its rows the block's R = BLOCK_T·n stream rows (row t·n + i: stream i
     of token t) and every product on tensor cores (``DX_LAYOUT="rows"``, bf16 streams, DX_PROJ="bf16x2"):
@@ -1148,55 +1158,61 @@ def _pre_dx_rows_kernel(
     (g ⊙ φ)[i·d + c, :], both in two bf16 parts as ``_pre_dx_kernel``'s PROJ = 2 takes them (three products); in row-
     major order its (BLOCK_T, n·BLOCK_D) result is the (R, BLOCK_D) tile. Q (R, R) holds H^res[t, i, j] at
     [t·n + j, t·n + i] (three parts) and G is the rows of dX'. The per-stream kernel runs a (BLOCK_T, KP) @
-    (KP, BLOCK_D) product a stream and sums over the write's streams with (tokens, n, channels) tiles."""
+    (KP, BLOCK_D) product a stream and sums over the write's streams with (tokens, n, channels) tiles.
+    TOKEN_BLOCKS (DX_ROWS_TOKEN_BLOCKS): a program walks that many token blocks of its channel tile, loading Φ
+    (2·KP·n·BLOCK_D bf16: 32 KB at n = 4, 64 channels, more than the tile's own stream bytes) once for them."""
     R: tl.constexpr = BLOCK_T * N_STREAMS
     NK: tl.constexpr = N_STREAMS * KP
     ND: tl.constexpr = N_STREAMS * D
-    pid = tl.program_id(0)
     offs_r = tl.arange(0, R)
-    srow = (pid * R + offs_r).to(tl.int64)  # rows of the (N·n, d) matrices
-    mask_r = srow < N * N_STREAMS
     tok_l = offs_r // N_STREAMS  # the row's token in the block
-    tok = (pid * BLOCK_T + tok_l).to(tl.int64)
     ii = offs_r % N_STREAMS  # the row's stream
     offs_b = tl.arange(0, BLOCK_T)
-    rows = (pid * BLOCK_T + offs_b).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    mrd = mask_r[:, None] & mask_d[None, :]
 
-    # φ_i w for every stream at once: w (BLOCK_T, KP) @ Φ (KP, n·BLOCK_D), Φ's column i·BLOCK_D + c holding
-    # (g ⊙ φ)[i·d + c, :], two bf16 parts of each (three products, as PROJ = 2); row-major, (BLOCK_T, n·BLOCK_D) is
-    # (R, BLOCK_D) with row t·n + i
+    # Φ for every stream at once, (KP, n·BLOCK_D): column i·BLOCK_D + c holds (g ⊙ φ)[i·d + c, :], two bf16 parts of
+    # each (three products, as PROJ = 2); loaded once for the program's TOKEN_BLOCKS token blocks
     offs_k = tl.arange(0, KP)
-    wv = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(rows < N)[:, None] & (offs_k < K)[None, :],
-                 other=0.0)  # (BLOCK_T, KP) fp32
-    w_hi = wv.to(tl.bfloat16)
-    w_lo = (wv - w_hi.to(tl.float32)).to(tl.bfloat16)
     offs_j = tl.arange(0, N_STREAMS * BLOCK_D)  # column i·BLOCK_D + c of Φ
     ch = tl.program_id(1) * BLOCK_D + offs_j % BLOCK_D
     cols = offs_k[:, None] * ND + ((offs_j // BLOCK_D) * D + ch)[None, :]  # (KP, n·BLOCK_D)
     ph_hi = tl.load(phit_ptr + cols, mask=(ch < D)[None, :], other=0.0)
     ph_lo = tl.load(phit_ptr + KP * ND + cols, mask=(ch < D)[None, :], other=0.0)
-    proj = _bf16_dot(w_lo, ph_hi, tl.zeros((BLOCK_T, N_STREAMS * BLOCK_D), dtype=tl.float32), INTERP)
-    proj = _bf16_dot(w_hi, ph_lo, proj, INTERP)
-    proj = _bf16_dot(w_hi, ph_hi, proj, INTERP)
-    acc = tl.reshape(proj, (R, BLOCK_D))
 
-    # H^pre_i dh − c X, elementwise on the rows (each token's dh read n times, from L1)
-    hp = tl.load(coef_ptr + tok * (N_STREAMS + 1) + ii, mask=mask_r, other=0.0)
-    c = tl.load(coef_ptr + tok * (N_STREAMS + 1) + N_STREAMS, mask=mask_r, other=0.0)
-    dh = tl.load(dh_ptr + tok[:, None] * D + offs_d[None, :], mask=mrd, other=0.0).to(tl.float32)
-    xv = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0).to(tl.float32)
-    acc += hp[:, None] * dh - c[:, None] * xv
+    for tb in range(TOKEN_BLOCKS):
+        pid = tl.program_id(0) * TOKEN_BLOCKS + tb  # the token block
+        srow = (pid * R + offs_r).to(tl.int64)  # rows of the (N·n, d) matrices
+        mask_r = srow < N * N_STREAMS
+        tok = (pid * BLOCK_T + tok_l).to(tl.int64)
+        rows = (pid * BLOCK_T + offs_b).to(tl.int64)
+        mrd = mask_r[:, None] & mask_d[None, :]
 
-    if HAS_DOUT:  # + H^resᵀ dX': Q G, H^res loaded once and split in three bf16 parts
-        g = tl.load(dout_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)  # (R, BLOCK_D) bf16
-        q0, q1, q2 = _bf16_parts3(_block_diag(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True))  # (R, R)
-        acc = _bf16_dot(q2, g, acc, INTERP)
-        acc = _bf16_dot(q1, g, acc, INTERP)
-        acc = _bf16_dot(q0, g, acc, INTERP)
-    tl.store(dx_ptr + srow[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mrd)
+        # φ_i w for every stream at once: w (BLOCK_T, KP) @ Φ (KP, n·BLOCK_D); row-major, (BLOCK_T, n·BLOCK_D) is
+        # (R, BLOCK_D) with row t·n + i
+        wv = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(rows < N)[:, None] & (offs_k < K)[None, :],
+                     other=0.0)  # (BLOCK_T, KP) fp32
+        w_hi = wv.to(tl.bfloat16)
+        w_lo = (wv - w_hi.to(tl.float32)).to(tl.bfloat16)
+        proj = _bf16_dot(w_lo, ph_hi, tl.zeros((BLOCK_T, N_STREAMS * BLOCK_D), dtype=tl.float32), INTERP)
+        proj = _bf16_dot(w_hi, ph_lo, proj, INTERP)
+        proj = _bf16_dot(w_hi, ph_hi, proj, INTERP)
+        acc = tl.reshape(proj, (R, BLOCK_D))
+
+        # H^pre_i dh − c X, elementwise on the rows (each token's dh read n times, from L1)
+        hp = tl.load(coef_ptr + tok * (N_STREAMS + 1) + ii, mask=mask_r, other=0.0)
+        c = tl.load(coef_ptr + tok * (N_STREAMS + 1) + N_STREAMS, mask=mask_r, other=0.0)
+        dh = tl.load(dh_ptr + tok[:, None] * D + offs_d[None, :], mask=mrd, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0).to(tl.float32)
+        acc += hp[:, None] * dh - c[:, None] * xv
+
+        if HAS_DOUT:  # + H^resᵀ dX': Q G, H^res loaded once and split in three bf16 parts
+            g = tl.load(dout_ptr + srow[:, None] * D + offs_d[None, :], mask=mrd, other=0.0)  # (R, BLOCK_D) bf16
+            q0, q1, q2 = _bf16_parts3(_block_diag(hres_ptr, offs_r, offs_r, pid, N, N_STREAMS, BLOCK_T, True))
+            acc = _bf16_dot(q2, g, acc, INTERP)
+            acc = _bf16_dot(q1, g, acc, INTERP)
+            acc = _bf16_dot(q0, g, acc, INTERP)
+        tl.store(dx_ptr + srow[:, None] * D + offs_d[None, :], acc.to(dx_ptr.dtype.element_ty), mask=mrd)
 
 
 @triton.jit
@@ -1419,10 +1435,11 @@ def pre_bwd(x, dh, d_pre, d_post, d_res, dout, h_res, z, r, phi, gain, alpha, b_
     if proj == 2 and _dx_on_rows(x, dh, dout):
         block_t, block_d, launch = _blocks(d, _variant("DX_ROWS_BLOCKS"))
         block_t, block_d = max(block_t, 16), max(block_d, 16)  # tensor-core tiles
-        _pre_dx_rows_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](
+        tb = _variant("DX_ROWS_TOKEN_BLOCKS")
+        _pre_dx_rows_kernel[(triton.cdiv(N, block_t * tb), triton.cdiv(d, block_d))](
             x, dh, w, coef, phit, x if dout is None else dout, z if h_res is None else h_res, dx, N, D=d,
             N_STREAMS=n, K=k, KP=kp, HAS_DOUT=dout is not None, BLOCK_T=block_t, BLOCK_D=block_d,
-            INTERP=interpreting(), **launch)
+            INTERP=interpreting(), TOKEN_BLOCKS=tb, **launch)
         return dx, dlogit, w
     block_t, block_d, launch = _blocks(d, "pre_dx")
     _pre_dx_kernel[(triton.cdiv(N, block_t), triton.cdiv(d, block_d))](

@@ -120,11 +120,12 @@ def main(argv: list[str]) -> int:
             raise SystemExit(f"--precision {argv[1]!r}: choose one of {', '.join(fused.DOT_PRECISIONS)}")
         fused.DOT_PRECISION, argv = argv[1], argv[2:]
     while argv[:1] == ["--set"]:
-        name, _, value = argv[1].partition("=")
-        if name not in fused.VARIANT_CHOICES or value not in fused.VARIANT_CHOICES[name]:
-            raise SystemExit(f"--set {argv[1]!r}: one of "
-                             + ", ".join(f"{k}={'|'.join(v)}" for k, v in fused.VARIANT_CHOICES.items()))
-        setattr(fused, name, value)
+        name, _, text = argv[1].partition("=")
+        choices = {str(c): c for c in fused.VARIANT_CHOICES.get(name, ())}  # a choice as written: str or int
+        if text not in choices:
+            raise SystemExit(f"--set {argv[1]!r}: one of " + ", ".join(
+                f"{k}={'|'.join(map(str, v))}" for k, v in fused.VARIANT_CHOICES.items()))
+        setattr(fused, name, choices[text])
         argv = argv[2:]
     shapes = [tuple(map(int, a.split(","))) for a in (argv or ["4,512", "4,1024", "4,2048", "2,1000"])]
     for n, d in shapes:

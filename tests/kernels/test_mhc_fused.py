@@ -70,9 +70,10 @@ def leaves(inp):
 # parametrisation below).
 NOT_EVERY_TEST = ("post_bwd_tc", "dx_rows_d128", "read_t32", "one_pass")
 # variants only the GPU chain test runs: the fused read (off a GPU READ_LAYOUT="auto" is the fused read, so the
-# interpreter's tests would run the default again) and the split read backward (slower, opt-in; its interpreter test
-# runs it at its GPU blocks)
-GPU_ONLY = ("read_fused", "bwd_split")
+# interpreter's tests would run the default again), the split read backward (slower, opt-in) and the rows dX walking
+# token blocks (the interpreter's 32-token blocks would leave one a program); each has an interpreter test at its GPU
+# blocks
+GPU_ONLY = ("read_fused", "bwd_split", "dx_rows_tb4", "dx_rows_tb8")
 
 
 def chain_variants(gpu: bool = False) -> dict:
@@ -633,6 +634,21 @@ def test_rows_dx_at_its_gpu_blocks_matches_the_reference(setting, monkeypatch):
     asked = gpu_blocks_under_the_interpreter(monkeypatch, "DX_ROWS_BLOCKS")
     check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
     assert setting in asked and not set(asked) & (set(fused.VARIANT_CHOICES["DX_ROWS_BLOCKS"]) - {setting})
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["dx_rows_tb4", "dx_rows_tb8"])
+def test_rows_dx_walking_token_blocks_matches_the_reference(name, monkeypatch):
+    """DX_ROWS_TOKEN_BLOCKS: the rows dX with a program walking 4 or 8 token blocks of its channel tile (Φ loaded once
+    for them) at its GPU blocks (16 tokens, 64 channels), bf16 streams, d = 200, 74 tokens: 4 blocks a program leave
+    the second program 10 tokens of its 64, 8 blocks put every token in one program; the write + read chain's outputs
+    and gradients against the fp32 reference, as the GPU chain test checks them."""
+    from kernels.mhc import fused
+
+    set_variant(monkeypatch, name)
+    asked = gpu_blocks_under_the_interpreter(monkeypatch, "DX_ROWS_BLOCKS")
+    check_fused_chain_against_the_reference(torch.bfloat16, "cpu", d=200, T=37)
+    assert "pre_dx_rows" in asked and fused.DX_ROWS_TOKEN_BLOCKS > 1
 
 
 @needs_interpreter
