@@ -1162,7 +1162,6 @@ def _pre_dx_rows_kernel(
     TOKEN_BLOCKS (DX_ROWS_TOKEN_BLOCKS): a program walks that many token blocks of its channel tile, loading Φ
     (2·KP·n·BLOCK_D bf16: 32 KB at n = 4, 64 channels, more than the tile's own stream bytes) once for them."""
     R: tl.constexpr = BLOCK_T * N_STREAMS
-    NK: tl.constexpr = N_STREAMS * KP
     ND: tl.constexpr = N_STREAMS * D
     offs_r = tl.arange(0, R)
     tok_l = offs_r // N_STREAMS  # the row's token in the block
@@ -1459,8 +1458,7 @@ def phi_grad(x, w):
         block_r = INTERPRETER_BLOCKS["block_r"] or _pow2(nd, 16)
         launch = {"num_warps": 4}
     else:  # GPU_BLOCKS["phi_grad"]: (tokens a step, rows of n·d a program, warps, stages)
-        block_t, block_r, warps, stages = GPU_BLOCKS["phi_grad"]
-        launch = {"num_warps": warps, "num_stages": stages}
+        block_t, block_r, launch = _blocks(nd, "phi_grad")
         split = max(1, min(triton.cdiv(N, block_t), 4 * _sm_count(x.device) // triton.cdiv(nd, block_r)))
     blocks = triton.cdiv(triton.cdiv(N, block_t), split)
     part = torch.empty(split, nd, k, device=x.device, dtype=torch.float32)
