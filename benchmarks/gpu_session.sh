@@ -1342,7 +1342,7 @@ case "$PLAN" in
     # the split read in mhc's graphed `small` step whatever its alone timing: alone (mhc_read_split, 2026-12-06) the
     # ops' `small` times were launch-bound (do_bench without graphs, 0.12-0.30 ms a round), so the step decides;
     # then its kernels in the profile beside the one-kernel read
-    SPLIT=py:kernels.mhc.fused.READ_LAYOUT=split
+    SPLIT=$(python3 -m benchmarks.ops_mhc --row-of read_split)
     step gpu0 small "${SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla mhc "mhc@$SPLIT" mhc "mhc@$SPLIT" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_read_split}"
@@ -1353,7 +1353,7 @@ case "$PLAN" in
     # READ_LAYOUT="auto" (the split read below two programs an SM, the default since 2026-12-06, end): every mHC GPU
     # test (the chain with read_fused and the default, which splits at the tests' token counts), then mhc's graphed
     # `small` step (auto: split) against the fused read, alternating
-    FUSED=py:kernels.mhc.fused.READ_LAYOUT=fused
+    FUSED=$(python3 -m benchmarks.ops_mhc --row-of read_fused)
     step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py
     step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small \
@@ -1364,7 +1364,7 @@ case "$PLAN" in
     # the read's backward with its sweep as a kernel of its own (PRE_BWD_LAYOUT="split", built 2026-12-06 end): the
     # GPU chain test with it (and the other variants) and its launch-to-launch test, then mhc's graphed `small` step
     # against the default, alternating
-    BWD=py:kernels.mhc.fused.PRE_BWD_LAYOUT=split
+    BWD=$(python3 -m benchmarks.ops_mhc --row-of bwd_split)
     step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py -k "write_and_next_read and (bwd_split or default)"
     step gpu0 small "${SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small \
@@ -1423,7 +1423,7 @@ case "$PLAN" in
     # 2026-12-06 late; mhc_next2 found two stages racing and one stage right): the mHC GPU tests, the write + read
     # alone in interleaved rounds against 32 tokens (read_t32), then mhc's steps beside vanilla and the 32-token read
     # (MEDIUM_LIMIT=0 by default: medium's three rows need a call of their own on a cold host)
-    T32=py:kernels.mhc.fused.READ_BLOCKS=pre_fwd_tc_t32
+    T32=$(python3 -m benchmarks.ops_mhc --row-of read_t32)
     step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_mhc_fused.py
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \

@@ -27,7 +27,7 @@ from unittest.mock import patch
 import torch
 
 from benchmarks.ops_mhc import ITERS, SHAPES
-from benchmarks.roofline import Table, held
+from benchmarks.roofline import Table, held, require_device
 
 # the read forward's candidates: the default, 64 tokens (wgmma, fast, off on the GPU in the 2026-12-06 sweep) at two
 # and one stage, at 64 and 32 channels, and at 8 warps (two warp groups)
@@ -191,8 +191,7 @@ def main(argv=None) -> str:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here; valid here: --device cpu (under TRITON_INTERPRET=1)")
+    require_device(args.device)
     if any(it < 0 for it in args.iters):
         raise SystemExit(f"--iters {args.iters}: Sinkhorn iterations are 0 or more")
     return check(args.shapes, args.blocks, args.sums, args.n, args.seed, args.device, args.tag, args.iters,

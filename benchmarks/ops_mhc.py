@@ -279,6 +279,9 @@ SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post",
             "post_bwd": "post+pre fwd+bwd", "post_bwd_tc": "post+pre fwd+bwd", "pre_dx_rows": "post+pre fwd+bwd",
             "phi_grad": "post+pre fwd+bwd"}
 
+# module settings a kernel's sweep holds: the blocks it varies belong to that layout, which the defaults may not pick
+SWEEP_HOLDS = {"pre_fwd_tc": {"READ_LAYOUT": "fused"}}
+
 
 # the results a sweep compares, in the order of ``results() + [post_out]`` below: the write + read's outputs, the
 # gradients of its leaves, then the write alone
@@ -335,8 +338,7 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
         best = {}
         for kernel in kernels:
             candidates, op = BLOCK_CANDIDATES[kernel], SWEEP_OP[kernel]
-            # the read's blocks are the one-kernel read's, a layout READ_LAYOUT="auto" may not pick at this shape
-            with held([(fused, "READ_LAYOUT", "fused")] if kernel == "pre_fwd_tc" else []):
+            with held((fused, k, v) for k, v in SWEEP_HOLDS.get(kernel, {}).items()):
                 base = time_op(op)
                 for cand in dict.fromkeys([defaults[kernel], *candidates]):
                     fused.GPU_BLOCKS[kernel] = cand
@@ -366,6 +368,11 @@ def sweep_blocks(shapes, n, seed, dtype, dtype_name, kernels=tuple(BLOCK_CANDIDA
         del p, coeffs, leaves, outs, ups, expected
         torch.cuda.empty_cache()
     table.write(("ops_mhc_blocks" if dtype_name == "bf16" else f"ops_mhc_blocks_{dtype_name}") + tag)
+
+
+def variant_row(name: str) -> str:
+    """A fused variant's module settings as a benchmarks.throughput row suffix: py:kernels.mhc.fused.NAME=VALUE@..."""
+    return "@".join(f"py:kernels.mhc.fused.{k}={v}" for k, v in fused_variants()[name].items())
 
 
 def pick_variant(table: str, op: str, gain: float) -> str | None:
@@ -419,11 +426,16 @@ def main(argv=None) -> None:
     ap.add_argument("--gain", type=float, default=0.03, help="with --pick: the least fraction of the default's time")
     ap.add_argument("--row", action="store_true", help="with --pick: print the variant's module settings as a "
                     "benchmarks.throughput row suffix (py:kernels.mhc.fused.NAME=VALUE@...)")
+    ap.add_argument("--row-of", metavar="VARIANT", choices=list(fused_variants()),
+                    help="instead: print that variant's row suffix for benchmarks.throughput; runs without a GPU")
     args = ap.parse_args(argv)
+    if args.row_of:
+        print(variant_row(args.row_of))
+        return
     if args.pick:
         best = pick_variant(Path(args.pick).read_text(), args.op, args.gain)
         if best and args.row:  # as a row's code settings for benchmarks.throughput
-            print("@".join(f"py:kernels.mhc.fused.{k}={v}" for k, v in fused_variants()[best].items()))
+            print(variant_row(best))
         elif best:
             print(best)
         return

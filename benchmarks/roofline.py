@@ -43,6 +43,13 @@ def held(settings):
             setattr(obj, attr, value)
 
 
+def require_device(device: str) -> None:
+    """A checking script's --device (cuda, or cpu under TRITON_INTERPRET=1): cuda where there is none ends it, naming
+    the choice that works here."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here; valid here: --device cpu (under TRITON_INTERPRET=1)")
+
+
 # How bench_ms times a call. "events": triton.testing.do_bench, CUDA events around each call with L2 flushed between
 # calls, so the gaps while the host launches a call's kernels count (an op of several small kernels at `small` reads
 # launch-bound: mHC's split read, 2026-12-06). "graphs": triton.testing.do_bench_cudagraph, replays of one CUDA graph

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.roofline import Table
+from benchmarks.roofline import Table, require_device
 
 
 @triton.jit
@@ -126,8 +126,7 @@ def main(argv=None) -> str:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here; valid here: --device cpu (under TRITON_INTERPRET=1)")
+    require_device(args.device)
     for name in ("d", "kp"):
         value = getattr(args, name)
         if value < 16 or value & (value - 1):

@@ -591,6 +591,21 @@ def test_ops_mhc_pick_takes_the_largest_gain_past_the_threshold_over_ok_rows(tmp
         "dx_rows_d128", "py:kernels.mhc.fused.DX_LAYOUT=rows@py:kernels.mhc.fused.DX_ROWS_BLOCKS=pre_dx_rows_d128"]
 
 
+def test_ops_mhc_row_of_a_variant_is_its_registry_entry_as_a_throughput_row(capsys):
+    """benchmarks.ops_mhc --row-of NAME (what a GPU plan times a variant in the step with): the variant's settings from
+    fused.NAMED_VARIANTS, which benchmarks.throughput reads back as the same settings; an unknown name is refused."""
+    from benchmarks import ops_mhc, throughput
+    from kernels.mhc import fused
+
+    for name in ("read_t32", "dx_rows_tb4"):
+        ops_mhc.main(["--row-of", name])
+        row = capsys.readouterr().out.strip()
+        assert [(attr, value) for _, attr, value in throughput.code_settings("mhc@" + row)] == list(
+            fused.NAMED_VARIANTS[name].items())
+    with pytest.raises(SystemExit):
+        ops_mhc.main(["--row-of", "read_t16"])
+
+
 def test_throughput_py_settings_hold_for_their_row_alone(monkeypatch, tmp_path):
     """``NAME@py:MODULE.NAME.ATTR=VALUE`` sets a code attribute while that row is built and timed, and restores it
     for the next row; a setting that does not resolve ends the command before any timing, naming it."""
@@ -690,6 +705,8 @@ def test_ops_mhc_sweep_candidates_name_real_kernels_and_blocks():
 
     assert set(ops_mhc.BLOCK_CANDIDATES) <= set(fused.GPU_BLOCKS)
     assert set(ops_mhc.BLOCK_CANDIDATES) == set(ops_mhc.SWEEP_OP)
+    for kernel, holds in ops_mhc.SWEEP_HOLDS.items():  # settings a kernel's sweep holds: real ones, valid values
+        assert kernel in ops_mhc.BLOCK_CANDIDATES and all(v in fused.VARIANT_CHOICES[k] for k, v in holds.items())
     for kernel, candidates in ops_mhc.BLOCK_CANDIDATES.items():
         assert len(set(candidates)) == len(candidates), kernel
         for cand in candidates:
