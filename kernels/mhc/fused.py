@@ -222,7 +222,8 @@ NAMED_VARIANTS = {
 def _variant(name: str) -> str:
     value = globals()[name]
     if value not in VARIANT_CHOICES[name]:
-        raise ValueError(f"kernels.mhc.fused.{name}={value!r}: choose one of {', '.join(VARIANT_CHOICES[name])}")
+        raise ValueError(f"kernels.mhc.fused.{name}={value!r}: choose one of "
+                         f"{', '.join(map(str, VARIANT_CHOICES[name]))}")
     return value
 
 

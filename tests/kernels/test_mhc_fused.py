@@ -744,6 +744,19 @@ def test_read_blocks_setting_is_checked(monkeypatch):
         fused._variant("READ_BLOCKS")
 
 
+@pytest.mark.parametrize("name, bad, choices", [("DX_ROWS_TOKEN_BLOCKS", 3, "1, 2, 4, 8"),
+                                                 ("READ_LAYOUT", "splt", "auto, fused, split"),
+                                                 ("PRE_BWD_LAYOUT", "auto", "fused, split")])
+def test_layout_settings_are_checked_naming_the_choices(name, bad, choices, monkeypatch):
+    """The settings added 2026-12-06 (end), an integer among them: a bad value is refused with the value and every
+    choice."""
+    from kernels.mhc import fused
+
+    monkeypatch.setattr(fused, name, bad)
+    with pytest.raises(ValueError, match=f"{name}={bad!r}: choose one of {choices}$"):
+        fused._variant(name)
+
+
 def test_rows_dx_blocks_setting_is_checked(monkeypatch):
     from kernels.mhc import fused
 
