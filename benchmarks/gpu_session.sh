@@ -297,6 +297,8 @@
 #              graphs), the block sweep of phi's gradient (a GPU_BLOCKS entry since 2026-12-06, end), mhc's GPU tests
 #   mhc_race_bisect one GPU (about 150 s with the start, estimated): the read forward's racing blocks (64, 64, 4, 2)
 #              against (64, 64, 4, 1) with 0, 1 and 20 Sinkhorn iterations and SINKHORN tile / token
+#   mhc_phi_medium one GPU (about 480 s with the start, estimated): φ's gradient at the blocks that won its `medium`
+#              sweep (PHI_GRAD_BLOCKS="phi_grad_r128"): its GPU chain test, then mhc's `medium` step alternating with it
 #   mhc_dx_tb  one GPU (about 450 s with the start, estimated): the rows dX walking 4 or 8 token blocks a program
 #              (DX_ROWS_TOKEN_BLOCKS): GPU chain tests, alone against the default, mhc's small step if one won alone
 #   mhc_profile one GPU (about 200 s with the start, estimated): vanilla and mhc's graphed step profiled, by kernel and kind
@@ -330,7 +332,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1390,6 +1392,17 @@ case "$PLAN" in
     # thread a token; two launches each, every result against the fp64 read with as many iterations
     step gpu0 bisect "${BISECT_LIMIT:-100}" python3 -m benchmarks.mhc_read_check --shapes small \
       --blocks 64,64,4,1 64,64,4,2 --iters 0 1 20 --sinkhorn tile token --tag "${TAG:-_bisect}"
+    ;;
+  mhc_phi_medium)
+    # φ's gradient at 64 tokens and 128 rows a program, 8 warps: 5% off a `medium` write + read forward and backward
+    # in the block sweep (2026-12-06 evening); its GPU chain test, then mhc's `medium` step with it, alternating
+    # (MEDIUM_RESIDUALS adds rows in front, e.g. vanilla)
+    PHI=$(python3 -m benchmarks.ops_mhc --row-of phi_r128)
+    step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py -k "write_and_next_read and (phi_r128 or default)"
+    step gpu0 medium "${MEDIUM_LIMIT:-420}" python3 -m benchmarks.throughput --models medium \
+      --residuals ${MEDIUM_RESIDUALS:-} mhc "mhc@$PHI" mhc "mhc@$PHI" --compile model --graphs on --steps 6 --set $COMBO \
+      --tag "${TAG:-_phi_medium}"
     ;;
   mhc_dx_tb)
     # the read's rows dX with a program walking 4 or 8 token blocks of its channel tile, Φ loaded once for them

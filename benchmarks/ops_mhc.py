@@ -280,7 +280,7 @@ SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post",
             "phi_grad": "post+pre fwd+bwd"}
 
 # module settings a kernel's sweep holds: the blocks it varies belong to that layout, which the defaults may not pick
-SWEEP_HOLDS = {"pre_fwd_tc": {"READ_LAYOUT": "fused"}}
+SWEEP_HOLDS = {"pre_fwd_tc": {"READ_LAYOUT": "fused"}, "phi_grad": {"PHI_GRAD_BLOCKS": "phi_grad"}}
 
 
 # the results a sweep compares, in the order of ``results() + [post_out]`` below: the write + read's outputs, the

@@ -165,13 +165,19 @@ PRE_BWD_LAYOUT = "fused"
 #   at `small` 268 MB from L2 a launch beside 218 MB from memory (136 µs a launch, 53% of its bytes' time on an H100).
 #   With 4 blocks a program Φ is loaded a quarter as often. 1 (default): a program a token block, as before.
 DX_ROWS_TOKEN_BLOCKS = 1
+# PHI_GRAD_BLOCKS (2026-12-06, evening): the GPU_BLOCKS entry of φ's gradient. "phi_grad" (default): 32 tokens a step,
+#   64 rows of n·d a program, 4 warps, 3 stages. "phi_grad_r128": 64 tokens, 128 rows, 8 warps, 3 stages, the fastest
+#   of the block sweep at `medium` on an H100 (a write + read forward and backward 1.928 against 2.023 ms,
+#   ops_mhc_blocks_phi_grad_h100.md); at `small` the sweep's event timer counted launch gaps (1.2-1.8 ms against 0.58
+#   as graph replays), so it decided nothing there.
+PHI_GRAD_BLOCKS = "phi_grad"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
                    "POST_BWD_PROJ": ("fp32", "bf16x3"), "PRE_SUMS": ("fp32", "bf16x3"),
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
                    "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32"),
                    "READ_LAYOUT": ("auto", "fused", "split"), "PRE_BWD_LAYOUT": ("fused", "split"),
-                   "DX_ROWS_TOKEN_BLOCKS": (1, 2, 4, 8)}
+                   "DX_ROWS_TOKEN_BLOCKS": (1, 2, 4, 8), "PHI_GRAD_BLOCKS": ("phi_grad", "phi_grad_r128")}
 
 # Named sets of the settings above: what `benchmarks.ops_mhc --variants NAME ...` times side by side and what the
 # tests' ``variant`` fixture runs every chain test with (less tests/kernels/test_mhc_fused.py's ``NOT_EVERY_TEST``),
@@ -216,6 +222,8 @@ NAMED_VARIANTS = {
     # the read's rows dX walking 4 or 8 token blocks a program, Φ loaded once for them (2026-12-06, end; untimed)
     "dx_rows_tb4": {"DX_LAYOUT": "rows", "DX_ROWS_TOKEN_BLOCKS": 4},
     "dx_rows_tb8": {"DX_LAYOUT": "rows", "DX_ROWS_TOKEN_BLOCKS": 8},
+    # φ's gradient at 64 tokens and 128 rows of n·d a program, 8 warps (PHI_GRAD_BLOCKS; 2026-12-06 evening)
+    "phi_r128": {"PHI_GRAD_BLOCKS": "phi_grad_r128"},
 }
 
 
@@ -1315,6 +1323,7 @@ GPU_BLOCKS = {
     # tokens to about four an SM; 43% of its bytes' time at `small` on an H100 (profile_step_small_graphs_read64_h100.md),
     # a block sweep entry since 2026-12-06 (end; the blocks it always had, Triton's default of 3 stages)
     "phi_grad": (32, 64, 4, 3),
+    "phi_grad_r128": (64, 128, 8, 3),  # PHI_GRAD_BLOCKS="phi_grad_r128"
 }
 
 
@@ -1459,7 +1468,7 @@ def phi_grad(x, w):
         block_r = INTERPRETER_BLOCKS["block_r"] or _pow2(nd, 16)
         launch = {"num_warps": 4}
     else:  # GPU_BLOCKS["phi_grad"]: (tokens a step, rows of n·d a program, warps, stages)
-        block_t, block_r, launch = _blocks(nd, "phi_grad")
+        block_t, block_r, launch = _blocks(nd, _variant("PHI_GRAD_BLOCKS"))
         split = max(1, min(triton.cdiv(N, block_t), 4 * _sm_count(x.device) // triton.cdiv(nd, block_r)))
     blocks = triton.cdiv(triton.cdiv(N, block_t), split)
     part = torch.empty(split, nd, k, device=x.device, dtype=torch.float32)
