@@ -297,8 +297,9 @@
 #              graphs), the block sweep of phi's gradient (a GPU_BLOCKS entry since 2026-12-06, end), mhc's GPU tests
 #   mhc_race_bisect one GPU (about 150 s with the start, estimated): the read forward's racing blocks (64, 64, 4, 2)
 #              against (64, 64, 4, 1) with 0, 1 and 20 Sinkhorn iterations and SINKHORN tile / token
-#   mhc_phi_medium one GPU (about 480 s with the start, estimated): φ's gradient at the blocks that won its `medium`
-#              sweep (PHI_GRAD_BLOCKS="phi_grad_r128"): its GPU chain test, then mhc's `medium` step alternating with it
+#   mhc_phi_medium one GPU (250 s warm on an H100 with vanilla in front, 2026-12-06 evening): φ's gradient at the
+#              blocks that won its `medium` sweep (the default since) against the blocks before (phi_r64): GPU chain
+#              test, then mhc's `medium` step alternating (MODEL=small: 115 s)
 #   mhc_dx_tb  one GPU (about 450 s with the start, estimated): the rows dX walking 4 or 8 token blocks a program
 #              (DX_ROWS_TOKEN_BLOCKS): GPU chain tests, alone against the default, mhc's small step if one won alone
 #   mhc_profile one GPU (about 200 s with the start, estimated): vanilla and mhc's graphed step profiled, by kernel and kind
@@ -1395,12 +1396,13 @@ case "$PLAN" in
     ;;
   mhc_phi_medium)
     # φ's gradient at 64 tokens and 128 rows a program, 8 warps: 5% off a `medium` write + read forward and backward
-    # in the block sweep (2026-12-06 evening); its GPU chain test, then mhc's `medium` step with it, alternating
-    # (MEDIUM_RESIDUALS adds rows in front, e.g. vanilla)
-    PHI=$(python3 -m benchmarks.ops_mhc --row-of phi_r128)
+    # in the block sweep (2026-12-06 evening; ran then as the variant phi_r128 against the default, since swapped: the
+    # blocks are the default and phi_r64 the blocks before); its GPU chain test, then mhc's `medium` step alternating
+    # with the blocks before (MEDIUM_RESIDUALS adds rows in front, e.g. vanilla; MODEL=small for small)
+    PHI=$(python3 -m benchmarks.ops_mhc --row-of phi_r64)
     step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "write_and_next_read and (phi_r128 or default)"
-    step gpu0 medium "${MEDIUM_LIMIT:-420}" python3 -m benchmarks.throughput --models medium \
+      tests/kernels/test_mhc_fused.py -k "write_and_next_read and (phi_r64 or default)"
+    step gpu0 "${MODEL:-medium}" "${MEDIUM_LIMIT:-420}" python3 -m benchmarks.throughput --models "${MODEL:-medium}" \
       --residuals ${MEDIUM_RESIDUALS:-} mhc "mhc@$PHI" mhc "mhc@$PHI" --compile model --graphs on --steps 6 --set $COMBO \
       --tag "${TAG:-_phi_medium}"
     ;;

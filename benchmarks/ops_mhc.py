@@ -271,8 +271,9 @@ BLOCK_CANDIDATES = {  # chosen from sm_90 register counts (tests/kernels/mhc_com
     # 4 warps spill 40-232 bytes)
     "pre_dx_rows": [(16, 64, 4, 2), (16, 64, 4, 1), (32, 64, 8, 1), (16, 32, 4, 1), (16, 32, 4, 2), (16, 64, 8, 2)],
     # φ's gradient: (tokens a step, rows of n·d a program, warps, stages); fewer reloads of w with more rows, more
-    # tokens a step; sm_90a at n = 4, d = 512 and 1024: 48-114 registers, no spills (2026-12-06, end)
-    "phi_grad": [(32, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3),
+    # tokens a step; sm_90a at n = 4, d = 512 and 1024: 48-114 registers, no spills (2026-12-06, end); (64, 128, 8, 3)
+    # won at `medium` and is the default since 2026-12-06 evening, (32, 64, 4, 3) the blocks before
+    "phi_grad": [(32, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (32, 128, 4, 3), (64, 128, 8, 3), (32, 256, 8, 3),
                  (128, 64, 4, 3), (128, 128, 8, 3)],
 }
 SWEEP_OP = {"pre_fwd": "post+pre", "pre_fwd_tc": "post+pre", "post_fwd": "post", "pre_bwd": "post+pre fwd+bwd", "pre_dx": "post+pre fwd+bwd",

@@ -1,7 +1,8 @@
 """How fast a residual could be at best: its fused ops at their roofline over a training step, against vanilla's.
 
     python -m benchmarks.residual_floor [--models small medium] [--residuals attnres_block mhc msar_block msar]
-        [--vanilla-ms small=15.5 medium=154.0] [--fp32-tflops 51.2] [--copy-tbs 4.25] [--tag _dec2]
+        [--vanilla-ms small=15.5 medium=154.0] [--fp32-tflops 51.2] [--copy-tbs 4.25] [--ceilings-from TEXT]
+        [--tag _dec2]
 
 Every fused call of one training step (16 rows, as ``benchmarks.throughput`` times it), forward and backward, with
 the minimal bytes and the CUDA-core FLOPs its own benchmark counts: MSAR's read per consumer over its S sources
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
 import sys
 from pathlib import Path
 
@@ -231,8 +233,14 @@ def main(argv=None) -> int:
                         "floors at that rate")
     p.add_argument("--plot", action="store_true", help="also draw residual_floor{tag}.png: measured (the latest "
                    "H200 ratios, MEASURED), at the floor, and the targets")
+    p.add_argument("--ceilings-from", default="an H200 host (msar_attn_nvidia_h200.md)",
+                   help="where the ceilings and vanilla's steps were measured, for the table's header (the defaults': "
+                        "%(default)s)")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
+    if args.plot and (args.copy_tbs, args.fp32_tflops) != (4.25, 51.2):
+        raise SystemExit("error: --plot draws the H200's measured ratios (MEASURED) beside the floors; with other "
+                         f"ceilings (--copy-tbs {args.copy_tbs}, --fp32-tflops {args.fp32_tflops}) leave it off")
     import residuals
 
     unknown = [r for r in args.residuals if row_parts(r)[0] not in residuals.names()]
@@ -276,15 +284,15 @@ def main(argv=None) -> int:
                 need = "" if target is None else f"{100 * f['floor_ms'] / (v / target - v):.0f}%"
                 rows.append(f"| {model} | {residual} | {f['floor_ms']:.2f} | {v / (v + f['floor_ms']):.3f} | "
                             f"{'' if target is None else f'{target:.2f}'} | {need} |")
-    shown = " ".join(argv if argv is not None else sys.argv[1:])
+    shown = shlex.join(argv if argv is not None else sys.argv[1:])  # quoted where an argument has spaces
     text = "\n".join([
         "# The residuals' fused ops at their roofline, over a training step",
         "",
         f"- command: `python -m benchmarks.residual_floor {shown}`".replace(" `", " `"),
         f"- date {datetime.date.today()}; counted, not timed (no GPU): every fused call of a step of {BATCH} rows, "
         "forward + backward, with the minimal bytes and CUDA-core FLOPs of its op benchmark; ceilings "
-        f"{args.copy_tbs} TB/s copy and {args.fp32_tflops} TFLOP/s fp32, measured on an H200 host "
-        "(msar_attn_nvidia_h200.md); vanilla's step measured there",
+        f"{args.copy_tbs} TB/s copy and {args.fp32_tflops} TFLOP/s fp32, measured on {args.ceilings_from}; "
+        "vanilla's step measured there",
         "- floor = Σ over calls of max(bytes / copy bandwidth, FLOPs / fp32 rate); best ratio = vanilla / (vanilla + "
         "floor); share needed = floor / (vanilla / target − vanilla): above 100% no tile of these kernels reaches the "
         "target",

@@ -502,6 +502,18 @@ def test_residual_floor_writes_its_table_and_plot(tmp_path, monkeypatch):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     with pytest.raises(SystemExit, match=r"--vanilla-ms 'small=fast'.*MODEL=MS"):
         residual_floor.main(["--vanilla-ms", "small=fast"])
+    # another GPU's ceilings: the header names where they come from, and the floor moves with the bandwidth
+    assert residual_floor.main(["--models", "small", "--residuals", "mhc", "--copy-tbs", "3.02", "--fp32-tflops",
+                                "51.6", "--vanilla-ms", "small=18.0", "--ceilings-from", "an H100 host",
+                                "--tag", "_h"]) == 0
+    h100 = (tmp_path / "residual_floor_h.md").read_text()
+    assert "3.02 TB/s copy and 51.6 TFLOP/s fp32, measured on an H100 host" in h100 and "H200" not in h100
+    floor_ms = {t: float(next(line for line in text.splitlines() if line.startswith("| small (L=16) | mhc"))
+                         .split("|")[9]) for t, text in (("h100", h100), ("h200", (tmp_path / "residual_floor_b.md")
+                                                                          .read_text()))}
+    assert floor_ms["h100"] > floor_ms["h200"]  # bf16 streams are byte-bound: less bandwidth, a higher floor
+    with pytest.raises(SystemExit, match=r"--plot.*--copy-tbs 3.02"):  # the plot's measured ratios are the H200's
+        residual_floor.main(["--copy-tbs", "3.02", "--plot"])
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",

@@ -159,17 +159,21 @@ READ_SPLIT_BELOW = 2  # programs an SM of the fused read under which "auto" spli
 #   counter-example (the one-kernel backward's 512 programs are already about four an SM; the split adds a launch and
 #   dH^pre's round trip and leaves the Sinkhorn backward's latency where it was).
 PRE_BWD_LAYOUT = "fused"
-# DX_ROWS_TOKEN_BLOCKS (2026-12-06, end; built on the CPU, untimed): token blocks a program of the read's rows dX
+# DX_ROWS_TOKEN_BLOCKS (built 2026-12-06, end; timed on an H100 2026-12-06, evening: no gain, so 1): token blocks a program of the read's rows dX
 #   (DX_LAYOUT="rows") walks for one channel tile. Each program loads Φ for its channel tile, 2·KP·n·BLOCK_D bf16 (32
 #   KB at n = 4 and 64 channels), more than the stream bytes of its own (16 tokens, 64 channels) tile (about 26 KB):
 #   at `small` 268 MB from L2 a launch beside 218 MB from memory (136 µs a launch, 53% of its bytes' time on an H100).
-#   With 4 blocks a program Φ is loaded a quarter as often. 1 (default): a program a token block, as before.
+#   With 4 blocks a program Φ is loaded a quarter as often. 1 (default): a program a token block, as before. Timed:
+#   mhc's graphed `small` step 26.5 / 26.4 ms at 1 against 26.7 / 26.6 at 4 (throughput_small_dx_tb_h100.md); as graph
+#   replays the write + read forward and backward within 2% either way (ops_mhc_dx_tb_graphs_h100.md): L2 serves Φ.
 DX_ROWS_TOKEN_BLOCKS = 1
-# PHI_GRAD_BLOCKS (2026-12-06, evening): the GPU_BLOCKS entry of φ's gradient. "phi_grad" (default): 32 tokens a step,
-#   64 rows of n·d a program, 4 warps, 3 stages. "phi_grad_r128": 64 tokens, 128 rows, 8 warps, 3 stages, the fastest
-#   of the block sweep at `medium` on an H100 (a write + read forward and backward 1.928 against 2.023 ms,
-#   ops_mhc_blocks_phi_grad_h100.md); at `small` the sweep's event timer counted launch gaps (1.2-1.8 ms against 0.58
-#   as graph replays), so it decided nothing there.
+# PHI_GRAD_BLOCKS (2026-12-06, evening): the GPU_BLOCKS entry of φ's gradient. "phi_grad" (the default): 64 tokens
+#   a step, 128 rows of n·d a program, 8 warps, 3 stages, the fastest of the block sweep at `medium` on an H100 (a
+#   write + read forward and backward 1.928 against 2.023 ms, ops_mhc_blocks_phi_grad_h100.md). "phi_grad_r64": 32
+#   tokens, 64 rows, 4 warps, the blocks before. In mhc's graphed step, alternating in one process on an H100: `medium`
+#   221.5 / 221.5 -> 218.3 / 218.4 ms (0.769 -> 0.780x vanilla, throughput_medium_phi_medium_h100.md), `small` 26.2 /
+#   26.2 -> 25.9 / 25.9 ms (0.672 -> 0.679x, throughput_small_phi_small_h100.md; the sweep's event timer had counted
+#   launch gaps there, 1.2-1.8 ms against 0.58 as graph replays).
 PHI_GRAD_BLOCKS = "phi_grad"
 VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf16x3"),
                    "DX_PROJ": ("fp32", "tf32", "bf16x2"), "PRE_FWD_BLOCKS": ("pre_fwd", "pre_fwd_w2"),
@@ -177,7 +181,7 @@ VARIANT_CHOICES = {"PRE_PROJ": ("fp32", "bf16x3"), "PHI_GRAD_PROJ": ("fp32", "bf
                    "DX_LAYOUT": ("stream", "rows"), "DX_ROWS_BLOCKS": ("pre_dx_rows", "pre_dx_rows_d128"),
                    "SINKHORN": ("tile", "token"), "READ_BLOCKS": ("pre_fwd_tc", "pre_fwd_tc_t32"),
                    "READ_LAYOUT": ("auto", "fused", "split"), "PRE_BWD_LAYOUT": ("fused", "split"),
-                   "DX_ROWS_TOKEN_BLOCKS": (1, 2, 4, 8), "PHI_GRAD_BLOCKS": ("phi_grad", "phi_grad_r128")}
+                   "DX_ROWS_TOKEN_BLOCKS": (1, 2, 4, 8), "PHI_GRAD_BLOCKS": ("phi_grad", "phi_grad_r64")}
 
 # Named sets of the settings above: what `benchmarks.ops_mhc --variants NAME ...` times side by side and what the
 # tests' ``variant`` fixture runs every chain test with (less tests/kernels/test_mhc_fused.py's ``NOT_EVERY_TEST``),
@@ -219,11 +223,13 @@ NAMED_VARIANTS = {
     "read_fused": {"READ_LAYOUT": "fused"},
     # the read's backward with its sweep over X and dh as a kernel of its own (2026-12-06, end; 1% slower in the step)
     "bwd_split": {"PRE_BWD_LAYOUT": "split"},
-    # the read's rows dX walking 4 or 8 token blocks a program, Φ loaded once for them (2026-12-06, end; untimed)
+    # the read's rows dX walking 4 or 8 token blocks a program, Φ loaded once for them (2026-12-06, end; no gain in
+    # the step on an H100, 2026-12-06 evening)
     "dx_rows_tb4": {"DX_LAYOUT": "rows", "DX_ROWS_TOKEN_BLOCKS": 4},
     "dx_rows_tb8": {"DX_LAYOUT": "rows", "DX_ROWS_TOKEN_BLOCKS": 8},
-    # φ's gradient at 64 tokens and 128 rows of n·d a program, 8 warps (PHI_GRAD_BLOCKS; 2026-12-06 evening)
-    "phi_r128": {"PHI_GRAD_BLOCKS": "phi_grad_r128"},
+    # φ's gradient at its blocks before 2026-12-06 evening: 32 tokens and 64 rows of n·d a program, 4 warps
+    # (PHI_GRAD_BLOCKS; 128 rows and 8 warps since)
+    "phi_r64": {"PHI_GRAD_BLOCKS": "phi_grad_r64"},
 }
 
 
@@ -1320,10 +1326,10 @@ GPU_BLOCKS = {
     "pre_dx_rows": (16, 64, 4, 2),
     "pre_dx_rows_d128": (16, 128, 4, 2),  # DX_ROWS_BLOCKS="pre_dx_rows_d128"
     # φ's gradient Σ_t vec(X_t)ᵀ w_t: (tokens a step, rows of n·d a program, warps, stages), the programs split over the
-    # tokens to about four an SM; 43% of its bytes' time at `small` on an H100 (profile_step_small_graphs_read64_h100.md),
-    # a block sweep entry since 2026-12-06 (end; the blocks it always had, Triton's default of 3 stages)
-    "phi_grad": (32, 64, 4, 3),
-    "phi_grad_r128": (64, 128, 8, 3),  # PHI_GRAD_BLOCKS="phi_grad_r128"
+    # tokens to about four an SM; 43% of its bytes' time at `small` on an H100 at (32, 64, 4, 3)
+    # (profile_step_small_graphs_read64_h100.md); (64, 128, 8, 3) since 2026-12-06 evening (PHI_GRAD_BLOCKS)
+    "phi_grad": (64, 128, 8, 3),
+    "phi_grad_r64": (32, 64, 4, 3),  # PHI_GRAD_BLOCKS="phi_grad_r64": the blocks before
 }
 
 

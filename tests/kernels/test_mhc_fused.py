@@ -73,7 +73,7 @@ NOT_EVERY_TEST = ("post_bwd_tc", "dx_rows_d128", "read_t32", "one_pass")
 # interpreter's tests would run the default again), the split read backward (slower, opt-in) and the rows dX walking
 # token blocks (the interpreter's 32-token blocks would leave one a program); each has an interpreter test at its GPU
 # blocks; φ's gradient at other GPU blocks (the interpreter runs its own blocks, so it would be the default again)
-GPU_ONLY = ("read_fused", "bwd_split", "dx_rows_tb4", "dx_rows_tb8", "phi_r128")
+GPU_ONLY = ("read_fused", "bwd_split", "dx_rows_tb4", "dx_rows_tb8", "phi_r64")
 
 
 def chain_variants(gpu: bool = False) -> dict:
