@@ -297,6 +297,9 @@
 #              graphs), the block sweep of phi's gradient (a GPU_BLOCKS entry since 2026-12-06, end), mhc's GPU tests
 #   mhc_race_bisect one GPU (about 150 s with the start, estimated): the read forward's racing blocks (64, 64, 4, 2)
 #              against (64, 64, 4, 1) with 0, 1 and 20 Sinkhorn iterations and SINKHORN tile / token
+#   mhc_phi_check one GPU (about 330 s with the start, estimated): the mHC GPU tests with φ's new blocks as the
+#              default, the race reduction with the read's second sweep (wgmma_race), then vanilla, mhc and msar_block's
+#              graphed small step profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
 #   mhc_phi_medium one GPU (250 s warm on an H100 with vanilla in front, 2026-12-06 evening): φ's gradient at the
 #              blocks that won its `medium` sweep (the default since) against the blocks before (phi_r64): GPU chain
 #              test, then mhc's `medium` step alternating (MODEL=small: 115 s)
@@ -333,7 +336,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1394,6 +1397,15 @@ case "$PLAN" in
     step gpu0 bisect "${BISECT_LIMIT:-100}" python3 -m benchmarks.mhc_read_check --shapes small \
       --blocks 64,64,4,1 64,64,4,2 --iters 0 1 20 --sinkhorn tile token --tag "${TAG:-_bisect}"
     ;;
+  mhc_phi_check)
+    # after φ's gradient took (64, 128, 8, 3) (2026-12-06 evening): the whole mHC GPU test file with it as the default;
+    # the race reduction with the read's second sweep after the projection; where the step goes now, mHC's and MSAR's
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_mhc_fused.py
+    step gpu0 race "${RACE_LIMIT:-60}" python3 -m benchmarks.wgmma_race --tag "${TAG:-_sweep2}"
+    step gpu0 profile "${PROFILE_LIMIT:-200}" python3 -m benchmarks.profile_step --model small \
+      --residuals vanilla mhc msar_block --compile model --graphs on --top 40 --set $COMBO --tag "${TAG:-_sweep2}"
+    ;;
   mhc_phi_medium)
     # φ's gradient at 64 tokens and 128 rows a program, 8 warps: 5% off a `medium` write + read forward and backward
     # in the block sweep (2026-12-06 evening; ran then as the variant phi_r128 against the default, since swapped: the
@@ -1420,9 +1432,9 @@ case "$PLAN" in
     ;;
   mhc_profile)
     # where mHC's step goes with the day's defaults (2026-12-06 late): vanilla and mhc graphed at `small`, every
-    # residual kernel listed, and the kinds table (MODEL=medium for medium)
+    # residual kernel listed, and the kinds table (MODEL=medium for medium; PROFILE_RESIDUALS for other rows)
     step gpu0 profile "${PROFILE_LIMIT:-200}" python3 -m benchmarks.profile_step --model "${MODEL:-small}" \
-      --residuals vanilla mhc --compile model --graphs on --top 40 --set $COMBO --tag "${TAG:-_read64}"
+      --residuals ${PROFILE_RESIDUALS:-vanilla mhc} --compile model --graphs on --top 40 --set $COMBO --tag "${TAG:-_read64}"
     ;;
   mhc_bwd_blocks)
     # mHC's backward kernels at one stage and 32 tokens (8 warps), as the read's forward gained at 64 tokens and one

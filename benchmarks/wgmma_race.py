@@ -9,9 +9,14 @@ at one stage, or at 32 tokens, it was right. This kernel keeps only the shape of
 streams, a loop over channel chunks accumulating y += x_i w_i (bf16 operands, fp32 accumulation, ``tl.dot``), the
 sum of squares beside it, then y scaled by the norm and stored, a barrier, and y read back by other threads in
 another layout (as the read's coefficients read z). Each configuration (tokens a program, stages, whether the
-read-back is there) runs ``--launches`` times against ``x.float() @ w.float()``; the table gives the tokens off
-(largest error above 1e-3 of the result's scale) at the worst launch and whether the launches agree bit for bit.
-If the race shows here, this file is the report for Triton; if it does not, the race needs more of the read kernel.
+read-back is there, whether a second sweep follows) runs ``--launches`` times against ``x.float() @ w.float()``; the
+table gives the tokens off (largest error above 1e-3 of the result's scale) at the worst launch and whether the
+launches agree bit for bit. If the race shows here, this file is the report for Triton; if it does not, the race
+needs more of the read kernel. The second sweep (2026-12-06, evening) is the read's: after the read-back, the
+streams loaded again chunk by chunk, h = Σ_i c_i x_i with c_i the first STREAMS outputs read back, stored; in the read
+the race needs neither the Sinkhorn iterations nor their layout (mhc_read_check_bisect_h100.md), and with that sweep on
+tensor cores it goes away, so the second loop's pipelined loads (sharing the projection's shared memory) are the
+suspect.
 Writes benchmarks/results/wgmma_race<tag>.md. Under ``TRITON_INTERPRET=1`` on a CPU (``--device cpu``) it checks
 itself (every configuration must be right there).
 """
@@ -30,9 +35,11 @@ from benchmarks.roofline import Table, require_device
 @triton.jit
 def _projection_kernel(x_ptr, w_ptr, z_ptr, out_ptr, N, D: tl.constexpr, KP: tl.constexpr, STREAMS: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, READBACK: tl.constexpr,
-                       INTERP: tl.constexpr):
+                       INTERP: tl.constexpr, h_ptr=None, SWEEP2: tl.constexpr = False, NP: tl.constexpr = 1):
     """z = r · Σ_i x_i w_i for a block of tokens, x (N, STREAMS, D) bf16, w (STREAMS·D, KP) bf16, r = rsqrt(mean x²);
-    with READBACK, out = 2 z read back from memory in a transposed layout after a barrier."""
+    with READBACK, out = 2 z read back from memory in a transposed layout after a barrier; with SWEEP2 (and
+    READBACK), h = Σ_i z[:, i] x_i (N, D) fp32 over a second loop of channel chunks (NP: STREAMS padded to a power
+    of two), as the read's h."""
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < N
@@ -58,6 +65,16 @@ def _projection_kernel(x_ptr, w_ptr, z_ptr, out_ptr, N, D: tl.constexpr, KP: tl.
         tl.debug_barrier()  # z read back below by other threads of the block, in the transposed layout
         zt = tl.load(z_ptr + rows[None, :] * KP + offs_k[:, None], mask=mask_t[None, :], other=0.0)  # (KP, BLOCK_T)
         tl.store(out_ptr + rows[None, :] * KP + offs_k[:, None], 2.0 * zt, mask=mask_t[None, :])
+        if SWEEP2:
+            offs_n = tl.arange(0, NP)
+            m2 = mask_t[:, None] & (offs_n < STREAMS)[None, :]
+            c = tl.load(z_ptr + rows[:, None] * KP + offs_n[None, :], mask=m2, other=0.0)  # (BLOCK_T, NP)
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                x3 = tl.load(x_ptr + rows[:, None, None] * (STREAMS * D) + offs_n[None, :, None] * D
+                             + offs_d[None, None, :], mask=m2[:, :, None], other=0.0).to(tl.float32)
+                h = tl.sum(c[:, :, None] * x3, axis=1)
+                tl.store(h_ptr + rows[:, None] * D + offs_d[None, :], h, mask=mask_t[:, None])
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -66,18 +83,26 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (flat @ w.double()) * torch.rsqrt(flat.pow(2).mean(1) + 1e-6)[:, None]
 
 
-def run(x, w, block_t: int, block_d: int, stages: int, readback: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_h(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """The second sweep's h from the fp64 z: Σ_i z[:, i] x_i."""
+    return (z[:, :x.shape[1], None] * x.double()).sum(1)
+
+
+def run(x, w, block_t: int, block_d: int, stages: int, readback: bool,
+        sweep2: bool = False) -> tuple[torch.Tensor, ...]:
+    """(z, out) of one launch, and h with ``sweep2``."""
     from kernels.backend import interpreting
 
     N, S, D = x.shape
     kp = w.shape[1]
     z = torch.empty(N, kp, device=x.device, dtype=torch.float32)
     out = torch.empty_like(z)
+    h = torch.empty(N, D, device=x.device, dtype=torch.float32) if sweep2 else None
     launch = {} if interpreting() else {"num_warps": 4, "num_stages": stages}
     _projection_kernel[(triton.cdiv(N, block_t),)](x, w, z, out, N, D=D, KP=kp, STREAMS=S, BLOCK_T=block_t,
                                                     BLOCK_D=block_d, READBACK=readback, INTERP=interpreting(),
-                                                    **launch)
-    return z, out
+                                                    h_ptr=h, SWEEP2=sweep2, NP=triton.next_power_of_2(S), **launch)
+    return (z, out, h) if sweep2 else (z, out)
 
 
 def check(tokens: int, streams: int, d: int, kp: int, configs: list[tuple], launches: int, device: str,
@@ -86,34 +111,47 @@ def check(tokens: int, streams: int, d: int, kp: int, configs: list[tuple], laun
     x = torch.randn(tokens, streams, d, device=device, generator=g).to(torch.bfloat16)
     w = (torch.randn(streams * d, kp, device=device, generator=g) / (streams * d) ** 0.5).to(torch.bfloat16)
     want = reference(x, w)
+    want_h = reference_h(x, want)
     scale = want.abs().max().item()
+    scale_h = want_h.abs().max().item()
     table = Table(title="A tensor-core projection alone: tokens off by configuration",
-                  columns=["tokens a program", "channels a chunk", "stages", "read-back", "tokens off (worst launch)",
+                  columns=["tokens a program", "channels a chunk", "stages", "read-back", "second sweep",
+                           "tokens off (worst launch)",
                            "launches off", "launches agree", "largest error"],
                   notes=[f"{tokens} tokens, {streams} streams of d = {d}, {kp} outputs, {launches} launches each, "
                          f"bf16 operands, fp32 accumulation, 4 warps; off: an error above 1e-3 of the result's "
-                         f"largest value ({scale:.3g}) against the fp64 product of the same bf16 values"])
-    for block_t, block_d, stages, readback in configs:
+                         f"largest value ({scale:.3g}) against the fp64 product of the same bf16 values; the second "
+                         f"sweep's h against Σ_i z_i x_i of the fp64 z (off above 1e-3 of its largest value, "
+                         f"{scale_h:.3g}; largest error: z's)"])
+    for block_t, block_d, stages, readback, *more in configs:
+        sweep2 = bool(more and more[0]) and readback
         first, worst, launches_off, largest, agree = None, 0, 0, 0.0, True
         for _ in range(launches):
-            z, out = run(x, w, block_t, block_d, stages, readback)
+            z, out, *h = run(x, w, block_t, block_d, stages, readback, *((True,) if sweep2 else ()))
             got = torch.stack([z, out / 2]) if readback else z[None]
             err = (got.double() - want).abs().amax(-1)  # (results, tokens)
-            off = int((err > 1e-3 * scale).any(0).sum())
+            bad = (err > 1e-3 * scale).any(0)
+            if sweep2:
+                bad |= (h[0].double() - want_h).abs().amax(-1) > 1e-3 * scale_h
+                got = torch.cat([got.flatten(), h[0].flatten()])
+            off = int(bad.sum())
             worst, largest = max(worst, off), max(largest, err.max().item())
             launches_off += off > 0
             agree = agree and (first is None or torch.equal(got, first))
             first = got if first is None else first
-        table.add(block_t, block_d, stages, "yes" if readback else "no", worst, f"{launches_off} of {launches}",
+        table.add(block_t, block_d, stages, "yes" if readback else "no", "yes" if sweep2 else "no", worst,
+                  f"{launches_off} of {launches}",
                   "yes" if agree else "NO", f"{largest:.1e}")
         print(" | ".join(table.rows[-1]), flush=True)
     table.write("wgmma_race" + tag)
     return table
 
 
-# (tokens a program, channels a chunk, stages, read-back): the read's racing blocks and their neighbours
+# (tokens a program, channels a chunk, stages, read-back[, second sweep]): the read's racing blocks and their
+# neighbours, then (2026-12-06, evening) the same with the read's second sweep
 DEFAULT_CONFIGS = [(32, 64, 2, True), (64, 64, 1, True), (64, 64, 2, True), (64, 64, 2, False), (64, 64, 3, True),
-                   (64, 32, 2, True), (128, 64, 2, True)]
+                   (64, 32, 2, True), (128, 64, 2, True),
+                   (32, 64, 2, True, True), (64, 64, 1, True, True), (64, 64, 2, True, True), (64, 64, 3, True, True)]
 
 
 def main(argv=None) -> str:

@@ -732,29 +732,33 @@ def test_ops_mhc_sweep_candidates_name_real_kernels_and_blocks():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel runs on a CPU under the interpreter")
 def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path, monkeypatch):
     """benchmarks.wgmma_race: every configuration right and launch-to-launch identical under the interpreter (ragged
-    last block, 3 streams); a launch corrupted at one token is reported as one token off and launches that differ."""
+    last block, 3 streams), with the second sweep too; a launch corrupted at one token (of z, or of the second
+    sweep's h) is reported as one token off and launches that differ."""
     import benchmarks.roofline as roofline
     from benchmarks import wgmma_race
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
-    monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, True), (64, 32, 2, False)])
+    monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, True), (64, 32, 2, False), (32, 32, 2, True, True)])
     argv = ["--tokens", "150", "--d", "64", "--streams", "3", "--launches", "2", "--device", "cpu"]
     rows = roofline.read_rows(wgmma_race.main(argv))
-    assert len(rows) == 2 and all(r["tokens off (worst launch)"] == "0" and r["launches agree"] == "yes"
+    assert len(rows) == 3 and all(r["tokens off (worst launch)"] == "0" and r["launches agree"] == "yes"
                                   for r in rows), rows
+    assert [r["second sweep"] for r in rows] == ["no", "no", "yes"]
 
     right, calls = wgmma_race.run, []
 
-    def racing(x, w, block_t, block_d, stages, readback):
-        z, out = right(x, w, block_t, block_d, stages, readback)
+    def racing(x, w, block_t, block_d, stages, readback, *sweep2):
+        got = right(x, w, block_t, block_d, stages, readback, *sweep2)
         calls.append(1)
         if len(calls) == 2:  # the first configuration's second launch: token 77 off
-            z[77, 3] += 1.0
-        return z, out
+            got[0][77, 3] += 1.0
+        if len(calls) == 6:  # the second sweep's second launch: h off at token 5
+            got[2][5, 40] += 1.0
+        return got
 
     monkeypatch.setattr(wgmma_race, "run", racing)
     rows = roofline.read_rows(wgmma_race.main(argv))
-    assert [r["tokens off (worst launch)"] for r in rows] == ["1", "0"], rows
-    assert [r["launches agree"] for r in rows] == ["NO", "yes"] and rows[0]["launches off"] == "1 of 2", rows
+    assert [r["tokens off (worst launch)"] for r in rows] == ["1", "0", "1"], rows
+    assert [r["launches agree"] for r in rows] == ["NO", "yes", "NO"] and rows[0]["launches off"] == "1 of 2", rows
     with pytest.raises(SystemExit, match="--d 48: a power of two"):
         wgmma_race.main(["--d", "48", "--device", "cpu"])
