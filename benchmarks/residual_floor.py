@@ -2,7 +2,7 @@
 
     python -m benchmarks.residual_floor [--models small medium] [--residuals attnres_block mhc msar_block msar]
         [--vanilla-ms small=15.5 medium=154.0] [--fp32-tflops 51.2] [--copy-tbs 4.25] [--ceilings-from TEXT]
-        [--tag _dec2]
+        [--plot [--measured small:mhc=0.682 ...] [--card "an H100"]] [--tag _dec2]
 
 Every fused call of one training step (16 rows, as ``benchmarks.throughput`` times it), forward and backward, with
 the minimal bytes and the CUDA-core FLOPs its own benchmark counts: MSAR's read per consumer over its S sources
@@ -180,7 +180,7 @@ def bar_label(residual: str, model: str) -> str:
     return "\n".join([name, *lines, model])
 
 
-def plot(points: list[dict], path: Path) -> None:
+def plot(points: list[dict], path: Path, card: str = "an H200") -> None:
     """Bars per (model, residual): the latest measured ratio to vanilla, the best ratio at the floor, and the
     target as a tick: where a target sits above the floor's bar, no tile reaches it."""
     import matplotlib
@@ -201,11 +201,28 @@ def plot(points: list[dict], path: Path) -> None:
     ax.set_ylim(0, 1.05)
     ax.axhline(1.0, color="black", linewidth=0.6)
     ax.set_ylabel("tokens/s vs vanilla")
-    ax.set_title("Residuals on an H200: measured, best possible with these ops, and the targets")
+    ax.set_title(f"Residuals on {card}: measured, best possible with these ops, and the targets")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def parse_measured(items: list[str]) -> dict[tuple[str, str], tuple[float, str]]:
+    """--measured MODEL:RESIDUAL=RATIO ... as MEASURED's (model, residual) -> (ratio, source) entries."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        model, _, residual = key.partition(":")
+        try:
+            ratio = float(value)
+        except ValueError:
+            ratio = None
+        if not model or not residual or ratio is None or not 0 < ratio <= 2:
+            raise SystemExit(f"error: --measured {item!r}: expected MODEL:RESIDUAL=RATIO with a ratio in (0, 2], "
+                             "e.g. small:mhc=0.682")
+        out[(model, residual)] = (ratio, "--measured")
+    return out
 
 
 def parse_ms(items: list[str]) -> dict[str, float]:
@@ -233,14 +250,20 @@ def main(argv=None) -> int:
                         "floors at that rate")
     p.add_argument("--plot", action="store_true", help="also draw residual_floor{tag}.png: measured (the latest "
                    "H200 ratios, MEASURED), at the floor, and the targets")
+    p.add_argument("--measured", nargs="*", default=[], metavar="MODEL:RESIDUAL=RATIO",
+                   help="the plot's measured ratios, for ceilings other than the H200's (e.g. small:mhc=0.682); "
+                        "default: MEASURED, the H200's")
+    p.add_argument("--card", default="an H200", help="the card named in the plot's title (default: %(default)s)")
     p.add_argument("--ceilings-from", default="an H200 host (msar_attn_nvidia_h200.md)",
                    help="where the ceilings and vanilla's steps were measured, for the table's header (the defaults': "
                         "%(default)s)")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
-    if args.plot and (args.copy_tbs, args.fp32_tflops) != (4.25, 51.2):
+    measured = parse_measured(args.measured) if args.measured else MEASURED
+    if args.plot and not args.measured and (args.copy_tbs, args.fp32_tflops) != (4.25, 51.2):
         raise SystemExit("error: --plot draws the H200's measured ratios (MEASURED) beside the floors; with other "
-                         f"ceilings (--copy-tbs {args.copy_tbs}, --fp32-tflops {args.fp32_tflops}) leave it off")
+                         f"ceilings (--copy-tbs {args.copy_tbs}, --fp32-tflops {args.fp32_tflops}) pass that card's "
+                         "ratios with --measured MODEL:RESIDUAL=RATIO ..., or leave --plot off")
     import residuals
 
     unknown = [r for r in args.residuals if row_parts(r)[0] not in residuals.names()]
@@ -261,7 +284,7 @@ def main(argv=None) -> int:
             v = vanilla[model]
             target = TARGETS.get((model, row_parts(residual)[0]))  # a row's overrides keep its residual's target
             points.append({"model": model, "residual": residual, "best": v / (v + f["floor_ms"]), "target": target,
-                           "measured": MEASURED.get((model, residual), (None,))[0]})
+                           "measured": measured.get((model, residual), (None,))[0]})
             need = "" if target is None else f"**{100 * f['floor_ms'] / (v / target - v):.0f}%**"
             rows.append(f"| {model} (L={f['sublayers']}) | {residual} | {f['calls']} | {f['gb']:.2f} | "
                         f"{f['gflop']:.1f} | {f['bytes_ms']:.2f} | {f['flops_ms']:.2f} | {f['binds']} | "
@@ -304,7 +327,7 @@ def main(argv=None) -> int:
     print(f"written: {out}")
     if args.plot:
         png = RESULTS / f"residual_floor{args.tag}.png"
-        plot(points, png)
+        plot(points, png, args.card)
         print(f"written: {png} (measured: " + "; ".join(f"{m} {r} {v} {src}" for (m, r), (v, src) in MEASURED.items())
               + ")")
     return 0

@@ -512,8 +512,18 @@ def test_residual_floor_writes_its_table_and_plot(tmp_path, monkeypatch):
                          .split("|")[9]) for t, text in (("h100", h100), ("h200", (tmp_path / "residual_floor_b.md")
                                                                           .read_text()))}
     assert floor_ms["h100"] > floor_ms["h200"]  # bf16 streams are byte-bound: less bandwidth, a higher floor
-    with pytest.raises(SystemExit, match=r"--plot.*--copy-tbs 3.02"):  # the plot's measured ratios are the H200's
+    with pytest.raises(SystemExit, match=r"--plot.*--copy-tbs 3.02.*--measured"):  # MEASURED is the H200's
         residual_floor.main(["--copy-tbs", "3.02", "--plot"])
+    # with that card's ratios the plot draws them, and names the card
+    drawn = {}
+    monkeypatch.setattr(residual_floor, "plot", lambda points, path, card: drawn.update(points=points, card=card))
+    assert residual_floor.main(["--models", "small", "--residuals", "mhc", "msar_block", "--copy-tbs", "3.02",
+                                "--plot", "--measured", "small:mhc=0.682", "--card", "an H100", "--tag", "_p"]) == 0
+    assert drawn["card"] == "an H100"
+    assert [(p["residual"], p["measured"]) for p in drawn["points"]] == [("mhc", 0.682), ("msar_block", None)]
+    for bad in ("small:mhc", "mhc=0.6", "small:mhc=fast", "small:mhc=3"):
+        with pytest.raises(SystemExit, match=r"--measured .*MODEL:RESIDUAL=RATIO"):
+            residual_floor.main(["--plot", "--measured", bad])
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
