@@ -652,6 +652,35 @@ def test_rows_dx_walking_token_blocks_matches_the_reference(name, monkeypatch):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("setting", ["phi_grad", "phi_grad_r64"])
+def test_phi_gradient_at_its_gpu_blocks_matches_the_product(setting, dtype, monkeypatch):
+    """PHI_GRAD_BLOCKS: φ's gradient Σ_t vec(X_t)ᵀ w_t at the token and row blocks of ``setting``'s GPU entry (64
+    tokens and 128 rows of n·d, or 32 and 64), the tokens over two shares: 150 tokens (a ragged token block at either
+    width, and a second share shorter than the first), n·d = 4·40 = 160 (a ragged row block), random w; against the
+    fp64 product of the same values (bf16 streams: on tensor cores in three parts, PHI_GRAD_PROJ)."""
+    from kernels.mhc import fused
+
+    block_t, block_r = fused.GPU_BLOCKS[setting][:2]
+    monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_t", block_t)
+    monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "block_r", block_r)
+    monkeypatch.setitem(fused.INTERPRETER_BLOCKS, "split", 2)
+    g = torch.Generator().manual_seed(3)
+    N, n, d, k = 150, 4, 40, 24
+    x = torch.randn(N, n, d, generator=g).to(dtype)
+    w = torch.randn(N, k, generator=g)
+    got = fused.phi_grad(x, w)
+    want = x.reshape(N, n * d).double().T @ w.double()
+    assert got.shape == (n * d, k) and got.dtype == torch.float32
+    assert rel_err(got, want) < 1e-6, f"rel err {rel_err(got, want):.2e}"
+    # the last token and the last row of n·d count: the ragged blocks are neither dropped nor doubled
+    x2 = x.clone()
+    x2[-1, -1, -1] += 1
+    delta = float(x2[-1, -1, -1]) - float(x[-1, -1, -1])  # 1 up to the streams' rounding
+    assert (fused.phi_grad(x2, w) - got)[-1].sub(delta * w[-1]).abs().max() < 1e-4
+
+
+@needs_interpreter
 @pytest.mark.parametrize("setting", ["pre_fwd_tc", "pre_fwd_tc_t32"])
 def test_tensor_core_read_at_its_gpu_blocks_matches_the_reference(setting, monkeypatch):
     """READ_BLOCKS: the read's forward on tensor cores (bf16 streams) at the GPU blocks of ``setting`` (64 or 32
