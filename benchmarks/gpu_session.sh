@@ -369,6 +369,13 @@ step() {
 
 # mhc_small_if_won TAG OP: after `benchmarks.ops_mhc --variants ... --tag TAG`, mhc's small step beside vanilla,
 # alternating with the variant whose OP time won by 3% or more at some shape (none: no step, said in the summary)
+# the mHC kernels' GPU tests (mhc_tests LIMIT [PYTEST_K]): the whole file, or the tests -k selects
+mhc_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+  tests/kernels/test_mhc_fused.py ${2:+-k "$2"}; }
+# vanilla and other rows' graphed `small` (MODEL) step profiled by kernel and kind (mhc_profile_step LIMIT TAG ROWS...)
+mhc_profile_step() { local limit=$1 tag=$2; shift 2
+  step gpu0 profile "$limit" python3 -m benchmarks.profile_step --model "${MODEL:-small}" --residuals "$@" \
+    --compile model --graphs on --top 40 --set $COMBO --tag "$tag"; }
 mhc_small_if_won() {
   local row
   row=$(python3 -m benchmarks.ops_mhc --pick "benchmarks/results/ops_mhc$1.md" --op "$2" --gain 0.03 --row \
@@ -875,8 +882,7 @@ case "$PLAN" in
       --tag _variants
     step gpu0 ops_fp32 "${OPS32_LIMIT:-70}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes small \
       --variants ${MHC32_VARIANTS:-before default} --tag _variants
-    step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-60}"
     step gpu0 small "${SMALL_LIMIT:-150}" python3 -m benchmarks.throughput --models small --residuals \
       ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=input} --compile model --graphs on --steps 8 --set $COMBO \
       --tag ${TAG:-_mhc}
@@ -886,8 +892,7 @@ case "$PLAN" in
       --variants before default before default --tag _defaults
     step gpu0 ops_fp32 "${OPS32_LIMIT:-45}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes medium \
       small --variants before default --tag _defaults
-    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-100}"
     for model in medium small; do
       step gpu0 "$model" "$([ $model = medium ] && echo "${MEDIUM_LIMIT:-220}" || echo "${SMALL_LIMIT:-110}")" \
         python3 -m benchmarks.throughput --models $model --residuals ${MHC_ROWS:-vanilla mhc mhc@residual.stream_dtype=input} \
@@ -1247,8 +1252,7 @@ case "$PLAN" in
     # multiply-add, 14 warps an SM against 32; built 2026-12-04 night, CPU-tested only): GPU tests (the variant
     # fixture takes it), the op alone in interleaved rounds, then mhc's small step, the default timed before and after
     W2="py:kernels.mhc.fused.PRE_FWD_BLOCKS=pre_fwd_w2"
-    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-100}"
     step gpu0 ops_fp32 "${OPS32_LIMIT:-100}" python3 -m benchmarks.ops_mhc --fused-only --dtype fp32 --shapes small \
       medium --variants default pre_fwd_w2 --rounds 5 --tag _pre_fwd_w2
     step gpu0 small "${SMALL_LIMIT:-170}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
@@ -1308,8 +1312,7 @@ case "$PLAN" in
     # and the read's sums over the streams the same way (PRE_SUMS=bf16x3; both together: variant tc_sums)
     TC="py:kernels.mhc.fused.POST_BWD_PROJ=bf16x3"
     BOTH="$TC@py:kernels.mhc.fused.PRE_SUMS=bf16x3"
-    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "default or tc_sums or bf16_matches"
+    mhc_tests "${TEST_LIMIT:-100}" "default or tc_sums or bf16_matches"
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
       --variants default post_bwd_tc tc_sums --rounds 5 --tag "${TAG:-_post_bwd_tc}"
     step gpu0 small "${SMALL_LIMIT:-220}" python3 -m benchmarks.throughput --models small --residuals vanilla mhc \
@@ -1323,8 +1326,7 @@ case "$PLAN" in
     # variant fixture takes them), each alone in interleaved rounds at small and medium against the default, the
     # read's block sweep with more stages, then mhc's small step alternating with the variant that won alone (3% or
     # more off the write + read forward and backward at some shape; none: no step)
-    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "dx_rows or token_sinkhorn or bf16_matches"
+    mhc_tests "${TEST_LIMIT:-100}" "dx_rows or token_sinkhorn or bf16_matches"
     step gpu0 ops "${OPS_LIMIT:-170}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
       --variants default dx_rows dx_rows_d128 token_sinkhorn --rounds 5 --tag "${TAG:-_dx_rows}"
     step gpu0 sweep "${SWEEP_LIMIT:-120}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
@@ -1336,8 +1338,7 @@ case "$PLAN" in
     # at 19% of its bytes' time at small, 256 programs for 132 SMs): its GPU tests (launch to launch the same bits,
     # every result near the fp64 read; the chain against the reference), alone in interleaved rounds against the
     # one-kernel read, then mhc's small step alternating with it if it won alone (3% or more off some op)
-    step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "tensor_core_read or read_split or write_and_next_read"
+    mhc_tests "${TEST_LIMIT:-120}" "tensor_core_read or read_split or write_and_next_read"
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
       --variants default read_split --rounds 5 --tag "${TAG:-_read_split}"
     mhc_small_if_won "${TAG:-_read_split}" "post+pre"
@@ -1360,8 +1361,7 @@ case "$PLAN" in
     # test (the chain with read_fused and the default, which splits at the tests' token counts), then mhc's graphed
     # `small` step (auto: split) against the fused read, alternating
     FUSED=$(python3 -m benchmarks.ops_mhc --row-of read_fused)
-    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-150}"
     step gpu0 small "${SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla mhc "mhc@$FUSED" mhc "mhc@$FUSED" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_auto_read}"
@@ -1371,8 +1371,7 @@ case "$PLAN" in
     # GPU chain test with it (and the other variants) and its launch-to-launch test, then mhc's graphed `small` step
     # against the default, alternating
     BWD=$(python3 -m benchmarks.ops_mhc --row-of bwd_split)
-    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "write_and_next_read and (bwd_split or default)"
+    mhc_tests "${TEST_LIMIT:-90}" "write_and_next_read and (bwd_split or default)"
     step gpu0 small "${SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small \
       --residuals mhc "mhc@$BWD" mhc "mhc@$BWD" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_bwd_split}"
@@ -1387,8 +1386,7 @@ case "$PLAN" in
       --variants default read_fused read_split --rounds 3 --timer graphs --tag "${TAG:-_phi_grad}_graphs"
     step gpu0 sweep "${SWEEP_LIMIT:-150}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
       --kernels phi_grad --tag "${TAG:-_phi_grad}"
-    step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-120}"
     ;;
   mhc_race_bisect)
     # what the read forward's race at (64, 64, 4, 2) needs (the projection alone does not race, 2026-12-06 end): the
@@ -1400,11 +1398,9 @@ case "$PLAN" in
   mhc_phi_check)
     # after φ's gradient took (64, 128, 8, 3) (2026-12-06 evening): the whole mHC GPU test file with it as the default;
     # the race reduction with the read's second sweep after the projection; where the step goes now, mHC's and MSAR's
-    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-90}"
     step gpu0 race "${RACE_LIMIT:-60}" python3 -m benchmarks.wgmma_race --tag "${TAG:-_sweep2}"
-    step gpu0 profile "${PROFILE_LIMIT:-200}" python3 -m benchmarks.profile_step --model small \
-      --residuals vanilla mhc msar_block --compile model --graphs on --top 40 --set $COMBO --tag "${TAG:-_sweep2}"
+    mhc_profile_step "${PROFILE_LIMIT:-200}" "${TAG:-_sweep2}" vanilla mhc msar_block
     ;;
   mhc_phi_medium)
     # φ's gradient at 64 tokens and 128 rows a program, 8 warps: 5% off a `medium` write + read forward and backward
@@ -1412,8 +1408,7 @@ case "$PLAN" in
     # blocks are the default and phi_r64 the blocks before); its GPU chain test, then mhc's `medium` step alternating
     # with the blocks before (MEDIUM_RESIDUALS adds rows in front, e.g. vanilla; MODEL=small for small)
     PHI=$(python3 -m benchmarks.ops_mhc --row-of phi_r64)
-    step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "write_and_next_read and (phi_r64 or default)"
+    mhc_tests "${TEST_LIMIT:-60}" "write_and_next_read and (phi_r64 or default)"
     step gpu0 "${MODEL:-medium}" "${MEDIUM_LIMIT:-420}" python3 -m benchmarks.throughput --models "${MODEL:-medium}" \
       --residuals ${MEDIUM_RESIDUALS:-} mhc "mhc@$PHI" mhc "mhc@$PHI" --compile model --graphs on --steps 6 --set $COMBO \
       --tag "${TAG:-_phi_medium}"
@@ -1422,8 +1417,7 @@ case "$PLAN" in
     # the read's rows dX with a program walking 4 or 8 token blocks of its channel tile, Φ loaded once for them
     # (DX_ROWS_TOKEN_BLOCKS, built 2026-12-06 end; 196 registers against 112 on sm_90a, no spills): the GPU chain test
     # with them, alone in interleaved rounds (events and graph replays), then mhc's small step if one won alone
-    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py -k "write_and_next_read and (dx_rows_tb4 or dx_rows_tb8 or default)"
+    mhc_tests "${TEST_LIMIT:-90}" "write_and_next_read and (dx_rows_tb4 or dx_rows_tb8 or default)"
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
       --variants default dx_rows_tb4 dx_rows_tb8 --rounds 5 --tag "${TAG:-_dx_tb}"
     step gpu0 ops_graphs "${GRAPHS_LIMIT:-100}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
@@ -1433,8 +1427,7 @@ case "$PLAN" in
   mhc_profile)
     # where mHC's step goes with the day's defaults (2026-12-06 late): vanilla and mhc graphed at `small`, every
     # residual kernel listed, and the kinds table (MODEL=medium for medium; PROFILE_RESIDUALS for other rows)
-    step gpu0 profile "${PROFILE_LIMIT:-200}" python3 -m benchmarks.profile_step --model "${MODEL:-small}" \
-      --residuals ${PROFILE_RESIDUALS:-vanilla mhc} --compile model --graphs on --top 40 --set $COMBO --tag "${TAG:-_read64}"
+    mhc_profile_step "${PROFILE_LIMIT:-200}" "${TAG:-_read64}" ${PROFILE_RESIDUALS:-vanilla mhc}
     ;;
   mhc_bwd_blocks)
     # mHC's backward kernels at one stage and 32 tokens (8 warps), as the read's forward gained at 64 tokens and one
@@ -1442,8 +1435,7 @@ case "$PLAN" in
     # fails a candidate whose two launches differ; then the mHC GPU tests
     step gpu0 sweep "${SWEEP_LIMIT:-180}" python3 -m benchmarks.ops_mhc --sweep-blocks --shapes small medium \
       --kernels post_bwd_tc pre_dx_rows --tag "${TAG:-_bwd_blocks}"
-    step gpu0 gpu_tests "${TEST_LIMIT:-0}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-0}"
     ;;
   mhc_read64)
     # mHC's read forward on tensor cores at 64 tokens and one stage (READ_BLOCKS=pre_fwd_tc, the default since
@@ -1451,8 +1443,7 @@ case "$PLAN" in
     # alone in interleaved rounds against 32 tokens (read_t32), then mhc's steps beside vanilla and the 32-token read
     # (MEDIUM_LIMIT=0 by default: medium's three rows need a call of their own on a cold host)
     T32=$(python3 -m benchmarks.ops_mhc --row-of read_t32)
-    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_mhc_fused.py
+    mhc_tests "${TEST_LIMIT:-150}"
     step gpu0 ops "${OPS_LIMIT:-120}" python3 -m benchmarks.ops_mhc --fused-only --shapes small medium \
       --variants default read_t32 --rounds 5 --tag "${TAG:-_read64}"
     step gpu0 small "${SMALL_LIMIT:-240}" python3 -m benchmarks.throughput --models small \

@@ -20,7 +20,6 @@ Writes benchmarks/results/mhc_read_check<tag>.md. On a CPU (``--device cpu``, un
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import Counter
 from unittest.mock import patch
 
@@ -50,8 +49,8 @@ def make_read_inputs(B: int, T: int, n: int, d: int, seed: int, device: str) -> 
             "b_res": rand(n, n, scale=0.5) + 2.0 * torch.eye(n, device=device)}
 
 
-def reference_read(p: dict) -> dict:
-    """z, r, H^pre, H^post, H^res and h in fp64 from the same (bf16) streams."""
+def reference_read(p: dict, iters: int = ITERS) -> dict:
+    """z, r, H^pre, H^post, H^res and h in fp64 from the same (bf16) streams, ``iters`` Sinkhorn iterations."""
     from kernels.mhc import reference
 
     x = p["x"].double()
@@ -61,16 +60,16 @@ def reference_read(p: dict) -> dict:
     z = (flat * r[:, None] * p["gain"].double()) @ p["phi"].double()
     h_pre, h_post, h_res = reference.mhc_coefficients(
         x, p["phi"].double(), p["alpha"].double(), p["b_pre"].double(), p["b_post"].double(), p["b_res"].double(),
-        sinkhorn_iters=ITERS, norm_gain=p["gain"].double(), eps=EPS)
+        sinkhorn_iters=iters, norm_gain=p["gain"].double(), eps=EPS)
     h = (h_pre.unsqueeze(-2) @ x).squeeze(-2)
     return {"z": z, "r": r, "H^pre": h_pre, "H^post": h_post, "H^res": h_res, "h": h}
 
 
-def fused_read(p: dict) -> dict:
+def fused_read(p: dict, iters: int = ITERS) -> dict:
     from kernels.mhc import fused
 
     h, h_pre, h_post, h_res, z, r = fused.pre_fwd(p["x"], p["phi"], p["gain"], p["alpha"], p["b_pre"], p["b_post"],
-                                                  p["b_res"], iters=ITERS, eps=EPS)
+                                                  p["b_res"], iters=iters, eps=EPS)
     return {"z": z, "r": r, "H^pre": h_pre, "H^post": h_post, "H^res": h_res, "h": h}
 
 
@@ -109,7 +108,6 @@ def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed:
     from kernels.mhc import fused
     from kernels.backend import interpreting
 
-    here = sys.modules[__name__]
     table = Table(title="mHC read forward (bf16 streams, tensor-core projection): results by block configuration",
                   columns=["shape", "blocks", "settings", "result", "rel L2 vs fp64", "max abs", "vs default max",
                            "tokens off", "their block positions", "two launches"],
@@ -125,13 +123,12 @@ def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed:
     for name in shapes:
         B, T, d = SHAPES[name]
         p = make_read_inputs(B, T, n, d, seed, device)
-        for it in iters:
-            with held([(here, "ITERS", it)]):  # the reference's and the kernel's iterations alike
-                want = reference_read(p)
-                for mode in sums:
-                    for sk in sinkhorn:
-                        check_setting(table, name, p, want, blocks, f"{mode}, {it} iterations, {sk}",
-                                      [(fused, "PRE_SUMS", mode), (fused, "SINKHORN", sk)])
+        for it in iters:  # the reference's and the kernel's iterations alike
+            want = reference_read(p, it)
+            for mode in sums:
+                for sk in sinkhorn:
+                    check_setting(table, name, p, want, blocks, f"{mode}, {it} iterations, {sk}",
+                                  [(fused, "PRE_SUMS", mode), (fused, "SINKHORN", sk)], it)
         del p, want
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -140,7 +137,7 @@ def check(shapes: list[str], blocks: list[tuple], sums: list[str], n: int, seed:
 
 
 def check_setting(table: Table, name: str, p: dict, want: dict, blocks: list[tuple], label: str,
-                  settings: list) -> None:
+                  settings: list, iters: int = ITERS) -> None:
     """The rows of one setting: each block configuration against the fp64 read and against the first's errors."""
     from kernels.mhc import fused
 
@@ -149,8 +146,8 @@ def check_setting(table: Table, name: str, p: dict, want: dict, blocks: list[tup
         with patch.dict(fused.GPU_BLOCKS, {"pre_fwd_tc": cand}), \
                 held(settings + [(fused, "READ_BLOCKS", "pre_fwd_tc"), (fused, "READ_LAYOUT", "fused")]):
             try:
-                got = fused_read(p)
-                again = fused_read(p)
+                got = fused_read(p, iters)
+                again = fused_read(p, iters)
             except Exception as e:  # a configuration that does not compile or run is reported
                 table.add(name, str(cand), label, "", "", "", "", "", "", f"error: {type(e).__name__}: {e}")
                 continue

@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
     measured = parse_measured(args.measured) if args.measured else MEASURED
-    if args.plot and not args.measured and (args.copy_tbs, args.fp32_tflops) != (4.25, 51.2):
+    h200 = (p.get_default("copy_tbs"), p.get_default("fp32_tflops"))  # MEASURED's card's ceilings
+    if args.plot and not args.measured and (args.copy_tbs, args.fp32_tflops) != h200:
         raise SystemExit("error: --plot draws the H200's measured ratios (MEASURED) beside the floors; with other "
                          f"ceilings (--copy-tbs {args.copy_tbs}, --fp32-tflops {args.fp32_tflops}) pass that card's "
                          "ratios with --measured MODEL:RESIDUAL=RATIO ..., or leave --plot off")
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
     if args.plot:
         png = RESULTS / f"residual_floor{args.tag}.png"
         plot(points, png, args.card)
-        print(f"written: {png} (measured: " + "; ".join(f"{m} {r} {v} {src}" for (m, r), (v, src) in MEASURED.items())
+        print(f"written: {png} (measured: " + "; ".join(f"{m} {r} {v} {src}" for (m, r), (v, src) in measured.items())
               + ")")
     return 0
 

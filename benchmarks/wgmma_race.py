@@ -89,8 +89,8 @@ def reference_h(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 
 
 def run(x, w, block_t: int, block_d: int, stages: int, readback: bool,
-        sweep2: bool = False) -> tuple[torch.Tensor, ...]:
-    """(z, out) of one launch, and h with ``sweep2``."""
+        sweep2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(z, out, h) of one launch; h is None without ``sweep2``."""
     from kernels.backend import interpreting
 
     N, S, D = x.shape
@@ -102,7 +102,7 @@ def run(x, w, block_t: int, block_d: int, stages: int, readback: bool,
     _projection_kernel[(triton.cdiv(N, block_t),)](x, w, z, out, N, D=D, KP=kp, STREAMS=S, BLOCK_T=block_t,
                                                     BLOCK_D=block_d, READBACK=readback, INTERP=interpreting(),
                                                     h_ptr=h, SWEEP2=sweep2, NP=triton.next_power_of_2(S), **launch)
-    return (z, out, h) if sweep2 else (z, out)
+    return z, out, h
 
 
 def check(tokens: int, streams: int, d: int, kp: int, configs: list[tuple], launches: int, device: str,
@@ -123,17 +123,19 @@ def check(tokens: int, streams: int, d: int, kp: int, configs: list[tuple], laun
                          f"largest value ({scale:.3g}) against the fp64 product of the same bf16 values; the second "
                          f"sweep's h against Σ_i z_i x_i of the fp64 z (off above 1e-3 of its largest value, "
                          f"{scale_h:.3g}; largest error: z's)"])
-    for block_t, block_d, stages, readback, *more in configs:
-        sweep2 = bool(more and more[0]) and readback
+    for block_t, block_d, stages, readback, sweep2 in configs:
+        if sweep2 and not readback:
+            raise ValueError(f"configuration {(block_t, block_d, stages, readback, sweep2)}: the second sweep reads "
+                             "z back, so it needs the read-back")
         first, worst, launches_off, largest, agree = None, 0, 0, 0.0, True
         for _ in range(launches):
-            z, out, *h = run(x, w, block_t, block_d, stages, readback, *((True,) if sweep2 else ()))
+            z, out, h = run(x, w, block_t, block_d, stages, readback, sweep2)
             got = torch.stack([z, out / 2]) if readback else z[None]
             err = (got.double() - want).abs().amax(-1)  # (results, tokens)
             bad = (err > 1e-3 * scale).any(0)
             if sweep2:
-                bad |= (h[0].double() - want_h).abs().amax(-1) > 1e-3 * scale_h
-                got = torch.cat([got.flatten(), h[0].flatten()])
+                bad |= (h.double() - want_h).abs().amax(-1) > 1e-3 * scale_h
+                got = torch.cat([got.flatten(), h.flatten()])
             off = int(bad.sum())
             worst, largest = max(worst, off), max(largest, err.max().item())
             launches_off += off > 0
@@ -147,10 +149,11 @@ def check(tokens: int, streams: int, d: int, kp: int, configs: list[tuple], laun
     return table
 
 
-# (tokens a program, channels a chunk, stages, read-back[, second sweep]): the read's racing blocks and their
+# (tokens a program, channels a chunk, stages, read-back, second sweep): the read's racing blocks and their
 # neighbours, then (2026-12-06, evening) the same with the read's second sweep
-DEFAULT_CONFIGS = [(32, 64, 2, True), (64, 64, 1, True), (64, 64, 2, True), (64, 64, 2, False), (64, 64, 3, True),
-                   (64, 32, 2, True), (128, 64, 2, True),
+DEFAULT_CONFIGS = [(32, 64, 2, True, False), (64, 64, 1, True, False), (64, 64, 2, True, False),
+                   (64, 64, 2, False, False), (64, 64, 3, True, False), (64, 32, 2, True, False),
+                   (128, 64, 2, True, False),
                    (32, 64, 2, True, True), (64, 64, 1, True, True), (64, 64, 2, True, True), (64, 64, 3, True, True)]
 
 

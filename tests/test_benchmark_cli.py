@@ -748,7 +748,8 @@ def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path
     from benchmarks import wgmma_race
 
     monkeypatch.setattr(roofline, "RESULTS", tmp_path)
-    monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, True), (64, 32, 2, False), (32, 32, 2, True, True)])
+    monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, True, False), (64, 32, 2, False, False),
+                                                        (32, 32, 2, True, True)])
     argv = ["--tokens", "150", "--d", "64", "--streams", "3", "--launches", "2", "--device", "cpu"]
     rows = roofline.read_rows(wgmma_race.main(argv))
     assert len(rows) == 3 and all(r["tokens off (worst launch)"] == "0" and r["launches agree"] == "yes"
@@ -757,8 +758,8 @@ def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path
 
     right, calls = wgmma_race.run, []
 
-    def racing(x, w, block_t, block_d, stages, readback, *sweep2):
-        got = right(x, w, block_t, block_d, stages, readback, *sweep2)
+    def racing(x, w, block_t, block_d, stages, readback, sweep2):
+        got = right(x, w, block_t, block_d, stages, readback, sweep2)
         calls.append(1)
         if len(calls) == 2:  # the first configuration's second launch: token 77 off
             got[0][77, 3] += 1.0
@@ -772,3 +773,6 @@ def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path
     assert [r["launches agree"] for r in rows] == ["NO", "yes", "NO"] and rows[0]["launches off"] == "1 of 2", rows
     with pytest.raises(SystemExit, match="--d 48: a power of two"):
         wgmma_race.main(["--d", "48", "--device", "cpu"])
+    monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, False, True)])
+    with pytest.raises(ValueError, match=r"\(32, 64, 2, False, True\): the second sweep .* needs the read-back"):
+        wgmma_race.main(argv)

@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from kernels.mhc import fused as fused_settings  # its NAMED_VARIANTS and VARIANT_CHOICES, for parametrizations
 from kernels.mhc import mhc_post, mhc_post_pre, mhc_pre, reference
 from tests.helpers import rel_err
 
@@ -637,7 +638,8 @@ def test_rows_dx_at_its_gpu_blocks_matches_the_reference(setting, monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", ["dx_rows_tb4", "dx_rows_tb8"])
+@pytest.mark.parametrize("name", [k for k, v in fused_settings.NAMED_VARIANTS.items()
+                                  if v.get("DX_ROWS_TOKEN_BLOCKS", 1) > 1])
 def test_rows_dx_walking_token_blocks_matches_the_reference(name, monkeypatch):
     """DX_ROWS_TOKEN_BLOCKS: the rows dX with a program walking 4 or 8 token blocks of its channel tile (Φ loaded once
     for them) at its GPU blocks (16 tokens, 64 channels), bf16 streams, d = 200, 74 tokens: 4 blocks a program leave
@@ -653,7 +655,7 @@ def test_rows_dx_walking_token_blocks_matches_the_reference(name, monkeypatch):
 
 @needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("setting", ["phi_grad", "phi_grad_r64"])
+@pytest.mark.parametrize("setting", fused_settings.VARIANT_CHOICES["PHI_GRAD_BLOCKS"])
 def test_phi_gradient_at_its_gpu_blocks_matches_the_product(setting, dtype, monkeypatch):
     """PHI_GRAD_BLOCKS: φ's gradient Σ_t vec(X_t)ᵀ w_t at the token and row blocks of ``setting``'s GPU entry (64
     tokens and 128 rows of n·d, or 32 and 64), the tokens over two shares: 150 tokens (a ragged token block at either
@@ -1048,8 +1050,8 @@ def test_read_check_reports_a_wrong_token_and_its_block_position(tmp_path, monke
 
     right = check.fused_read
 
-    def corrupt(p):  # token 37 of the second configuration's H^res: position 37 mod 16 = 5
-        out = right(p)
+    def corrupt(p, iters):  # token 37 of the second configuration's H^res: position 37 mod 16 = 5
+        out = right(p, iters)
         if corrupt.calls >= 2:
             out["H^res"][37, 1, 2] += 1e-2
         corrupt.calls += 1
@@ -1078,7 +1080,7 @@ def test_read_check_runs_each_sinkhorn_setting_against_its_own_reference(tmp_pat
         "fp32, 0 iterations, tile", "fp32, 0 iterations, token", "fp32, 3 iterations, tile", "fp32, 3 iterations, token"]
     assert all(r["tokens off"] == "0" and r["two launches"] == "same" for r in rows), rows
     assert all(float(r["rel L2 vs fp64"]) < 1e-4 for r in rows if r["result"] != "h"), rows
-    assert check.ITERS == 20  # held for the run only
+    assert check.ITERS == 20  # the run's iterations are passed down, the module's default untouched
     with pytest.raises(SystemExit, match="--iters"):
         check.main(["--device", "cpu", "--iters", "-1"])
 
