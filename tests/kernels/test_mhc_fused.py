@@ -788,6 +788,21 @@ def test_layout_settings_are_checked_naming_the_choices(name, bad, choices, monk
         fused._variant(name)
 
 
+def test_every_setting_refuses_a_bad_value_naming_it_and_every_choice(monkeypatch):
+    """Every setting of ``VARIANT_CHOICES`` (each new one included, with nothing to add here): a value outside its
+    choices is refused before any launch, with the setting, the value and all its choices in the message."""
+    from kernels.mhc import fused
+
+    for name, choices in fused.VARIANT_CHOICES.items():
+        bad = 3 if isinstance(choices[0], int) else f"{choices[0]}_x"
+        assert bad not in choices
+        with monkeypatch.context() as m:
+            m.setattr(fused, name, bad)
+            with pytest.raises(ValueError) as err:
+                fused._variant(name)
+        assert str(err.value) == f"kernels.mhc.fused.{name}={bad!r}: choose one of {', '.join(map(str, choices))}"
+
+
 def test_rows_dx_blocks_setting_is_checked(monkeypatch):
     from kernels.mhc import fused
 
