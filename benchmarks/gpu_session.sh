@@ -297,6 +297,14 @@
 #              graphs), the block sweep of phi's gradient (a GPU_BLOCKS entry since 2026-12-06, end), mhc's GPU tests
 #   mhc_race_bisect one GPU (about 150 s with the start, estimated): the read forward's racing blocks (64, 64, 4, 2)
 #              against (64, 64, 4, 1) with 0, 1 and 20 Sinkhorn iterations and SINKHORN tile / token
+#   msar_glue  one GPU (about 450 s with the start, estimated; PARITY_LIMIT=200 adds the parity): MSAR's split forward
+#              combining h from the kept bf16 streams that pass 2 writes (Blocks.combine_from=kept) and the source
+#              gradients' partials summed by a kernel (Blocks.part_sums=triton): their GPU tests, the sums alone at small
+#              and medium, msar_block's small step alternating (each, and both), then the kept combine's 60-step
+#              training parity, eager, seeds 0 1
+#   msar_dr    one GPU (about 420 s with the start, estimated): dR in bf16 (Blocks.grad_streams=kept): the op's GPU tests
+#              at the defaults and with it, msar_block's small step alternating, its 60-step training parity (eager,
+#              seeds 0 1)
 #   mhc_phi_check one GPU (about 330 s with the start, estimated): the mHC GPU tests with φ's new blocks as the
 #              default, the race reduction with the read's second sweep (wgmma_race), then vanilla, mhc and msar_block's
 #              graphed small step profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
@@ -336,7 +344,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1401,6 +1409,38 @@ case "$PLAN" in
     mhc_tests "${TEST_LIMIT:-90}"
     step gpu0 race "${RACE_LIMIT:-60}" python3 -m benchmarks.wgmma_race --tag "${TAG:-_sweep2}"
     mhc_profile_step "${PROFILE_LIMIT:-200}" "${TAG:-_sweep2}" vanilla mhc msar_block
+    ;;
+  msar_glue)
+    # after the step's profile (2026-12-06 night, profile_step_small_graphs_phi_check_h100.md): msar_block's combine
+    # reads and writes the fp32 streams (1.39 ms of its 41 ms), five reductions a read take 1.12 ms; the candidates,
+    # built that night and tested on the CPU only, each alone and both
+    KEPT="py:kernels.msar_attn.fused.FIELDS={'combine_from':'kept'}"
+    SUMS="py:kernels.msar_attn.fused.FIELDS={'part_sums':'triton'}"
+    BOTH="py:kernels.msar_attn.fused.FIELDS={'combine_from':'kept','part_sums':'triton'}"
+    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py -k "combine or sums or plain"
+    step gpu0 src_tiles "${SRC_TILES_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
+      --kernels "source gradients" --only part_sums=triton --tag "${TAG:-_part_sums}"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$KEPT" "msar_block@$SUMS" "msar_block@$BOTH" msar_block "msar_block@$KEPT" \
+      "msar_block@$SUMS" "msar_block@$BOTH" --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_msar_glue}"
+    step gpu0 parity "${PARITY_LIMIT:-0}" python3 -m benchmarks.backend_training --residuals msar_block \
+      --reference residual.backend=auto --candidate residual.backend=auto "$KEPT" --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu trainer.compile=false --name small_msar_block_combine_kept
+    ;;
+  msar_dr)
+    # the mixer's backward writing dR in the kept streams' dtype (bf16 under autocast), read by the stats and the
+    # source-gradient kernels, each program of which is one source's (Blocks.grad_streams="kept", built 2026-12-06
+    # night, CPU only; sm_90a at small: the source gradients 252 -> 249 registers, the stats 150 -> 146, no spills)
+    DR="py:kernels.msar_attn.fused.FIELDS={'grad_streams':'kept'}"
+    step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py -k "plain or grad or fp32"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$DR" msar_block "msar_block@$DR" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_msar_dr}"
+    step gpu0 parity "${PARITY_LIMIT:-200}" python3 -m benchmarks.backend_training --residuals msar_block \
+      --reference residual.backend=auto --candidate residual.backend=auto "$DR" --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu trainer.compile=false --name small_msar_block_grad_streams
     ;;
   mhc_phi_medium)
     # φ's gradient at 64 tokens and 128 rows a program, 8 warps: 5% off a `medium` write + read forward and backward

@@ -188,29 +188,43 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                 yield (f"glue: w, κ, μ from sums {_other_layout(ptok)} (candidate)",
                        fused._stats_finish_kernel, finish,
                        dict(M=m, M_PAD=m_pad, KEY_NORM=True, SAVED=True, BN=fused.GLUE_BN, TOKEN=token, PM=not ptok), 4)
-        yield ("split forward, h", fused._combine_kernel, dict(r_ptr=F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
-               dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=True), 4)
-    yield ("mixer backward", fused._mix_bwd_kernel,
-           dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=F32, dz_ptr=F32, coef_ptr=F32,
-                dzy_ptr=F32, eps="fp32"),
-           dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd)), blk.mix_warps)
+        # Blocks.combine_from (2026-12-06 night): "kept" reads the bf16 streams pass 2 wrote and copies nothing
+        kept = getattr(blk, "combine_from", "float32") == "kept"
+        yield ("split forward, h", fused._combine_kernel,
+               dict(r_ptr=x_type if kept else F32, g_ptr=F32, h_ptr=x_type, rs_ptr=x_type),
+               dict(M=m, BN=16, BD=min(256, triton.next_power_of_2(d)), COPY=not kept), 4)
+    # Blocks.grad_streams (2026-12-06 night, a candidate): dR in the kept streams' dtype, written by the mixer's
+    # backward and read by the stats and source-gradient kernels
+    dr_kept = getattr(blk, "grad_streams", "float32") == "kept"
+    dr_type, dr_other = (x_type, F32) if dr_kept else (F32, x_type)
+    dr_label = f"dR in {'fp32' if dr_kept else 'bf16'} (candidate)"
+    mix_types = dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dz_ptr=F32, coef_ptr=F32,
+                     dzy_ptr=F32, eps="fp32")
+    mix = dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd))
+    yield "mixer backward", fused._mix_bwd_kernel, dict(**mix_types, dr_ptr=dr_type), mix, blk.mix_warps
+    if hasattr(blk, "grad_streams"):
+        yield f"mixer backward, {dr_label}", fused._mix_bwd_kernel, dict(**mix_types, dr_ptr=dr_other), mix, \
+            blk.mix_warps
     if getattr(blk, "stats_mode", "tile") == "serial":
         ptok = getattr(blk, "parts_layout", "planes") == "token"
         stats = dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,
                      FAST=getattr(blk, "serial_fast", False), QS=not getattr(blk, "stats_saved", False), DR=True,
                      PREFETCH=getattr(blk, "stats_prefetch", False), PAIRS=getattr(blk, "stats_pairs", False))
-        yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=F32, part_ptr=F32),
+        yield ("stats", fused._stats_serial_kernel, dict(**views, dr_ptr=dr_type, part_ptr=F32),
                dict(**stats, PM=m_pad if ptok else 0), 1)
         if "PM" in fused._stats_serial_kernel.arg_names:  # Blocks.parts_layout (2026-12-04): a token's sums, one store
             yield (f"stats, sums {_other_layout(ptok)} (candidate)", fused._stats_serial_kernel,
-                   dict(**views, dr_ptr=F32, part_ptr=F32), dict(**stats, PM=0 if ptok else m_pad), 1)
+                   dict(**views, dr_ptr=dr_type, part_ptr=F32), dict(**stats, PM=0 if ptok else m_pad), 1)
+        if hasattr(blk, "grad_streams"):
+            yield (f"stats, {dr_label}", fused._stats_serial_kernel, dict(**views, dr_ptr=dr_other, part_ptr=F32),
+                   dict(**stats, PM=m_pad if ptok else 0), 1)
     else:
         yield ("stats", fused._stats_kernel,
                dict(**views, dr_ptr=F32, lse_ptr=F32, coef_ptr=F32),
                dict(KEY_NORM=True, BT=blk.stats_tiles()[1], BD=blk.stats_tiles()[0], **common, **v3,
                     **n_dt(blk.stats_tiles()[0])), blk.stats_warps)
     if getattr(blk, "src_mode", "ring") == "serial":  # (a revision before 2026-12-01 has the ring kernel only)
-        src_types = dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64")
+        src_types = dict(**views, dr_ptr=dr_type, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, q_off="i64")
         src = dict(SOFTMAX=True, KS=common["KS"], KOFF=koff, KW=k_max, NPAIR=sum(common["KS"]), BD=blk.serial_bd,
                    PREFETCH=blk.serial_prefetch, FAST=getattr(blk, "serial_fast", False))
         token = getattr(blk, "coef_layout", "planes") == "token"
@@ -224,6 +238,13 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
             yield (f"source gradients, {'one token' if ahead2 else 'two tokens'} ahead (candidate)",
                    fused._src_serial_kernel, src_types, dict(**src, CM=m_pad if token else 0, AHEAD2=not ahead2),
                    blk.serial_warps)
+        if hasattr(blk, "grad_streams"):
+            yield (f"source gradients, {dr_label}", fused._src_serial_kernel, {**src_types, "dr_ptr": dr_other},
+                   dict(**src, CM=m_pad if token else 0), blk.serial_warps)
+        if hasattr(fused, "_sum_rows_kernel"):  # Blocks.part_sums (2026-12-06 night): the partials summed by a kernel
+            tag = "" if getattr(blk, "part_sums", "torch") == "triton" else " (candidate)"
+            yield (f"source gradients' partial sums{tag}", fused._sum_rows_kernel, dict(src_ptr=F32, dst_ptr=F32),
+                   dict(BN=32, BX=32, INTERP=False), 4)
         return
     yield ("source gradients", fused._src_kernel,
            dict(**views, dr_ptr=F32, coef_ptr=F32, dx_ptr=x_type, dqg_ptr=F32, dtap_ptr=F32, scratch_ptr=F32,

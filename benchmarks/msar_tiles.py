@@ -50,7 +50,9 @@ def candidates(blk) -> dict[str, list[dict]]:
         dict(coef_layout="token" if blk.coef_layout == "planes" else "planes"),
         # the source-gradient kernel with two tokens' loads in flight (sm_90a at `small`: 255 registers, 32 bytes
         # spilled, against 252 and none), or one once two is the default
-        dict(serial_ahead2=not blk.serial_ahead2)]
+        dict(serial_ahead2=not blk.serial_ahead2),
+        # the partial query and tap gradients summed by one kernel a tensor (fused.sum_rows) instead of torch's sum
+        dict(part_sums="torch" if blk.part_sums == "triton" else "triton")]
     # the split forward (two passes over channel tiles) against the tile forward, and its tiles
     other_fwd = "tile" if blk.fwd_mode == "split" else "split"
     other_glue = "torch" if blk.glue == "triton" else "triton"
@@ -214,7 +216,8 @@ def _fields(kernel: str) -> tuple[str, ...]:
             "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps",
                       "stats_pairs", "parts_layout"),
             "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch",
-                                 "coef_layout", "serial_ahead2", "src_bt", "src_bd", "src_warps", "sub")}[kernel]
+                                 "coef_layout", "serial_ahead2", "part_sums", "src_bt", "src_bd", "src_warps",
+                                 "sub")}[kernel]
 
 
 def main(argv=None) -> int:

@@ -400,7 +400,7 @@ def _mix_bwd_kernel(
     rr_ptr,  # ‖vec R‖² (B, T) fp32, saved by the forward
     phi_ptr, alpha_ptr, bias_ptr,  # the mixer's parameters, as in _fwd_kernel
     dh_ptr,  # upstream gradient (B, T, d), contiguous
-    dr_ptr,  # result: dL/dR (m, B, T, d) fp32
+    dr_ptr,  # result: dL/dR (m, B, T, d) fp32 (or the kept streams' dtype: Blocks.grad_streams)
     dz_ptr,  # result: dL/dz (B, T, m) fp32 (db = Σ_t dz)
     coef_ptr,  # result: α ρ_R dz (B, T, m) fp32 (dφ = Σ_t vec R ⊗ coef)
     dzy_ptr,  # result: Σ_i dz_i y_i (B, T) fp32 (dα = Σ_t)
@@ -446,7 +446,7 @@ def _mix_bwd_kernel(
         dh = tl.load(dh_ptr + rows[:, None] * D + offs_d[None, :], mask=mask_t[:, None] & mask_d[None, :],
                      other=0.0).to(tl.float32)
         dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
-        tl.store(dr_ptr + tile, dr, mask=m3)
+        tl.store(dr_ptr + tile, dr.to(dr_ptr.dtype.element_ty), mask=m3)
         dt += 1
     tok = rows[None, :] * M + jv[:, None]  # (M_PAD, BT) index into (B, T, m)
     tl.store(dz_ptr + tok, dz, mask=stat_mask)
@@ -460,7 +460,7 @@ def _stats_kernel(
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    dr_ptr,  # dL/dR (m, B, T, d) fp32 (or bf16: Blocks.grad_streams), read in fp32
     lse_ptr,  # log-sum-exp of the logits (m, B, T) fp32
     coef_ptr,  # result: w, κ, μ, then a scratch plane (4, M_PAD, S, B, T) fp32
     S, n_buf, p_off, B, T, D, M, K_MAX, eps, n_dt, plane,
@@ -498,7 +498,7 @@ def _stats_kernel(
                          other=0.0)
             e = _views(x_row, tap_row, near_t, offs_t, mask_t, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
             dr = tl.load(dr_ptr + stat[:, :, None] * D + offs_d[None, None, :],
-                         mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0)
+                         mask=stat_mask[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
             dq_part, ss_part = tl.reduce((e * qg[:, None, :], e * e), 2, _add2)  # (three at once spill)
             dot_q += dq_part
             ss += ss_part
@@ -551,7 +551,7 @@ def _de_half(x_row, tap_row, coef_ptr, dr_ptr, near_row_ptr, qg, offs_h, mask_j,
     w = tl.load(coef_ptr + cidx, mask=m_h, other=0.0)
     dr_rows = (jv[:, None] * B + b).to(tl.int64) * T + offs_h[None, :]  # (M_PAD, BT)
     dr = tl.load(dr_ptr + dr_rows[:, :, None] * D + offs_d[None, None, :],
-                 mask=m_h[:, :, None] & mask_d[None, None, :], other=0.0)
+                 mask=m_h[:, :, None] & mask_d[None, None, :], other=0.0).to(tl.float32)
     if SOFTMAX:
         near_h = tl.load(near_row_ptr + offs_h, mask=mask_h, other=0)
         e = _views(x_row, tap_row, near_h, offs_h, mask_h, offs_d, mask_d, D, K_MAX, M_PAD, KS, BT, BD, V3)
@@ -569,7 +569,7 @@ def _src_kernel(
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    dr_ptr,  # dL/dR (m, B, T, d) fp32 (or bf16: Blocks.grad_streams), read in fp32
     coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
     dx_ptr,  # result: dL/dx (S, B, T, d), x's dtype; or the buffer's row gradients (rows added into below n_add,
     # written from there) and the partial's gradient at element offset q_off (``streams_backward``)
@@ -765,7 +765,8 @@ def _stats_loads(x_row, near_row, dr_ptr, t, ok, b, B, T, D, offs_d, mask_d, KS:
            tl.load(x_row + t * D + offs_d, mask=md, other=0.0).to(tl.float32))
     if DR:
         for j in tl.static_range(len(KS)):
-            out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md, other=0.0),)
+            out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md,
+                                 other=0.0).to(tl.float32),)
     return out
 
 
@@ -775,7 +776,7 @@ def _stats_serial_kernel(
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    dr_ptr,  # dL/dR (m, B, T, d) fp32 (with DR)
+    dr_ptr,  # dL/dR (m, B, T, d) fp32 (or bf16: Blocks.grad_streams), read in fp32 (with DR)
     part_ptr,  # result: per channel tile, with QS qg_j·E_j and ‖E_j‖², with DR dR_j·E_j: (n_dt, 2·QS + DR, m, S, B, T)
     S, n_buf, p_off, B, T, D, K_MAX, CH,
     KS: tl.constexpr, KOFF: tl.constexpr, KW: tl.constexpr, BD: tl.constexpr,
@@ -1469,9 +1470,10 @@ def _streams_split_kernel(
 @triton.jit
 def _combine_kernel(r_ptr, g_ptr, h_ptr, rs_ptr, N, D, M: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
                     COPY: tl.constexpr):
-    """h[n] = Σ_j g_j[n] R_j[n] over tokens n < N = B·T from the fp32 streams R (m, N, d) and g (m, N) fp32, h (N, d)
-    in its own dtype (R in fp32, so that h is rounded once, as the tile forward's); with COPY also R into rs, the
-    copy the mixer's backward keeps (``saved_streams_dtype``, e.g. bf16)."""
+    """h[n] = Σ_j g_j[n] R_j[n] over tokens n < N = B·T from the streams R (m, N, d) and g (m, N) fp32, summed in fp32,
+    h (N, d) in its own dtype (from fp32 R h is rounded once, as the tile forward's; ``Blocks.combine_from="kept"``
+    gives R in the kept dtype); with COPY also R into rs, the copy the mixer's backward keeps
+    (``saved_streams_dtype``, e.g. bf16)."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
     mask_n = offs_n < N
@@ -1480,7 +1482,7 @@ def _combine_kernel(r_ptr, g_ptr, h_ptr, rs_ptr, N, D, M: tl.constexpr, BN: tl.c
     for j in tl.static_range(M):
         g = tl.load(g_ptr + j * N + offs_n, mask=mask_n, other=0.0)
         at = (j * N + offs_n.to(tl.int64))[:, None] * D + offs_d[None, :]
-        r = tl.load(r_ptr + at, mask=mask, other=0.0)
+        r = tl.load(r_ptr + at, mask=mask, other=0.0).to(tl.float32)
         if COPY:
             tl.store(rs_ptr + at, r.to(rs_ptr.dtype.element_ty), mask=mask)
         h += g[:, None] * r
@@ -1547,7 +1549,8 @@ def _serial_loads(x_row, near_row, coef_ptr, dr_ptr, t, ok, s, b, S, B, T, D, pl
                              tl.load(coef_ptr + 2 * plane + cidx, mask=ok, other=0.0))
             else:
                 out = out + (0.0, 0.0)
-        out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md, other=0.0),)
+        out = out + (tl.load(dr_ptr + ((j * B + b).to(tl.int64) * T + t) * D + offs_d, mask=md,
+                             other=0.0).to(tl.float32),)
     return out
 
 
@@ -1609,7 +1612,7 @@ def _src_serial_kernel(
     taps_ptr,  # packed taps (M_PAD, K_MAX, d) fp32
     qg_ptr,  # gain-folded queries (m, d) fp32
     near_ptr,  # document window bits (B, T) int32 (``doc_window``)
-    dr_ptr,  # dL/dR (m, B, T, d) fp32
+    dr_ptr,  # dL/dR (m, B, T, d) fp32 (or bf16: Blocks.grad_streams), read in fp32
     coef_ptr,  # w, κ, μ (3, M_PAD, S, B, T) fp32
     dx_ptr,  # result: dL/dx, as for ``_src_kernel`` (rows added into below n_add; the partial at q_off)
     dqg_ptr,  # result: partial dL/d(q ⊙ g) (n_part, m, d) fp32, one row per program
@@ -1835,6 +1838,37 @@ class Blocks:
     # slower than PyTorch (msar_tiles_nvidia_h200_lean.md)
     stats_glue: str = "triton"
     split_ch: int = 64  # tokens a program of both passes (32: 0.730 ms, 128: 0.885 at `small`; `medium` within 3%)
+    # what the split forward's pass 2 writes and ``_combine_kernel`` reads: "float32" (R in fp32, h = Σ_j g_j R_j
+    # rounded once, then R copied into the dtype the mixer's backward keeps) or "kept" (pass 2 writes R in that dtype,
+    # ``saved_streams_dtype``, each value rounded once from its fp32 sum, and h is combined from it: no fp32 R and no
+    # copy, so the backward's R is the forward's to the bit). Under bf16 autocast (bf16 kept streams) a read moves
+    # 6·m·d bytes a token less (pass 2 writes 2·m·d less; the combine reads 2·m·d less and writes no copy of 2·m·d),
+    # about 200 MB a read at `small`; h moves by up to one bf16 rounding of the streams (what the sublayer's bf16
+    # matmuls round its input to anyway). The same for fp32 streams (kept = fp32). The default since 2026-12-06
+    # (night): H100, one process, alternating (throughput_small_msar_glue_h100.md), msar_block's `small` step 40.4 /
+    # 40.3 -> 39.3 / 39.3 ms; with part_sums="triton" too 39.0 / 39.0 ms (0.440x -> 0.455x vanilla's), `medium`
+    # 376.5 / 376.2 -> 368.2 / 368.5 ms (0.455x -> 0.465x, throughput_medium_msar_glue_h100.md); 60 training steps at
+    # `small`, seeds 0 and 1, within the run-to-run spread of "float32" (worst gap 0.0030 against 0.0628,
+    # backend_training_small_msar_block_combine_kept_h100.md)
+    combine_from: str = "kept"
+    # how the serial source-gradient kernel's partial query and tap gradients, one row a program ((B·chunks·S,
+    # m, d) and (B·chunks·S, Σ_j k_j, d) fp32, about 37 MB at `small` and S = 5), are summed: "torch" (``.sum(0)``)
+    # or "triton" (``sum_rows``: a program a few dozen columns walking every row, as many programs as the columns
+    # allow; the same sums in another order, deterministic). msar_block's `small` step spent 1.1 ms of 41 in five
+    # reductions a read (profile_step_small_graphs_phi_check_h100.md). The default since 2026-12-06 (night): H100,
+    # one process, the streams backward alone (S = 5) 0.793 -> 0.769 ms at `small`, 2.666 -> 2.650 at `medium`
+    # (msar_tiles_nvidia_h100_80gb_hbm3_part_sums.md); msar_block's `small` step 40.4 / 40.3 -> 40.0 / 40.0 ms
+    # alternating (throughput_small_msar_glue_h100.md)
+    part_sums: str = "triton"
+    # the dtype of dR (m, B, T, d), which the mixer's backward writes and the stats and source-gradient kernels read
+    # (each program of theirs is one source's: dR is read S times by each): "float32", or "kept", the dtype the
+    # forward kept R in (bf16 under bf16 autocast), each value rounded once from its fp32 sum. The kernels compute in
+    # fp32 either way. Built 2026-12-06 (night) and timed the same night on an H100, one process, alternating
+    # (throughput_small_msar_dr_h100.md): msar_block's `small` step 39.1 / 38.9 ms against 38.8 / 38.9, no gain
+    # past the noise (the two kernels wait on latency, not on dR's bytes), though it trains within the spread (60
+    # steps, seeds 0 1: worst gap 0.0125 against 0.0668, backend_training_small_msar_block_grad_streams_h100.md).
+    # Opt-in: the measured counter-example
+    grad_streams: str = "float32"
     # where the backward keeps the per-token scalars w, κ, μ that the serial source-gradient kernel reads (src_mode
     # "serial"; the ring kernel always reads planes): "planes" ((4, M_PAD, S, B, T): w, κ, μ and a scratch plane; 3·m
     # scalar loads a token, each moved to a uniform register) or "token" ((S, B, T, 4, M_PAD): a token's scalars side
@@ -1859,7 +1893,8 @@ class Blocks:
         for field, choices in (("src_mode", ("serial", "ring")), ("stats_mode", ("tile", "serial")),
                                ("fwd_mode", ("tile", "split")), ("glue", ("torch", "triton")),
                                ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token")),
-                               ("parts_layout", ("planes", "token"))):
+                               ("parts_layout", ("planes", "token")), ("combine_from", COMBINE_FROM),
+                               ("part_sums", ("torch", "triton")), ("grad_streams", ("float32", "kept"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -1876,6 +1911,9 @@ class Blocks:
         """(channels, tokens) of the stats kernel: it loops over channel tiles anyway (no
         recomputation), so its tiles need not hold all of d (0: the mixer backward's)."""
         return self.stats_bd or self.bwd_bd, self.stats_bt or self.bwd_bt
+
+
+COMBINE_FROM = ("float32", "kept")  # Blocks.combine_from
 
 
 # fields of Blocks replaced in every tile choice of ``_blocks``: a setting of the code for timing a candidate end to
@@ -2067,7 +2105,8 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     (``_streams_split_kernel``): R (m, B, T, d) fp32 with the mixer's per-tile sums; ``gate`` finishes ‖vec R‖², R·φ
     and the gate g (m, B, T); ``_combine_kernel`` writes h = Σ_j g_j R_j (rounded once, from fp32 R: from a bf16 R,
     h differed from the tile forward's by 2.2e-3 relative on an H200) and the copy of R the mixer's backward keeps
-    (``save_dtype``)."""
+    (``save_dtype``). With ``Blocks.combine_from="kept"`` pass 2 writes R in that dtype and h is combined from it
+    (R·φ and ‖vec R‖² still from the fp32 sums)."""
     _, B, T, d = x.shape
     S, n_buf, p_off = sources_layout(x, partial)
     k_max = max(ks)
@@ -2083,7 +2122,10 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
         PAIRS=blk.stats_pairs, num_warps=1, **(dict(PM=triton.next_power_of_2(m)) if ptok else {}))
     logits, rho, lse, w = softmax_parts(parts, key_norm=key_norm, eps=eps, d=d, lean=blk.split_lean, glue=blk.glue,
                                         token=ptok)
-    r, mparts = _pass_2(x, packed, ks, m, near, w, blk, partial=partial, phi=None if write_r else mixer[0])
+    kept = save_dtype or x.dtype  # the streams' dtype for the mixer's backward
+    narrow = blk.combine_from == "kept" and not write_r  # pass 2 writes R in it, the combine reads it (no copy)
+    r, mparts = _pass_2(x, packed, ks, m, near, w, blk, partial=partial, phi=None if write_r else mixer[0],
+                        dtype=kept if narrow else torch.float32)
     stats = (logits, rho) if save_stats else None
     logits = logits if store_logits else None
     if write_r:
@@ -2091,8 +2133,7 @@ def _forward_split(x, packed, ks, m, qg, near, blk, *, key_norm, eps, mixer, sig
     _, alpha, bias = mixer
     g, z, rr = gate(mparts, alpha, bias, m=m, d=d, eps=eps, sigmoid=sigmoid, glue=blk.glue)
     h = torch.empty(B, T, d, device=x.device, dtype=out_dtype or x.dtype)
-    kept = save_dtype or x.dtype
-    copy = save and keep_streams and kept != torch.float32
+    copy = save and keep_streams and r.dtype != kept
     r_saved = torch.empty(m, B, T, d, device=x.device, dtype=kept) if copy else r
     bn, bdc = 16, min(256, triton.next_power_of_2(d))
     _combine_kernel[(triton.cdiv(B * T, bn), triton.cdiv(d, bdc))](
@@ -2167,14 +2208,14 @@ def dphi_from(r: Tensor, coef: Tensor) -> Tensor:
 
 
 def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
-    """The mixer's backward from what the forward saved (R, R·φ, ‖vec R‖²): dR (m, B, T, d) fp32
-    and the gradients of φ, α, b (fp32)."""
+    """The mixer's backward from what the forward saved (R, R·φ, ‖vec R‖²): dR (m, B, T, d) fp32 (in R's dtype with
+    ``Blocks.grad_streams="kept"``) and the gradients of φ, α, b (fp32)."""
     r, z, rr = saved
     m, B, T, d = r.shape
     m_pad = triton.next_power_of_2(m)
     blk = _blocks(T, d, m_pad, 1)
     f32 = dict(device=r.device, dtype=torch.float32)
-    dr = torch.empty(m, B, T, d, **f32)
+    dr = torch.empty(m, B, T, d, device=r.device, dtype=r.dtype if blk.grad_streams == "kept" else torch.float32)
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         r, z, rr, *mixer, dh, dr, dz, coef, dzy, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),
@@ -2193,9 +2234,9 @@ def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -
 
 def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, partial=None, rows_grad=None,
                      stats=None):
-    """Gradients through the streams, given dR (m, B, T, d) fp32 and the forward's lse (m, B, T) (and, when it saved
-    them, ``stats``: its (logits, ρ), ``forward(save_stats=True)``, which the serial stats kernel then need not
-    recompute):
+    """Gradients through the streams, given dR (m, B, T, d) fp32 (or bf16: Blocks.grad_streams) and the forward's lse
+    (m, B, T) (and, when it saved them, ``stats``: its (logits, ρ), ``forward(save_stats=True)``, which the serial
+    stats kernel then need not recompute):
     dx (S, B, T, d) in x's dtype (the partial's gradient last), [dtaps_j (k_j, d) fp32], dqg (m, d) fp32. Two
     kernels: the stats and the source gradients, serial (a program per source walking its tokens; the default)
     or over all sources a program (``Blocks.stats_mode="tile"``, ``src_mode="ring"``). With
@@ -2258,9 +2299,10 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
             NPAIR=sum(ks), BD=blk.serial_bd, PREFETCH=blk.serial_prefetch, FAST=blk.serial_fast,
             CM=m_pad if token else 0, AHEAD2=bool(blk.serial_ahead2 and blk.serial_prefetch),
             num_warps=blk.serial_warps)
-        dtaps_all = dtap_part.sum(0)  # (NPAIR, d)
+        total = sum_rows if blk.part_sums == "triton" else (lambda t: t.sum(0))
+        dtaps_all = total(dtap_part)  # (NPAIR, d)
         dtaps = [dtaps_all[koff[j]: koff[j] + c.shape[0]] for j, c in enumerate(taps, start=1)]
-        return dx, dtaps, dqg_part.sum(0)
+        return dx, dtaps, total(dqg_part)
     n_blocks = triton.cdiv(T, blk.src_bt)
     sub = min(blk.sub, n_blocks)
     n_chunks = triton.cdiv(n_blocks, sub)
@@ -2280,6 +2322,50 @@ def streams_backward(dr, lse, x, taps, packed, ks, qg, near, *, key_norm, eps, p
     dtaps_all = dtap_part.sum(0)  # (K_PAD, M_PAD, d)
     dtaps = [dtaps_all[: c.shape[0], j] for j, c in enumerate(taps, start=1)]
     return dx, dtaps, dqg
+
+
+@triton.jit
+def _rows_tile(src_ptr, n0, N, X, offs_x, mask_x, BN: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BN)
+    tile = offs_n.to(tl.int64)[:, None] * X + offs_x[None, :]
+    return tl.load(src_ptr + tile, mask=(offs_n < N)[:, None] & mask_x[None, :], other=0.0)  # (BN, BX)
+
+
+@triton.jit(do_not_specialize=("N",))  # the partials' count follows the sources': one compile for every count
+def _sum_rows_kernel(src_ptr, dst_ptr, N, X, BN: tl.constexpr, BX: tl.constexpr, INTERP: tl.constexpr):
+    """dst[x] = Σ_n src[n, x] for BX of the X columns of src (N, X) fp32: (BN, BX) tiles down the rows, summed in
+    fp32, one reduction over the tile's rows at the end. The rows' loop a ``range`` (pipelined) on the GPU, a
+    ``while`` under the interpreter (whose ``range`` takes no run-time bound): the same tiles in the same order."""
+    offs_x = tl.program_id(0) * BX + tl.arange(0, BX)
+    mask_x = offs_x < X
+    acc = tl.zeros((BN, BX), dtype=tl.float32)
+    if INTERP:
+        n0 = 0
+        while n0 < N:
+            acc += _rows_tile(src_ptr, n0, N, X, offs_x, mask_x, BN)
+            n0 += BN
+    else:
+        for n0 in range(0, N, BN):
+            acc += _rows_tile(src_ptr, n0, N, X, offs_x, mask_x, BN)
+    tl.store(dst_ptr + offs_x, tl.sum(acc, axis=0), mask=mask_x)
+
+
+def sum_rows(parts: Tensor) -> Tensor:
+    """``parts.sum(0)`` of contiguous fp32 partials (N, ...) as one kernel (``Blocks.part_sums="triton"``): columns
+    in blocks of 32 to 128, as wide as still gives two programs for each of about 132 SMs (or 32 when nothing does),
+    32 rows a trip (8 under the interpreter); deterministic."""
+    if parts.dtype != torch.float32 or not parts.is_contiguous() or parts.dim() < 2:
+        raise ValueError(f"sum_rows: needs contiguous fp32 partials (N, ...), got {parts.dtype} {tuple(parts.shape)} "
+                         f"(contiguous: {parts.is_contiguous()})")
+    n, x = parts.shape[0], parts[0].numel()
+    out = torch.empty(parts.shape[1:], device=parts.device, dtype=torch.float32)
+    bx = 32
+    while bx < 128 and triton.cdiv(x, 2 * bx) >= 264:
+        bx *= 2
+    interp = interpreting()
+    _sum_rows_kernel[(triton.cdiv(x, bx),)](parts, out, n, x, BN=8 if interp else 32, BX=bx, INTERP=interp,
+                                            num_warps=4)
+    return out
 
 
 def _query_grads(dqg, queries, key_gains):

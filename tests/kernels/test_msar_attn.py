@@ -612,7 +612,10 @@ def test_token_major_parts_equal_the_planes(case):
                                                     ("glue", "pytorch", "'torch', 'triton'"),
                                                     ("stats_glue", "pytorch", "'torch', 'triton'"),
                                                     ("coef_layout", "tokens", "'planes', 'token'"),
-                                                    ("parts_layout", "token-major", "'planes', 'token'")])
+                                                    ("parts_layout", "token-major", "'planes', 'token'"),
+                                                    ("combine_from", "bf16", "'float32', 'kept'"),
+                                                    ("part_sums", "cuda", "'torch', 'triton'"),
+                                                    ("grad_streams", "bf16", "'float32', 'kept'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
     from kernels.msar_attn import fused
 
@@ -667,12 +670,15 @@ def test_a_list_of_sources_equals_the_stacked_sources(backend):
 
 
 @needs_triton
-def test_under_autocast_the_streams_are_kept_in_its_dtype():
+@pytest.mark.parametrize("combine_from", ["kept", "float32"])
+def test_under_autocast_the_streams_are_kept_in_its_dtype(combine_from, monkeypatch):
     """fp32 sources under bf16 autocast (how the residuals run in training): the fused op keeps R for the
-    mixer's backward in bf16 (half the bytes of the largest thing it saves), with the same forward (h equal to
-    the bit) and gradients within bf16 rounding of the fp32 ones (the softmax backward does not read R; measured
-    here 0.7e-3 to 1.7e-3 for the sources, queries, gains and taps, 4.7e-3 to 6.9e-3 for φ, α, b at d = 16);
-    without autocast R stays fp32."""
+    mixer's backward in bf16 (half the bytes of the largest thing it saves), with the forward's h combined from
+    that bf16 R (Blocks.combine_from="kept", the default: within bf16 rounding of the fp32 run's h) or from the fp32
+    R (combine_from="float32": the same h to the bit), and gradients within bf16 rounding of the fp32 ones (the
+    softmax backward does not read R; measured here 0.7e-3 to 1.7e-3 for the sources, queries, gains and taps,
+    4.7e-3 to 6.9e-3 for φ, α, b at d = 16); without autocast R stays fp32."""
+    _with_fields(monkeypatch, combine_from=combine_from)
     x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(4, 2, 11, 16, (2, 5), True)
     m = 1 + len(taps)  # 3 streams, 4 sources: R's shape is not the sources'
     up = torch.randn(2, 11, 16, generator=torch.Generator().manual_seed(7))
@@ -690,7 +696,10 @@ def test_under_autocast_the_streams_are_kept_in_its_dtype():
     h32, g32, s32 = run(False)
     h16, g16, s16 = run(True)
     assert s32 == [torch.float32] and s16 == [torch.bfloat16], (s32, s16)
-    assert torch.equal(h16, h32)
+    if combine_from == "float32":
+        assert torch.equal(h16, h32)
+    else:  # one rounding of the streams apart (the interpreter truncates to bf16: 2^-7 relative at most)
+        assert 0 < rel_err(h16, h32) < 2.0 ** -7
     for i, (a, b) in enumerate(zip(g16, g32)):
         assert rel_err(a, b) < 1e-2, f"input {i}: relative error {rel_err(a, b):.2e}"
 
@@ -887,8 +896,9 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # kernels (the softmax also from sums in planes; w, κ, μ written in planes, and from sums in planes) and
     # its h, the mixer, the stats (and their sums in planes), the sources (and reading w, κ, μ in planes: the
     # layouts token-major by default since 2026-12-05, the planes the listed candidates; the source gradients with
-    # two tokens' loads in flight, a candidate)
-    assert len(lines) == 24, stdout
+    # two tokens' loads in flight, a candidate), the mixer, the stats and the sources with dR in bf16 (candidates,
+    # Blocks.grad_streams), and the source gradients' partial sums (Blocks.part_sums="triton", the default)
+    assert len(lines) == 28, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -980,16 +990,26 @@ def check_fp32_matches_reference(case, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2"])
+@pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2", "combine-float32", "part-sums-torch",
+                                   "grad-streams-kept"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
-    3000 are the lean pass's unmasked and masked channel tiles), and with the source-gradient kernel's loads two
-    tokens ahead (Blocks.serial_ahead2, a candidate)."""
+    3000 are the lean pass's unmasked and masked channel tiles), with the source-gradient kernel's loads two
+    tokens ahead (Blocks.serial_ahead2, a candidate), with h combined from the fp32 streams and then copied
+    (Blocks.combine_from="float32", the combine before 2026-12-06 night), and with the source gradients' partials
+    summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
+    "kept", a candidate: the bf16 inputs make the kept streams bf16)."""
     if pass2 == "lean":
         _with_lean(monkeypatch)
     if pass2 == "src-ahead2":
         _with_fields(monkeypatch, serial_ahead2=True)
+    if pass2 == "combine-float32":
+        _with_fields(monkeypatch, combine_from="float32")
+    if pass2 == "part-sums-torch":
+        _with_fields(monkeypatch, part_sums="torch")
+    if pass2 == "grad-streams-kept":
+        _with_fields(monkeypatch, grad_streams="kept")
     check_bf16_matches_fp32_reference(case, "cuda")
 
 
@@ -1001,17 +1021,21 @@ def test_gpu_fp32_matches_reference(d):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean", "bf16-float32-combine"])
 @pytest.mark.parametrize("case, blocks", CPU_TWIN_CASES, ids=[c[0][0] for c in CPU_TWIN_CASES])
 def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
     """The two GPU tests' checks, under the interpreter at small shapes (one tile, and tiled channels; bf16 also
-    with the lean pass 2, whose unmasked loads read bf16 sources): the comparison logic itself runs in CI."""
+    with the lean pass 2, whose unmasked loads read bf16 sources, and with h combined from fp32 streams,
+    Blocks.combine_from="float32"): the comparison logic itself runs in CI."""
     if blocks is not None:
         from kernels.msar_attn import fused
 
-        monkeypatch.setattr(fused, "_blocks", _blocks(*blocks, mode="lean" if dtype == "bf16-lean" else "serial"))
+        mode = {"bf16-lean": "lean", "bf16-float32-combine": "split"}.get(dtype, "serial")
+        monkeypatch.setattr(fused, "_blocks", _blocks(*blocks, mode=mode))
     elif dtype == "bf16-lean":
         _with_lean(monkeypatch)
+    if dtype == "bf16-float32-combine":
+        _with_fields(monkeypatch, combine_from="float32")
     (check_fp32_matches_reference if dtype == "fp32" else check_bf16_matches_fp32_reference)(case, "cpu")
 
 
@@ -1294,7 +1318,8 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
     from the fp32 streams, not from the bf16 copy), over several channel tiles (d = 24: 16 does not divide it, the
     lean pass 2's masked tail tile) and chunks, documents at odd offsets (tokens whose window holds a boundary, the
     lean pass's masked loop, and tokens whose window does not); with ``pairs``, both passes two tokens a trip
-    (Blocks.stats_pairs, Blocks.split_trip; chunks of 4 tokens and a last one of 3)."""
+    (Blocks.stats_pairs, Blocks.split_trip; chunks of 4 tokens and a last one of 3). The split forward combines h from
+    the fp32 streams here (Blocks.combine_from="float32"); from the kept ones: test_combine_from_the_kept_streams."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -1311,7 +1336,7 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
     out = {}
     for mode in ("tile", "split"):
         blk = dataclasses.replace(base, fwd_mode=mode, split_logit_bd=8, split_bd=16, split_ch=4, split_lean=lean,
-                                  stats_pairs=pairs, split_trip=2 if pairs else 1)
+                                  stats_pairs=pairs, split_trip=2 if pairs else 1, combine_from="float32")
         monkeypatch.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
         out[mode] = fused.forward(x, packed, ks, len(ks), qg, near, **kw)
     (h, lse, logits, (r, z, rr), (lg, rho)), (h0, lse0, logits0, (r0, z0, rr0), (lg0, rho0)) = out["split"], out["tile"]
@@ -1324,6 +1349,147 @@ def test_split_forward_equals_the_tile_forward_and_keeps_r_narrow(key_norm, lean
         assert rel_err(rho, rho0) < 1e-5
     assert (r.float() - r0.float()).abs().max() <= 2 ** -7 * r0.float().abs().max()  # one bf16 rounding apart
     assert rel_err(r.float(), r0.float()) < 1e-2 and r.float().abs().max() > 0
+
+
+@needs_triton
+@pytest.mark.parametrize("sigmoid", [True, False], ids=["sigmoid", "softmax"])
+def test_combine_from_the_kept_streams(sigmoid, monkeypatch):
+    """Blocks.combine_from="kept": pass 2 writes R in the dtype the mixer's backward keeps (bf16 here, as under bf16
+    autocast) and h is combined from that R. Against "float32" (R in fp32, then copied): the kept R, R·φ, ‖vec R‖²,
+    the lse and the logits equal to the bit (R rounded once from the same fp32 sums); h = Σ_j g_j R_j of the kept R
+    with g from the saved R·φ and ‖vec R‖² (fp64, within fp32 rounding), so it differs from the fp32 combine by at
+    most the streams' bf16 rounding, and does differ. Then the whole op under bf16 autocast: every gradient equal to
+    the bit in both modes (the backward reads the kept R, not h), h within that bound. Several channel tiles (d = 24
+    on tiles of 16) and chunks, documents at odd offsets."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    S, B, T, d, kernels = 3, 2, 11, 24, (2, 5)
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    qg, near = fused.folded_queries(queries, key_gains), fused.doc_window(doc_ids)
+    m, eps = len(ks), 1e-6
+    mixer = fused._mixer_params(phi, alpha, bias)
+    kw = dict(key_norm=True, eps=eps, mixer=mixer, sigmoid=sigmoid, save=True, save_stats=True,
+              save_dtype=torch.bfloat16)
+    base = fused._blocks(T, d, m_pad, max(ks))
+    out = {}
+    for mode in fused.COMBINE_FROM:
+        blk = dataclasses.replace(base, fwd_mode="split", split_logit_bd=8, split_bd=16, split_ch=4, combine_from=mode)
+        monkeypatch.setattr(fused, "_blocks", lambda *_a, _b=blk: _b)
+        out[mode] = fused.forward(x, packed, ks, m, qg, near, **kw)
+    (h, lse, _, (r, z, rr), (lg, rho)), (h0, lse0, _, (r0, z0, rr0), (lg0, rho0)) = out["kept"], out["float32"]
+    assert r.dtype == r0.dtype == torch.bfloat16 and h.dtype == h0.dtype == x.dtype
+    for name, a, b in (("R", r, r0), ("R·φ", z, z0), ("‖R‖²", rr, rr0), ("lse", lse, lse0), ("logits", lg, lg0),
+                       ("ρ", rho, rho0)):
+        assert torch.equal(a, b), name
+    zz = alpha.double() * z.double() * torch.rsqrt(rr.double() / (m * d) + eps) + bias.double()[:, None, None]
+    g = torch.sigmoid(zz) if sigmoid else torch.softmax(zz, dim=0)  # (m, B, T)
+    rk = r.double()
+    expected = (g[..., None] * rk).sum(0)  # (B, T, d) from the kept streams
+    assert rel_err(h, expected) < 1e-6
+    # Σ_j g_j |R_j| times bf16's relative spacing 2^-7, elementwise: one rounding of each stream (Triton's interpreter
+    # truncates fp32 to bf16, up to 2^-7 relative, where the GPU rounds to nearest, up to 2^-8)
+    bound = 2.0 ** -7 * (g[..., None] * rk.abs()).sum(0)
+    assert ((h0.double() - h.double()).abs() <= bound + 1e-6 * expected.abs().max()).all()
+    assert not torch.equal(h, h0)  # the rounding of the streams reached h
+
+    # the op under bf16 autocast: the gradients do not depend on where h was combined from
+    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(7))
+    grads, hs = {}, {}
+    for mode in fused.COMBINE_FROM:
+        monkeypatch.setattr(fused, "_blocks", lambda *a, _m=mode: dataclasses.replace(base, combine_from=_m))
+        leaves = [t.clone().requires_grad_() for t in (x, queries, key_gains, phi, alpha, bias, *taps)]
+        xs, q, gk, ph, al, bi, *tp = leaves
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hs[mode] = msar(xs, tp, q, gk, doc_ids, ph, al, bi, fusion="sigmoid" if sigmoid else "softmax",
+                            backend="triton")
+        grads[mode] = torch.autograd.grad((hs[mode] * up).sum(), leaves)
+    for i, (a, b) in enumerate(zip(grads["kept"], grads["float32"])):
+        assert torch.equal(a, b), f"input {i}"
+    assert 0 < (hs["kept"] - hs["float32"]).abs().max() <= 2.0 ** -7 * hs["float32"].abs().max() * m
+
+
+@needs_triton
+def test_grad_streams_kept_in_bf16(monkeypatch):
+    """Blocks.grad_streams="kept" (a candidate): under bf16 autocast the mixer's backward writes dR in bf16, the
+    kept streams' dtype, and the stats and source-gradient kernels read it. Against dR in fp32 on the same inputs:
+    the streams backward receives a bf16 dR whose values are the fp32 run's rounded once; h equal to the bit (the
+    forward does not change); every gradient within bf16 rounding (relative 1e-2) and not equal to the fp32 run's
+    (the rounding reached them). Several channel tiles and chunks of the serial kernels (d = 24 on 8-channel
+    tiles, chunks of 5 tokens), documents at odd offsets; fp32 sources stay as they were."""
+    from kernels.msar_attn import fused
+
+    _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = next(c for c in CASES if c[0] == "S3-B2-T13-d24-k2,3")
+    monkeypatch.setattr(fused, "_blocks", _blocks(4, 8))
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
+    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(3))
+    inner, seen = fused.streams_backward, []
+
+    def spy(dr, *args, **kwargs):
+        seen.append(dr.detach().clone())
+        return inner(dr, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "streams_backward", spy)
+    out = {}
+    for mode in ("float32", "kept"):
+        _with_fields(monkeypatch, grad_streams=mode)
+        leaves = [t.clone().requires_grad_() for t in (x, queries, key_gains, phi, alpha, bias, *taps)]
+        xs, q, g, ph, al, bi, *tp = leaves
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = msar(xs, tp, q, g, doc_ids, ph, al, bi, key_norm=key_norm, fusion=fusion, backend="triton")
+        out[mode] = h.detach(), torch.autograd.grad((h * up).sum(), leaves)
+    (dr32, dr16) = seen
+    assert dr32.dtype == torch.float32 and dr16.dtype == torch.bfloat16
+    # one rounding apart (the interpreter truncates to bf16: up to 2^-7 relative)
+    assert ((dr16.float() - dr32).abs() <= 2.0 ** -7 * dr32.abs()).all() and not torch.equal(dr16.float(), dr32)
+    (h32, g32), (h16, g16) = out["float32"], out["kept"]
+    assert torch.equal(h16, h32)
+    names = ["x", "queries", "key_gains", "phi", "alpha", "bias", *(f"taps{j}" for j in range(len(taps)))]
+    for name, a, b in zip(names, g16, g32):
+        assert rel_err(a, b) < 1e-2, f"{name}: relative error {rel_err(a, b):.2e}"
+    assert not all(torch.equal(a, b) for a, b in zip(g16, g32))
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(1, 5), (37, 3, 24), (300, 2, 100), (8, 4000)], ids=str)
+def test_sum_rows_equals_torch_sum(shape):
+    """``fused.sum_rows`` (Blocks.part_sums="triton") against the fp64 sum over the first dimension: one row, a row
+    count that is not a multiple of the rows a trip, column counts not a multiple of the columns a program, more
+    columns than one program takes; the same result twice (deterministic); anything but contiguous fp32 refused."""
+    from kernels.msar_attn import fused
+
+    parts = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
+    out = fused.sum_rows(parts)
+    assert out.shape == parts.shape[1:] and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), parts.double().sum(0), rtol=1e-6, atol=1e-5)
+    assert torch.equal(out, fused.sum_rows(parts))
+    for bad in (parts.double(), parts[..., ::2], parts[0, 0]):
+        with pytest.raises(ValueError, match="sum_rows: needs contiguous fp32 partials"):
+            fused.sum_rows(bad)
+
+
+@needs_triton
+@pytest.mark.parametrize("part_sums", ["triton", "torch"])
+def test_fused_msar_part_sums_match_reference(part_sums, monkeypatch):
+    """The whole op with the source-gradient partials summed by ``sum_rows`` (Blocks.part_sums="triton", the
+    default) or by torch (before 2026-12-06 night): every gradient against the reference (the query and tap gradients
+    are the sums it takes), on tiles with several serial programs a source (chunks of 5 tokens, two channel tiles)."""
+    _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = next(c for c in CASES if c[0].endswith("tiled-softmax"))
+    from kernels.msar_attn import fused
+
+    monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
+    _with_fields(monkeypatch, part_sums=part_sums)
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
+    named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
+    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(1))
+    leaves = [t for _, t in named]
+    got, ref = ([msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm, fusion=fusion,
+                      backend=backend)] for backend in ("triton", "torch"))
+    for (name, _), a, b in zip(named, torch.autograd.grad((got[0] * up).sum(), leaves),
+                               torch.autograd.grad((ref[0] * up).sum(), leaves)):
+        assert rel_err(a, b) < 1e-4, f"{name}: relative error {rel_err(a, b):.2e}"
 
 
 def _pass_2_reference(xs, packed, ks, doc_ids, w, phi_t, bd):
