@@ -305,6 +305,9 @@
 #   msar_dr    one GPU (about 420 s with the start, estimated): dR in bf16 (Blocks.grad_streams=kept): the op's GPU tests
 #              at the defaults and with it, msar_block's small step alternating, its 60-step training parity (eager,
 #              seeds 0 1)
+#   msar_partial one GPU (about 200 s with the start, estimated): msar_block's small step with the open block's partial
+#              cast to the buffer's dtype by the write that sums it (BlockSummaries.cast_partial_in_write, a candidate)
+#              alternating with the cast in each read (the default)
 #   mhc_phi_check one GPU (about 330 s with the start, estimated): the mHC GPU tests with φ's new blocks as the
 #              default, the race reduction with the read's second sweep (wgmma_race), then vanilla, mhc and msar_block's
 #              graphed small step profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
@@ -344,7 +347,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1427,6 +1430,14 @@ case "$PLAN" in
     step gpu0 parity "${PARITY_LIMIT:-0}" python3 -m benchmarks.backend_training --residuals msar_block \
       --reference residual.backend=auto --candidate residual.backend=auto "$KEPT" --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu trainer.compile=false --name small_msar_block_combine_kept
+    ;;
+  msar_partial)
+    # the partial's bf16 copy made where the compiled graph sums it (built 2026-12-06 night; the same values, tested
+    # on the CPU): the profile's copies (about 32 cast kernels a small step, 0.67 ms) against the cast in each read
+    WRITE_CAST="py:residuals.attnres_block.BlockSummaries.cast_partial_in_write=True"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$WRITE_CAST" msar_block "msar_block@$WRITE_CAST" --compile model --graphs on --steps 8 \
+      --set $COMBO --tag "${TAG:-_msar_partial}"
     ;;
   msar_dr)
     # the mixer's backward writing dR in the kept streams' dtype (bf16 under autocast), read by the stats and the

@@ -197,13 +197,13 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     # backward and read by the stats and source-gradient kernels
     dr_kept = getattr(blk, "grad_streams", "float32") == "kept"
     dr_type, dr_other = (x_type, F32) if dr_kept else (F32, x_type)
-    dr_label = f"dR in {'fp32' if dr_kept else 'bf16'} (candidate)"
+    dr_label = f"dR in {'fp32' if dr_kept else 'bf16'} (candidate)"  # named first: tests pick kernels by prefix
     mix_types = dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dz_ptr=F32, coef_ptr=F32,
                      dzy_ptr=F32, eps="fp32")
     mix = dict(SIGMOID=True, BT=blk.bwd_bt, BD=blk.bwd_bd, M_PAD=m_pad, **n_dt(blk.bwd_bd))
     yield "mixer backward", fused._mix_bwd_kernel, dict(**mix_types, dr_ptr=dr_type), mix, blk.mix_warps
     if hasattr(blk, "grad_streams"):
-        yield f"mixer backward, {dr_label}", fused._mix_bwd_kernel, dict(**mix_types, dr_ptr=dr_other), mix, \
+        yield f"{dr_label}: mixer backward", fused._mix_bwd_kernel, dict(**mix_types, dr_ptr=dr_other), mix, \
             blk.mix_warps
     if getattr(blk, "stats_mode", "tile") == "serial":
         ptok = getattr(blk, "parts_layout", "planes") == "token"
@@ -216,7 +216,7 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
             yield (f"stats, sums {_other_layout(ptok)} (candidate)", fused._stats_serial_kernel,
                    dict(**views, dr_ptr=dr_type, part_ptr=F32), dict(**stats, PM=0 if ptok else m_pad), 1)
         if hasattr(blk, "grad_streams"):
-            yield (f"stats, {dr_label}", fused._stats_serial_kernel, dict(**views, dr_ptr=dr_other, part_ptr=F32),
+            yield (f"{dr_label}: stats", fused._stats_serial_kernel, dict(**views, dr_ptr=dr_other, part_ptr=F32),
                    dict(**stats, PM=m_pad if ptok else 0), 1)
     else:
         yield ("stats", fused._stats_kernel,
@@ -239,11 +239,11 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                    fused._src_serial_kernel, src_types, dict(**src, CM=m_pad if token else 0, AHEAD2=not ahead2),
                    blk.serial_warps)
         if hasattr(blk, "grad_streams"):
-            yield (f"source gradients, {dr_label}", fused._src_serial_kernel, {**src_types, "dr_ptr": dr_other},
+            yield (f"{dr_label}: source gradients", fused._src_serial_kernel, {**src_types, "dr_ptr": dr_other},
                    dict(**src, CM=m_pad if token else 0), blk.serial_warps)
         if hasattr(fused, "_sum_rows_kernel"):  # Blocks.part_sums (2026-12-06 night): the partials summed by a kernel
             tag = "" if getattr(blk, "part_sums", "torch") == "triton" else " (candidate)"
-            yield (f"source gradients' partial sums{tag}", fused._sum_rows_kernel, dict(src_ptr=F32, dst_ptr=F32),
+            yield (f"partial sums of the source gradients{tag}", fused._sum_rows_kernel, dict(src_ptr=F32, dst_ptr=F32),
                    dict(BN=32, BX=32, INTERP=False), 4)
         return
     yield ("source gradients", fused._src_kernel,

@@ -47,6 +47,9 @@ class BlockState:
     summaries: tuple[Tensor, ...]  # (b_0 = embedding, b_1, ..., b_{n-1}), each (B, T, d)
     partial: Tensor | None  # (B, T, d): sum of the current block's outputs so far; None at a block start
     buffer: SourceBuffer | None = None  # the summaries as rows of one buffer (a fused read takes them in place)
+    # the partial in the buffer's dtype, as a fused read over the buffer takes it, cast by the write that sums it
+    # (``BlockSummaries.cast_partial_in_write``); None: the read casts it
+    partial_read: Tensor | None = None
 
 
 class BlockSummaries:
@@ -57,6 +60,13 @@ class BlockSummaries:
     # forward and backward); False sums it by a separate add and merges in the read, as up to 2026-12-02 night (kept to
     # time the two in one process: `benchmarks.throughput --residuals attnres_block@py:...BlockSummaries.sum_in_merge=False`)
     sum_in_merge: bool = True
+    # a fused read over the buffer (msar_block) takes the open block's partial in the buffer's dtype (bf16 under
+    # autocast): True casts it in the write that sums it, where the compiled graph fuses the cast with the sum (and,
+    # backward, the gradient's cast back with the partial's other gradients); False casts it in each read, eagerly,
+    # one copy forward and one backward a read (msar_block at `small`: about 32 copy kernels a step, 0.67 ms,
+    # profile_step_small_graphs_phi_check_h100.md). The same values either way. Built 2026-12-06 (night) with no
+    # device time left to time it: off until plan `msar_partial` times it against the cast in each read
+    cast_partial_in_write: bool = False
 
     @classmethod
     def validate(cls, cfg, *, d_model: int, n_sublayers: int) -> None:
@@ -92,18 +102,27 @@ class BlockSummaries:
     def _read_sources(self, state) -> list[Tensor] | BufferedSources:
         if state.buffer is None:
             return self.sources(state)
-        return BufferedSources(state.buffer, state.summaries, state.partial)  # the partial is not buffered
+        # the partial is not buffered; the read takes it cast by the write when that cast it
+        partial = state.partial if state.partial_read is None else state.partial_read
+        return BufferedSources(state.buffer, state.summaries, partial)
 
     def write(self, state, layer: int, out: Tensor):
         if isinstance(state, FusedState):
             return super().write(state, layer, out)  # the two-phase path's write: one eager call
         if state.buffer is not None and not (layer + 1) % self.cfg.block_size:  # b_n written once into the buffer
             row = state.buffer.append(*((out,) if state.partial is None else (state.partial, out)))
-            return replace(state, summaries=state.summaries + (row,), partial=None)
+            return replace(state, summaries=state.summaries + (row,), partial=None, partial_read=None)
         partial = out if state.partial is None else state.partial + out  # (B, T, d)
         if (layer + 1) % self.cfg.block_size:
-            return replace(state, partial=partial)
+            return replace(state, partial=partial, partial_read=self._partial_read(state, partial))
         return BlockState(state.ctx, state.summaries + (partial,), None)  # block complete: b_n
+
+    def _partial_read(self, state: BlockState, partial: Tensor) -> Tensor | None:
+        """The open block's partial as a fused read over the buffer takes it (the buffer's dtype), cast here with
+        ``cast_partial_in_write``; None where the read takes the partial as it is."""
+        if state.buffer is None or not self.cast_partial_in_write or partial.dtype == state.buffer.data.dtype:
+            return None
+        return partial.to(state.buffer.data.dtype)
 
     # --- the two-phase path (residuals/attnres.py): phase 1 when a block opens, merge per sublayer ----
     def _group_size(self) -> int:

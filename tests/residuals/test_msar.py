@@ -279,6 +279,47 @@ def test_fused_reads_take_their_sources_in_place(name, monkeypatch):
     assert all(from_autograd_none and summed for _, from_autograd_none, summed in taken), taken
 
 
+def test_block_msar_casts_its_partial_where_it_sums_it(monkeypatch):
+    # msar_block's fused read over a bf16 buffer (residual.source_dtype=bfloat16, fp32 stream) takes the open block's
+    # partial in bf16: cast by the write that sums it (BlockSummaries.cast_partial_in_write, a candidate; a compiled
+    # graph fuses the cast with the sum) or by each read (the default). Either way the op gets the same values: the
+    # outputs and every gradient are equal to the bit; cast by the write, the partial reaches the op already in bf16.
+    from kernels.msar_attn import fused
+    from residuals.attnres_block import BlockSummaries
+    from tests.helpers import build_backbone, packed_batch
+
+    inner, dtypes = fused.msar, []
+
+    def spy(x, *args, **kwargs):
+        dtypes.append(None if x.partial is None else x.partial.dtype)
+        return inner(x, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "msar", spy)
+    tokens, docs = packed_batch(1, 9, 37, n_docs=2)
+    runs = {}
+    for in_write in (True, False):
+        monkeypatch.setattr(BlockSummaries, "cast_partial_in_write", in_write)
+        dtypes.clear()
+        torch.manual_seed(0)
+        model = build_backbone("msar_block", vocab=37, n_blocks=2,
+                               residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton",
+                                                   "residual.source_dtype=bfloat16", "residual.block_size=4"))
+        randomize(model.residual)
+        out = model(tokens, docs)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+        (out * up).sum().backward()
+        runs[in_write] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
+            list(dtypes)
+    (out_w, grads_w, seen_w), (out_r, grads_r, seen_r) = runs[True], runs[False]
+    assert torch.bfloat16 in seen_w and torch.float32 not in seen_w, seen_w  # partials arrive cast by the write
+    assert torch.float32 in seen_r and torch.bfloat16 not in seen_r, seen_r  # ... or as the stream holds them
+    assert [d is None for d in seen_w] == [d is None for d in seen_r]  # the same reads with and without a partial
+    assert torch.equal(out_w, out_r)
+    assert grads_w.keys() == grads_r.keys() and any(n.startswith("residual.") for n in grads_w)
+    for n in grads_w:
+        assert torch.equal(grads_w[n], grads_r[n]), n
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["msar", "msar_block"])
 def test_buffered_fused_reads_trace_under_torch_compile(name):
