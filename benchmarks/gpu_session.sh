@@ -297,11 +297,11 @@
 #              graphs), the block sweep of phi's gradient (a GPU_BLOCKS entry since 2026-12-06, end), mhc's GPU tests
 #   mhc_race_bisect one GPU (about 150 s with the start, estimated): the read forward's racing blocks (64, 64, 4, 2)
 #              against (64, 64, 4, 1) with 0, 1 and 20 Sinkhorn iterations and SINKHORN tile / token
-#   msar_glue  one GPU (about 450 s with the start, estimated; PARITY_LIMIT=200 adds the parity): MSAR's split forward
-#              combining h from the kept bf16 streams that pass 2 writes (Blocks.combine_from=kept) and the source
-#              gradients' partials summed by a kernel (Blocks.part_sums=triton): their GPU tests, the sums alone at small
-#              and medium, msar_block's small step alternating (each, and both), then the kept combine's 60-step
-#              training parity, eager, seeds 0 1
+#   msar_glue  one GPU (241 s on a cold H100, 2026-12-06 night; PARITY_LIMIT=200 adds the parity): MSAR's split
+#              forward combining h from the kept bf16 streams that pass 2 writes (Blocks.combine_from=kept) and the
+#              source gradients' partials summed by a kernel (Blocks.part_sums=triton), the defaults since, against the
+#              settings before: the GPU tests, the sums alone at small and medium, msar_block's small step alternating
+#              (each, and both), then the kept combine's 60-step training parity against the fp32 one, eager, seeds 0 1
 #   msar_dr    one GPU (about 420 s with the start, estimated): dR in bf16 (Blocks.grad_streams=kept): the op's GPU tests
 #              at the defaults and with it, msar_block's small step alternating, its 60-step training parity (eager,
 #              seeds 0 1)
@@ -1415,20 +1415,21 @@ case "$PLAN" in
     ;;
   msar_glue)
     # after the step's profile (2026-12-06 night, profile_step_small_graphs_phi_check_h100.md): msar_block's combine
-    # reads and writes the fp32 streams (1.39 ms of its 41 ms), five reductions a read take 1.12 ms; the candidates,
-    # built that night and tested on the CPU only, each alone and both
-    KEPT="py:kernels.msar_attn.fused.FIELDS={'combine_from':'kept'}"
-    SUMS="py:kernels.msar_attn.fused.FIELDS={'part_sums':'triton'}"
-    BOTH="py:kernels.msar_attn.fused.FIELDS={'combine_from':'kept','part_sums':'triton'}"
+    # read and wrote the fp32 streams (1.39 ms of its 41 ms), five reductions a read took 1.12 ms. Ran that night with
+    # the kept combine and the partial sums as the candidates; both the defaults since, so the rows here time the
+    # settings before (the fp32 combine, torch's sums) against them, each alone and both
+    F32="py:kernels.msar_attn.fused.FIELDS={'combine_from':'float32'}"
+    TORCH="py:kernels.msar_attn.fused.FIELDS={'part_sums':'torch'}"
+    BEFORE="py:kernels.msar_attn.fused.FIELDS={'combine_from':'float32','part_sums':'torch'}"
     step gpu0 gpu_tests "${TEST_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_msar_attn.py -k "combine or sums or plain"
     step gpu0 src_tiles "${SRC_TILES_LIMIT:-80}" python3 -m benchmarks.msar_tiles --shapes small medium --sources 5 \
-      --kernels "source gradients" --only part_sums=triton --tag "${TAG:-_part_sums}"
+      --kernels "source gradients" --only part_sums=torch --tag "${TAG:-_part_sums}"
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      msar_block "msar_block@$KEPT" "msar_block@$SUMS" "msar_block@$BOTH" msar_block "msar_block@$KEPT" \
-      "msar_block@$SUMS" "msar_block@$BOTH" --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_msar_glue}"
+      msar_block "msar_block@$F32" "msar_block@$TORCH" "msar_block@$BEFORE" msar_block "msar_block@$F32" \
+      "msar_block@$TORCH" "msar_block@$BEFORE" --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_msar_glue}"
     step gpu0 parity "${PARITY_LIMIT:-0}" python3 -m benchmarks.backend_training --residuals msar_block \
-      --reference residual.backend=auto --candidate residual.backend=auto "$KEPT" --steps 60 --seeds 0 1 \
+      --reference residual.backend=auto "$F32" --candidate residual.backend=auto --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu trainer.compile=false --name small_msar_block_combine_kept
     ;;
   msar_partial)

@@ -274,7 +274,7 @@ def test_buffered_sources_must_be_the_buffers_first_rows():
 
 @needs_triton
 @pytest.mark.parametrize("variant", ["views-2d", "views-3d", "ring", "split", "lean", "lean-glue", "coef-planes",
-                                     "parts-planes", "lean-near", "serial-ahead2"])
+                                     "parts-planes", "lean-near", "serial-ahead2", "part-sums-torch"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_fused_msar_matches_reference(case, variant, monkeypatch):
     """Every case with the serial source-gradient kernel (the default) and the tile forward in the 2-d or 3-d view
@@ -282,8 +282,9 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
     default) on several channel tiles and chunks, plain and with its lean pass 2 (and the glue between the kernels
     as kernels too, Blocks.glue="triton"; and its rows loaded where they are used instead of a source ahead,
     Blocks.split_ahead=False), and with the backward's w, κ, μ (Blocks.coef_layout) or pass 1's and the stats
-    kernel's sums (Blocks.parts_layout) in planes instead of token-major (the defaults), and with the
-    source-gradient kernel's loads two tokens ahead (Blocks.serial_ahead2)."""
+    kernel's sums (Blocks.parts_layout) in planes instead of token-major (the defaults), with the
+    source-gradient kernel's loads two tokens ahead (Blocks.serial_ahead2), and with its partial query and tap
+    gradients summed by torch (Blocks.part_sums="torch"; every other variant sums them with ``sum_rows``)."""
     _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = case
     if blocks is not None:
         from kernels.msar_attn import fused
@@ -301,6 +302,8 @@ def test_fused_msar_matches_reference(case, variant, monkeypatch):
         _with_fields(monkeypatch, split_ahead=False)
     if variant == "serial-ahead2":
         _with_fields(monkeypatch, serial_ahead2=True)
+    if variant == "part-sums-torch":
+        _with_fields(monkeypatch, part_sums="torch")
     if variant == "coef-planes":
         _with_fields(monkeypatch, coef_layout="planes", stats_glue="triton")
     if variant == "parts-planes":
@@ -1468,28 +1471,6 @@ def test_sum_rows_equals_torch_sum(shape):
     for bad in (parts.double(), parts[..., ::2], parts[0, 0]):
         with pytest.raises(ValueError, match="sum_rows: needs contiguous fp32 partials"):
             fused.sum_rows(bad)
-
-
-@needs_triton
-@pytest.mark.parametrize("part_sums", ["triton", "torch"])
-def test_fused_msar_part_sums_match_reference(part_sums, monkeypatch):
-    """The whole op with the source-gradient partials summed by ``sum_rows`` (Blocks.part_sums="triton", the
-    default) or by torch (before 2026-12-06 night): every gradient against the reference (the query and tap gradients
-    are the sums it takes), on tiles with several serial programs a source (chunks of 5 tokens, two channel tiles)."""
-    _, S, B, T, d, kernels, key_norm, gains, fusion, blocks = next(c for c in CASES if c[0].endswith("tiled-softmax"))
-    from kernels.msar_attn import fused
-
-    monkeypatch.setattr(fused, "_blocks", _blocks(*blocks))
-    _with_fields(monkeypatch, part_sums=part_sums)
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, gains)
-    named = _leaves(x, taps, queries, key_gains, phi, alpha, bias)
-    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(1))
-    leaves = [t for _, t in named]
-    got, ref = ([msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm, fusion=fusion,
-                      backend=backend)] for backend in ("triton", "torch"))
-    for (name, _), a, b in zip(named, torch.autograd.grad((got[0] * up).sum(), leaves),
-                               torch.autograd.grad((ref[0] * up).sum(), leaves)):
-        assert rel_err(a, b) < 1e-4, f"{name}: relative error {rel_err(a, b):.2e}"
 
 
 def _pass_2_reference(xs, packed, ks, doc_ids, w, phi_t, bd):
