@@ -308,6 +308,13 @@
 #   msar_partial one GPU (about 200 s with the start, estimated): msar_block's small step with the open block's partial
 #              cast to the buffer's dtype by the write that sums it (BlockSummaries.cast_partial_in_write, a candidate)
 #              alternating with the cast in each read (the default)
+#   msar_views one GPU (about 520 s with the start, estimated): msar_block's small step with its per-consumer parameters
+#              sliced once a forward (Msar.params_once) and the open block's partial cast by the write that sums it
+#              (cast_partial_in_write, plan msar_partial's candidate), each alone and both, against the defaults; then
+#              mhc's small step with its layers' parameters sliced once a forward (MHC.params_once) against the default
+#   views_medium one GPU (about 560 s with the start, estimated): after msar_views, with its winners the defaults: the
+#              graphed small step profiled (vanilla, msar_block, mhc), then medium's step of msar_block and mhc beside
+#              vanilla against the settings before (BEFORE_MSAR, BEFORE_MHC: py: settings, empty leaves a row out)
 #   mhc_phi_check one GPU (about 330 s with the start, estimated): the mHC GPU tests with φ's new blocks as the
 #              default, the race reduction with the read's second sweep (wgmma_race), then vanilla, mhc and msar_block's
 #              graphed small step profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
@@ -347,7 +354,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1439,6 +1446,31 @@ case "$PLAN" in
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$WRITE_CAST" msar_block "msar_block@$WRITE_CAST" --compile model --graphs on --steps 8 \
       --set $COMBO --tag "${TAG:-_msar_partial}"
+    ;;
+  msar_views)
+    # the glue around msar_block's eager reads (profile_step_small_graphs_phi_check_h100.md): each read's backward made a
+    # whole-parameter gradient of zeros for each of its 8 parameter slices, and each read cast the open block's partial
+    # (built 2026-12-06 night and last session, the same values to the bit, tested on the CPU); mHC's layers slice 5
+    # parameters a layer alike
+    VIEWS="py:residuals.msar.Msar.params_once=True"
+    WRITE_CAST="py:residuals.attnres_block.BlockSummaries.cast_partial_in_write=True"
+    MHC_VIEWS="py:residuals.mhc.MHC.params_once=True"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-300}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$VIEWS@$WRITE_CAST" "msar_block@$VIEWS" "msar_block@$WRITE_CAST" msar_block \
+      "msar_block@$VIEWS@$WRITE_CAST" --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_msar_views}"
+    step gpu0 mhc_small "${MHC_SMALL_LIMIT:-170}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      mhc "mhc@$MHC_VIEWS" mhc "mhc@$MHC_VIEWS" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_mhc_views}"
+    ;;
+  views_medium)
+    # msar_views' winners as the defaults: where the graphed small step goes now, then medium's steps against the
+    # settings before (BEFORE_MSAR / BEFORE_MHC: the py: settings of the rows before; empty: the residual left out)
+    mhc_profile_step "${PROFILE_LIMIT:-170}" "${TAG:-_views}" vanilla msar_block mhc
+    rows=()
+    [ -n "${BEFORE_MSAR:-}" ] && rows+=(msar_block "msar_block@$BEFORE_MSAR" msar_block "msar_block@$BEFORE_MSAR")
+    [ -n "${BEFORE_MHC:-}" ] && rows+=(mhc "mhc@$BEFORE_MHC")
+    step gpu0 medium "${MEDIUM_LIMIT:-360}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
+      "${rows[@]}" --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_views_medium}"
     ;;
   msar_dr)
     # the mixer's backward writing dR in the kept streams' dtype (bf16 under autocast), read by the stats and the

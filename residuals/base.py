@@ -38,6 +38,9 @@ class Context:
 
     doc_ids: Tensor  # (B, T) int64: document of each token; token-axis ops stop at boundaries
     record: bool = False  # keep depth-attention weights for inspection (see Residual.recorded)
+    # the mechanism's per-consumer parameters as views made once a forward (Msar.params_once), indexed by consumer;
+    # empty: each read slices its own
+    params: tuple = ()
 
 
 class Residual(nn.Module):

@@ -67,6 +67,7 @@ from kernels.backend import backend_on
 from kernels.mhc import BACKENDS, StreamRecompute, mhc_post, mhc_post_pre, mhc_pre, optimal_every
 from kernels.mhc.reference import mhc_coefficients, sinkhorn  # noqa: F401  (the spec; re-exported)
 
+from .attnres import eager
 from .base import Context, Residual, ResidualConfig, check_choice, stored_dtype
 from .registry import register
 
@@ -95,6 +96,8 @@ class MHCState:
     compute_dtype: Optional[torch.dtype] = None
     # residual.recompute_every > 0 in training: which streams the writes keep, and their rebuild in backward
     recompute: Optional[StreamRecompute] = None
+    # every layer's parameters as views made once a forward (MHC.params_once), indexed by layer; empty: sliced per use
+    params: tuple = ()
 
 
 @register("mhc")
@@ -172,13 +175,31 @@ class MHC(Residual):
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"residual.{key}={value!r} must be a finite number")
 
+    # every layer's parameters (φ, α, b_pre, b_post, b_res, the norm gain) as views made once a forward by one unbind of
+    # each parameter (``MHCState.params``), instead of indexed by each read and write: their backward then makes no
+    # whole-parameter gradient of zeros with the layer's slice copied in, summed into the parameter's (5 a layer); each
+    # parameter's one unbind stacks the layers' gradients once a step. The same values (as Msar.params_once). Built
+    # 2026-12-06 (last session) on the CPU: off until plan `msar_views` times it
+    params_once: bool = False
+
     # --- coefficients --------------------------------------------------------------------------
-    def layer_params(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-        """φ (nd, n²+2n), α (3,), b_pre (n,), b_post (n,), b_res (n, n), norm gain (nd,) or None."""
+    def layer_params(self, layer: int, state: MHCState | None = None
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """φ (nd, n²+2n), α (3,), b_pre (n,), b_post (n,), b_res (n, n), norm gain (nd,) or None: the views made once
+        a forward where ``state`` holds them (``params_once``), else sliced here."""
+        if state is not None and state.params:
+            return state.params[layer]
         n, nd = self.cfg.n, self.cfg.n * self.d_model
         gain = None if self.norm_gain is None else self.norm_gain.view(-1, nd)[layer]
         return (self.phi[layer], self.alpha.view(-1, 3)[layer], self.b_pre.view(-1, n)[layer],
                 self.b_post.view(-1, n)[layer], self.b_res.view(-1, n, n)[layer], gain)
+
+    def _all_layer_params(self) -> tuple[tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None], ...]:
+        """``layer_params`` of every layer from one unbind of each parameter."""
+        n, nd, layers = self.cfg.n, self.cfg.n * self.d_model, self.n_sublayers
+        gains = (None,) * layers if self.norm_gain is None else self.norm_gain.view(-1, nd).unbind(0)
+        return tuple(zip(self.phi.unbind(0), self.alpha.view(-1, 3).unbind(0), self.b_pre.view(-1, n).unbind(0),
+                         self.b_post.view(-1, n).unbind(0), self.b_res.view(-1, n, n).unbind(0), gains))
 
     def coefficients(self, streams: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """H^pre (B, T, n), H^post (B, T, n), H^res (B, T, n, n) of sublayer ``layer``, fp32 (the reference)."""
@@ -195,8 +216,14 @@ class MHC(Residual):
         streams = embedding.to(dtype).unsqueeze(-2).expand(b, t, self.cfg.n, d).contiguous()  # (B, T, n, d)
         every = self.stream_recompute_every(embedding.device)
         recompute = StreamRecompute(every) if every and torch.is_grad_enabled() else None
-        state = MHCState(streams=streams, record=ctx.record, compute_dtype=embedding.dtype, recompute=recompute)
-        state.ahead = (0, streams, *self._read(streams, 0))  # outside any checkpointed read: never recomputed
+        # where the fused ops are graph breaks (their writes keep only some streams: ``recompute``), one eager call: the
+        # views made by autograd's unbind (one backward node a parameter), not traced into a compiled graph whose
+        # outputs alias the parameters. Elsewhere the ops are traced with the slices, which the compiled backward sums
+        # in its graph: a break here would only split that graph
+        params = eager(self._all_layer_params) if self.params_once and recompute is not None else ()
+        state = MHCState(streams=streams, record=ctx.record, compute_dtype=embedding.dtype, recompute=recompute,
+                         params=params)
+        state.ahead = (0, streams, *self._read(streams, 0, state))  # outside any checkpointed read: never recomputed
         return state
 
     def stream_recompute_every(self, device: torch.device) -> int:
@@ -207,9 +234,9 @@ class MHC(Residual):
         fused = backend_on(self.cfg.backend, device, "mhc") == "triton"
         return optimal_every(self.cfg.n, self.n_sublayers) if fused else 0
 
-    def _read(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _read(self, x: Tensor, layer: int, state: MHCState) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         # coefficients (computed once, from X_l) and h = H^pre X_l: one pass over the streams when fused
-        return mhc_pre(x, *self.layer_params(layer), sinkhorn_iters=self.cfg.sinkhorn_iters,
+        return mhc_pre(x, *self.layer_params(layer, state), sinkhorn_iters=self.cfg.sinkhorn_iters,
                        backend=self.cfg.backend)  # h (B, T, d) in x's dtype, coefficients fp32
 
     def checkpoint_read_pays(self, x: Tensor) -> bool:
@@ -221,7 +248,7 @@ class MHC(Residual):
         if ahead is not None and ahead[0] == layer and ahead[1] is x:
             h, h_pre, h_post, h_res = ahead[2:]  # done by begin() or fused into the previous write
         else:
-            h, h_pre, h_post, h_res = self._read(x, layer)
+            h, h_pre, h_post, h_res = self._read(x, layer, state)
         state.pending = (layer, h_post, h_res)
         if state.record:
             state.trace[layer] = (h_pre.detach(), h_post.detach(), h_res.detach())
@@ -239,12 +266,13 @@ class MHC(Residual):
         recompute = dict(recompute=state.recompute, layer=layer)  # which streams the write keeps (None: all)
         if layer + 1 == self.n_sublayers:
             new = mhc_post(state.streams, out, h_post, h_res, backend=self.cfg.backend, **recompute)
-            return MHCState(streams=new, record=state.record, trace=state.trace, compute_dtype=state.compute_dtype)
+            return MHCState(streams=new, record=state.record, trace=state.trace, compute_dtype=state.compute_dtype,
+                            params=state.params)
         # ... and the read of sublayer l+1 in the same pass (paper §4.3); read(l+1) returns it
-        new, *next_read = mhc_post_pre(state.streams, out, h_post, h_res, *self.layer_params(layer + 1),
+        new, *next_read = mhc_post_pre(state.streams, out, h_post, h_res, *self.layer_params(layer + 1, state),
                                        sinkhorn_iters=self.cfg.sinkhorn_iters, backend=self.cfg.backend, **recompute)
         return MHCState(streams=new, record=state.record, trace=state.trace, ahead=(layer + 1, new, *next_read),
-                        compute_dtype=state.compute_dtype, recompute=state.recompute)
+                        compute_dtype=state.compute_dtype, recompute=state.recompute, params=state.params)
 
     def end(self, state: MHCState) -> Tensor:
         x = state.streams  # (B, T, n, d)

@@ -25,7 +25,8 @@ identical after RMSNorm since β > 0), ``expand_values=False`` (expanded keys, i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +37,8 @@ from kernels.msar_attn import FUSIONS, MAX_K, BufferedSources
 from kernels.msar_attn import msar as msar_fused
 from kernels.msar_attn.reference import mix
 
-from .attnres import DepthAttentionConfig, DepthAttentionResidual, PseudoQueries, check_choice, depth_attn_flops
+from .attnres import (DepthAttentionConfig, DepthAttentionResidual, PseudoQueries, check_choice, depth_attn_flops,
+                      eager)
 from .base import Context
 from .registry import register
 
@@ -44,6 +46,17 @@ VIEWS = ("conv", "identity", "scalar")
 TAPS = ("per_sublayer", "per_block", "shared")
 CONV_INITS = ("box", "dirac")
 PLACEMENTS = ("streams", "post")
+
+
+class ConsumerParams(NamedTuple):
+    """One consumer's parameters as the fused read takes them: views of the parameters (Msar._consumer_params)."""
+
+    query: Tensor  # (V, d)
+    gain: Tensor | None  # (V, d) key-RMSNorm gain, None without key_norm
+    taps: tuple[Tensor, ...] | None  # m-1 of (k_j, d) for conv views; None: identity views (no parameters)
+    phi: Tensor  # (m·d, m)
+    alpha: Tensor  # ()
+    bias: Tensor  # (m,)
 
 
 @register("msar")
@@ -107,6 +120,14 @@ class Msar(DepthAttentionResidual):
                              f"and residual.expand_values=true, got view={cfg.view!r}, "
                              f"expand_values={cfg.expand_values!r}")
 
+    # the fused read's per-consumer parameters (the query, the key gain, the taps, φ, α, b) as views made once a
+    # forward by one unbind of each parameter (``Context.params``), instead of indexed by each read: a read's backward
+    # then makes no whole-parameter gradient of zeros with its slice copied in, summed into the parameter's (8 of each a
+    # read, about 14 fills, 14 copies and the adds a read at `small`, profile_step_small_graphs_phi_check_h100.md);
+    # each parameter's one unbind stacks its consumers' gradients once a step. The same values. Built 2026-12-06 (last
+    # session) on the CPU: off until plan `msar_views` times it
+    params_once: bool = False
+
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
         m, d, consumers = 1 + len(cfg.kernels), d_model, self.n_consumers
@@ -146,6 +167,37 @@ class Msar(DepthAttentionResidual):
     def attention_views(self) -> int:
         return self.n_views if self.cfg.placement == "streams" else 1
 
+    # --- the protocol: the fused read's parameters once a forward ---------------------------------
+    def begin(self, embedding: Tensor, ctx: Context):
+        state = super().begin(embedding, ctx)
+        if self.params_once and self._buffers_sources(embedding):  # the fused one-pass read's state (SourceState,
+            # BlockState): one eager call, so that the views are made by autograd's unbind (one backward node a
+            # parameter), not traced into a compiled graph whose outputs alias the parameters
+            state = eager(self._with_consumer_params, state)
+        return state
+
+    def _with_consumer_params(self, state):
+        return replace(state, ctx=replace(state.ctx, params=self._consumer_params()))
+
+    def _consumer_params(self) -> tuple[ConsumerParams, ...]:
+        """Every consumer's ``ConsumerParams`` from one unbind of each parameter (taps: one per group)."""
+        n = self.n_consumers
+        gain = self.queries.key_gain
+        queries, gains = self.queries.weight.unbind(0), (None,) * n if gain is None else gain.unbind(0)
+        groups = [taps.unbind(0) for taps in self.conv_taps] if self.cfg.view == "conv" else None
+        phis, alphas, biases = (p.unbind(0) for p in (self.fusion_proj, self.fusion_scale, self.fusion_bias))
+        return tuple(ConsumerParams(queries[c], gains[c],
+                                    None if groups is None else tuple(g[self._tap_group(c)] for g in groups),
+                                    phis[c], alphas[c], biases[c]) for c in range(n))
+
+    def _params(self, consumer: int, ctx: Context) -> ConsumerParams:
+        """The fused read's parameters of ``consumer``: made once a forward (``params_once``), or sliced here."""
+        if ctx.params:
+            return ctx.params[consumer]
+        taps = None if self.cfg.view != "conv" else tuple(t[self._tap_group(consumer)] for t in self.conv_taps)
+        return ConsumerParams(self.queries.weight[consumer], self.queries.gain(consumer), taps,
+                              self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
+
     # --- the computation -----------------------------------------------------------------------
     def expand(self, x: Tensor, consumer: int, doc_ids: Tensor) -> Tensor:
         """Views E_j(x) of single-stream tensors x (S, B, T, d), as ``consumer`` sees them:
@@ -164,13 +216,12 @@ class Msar(DepthAttentionResidual):
         return self.cfg.placement == "streams" and self._fused(x)
 
     def _retrieve(self, sources: list[Tensor] | BufferedSources, consumer: int, ctx: Context) -> Tensor:
-        queries = self.queries(consumer, latest=sources[-1])  # (V, d) or (V, B, T, d)
-        gain = self.queries.gain(consumer)  # (V, d) or None
         if self._fused(sources[0]):  # the whole read in one op, mixer included (validated: see covered)
-            phi, alpha, bias = (self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
+            p = self._params(consumer, ctx)  # static queries (V, d), gains (V, d) or None, taps, φ, α, b
+            taps = list(p.taps) if p.taps is not None else self._view_taps(consumer, sources[0])
             # sources in place (BufferedSources: the buffer's rows and the open block's partial), never stacked
-            res = msar_fused(sources, self._view_taps(consumer, sources[0]), queries, gain, ctx.doc_ids, phi, alpha,
-                             bias, key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
+            res = msar_fused(sources, taps, p.query, p.gain, ctx.doc_ids, p.phi, p.alpha, p.bias,
+                             key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
                              backend="triton", recompute_streams=self.cfg.recompute_streams)  # (B, T, d), with the
             # weights (V, S, B, T) when recording
             if not ctx.record:
@@ -178,6 +229,8 @@ class Msar(DepthAttentionResidual):
             h, weights = res
             self._record(ctx, consumer, weights)
             return h
+        queries = self.queries(consumer, latest=sources[-1])  # (V, d) or (V, B, T, d)
+        gain = self.queries.gain(consumer)  # (V, d) or None
         x = torch.stack(sources)  # (S, B, T, d)
         if self.cfg.placement == "post":  # the reference (`auto` reads take the two-phase path: _two_phase)
             h, weights = depth_attn(x, queries, gain, key_norm=self.cfg.key_norm, return_weights=True,

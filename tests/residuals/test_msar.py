@@ -320,6 +320,54 @@ def test_block_msar_casts_its_partial_where_it_sums_it(monkeypatch):
         assert torch.equal(grads_w[n], grads_r[n]), n
 
 
+@pytest.mark.parametrize("name, taps, view", [("msar", "per_sublayer", "conv"), ("msar_block", "per_block", "conv"),
+                                              ("msar_block", "shared", "conv"), ("msar_block", "per_sublayer", "identity")])
+def test_fused_reads_take_their_parameters_sliced_once_a_forward(name, taps, view, monkeypatch):
+    # Msar.params_once: the fused read's per-consumer parameters (query, key gain, taps, φ, α, b) are views made by one
+    # unbind of each parameter a forward, so that every read's slice of a parameter hangs off that parameter's one
+    # backward node (not a select per read, whose backward is a whole-parameter gradient of zeros per read). The same
+    # outputs and gradients to the bit as the reads slicing their own, shared taps (per_block, shared) included.
+    from kernels.msar_attn import fused
+    from residuals.msar import Msar
+    from tests.helpers import build_backbone, packed_batch
+
+    inner, nodes = fused.msar, []
+
+    def spy(x, taps_, queries, gain, doc_ids, phi, alpha, bias, **kwargs):
+        nodes.append([t.grad_fn for t in (queries, gain, phi, alpha, bias, *taps_) if t.grad_fn is not None])
+        return inner(x, taps_, queries, gain, doc_ids, phi, alpha, bias, **kwargs)
+
+    monkeypatch.setattr(fused, "msar", spy)
+    tokens, docs = packed_batch(2, 11, 37, n_docs=3)
+    runs = {}
+    for once in (True, False):
+        monkeypatch.setattr(Msar, "params_once", once)
+        nodes.clear()
+        torch.manual_seed(0)
+        model = build_backbone(name, vocab=37, n_blocks=2,
+                               residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton",
+                                                   f"residual.taps={taps}", f"residual.view={view}"))
+        randomize(model.residual)
+        out = model(tokens, docs)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+        (out * up).sum().backward()
+        runs[once] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
+            [list(x) for x in nodes]
+    (out_1, grads_1, nodes_1), (out_r, grads_r, nodes_r) = runs[True], runs[False]
+    n_reads = model.residual.n_sublayers + 1
+    assert len(nodes_1) == len(nodes_r) == n_reads
+    # once a forward: one unbind node a parameter, shared by every read; per read: a select of its own each read
+    assert {type(g).__name__ for x in nodes_1 for g in x} == {"UnbindBackward0"}, nodes_1[0]
+    assert len({id(g) for x in nodes_1 for g in x}) == len(nodes_1[0])  # the same nodes in every read
+    assert {type(g).__name__ for x in nodes_r for g in x} == {"SelectBackward0"}, nodes_r[0]
+    assert len({id(g) for x in nodes_r for g in x}) == sum(map(len, nodes_r))
+    assert torch.equal(out_1, out_r)
+    assert grads_1.keys() == grads_r.keys() and any(".conv_taps." in n for n in grads_1) == (view == "conv")
+    assert any(n.endswith("fusion_proj") for n in grads_1)
+    for n in grads_1:
+        assert torch.equal(grads_1[n], grads_r[n]), n
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["msar", "msar_block"])
 def test_buffered_fused_reads_trace_under_torch_compile(name):
