@@ -1467,7 +1467,7 @@ case "$PLAN" in
     # settings before (BEFORE_MSAR / BEFORE_MHC: the py: settings of the rows before; empty: the residual left out)
     mhc_profile_step "${PROFILE_LIMIT:-170}" "${TAG:-_views}" vanilla msar_block mhc
     rows=()
-    [ -n "${BEFORE_MSAR:-}" ] && rows+=(msar_block "msar_block@$BEFORE_MSAR" msar_block "msar_block@$BEFORE_MSAR")
+    [ -n "${BEFORE_MSAR:-}" ] && rows+=(msar_block "msar_block@$BEFORE_MSAR")
     [ -n "${BEFORE_MHC:-}" ] && rows+=(mhc "mhc@$BEFORE_MHC")
     step gpu0 medium "${MEDIUM_LIMIT:-360}" python3 -m benchmarks.throughput --models medium --residuals vanilla \
       "${rows[@]}" --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_views_medium}"

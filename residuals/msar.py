@@ -124,9 +124,10 @@ class Msar(DepthAttentionResidual):
     # forward by one unbind of each parameter (``Context.params``), instead of indexed by each read: a read's backward
     # then makes no whole-parameter gradient of zeros with its slice copied in, summed into the parameter's (8 of each a
     # read, about 14 fills, 14 copies and the adds a read at `small`, profile_step_small_graphs_phi_check_h100.md);
-    # each parameter's one unbind stacks its consumers' gradients once a step. The same values. Built 2026-12-06 (last
-    # session) on the CPU: off until plan `msar_views` times it
-    params_once: bool = False
+    # each parameter's one unbind stacks its consumers' gradients once a step. The same values. One H100, one process
+    # (plan msar_views, throughput_small_msar_views_h100.md): msar_block `small` 39.0-39.1 -> 38.5 ms (0.455x ->
+    # 0.462x vanilla's); `medium` 368.1 -> 367.3 ms, peak 45.52 -> 44.27 GiB (throughput_medium_views_medium_h100.md)
+    params_once: bool = True
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
