@@ -64,8 +64,8 @@ class BlockSummaries:
     # autocast): True casts it in the write that sums it, where the compiled graph fuses the cast with the sum (and,
     # backward, the gradient's cast back with the partial's other gradients); False casts it in each read, eagerly,
     # one copy forward and one backward a read (msar_block at `small`: about 32 copy kernels a step, 0.67 ms,
-    # profile_step_small_graphs_phi_check_h100.md). The same values either way. Timed 2026-12-06 (last session, one H100,
-    # one process, plan msar_views): msar_block `small` 39.0-39.1 -> 38.9 ms alone, 38.5 -> 38.5 ms with
+    # profile_step_small_graphs_phi_check_h100.md). The same values either way. Timed 2026-12-06 (last session, one
+    # H100, one process, plan msar_views): msar_block `small` 39.0-39.1 -> 38.9 ms alone, 38.5 -> 38.5 ms with
     # Msar.params_once (throughput_small_msar_views_h100.md): no gain worth a default, kept off
     cast_partial_in_write: bool = False
 

@@ -175,12 +175,12 @@ class MHC(Residual):
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"residual.{key}={value!r} must be a finite number")
 
-    # every layer's parameters (φ, α, b_pre, b_post, b_res, the norm gain) as views made once a forward by one unbind of
-    # each parameter (``MHCState.params``), instead of indexed by each read and write: their backward then makes no
-    # whole-parameter gradient of zeros with the layer's slice copied in, summed into the parameter's (5 a layer); each
-    # parameter's one unbind stacks the layers' gradients once a step. The same values (as Msar.params_once). One
-    # H100, one process (plan msar_views): `small` 26.1-26.2 -> 25.8 ms (0.681x -> 0.691x vanilla's,
-    # throughput_small_mhc_views_h100.md), `medium` 220.7 -> 219.9 ms (throughput_medium_views_medium_h100.md)
+    # every layer's parameters (φ, α, b_pre, b_post, b_res, the norm gain) as views made once a forward by one unbind
+    # of each parameter (``MHCState.params``), instead of indexed by each read and write: their backward then makes no
+    # whole-parameter gradient of zeros with the layer's slice copied in, summed into the parameter's (5 or 6 a
+    # layer); each parameter's one unbind stacks the layers' gradients once a step. The same values (as
+    # Msar.params_once). One H100, one process (plan msar_views): `small` 26.1-26.2 -> 25.8 ms (0.681x -> 0.691x
+    # vanilla's, throughput_small_mhc_views_h100.md), `medium` 220.7 -> 219.9 ms (throughput_medium_views_medium_h100.md)
     params_once: bool = True
 
     # --- coefficients --------------------------------------------------------------------------

@@ -126,7 +126,8 @@ class Msar(DepthAttentionResidual):
     # read, about 14 fills, 14 copies and the adds a read at `small`, profile_step_small_graphs_phi_check_h100.md);
     # each parameter's one unbind stacks its consumers' gradients once a step. The same values. One H100, one process
     # (plan msar_views, throughput_small_msar_views_h100.md): msar_block `small` 39.0-39.1 -> 38.5 ms (0.455x ->
-    # 0.462x vanilla's); `medium` 368.1 -> 367.3 ms, peak 45.52 -> 44.27 GiB (throughput_medium_views_medium_h100.md)
+    # 0.462x vanilla's); `medium` 368.1 -> 367.3 ms (throughput_medium_views_medium_h100.md; its peaks 44.27 against
+    # 45.52 GiB are the rows' order, as in the night's table: the first row after vanilla reads lower)
     params_once: bool = True
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):

@@ -321,7 +321,8 @@ def test_block_msar_casts_its_partial_where_it_sums_it(monkeypatch):
 
 
 @pytest.mark.parametrize("name, taps, view", [("msar", "per_sublayer", "conv"), ("msar_block", "per_block", "conv"),
-                                              ("msar_block", "shared", "conv"), ("msar_block", "per_sublayer", "identity")])
+                                              ("msar_block", "shared", "conv"),
+                                              ("msar_block", "per_sublayer", "identity")])
 def test_fused_reads_take_their_parameters_sliced_once_a_forward(name, taps, view, monkeypatch):
     # Msar.params_once: the fused read's per-consumer parameters (query, key gain, taps, φ, α, b) are views made by one
     # unbind of each parameter a forward, so that every read's slice of a parameter hangs off that parameter's one
