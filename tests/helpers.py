@@ -72,3 +72,20 @@ def backward_both_after_equal_outputs(ref, other, tokens, docs, norm_tol: float 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """‖a − b‖ / ‖b‖ in fp64 (b: the reference); for fused-vs-reference comparisons in norm."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def runs_on_and_off(monkeypatch, owner, attr: str, build, tokens, docs, seen: list) -> tuple[tuple, tuple]:
+    """A code setting ``owner.attr`` True, then False: each time ``build()`` a backbone (under seed 0), run it forward and
+    back with one random upstream gradient. Returns (on, off), each (logits, {name: gradient}, list(seen)); ``seen`` is
+    what the caller's spies recorded during that run (cleared before it)."""
+    runs = {}
+    for value in (True, False):
+        monkeypatch.setattr(owner, attr, value)
+        seen.clear()
+        torch.manual_seed(0)
+        model = build()
+        out = model(tokens, docs)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)))
+        runs[value] = (out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                       list(seen))
+    return runs[True], runs[False]

@@ -576,34 +576,32 @@ def test_layer_parameters_sliced_once_a_forward(backend, every, once, monkeypatc
     backward is a whole-parameter gradient of zeros); outputs and gradients equal to the bit. Elsewhere (the ops
     traced with their slices by a compile) each use slices its own, so that no break splits the compiled graph."""
     import residuals.mhc as mhc_module
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import build_backbone, packed_batch, runs_on_and_off
 
     nodes = []
     for name, first in (("mhc_pre", 1), ("mhc_post_pre", 4)):  # φ's position among the op's arguments
         op = getattr(mhc_module, name)
         monkeypatch.setattr(mhc_module, name, lambda *a, _op=op, _i=first, **kw: nodes.append(
             [t.grad_fn for t in a[_i:_i + 6] if t is not None]) or _op(*a, **kw))
-    tokens, docs = packed_batch(2, 11, 37, n_docs=3)
-    runs = {}
-    for setting in (True, False):
-        monkeypatch.setattr(MHC, "params_once", setting)
-        nodes.clear()
-        torch.manual_seed(0)
+
+    def build():
         model = build_backbone("mhc", vocab=37, n_blocks=2, residual_overrides=(
             "residual.norm_gain=true", "residual.output=head", f"residual.backend={backend}",
             f"residual.recompute_every={every}"))
         randomise(model.residual)
-        out = model(tokens, docs)
-        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
-        runs[setting] = out.detach(), {n: p.grad.clone() for n, p in model.residual.named_parameters()}, list(nodes)
-    (out_1, grads_1, nodes_1), (out_r, grads_r, nodes_r) = runs[True], runs[False]
+        return model
+
+    tokens, docs = packed_batch(2, 11, 37, n_docs=3)
+    (out_1, grads_1, nodes_1), (out_r, grads_r, nodes_r) = runs_on_and_off(
+        monkeypatch, MHC, "params_once", build, tokens, docs, nodes)
     assert len(nodes_1) == len(nodes_r) == 4 and all(len(x) == 6 for x in nodes_1 + nodes_r)  # 4 sublayers, 6 params
     assert {type(g).__name__ for x in nodes_1 for g in x} == {"UnbindBackward0" if once else "SelectBackward0"}
     # once: one node a parameter, shared by every layer; else a node of its own per layer and parameter
     assert len({id(g) for x in nodes_1 for g in x}) == (6 if once else 24)
     assert len({id(g) for x in nodes_r for g in x}) == 24
     assert torch.equal(out_1, out_r)
-    assert {"phi", "alpha", "b_pre", "b_post", "b_res", "norm_gain"} <= grads_1.keys() == grads_r.keys()
+    assert {f"residual.{n}" for n in ("phi", "alpha", "b_pre", "b_post", "b_res", "norm_gain")} <= grads_1.keys()
+    assert grads_1.keys() == grads_r.keys()
     for n in grads_1:
         assert torch.equal(grads_1[n], grads_r[n]), n
 

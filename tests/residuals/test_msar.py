@@ -279,6 +279,17 @@ def test_fused_reads_take_their_sources_in_place(name, monkeypatch):
     assert all(from_autograd_none and summed for _, from_autograd_none, summed in taken), taken
 
 
+def fused_backbone(name: str, *overrides: str):
+    """A 2-block backbone whose MSAR read is the fused op (kernels [2, 3], the interpreter on the CPU), its residual's
+    parameters off their init."""
+    from tests.helpers import build_backbone
+
+    model = build_backbone(name, vocab=37, n_blocks=2,
+                           residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton", *overrides))
+    randomize(model.residual)
+    return model
+
+
 def test_block_msar_casts_its_partial_where_it_sums_it(monkeypatch):
     # msar_block's fused read over a bf16 buffer (residual.source_dtype=bfloat16, fp32 stream) takes the open block's
     # partial in bf16: cast by the write that sums it (BlockSummaries.cast_partial_in_write, a candidate; a compiled
@@ -286,7 +297,7 @@ def test_block_msar_casts_its_partial_where_it_sums_it(monkeypatch):
     # outputs and every gradient are equal to the bit; cast by the write, the partial reaches the op already in bf16.
     from kernels.msar_attn import fused
     from residuals.attnres_block import BlockSummaries
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import packed_batch, runs_on_and_off
 
     inner, dtypes = fused.msar, []
 
@@ -294,23 +305,13 @@ def test_block_msar_casts_its_partial_where_it_sums_it(monkeypatch):
         dtypes.append(None if x.partial is None else x.partial.dtype)
         return inner(x, *args, **kwargs)
 
+    def build():
+        return fused_backbone("msar_block", "residual.source_dtype=bfloat16", "residual.block_size=4")
+
     monkeypatch.setattr(fused, "msar", spy)
     tokens, docs = packed_batch(1, 9, 37, n_docs=2)
-    runs = {}
-    for in_write in (True, False):
-        monkeypatch.setattr(BlockSummaries, "cast_partial_in_write", in_write)
-        dtypes.clear()
-        torch.manual_seed(0)
-        model = build_backbone("msar_block", vocab=37, n_blocks=2,
-                               residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton",
-                                                   "residual.source_dtype=bfloat16", "residual.block_size=4"))
-        randomize(model.residual)
-        out = model(tokens, docs)
-        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-        (out * up).sum().backward()
-        runs[in_write] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
-            list(dtypes)
-    (out_w, grads_w, seen_w), (out_r, grads_r, seen_r) = runs[True], runs[False]
+    (out_w, grads_w, seen_w), (out_r, grads_r, seen_r) = runs_on_and_off(
+        monkeypatch, BlockSummaries, "cast_partial_in_write", build, tokens, docs, dtypes)
     assert torch.bfloat16 in seen_w and torch.float32 not in seen_w, seen_w  # partials arrive cast by the write
     assert torch.float32 in seen_r and torch.bfloat16 not in seen_r, seen_r  # ... or as the stream holds them
     assert [d is None for d in seen_w] == [d is None for d in seen_r]  # the same reads with and without a partial
@@ -330,7 +331,7 @@ def test_fused_reads_take_their_parameters_sliced_once_a_forward(name, taps, vie
     # outputs and gradients to the bit as the reads slicing their own, shared taps (per_block, shared) included.
     from kernels.msar_attn import fused
     from residuals.msar import Msar
-    from tests.helpers import build_backbone, packed_batch
+    from tests.helpers import packed_batch, runs_on_and_off
 
     inner, nodes = fused.msar, []
 
@@ -338,24 +339,14 @@ def test_fused_reads_take_their_parameters_sliced_once_a_forward(name, taps, vie
         nodes.append([t.grad_fn for t in (queries, gain, phi, alpha, bias, *taps_) if t.grad_fn is not None])
         return inner(x, taps_, queries, gain, doc_ids, phi, alpha, bias, **kwargs)
 
+    def build():
+        return fused_backbone(name, f"residual.taps={taps}", f"residual.view={view}")
+
     monkeypatch.setattr(fused, "msar", spy)
     tokens, docs = packed_batch(2, 11, 37, n_docs=3)
-    runs = {}
-    for once in (True, False):
-        monkeypatch.setattr(Msar, "params_once", once)
-        nodes.clear()
-        torch.manual_seed(0)
-        model = build_backbone(name, vocab=37, n_blocks=2,
-                               residual_overrides=("residual.kernels=[2,3]", "residual.backend=triton",
-                                                   f"residual.taps={taps}", f"residual.view={view}"))
-        randomize(model.residual)
-        out = model(tokens, docs)
-        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
-        (out * up).sum().backward()
-        runs[once] = out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
-            [list(x) for x in nodes]
-    (out_1, grads_1, nodes_1), (out_r, grads_r, nodes_r) = runs[True], runs[False]
-    n_reads = model.residual.n_sublayers + 1
+    (out_1, grads_1, nodes_1), (out_r, grads_r, nodes_r) = runs_on_and_off(
+        monkeypatch, Msar, "params_once", build, tokens, docs, nodes)
+    n_reads = 4 + 1  # 2 Transformer blocks: 4 sublayers and the final output
     assert len(nodes_1) == len(nodes_r) == n_reads
     # once a forward: one unbind node a parameter, shared by every read; per read: a select of its own each read
     assert {type(g).__name__ for x in nodes_1 for g in x} == {"UnbindBackward0"}, nodes_1[0]
