@@ -53,7 +53,7 @@ class ConsumerParams(NamedTuple):
 
     query: Tensor  # (V, d)
     gain: Tensor | None  # (V, d) key-RMSNorm gain, None without key_norm
-    taps: tuple[Tensor, ...] | None  # m-1 of (k_j, d) for conv views; None: identity views (no parameters)
+    taps: tuple[Tensor, ...] | None  # m-1 of (k_j, d) for conv views; None: the read takes ``Msar._view_taps``
     phi: Tensor  # (m·d, m)
     alpha: Tensor  # ()
     bias: Tensor  # (m,)
@@ -193,11 +193,11 @@ class Msar(DepthAttentionResidual):
                                     phis[c], alphas[c], biases[c]) for c in range(n))
 
     def _params(self, consumer: int, ctx: Context) -> ConsumerParams:
-        """The fused read's parameters of ``consumer``: made once a forward (``params_once``), or sliced here."""
+        """The fused read's parameters of ``consumer``: made once a forward (``params_once``), or sliced here (the taps
+        then by ``_view_taps``)."""
         if ctx.params:
             return ctx.params[consumer]
-        taps = None if self.cfg.view != "conv" else tuple(t[self._tap_group(consumer)] for t in self.conv_taps)
-        return ConsumerParams(self.queries.weight[consumer], self.queries.gain(consumer), taps,
+        return ConsumerParams(self.queries.weight[consumer], self.queries.gain(consumer), None,
                               self.fusion_proj[consumer], self.fusion_scale[consumer], self.fusion_bias[consumer])
 
     # --- the computation -----------------------------------------------------------------------
