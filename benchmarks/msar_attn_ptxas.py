@@ -205,6 +205,12 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     if hasattr(blk, "grad_streams"):
         yield f"{dr_label}: mixer backward", fused._mix_bwd_kernel, dict(**mix_types, dr_ptr=dr_other), mix, \
             blk.mix_warps
+    if hasattr(blk, "mix_dphi") and d <= blk.bwd_bd:  # Blocks.mix_dphi (2026-12-06): dφ summed inside, one tile
+        tag = "" if blk.mix_dphi == "walk" else " (candidate)"
+        yield (f"mixer backward, dφ inside{tag}", fused._mix_bwd_walk_kernel,
+               dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=dr_type, part_ptr=F32,
+                    eps="fp32"),
+               dict(SIGMOID=True, BT=blk.mix_walk_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_walk_warps)
     if getattr(blk, "stats_mode", "tile") == "serial":
         ptok = getattr(blk, "parts_layout", "planes") == "token"
         stats = dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,

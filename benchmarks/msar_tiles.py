@@ -6,8 +6,8 @@ For one shape, every kernel of the op (forward, mixer backward, stats, source gr
 with the tile choice of ``kernels.msar_attn.fused._blocks`` (the default, first row of its group) and
 with a few others around it (tokens per program, channels per tile, warps), one kernel's fields at
 a time, the others at their defaults, all in ONE process (CUDA-event medians), so the ratios are
-measured side by side. Every candidate's result is compared with the default's first (h, dR, or dx
-and the tap and query gradients; relative error < 1e-3): a tile choice that computes something else
+measured side by side. Every candidate's result is compared with the default's first (h, dR, the
+gradients of φ, α and b, dx and the tap and query gradients; relative error < 1e-3): a tile choice that computes something else
 is reported as WRONG and not timed. The table goes to benchmarks/results/msar_tiles_<gpu>.md with
 the command, the GPU and the date. Changing the defaults is a separate, reviewed edit of ``_blocks``.
 """
@@ -95,7 +95,14 @@ def candidates(blk) -> dict[str, list[dict]]:
                                                                                (128, 16), (256, 4), (256, 8))
                       for w in (4, 8) if bd < blk.bd or not blk.single],
         "mixer backward": [{}] + [dict(bwd_bt=bt, mix_warps=w) for bt in around(blk.bwd_bt) for w in (2, 4, 8)
-                                  if (bt, w) != (blk.bwd_bt, blk.mix_warps)],
+                                  if (bt, w) != (blk.bwd_bt, blk.mix_warps)]
+                          # dφ, Σ dz and Σ dz·y summed inside the kernel (a program walks mix_walk tokens, its partial
+                          # dφ in registers), or the product once the walk is the default; then the walk's tiles
+                          + [dict(mix_dphi="walk" if blk.mix_dphi == "product" else "product")]
+                          + [dict(mix_dphi="walk", mix_walk=w, mix_walk_bt=bt, mix_walk_warps=nw)
+                             for w, bt, nw in ((0, 1, 8), (0, 4, 8), (0, 2, 16), (0, 4, 16), (64, 2, 8),
+                                               (256, 2, 8), (0, 1, 4))
+                             if (w, bt, nw) != (blk.mix_walk, blk.mix_walk_bt, blk.mix_walk_warps)],
         "stats": [{}] + v3 + [dict(stats_glue=other_stats_glue)]
                  # the stats kernel's sums token-major (sm_90a at `small`: 436 -> 413 instructions a trip, 157 -> 150
                  # registers), or in planes once token-major is the default
@@ -142,9 +149,9 @@ def run_shape(name: str, S: int, table: Table, kernels: list[str] | None = None,
     def pieces():
         h, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, near, mixer=mixer, save=True, save_stats=True,
                                                 **kw)
-        dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)
+        dr, *mix = fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=True)  # mix: dφ, dα, db
         dx, dtaps, dqg = fused.streams_backward(dr, lse, x, taps, packed, ks, qg, near, stats=stats, **kw)
-        return h, lse, saved, dr, (dx, *dtaps, dqg), stats
+        return h, lse, saved, dr, (dx, *dtaps, dqg, *mix), stats
 
     ref_h, ref_lse, ref_saved, ref_dr, ref_grads, ref_stats = pieces()
     def streams():  # the stats and source-gradient kernels run together (streams backward)
@@ -212,7 +219,8 @@ def parse_candidate(text: str) -> dict:
 
 
 def _fields(kernel: str) -> tuple[str, ...]:
-    return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps"),
+    return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps", "mix_dphi", "mix_walk",
+                                                                  "mix_walk_bt", "mix_walk_warps"),
             "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps",
                       "stats_pairs", "parts_layout"),
             "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch",

@@ -59,6 +59,7 @@ All math is fp32 whatever x's dtype (bf16 on the GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -452,6 +453,59 @@ def _mix_bwd_kernel(
     tl.store(dz_ptr + tok, dz, mask=stat_mask)
     tl.store(coef_ptr + tok, (alpha * rho)[None, :] * dz, mask=stat_mask)
     tl.store(dzy_ptr + rows, dzy, mask=mask_t)
+
+
+@triton.jit
+def _mix_bwd_walk_kernel(
+    r_ptr, z_ptr, rr_ptr, phi_ptr, alpha_ptr, bias_ptr, dh_ptr, dr_ptr,  # as in _mix_bwd_kernel
+    part_ptr,  # result: one row a program, (n_prog, m·d·m + m + 1) fp32: its partial dφ, Σ dz, Σ Σ_i dz_i y_i
+    N, D, M, eps, n_walk,
+    SIGMOID: tl.constexpr, M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+):
+    """The mixer's backward with dφ summed inside (``Blocks.mix_dphi="walk"``): one channel tile holds all d, so
+    R and dh are read once a token; a program walks n_walk steps of BT tokens of the flattened (B·T) rows and
+    keeps its partial dφ[j·d + c, i] = Σ_t R_j[t, c] coef_i[t] (coef = α ρ_R dz), Σ_t dz and Σ_t dz·y in
+    registers, written once at the end (deterministic: one sum over the programs' rows, no atomics)."""
+    p = tl.program_id(0)
+    jv = tl.arange(0, M_PAD)
+    mask_j = jv < M
+    offs_d = tl.arange(0, BD)
+    mask_d = offs_d < D
+    alpha = tl.load(alpha_ptr)
+    bias = tl.load(bias_ptr + jv, mask=mask_j, other=0.0)
+    acc = tl.zeros((M_PAD, M_PAD, BD), dtype=tl.float32)  # [j, i, c]
+    dz_sum = tl.zeros((M_PAD, BT), dtype=tl.float32)
+    dzy_sum = tl.zeros((BT,), dtype=tl.float32)
+    k = p * 0
+    while k < n_walk:
+        offs_n = (p * n_walk + k) * BT + tl.arange(0, BT)
+        mask_n = offs_n < N
+        stat = jv[:, None].to(tl.int64) * N + offs_n[None, :]  # (M_PAD, BT) index into (m, B·T)
+        stat_mask = mask_j[:, None] & mask_n[None, :]
+        tile = stat[:, :, None] * D + offs_d[None, None, :]
+        m3 = stat_mask[:, :, None] & mask_d[None, None, :]
+        r = tl.load(r_ptr + tile, mask=m3, other=0.0).to(tl.float32)  # (M_PAD, BT, BD)
+        dh = tl.load(dh_ptr + offs_n.to(tl.int64)[:, None] * D + offs_d[None, :],
+                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # (BT, BD)
+        z = tl.load(z_ptr + stat, mask=stat_mask, other=0.0)
+        rr = tl.load(rr_ptr + offs_n, mask=mask_n, other=0.0)
+        g, dz, rho, dzy = _mixer_grads(z, rr, tl.sum(r * dh[None, :, :], axis=2), alpha, bias, mask_j, M, D, eps,
+                                       SIGMOID)  # tokens past N: dh = 0, so dz = 0 and dzy = 0
+        dr = _dr_tile(r, dh, g, dz, rho, alpha, dzy, phi_ptr, offs_d, mask_d, mask_j, M, D, M_PAD, BT, BD)
+        tl.store(dr_ptr + tile, dr.to(dr_ptr.dtype.element_ty), mask=m3)
+        coef = (alpha * rho)[None, :] * dz  # (M_PAD, BT)
+        for i in tl.static_range(M_PAD):
+            ci = tl.sum(tl.where(jv[:, None] == i, coef, 0.0), axis=0)  # (BT,)
+            pi = tl.sum(r * ci[None, :, None], axis=1)  # (M_PAD, BD): Σ_t R_j[t, c] coef_i[t]
+            acc += tl.where(jv[None, :, None] == i, pi[:, None, :], 0.0)
+        dz_sum += dz
+        dzy_sum += dzy
+        k += 1
+    row = part_ptr + p.to(tl.int64) * (M * D * M + M + 1)
+    out = (jv[:, None, None] * D + offs_d[None, None, :]) * M + jv[None, :, None]  # dφ[j·d + c, i]
+    tl.store(row + out, acc, mask=mask_j[:, None, None] & mask_j[None, :, None] & mask_d[None, None, :])
+    tl.store(row + M * D * M + jv, tl.sum(dz_sum, axis=1), mask=mask_j)
+    tl.store(row + M * D * M + M, tl.sum(dzy_sum, axis=0))
 
 
 @triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
@@ -1886,6 +1940,18 @@ class Blocks:
     # results to the bit): forward 0.485 -> 0.457 ms at `small`, 1.812 -> 1.726 at `medium`; streams backward
     # 0.863 -> 0.854 / 2.967 -> 2.926 (docs/kernel_msar.md, "Pass 1's and the stats' sums token-major")
     parts_layout: str = "token"
+    # where the mixer's backward sums dφ = Σ_t vec R ⊗ α ρ_R dz (and Σ dz, Σ dz·y for db and dα): "product" (it writes
+    # coef (B, T, m), then ``dphi_from`` reads R a third time in batched products, 0.66 ms of a `small` step on an
+    # H100, and torch sums dz and dz·y) or "walk" (``_mix_bwd_walk_kernel``: a program walks mix_walk tokens of the
+    # flattened rows, mix_walk_bt a step, and keeps its partial dφ, Σ dz and Σ dz·y in registers, one row of a
+    # (programs, m·d·m + m + 1) fp32 buffer that one torch.sum reduces; the products from R in fp32, not from the
+    # bf16 product of bf16 R and coef). "walk" applies where one tile of the mixer backward holds all of d
+    # (bwd_bd >= d: d·m_pad <= 4096 on the GPU, `small` and `medium`), elsewhere the product runs. ptxas (sm_90a,
+    # `small`, 8 warps): 225 registers (one program an SM; φ's tile is loaded once a program), none spilled
+    mix_dphi: str = "product"
+    mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
+    mix_walk_bt: int = 2  # tokens a step of it
+    mix_walk_warps: int = 8
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
@@ -1894,7 +1960,8 @@ class Blocks:
                                ("fwd_mode", ("tile", "split")), ("glue", ("torch", "triton")),
                                ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token")),
                                ("parts_layout", ("planes", "token")), ("combine_from", COMBINE_FROM),
-                               ("part_sums", ("torch", "triton")), ("grad_streams", ("float32", "kept"))):
+                               ("part_sums", ("torch", "triton")), ("grad_streams", ("float32", "kept")),
+                               ("mix_dphi", ("product", "walk"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -2194,6 +2261,12 @@ def saved_streams_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a GPU, queried once per device (a per-backward query is host time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def dphi_from(r: Tensor, coef: Tensor) -> Tensor:
     """dφ = Σ_t vec R ⊗ coef (m·d, m) fp32 from R (m, B, T, d) and coef (B, T, m) fp32: one long
     reduction over the tokens, split into up to 64 batched products of a few hundred tokens each
@@ -2216,6 +2289,18 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
     blk = _blocks(T, d, m_pad, 1)
     f32 = dict(device=r.device, dtype=torch.float32)
     dr = torch.empty(m, B, T, d, device=r.device, dtype=r.dtype if blk.grad_streams == "kept" else torch.float32)
+    if blk.mix_dphi == "walk" and d <= blk.bwd_bd:  # one tile holds every channel: dφ inside the kernel
+        n, bt = B * T, blk.mix_walk_bt
+        # 0: one program a multiprocessor (four under the interpreter), every program the same number of steps
+        walk = blk.mix_walk or triton.cdiv(n, 4 if r.device.type == "cpu" else _sm_count(r.device))
+        n_walk = triton.cdiv(walk, bt)
+        n_prog = triton.cdiv(n, n_walk * bt)
+        part = torch.empty(n_prog, m * d * m + m + 1, **f32)
+        _mix_bwd_walk_kernel[(n_prog,)](
+            r, z, rr, *mixer, dh, dr, part, n, d, m, eps, n_walk,
+            SIGMOID=sigmoid, M_PAD=m_pad, BT=bt, BD=blk.bwd_bd, num_warps=blk.mix_walk_warps)
+        sums = part.sum(0)
+        return dr, sums[:m * d * m].view(m * d, m), sums[-1], sums[m * d * m:m * d * m + m]
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         r, z, rr, *mixer, dh, dr, dz, coef, dzy, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),

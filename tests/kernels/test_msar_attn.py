@@ -618,6 +618,7 @@ def test_token_major_parts_equal_the_planes(case):
                                                     ("parts_layout", "token-major", "'planes', 'token'"),
                                                     ("combine_from", "bf16", "'float32', 'kept'"),
                                                     ("part_sums", "cuda", "'torch', 'triton'"),
+                                                    ("mix_dphi", "kernel", "'product', 'walk'"),
                                                     ("grad_streams", "bf16", "'float32', 'kept'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
     from kernels.msar_attn import fused
@@ -900,8 +901,9 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # its h, the mixer, the stats (and their sums in planes), the sources (and reading w, κ, μ in planes: the
     # layouts token-major by default since 2026-12-05, the planes the listed candidates; the source gradients with
     # two tokens' loads in flight, a candidate), the mixer, the stats and the sources with dR in bf16 (candidates,
-    # Blocks.grad_streams), and the source gradients' partial sums (Blocks.part_sums="triton", the default)
-    assert len(lines) == 28, stdout
+    # Blocks.grad_streams), the source gradients' partial sums (Blocks.part_sums="triton", the default), and the
+    # mixer's backward with dφ summed inside (Blocks.mix_dphi="walk", a candidate)
+    assert len(lines) == 29, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -994,7 +996,7 @@ def check_fp32_matches_reference(case, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2", "combine-float32", "part-sums-torch",
-                                   "grad-streams-kept"])
+                                   "grad-streams-kept", "mix-dphi-walk"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
@@ -1002,7 +1004,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     tokens ahead (Blocks.serial_ahead2, a candidate), with h combined from the fp32 streams and then copied
     (Blocks.combine_from="float32", the combine before 2026-12-06 night), and with the source gradients' partials
     summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
-    "kept", a candidate: the bf16 inputs make the kept streams bf16)."""
+    "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
+    backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product)."""
     if pass2 == "lean":
         _with_lean(monkeypatch)
     if pass2 == "src-ahead2":
@@ -1013,6 +1016,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
         _with_fields(monkeypatch, part_sums="torch")
     if pass2 == "grad-streams-kept":
         _with_fields(monkeypatch, grad_streams="kept")
+    if pass2 == "mix-dphi-walk":
+        _with_fields(monkeypatch, mix_dphi="walk")
     check_bf16_matches_fp32_reference(case, "cuda")
 
 
@@ -1024,12 +1029,13 @@ def test_gpu_fp32_matches_reference(d):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean", "bf16-float32-combine"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean", "bf16-float32-combine", "fp32-mix-walk"])
 @pytest.mark.parametrize("case, blocks", CPU_TWIN_CASES, ids=[c[0][0] for c in CPU_TWIN_CASES])
 def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
     """The two GPU tests' checks, under the interpreter at small shapes (one tile, and tiled channels; bf16 also
     with the lean pass 2, whose unmasked loads read bf16 sources, and with h combined from fp32 streams,
-    Blocks.combine_from="float32"): the comparison logic itself runs in CI."""
+    Blocks.combine_from="float32"; fp32 also with dφ summed inside the mixer's backward, Blocks.mix_dphi="walk",
+    which the tiled case's channel tiles turn into the product): the comparison logic itself runs in CI."""
     if blocks is not None:
         from kernels.msar_attn import fused
 
@@ -1039,7 +1045,83 @@ def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
         _with_lean(monkeypatch)
     if dtype == "bf16-float32-combine":
         _with_fields(monkeypatch, combine_from="float32")
-    (check_fp32_matches_reference if dtype == "fp32" else check_bf16_matches_fp32_reference)(case, "cpu")
+    if dtype == "fp32-mix-walk":
+        _with_fields(monkeypatch, mix_dphi="walk", mix_walk=4)
+    (check_fp32_matches_reference if dtype.startswith("fp32") else check_bf16_matches_fp32_reference)(case, "cpu")
+
+
+# (id, S, B, T, d, kernels, mix_walk, mix_walk_bt, fusion): M_PAD above m, tokens that do not fill the last program
+# or its last step, a program of one step, a program longer than every row, d not a power of two
+MIX_WALK = [
+    ("m3-ragged-last-program", 2, 2, 13, 24, (2, 3), 8, 2, "sigmoid"),
+    ("m4-softmax-one-step-programs", 3, 1, 11, 12, (3, 5, 2), 2, 2, "softmax"),
+    ("m2-one-program", 1, 3, 7, 20, (4,), 64, 4, "sigmoid"),
+    ("m5-M_PAD-8-odd-steps", 2, 2, 9, 10, (2, 3, 2, 4), 12, 4, "sigmoid"),
+    ("m3-default-walk", 2, 2, 13, 24, (2, 3), 0, 2, "sigmoid"),  # 0: as many programs as multiprocessors (4 on CPU)
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", MIX_WALK, ids=[c[0] for c in MIX_WALK])
+def test_mixer_backward_walking_sums_dphi_as_the_product(case):
+    """Blocks.mix_dphi="walk": the mixer's backward summing dφ, Σ dz and Σ dz·y inside its kernel (a program walks
+    mix_walk tokens of the flattened rows, mix_walk_bt a step) gives the product's dR, dφ, dα and db: with a random
+    upstream gradient, M_PAD above m, sigmoid and softmax gates, programs of one step, one program for all tokens,
+    and a last program and step that the tokens do not fill. dφ is also checked against its definition, Σ_t vec R ⊗
+    α ρ_R dz, from an fp64 reference of the gate's backward. Where d needs several channel tiles the product runs."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    _, S, B, T, d, kernels, walk, bt, fusion = case
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=4)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    m = 1 + len(taps)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    sigmoid = fusion == "sigmoid"
+    _, _, _, saved, _ = fused.forward(x, packed, ks, m, fused.folded_queries(queries, key_gains),
+                                      fused.doc_window(doc_ids), mixer=mixer, save=True, key_norm=True, eps=1e-6,
+                                      sigmoid=sigmoid)
+    dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(9))
+    base = fused._blocks(T, d, m_pad, max(ks))
+    assert base.bwd_bd >= d  # one tile: the walking kernel runs
+
+    def grads(**fields):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "_blocks", lambda *_a, _b=dataclasses.replace(base, **fields): _b)
+            return fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=sigmoid)
+
+    product = grads(mix_dphi="product")
+    walked = grads(mix_dphi="walk", mix_walk=walk, mix_walk_bt=bt)
+    for name, a, b in zip(("dR", "dφ", "dα", "db"), walked, product):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
+        assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
+        assert b.abs().max() > 0, name
+    # dφ by its definition, in fp64: z = R·φ, y = ρ_R z, g = gate(α y + b), dz from dg_j = dh·R_j
+    r = saved[0].double()  # (m, B, T, d)
+    rv = r.permute(1, 2, 0, 3).reshape(B, T, m * d)  # vec R
+    p64 = phi.detach().double().reshape(m * d, m).requires_grad_()
+    a64 = alpha.detach().double().reshape(()).requires_grad_()
+    b64 = bias.detach().double().requires_grad_()
+    y = (rv @ p64) * torch.rsqrt(rv.pow(2).mean(-1, keepdim=True) + 1e-6)
+    g = torch.sigmoid(a64 * y + b64) if sigmoid else torch.softmax(a64 * y + b64, -1)
+    h = torch.einsum("btj,jbtc->btc", g, r)
+    want = torch.autograd.grad((h * dh.double()).sum(), [p64, a64, b64])
+    for name, a, b in zip(("dφ", "dα", "db"), walked[1:], want):
+        assert rel_err(a.double().reshape(b.shape), b) < 1e-5, f"{name} against fp64: {rel_err(a.double(), b):.2e}"
+    # several channel tiles: the product, whatever mix_dphi says
+    with pytest.MonkeyPatch.context() as mp:
+        tiled = dataclasses.replace(base, bwd_bd=triton_pow2_below(d), mix_dphi="walk")
+        mp.setattr(fused, "_blocks", lambda *_a: tiled)
+        mp.setattr(fused, "_mix_bwd_walk_kernel", None)  # not called
+        for name, a, b in zip(("dR", "dφ", "dα", "db"), fused.mixer_backward(dh, saved, mixer, eps=1e-6,
+                                                                            sigmoid=sigmoid), product):
+            assert rel_err(a, b) < 1e-5, f"tiled {name}: {rel_err(a, b):.2e}"
+
+
+def triton_pow2_below(d: int) -> int:
+    """The largest power of two below d (a channel tile that does not hold d)."""
+    return 1 << ((d - 1).bit_length() - 1)
 
 
 @pytest.mark.parametrize("B,T", [(2, 96), (1, 13), (3, 64)], ids=["split-64", "one-product", "split-64-odd-B"])
