@@ -1949,6 +1949,11 @@ class Blocks:
     # (bwd_bd >= d: d·m_pad <= 4096 on the GPU, `small` and `medium`), elsewhere the product runs. ptxas (sm_90a,
     # `small`, 8 warps): 225 registers (one program an SM; φ's tile is loaded once a program), none spilled
     mix_dphi: str = "product"
+    # the dtype of the product's partials of dφ (``dphi_from``, mix_dphi="product"): "kept" (R's, bf16 under autocast:
+    # each of up to 64 partials rounded to 8 bits before their fp32 sum, dφ about 2.4e-3 off the walk's fp32 sums on an
+    # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md) or "float32" (the product's own fp32
+    # output on a GPU)
+    dphi_partials: str = "kept"
     mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
     mix_walk_bt: int = 2  # tokens a step of it
     mix_walk_warps: int = 8
@@ -1961,7 +1966,7 @@ class Blocks:
                                ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token")),
                                ("parts_layout", ("planes", "token")), ("combine_from", COMBINE_FROM),
                                ("part_sums", ("torch", "triton")), ("grad_streams", ("float32", "kept")),
-                               ("mix_dphi", ("product", "walk"))):
+                               ("mix_dphi", ("product", "walk")), ("dphi_partials", ("kept", "float32"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -2267,17 +2272,25 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def dphi_from(r: Tensor, coef: Tensor) -> Tensor:
+def dphi_from(r: Tensor, coef: Tensor, *, fp32_partials: bool = False) -> Tensor:
     """dφ = Σ_t vec R ⊗ coef (m·d, m) fp32 from R (m, B, T, d) and coef (B, T, m) fp32: one long
     reduction over the tokens, split into up to 64 batched products of a few hundred tokens each
     (a single (d, B·T) @ (B·T, m) product keeps a few dozen thread blocks busy over 16k tokens)
-    whose partials are summed in fp32."""
+    whose partials are summed in fp32. The products take R in its dtype and coef rounded to it; their partials
+    come out in R's dtype (bf16 under autocast: each rounded to 8 bits before the sum, about 2e-3 of dφ), or with
+    ``fp32_partials`` in fp32 (on a GPU the product's own fp32 output, ``out_dtype``; elsewhere the product in fp32)."""
     m, B, T, d = r.shape
     n = B * T
     p = math.gcd(n, 64)
     rs = r.reshape(m, p, n // p, d).transpose(2, 3).reshape(m * p, d, n // p)  # a view, no copy
     cf = coef.reshape(p, n // p, m).to(r.dtype).expand(m, p, n // p, m).reshape(m * p, n // p, m)
-    return torch.bmm(rs, cf).float().reshape(m, p, d, m).sum(1).reshape(m * d, m)
+    if not fp32_partials or r.dtype == torch.float32:
+        parts = torch.bmm(rs, cf).float()
+    elif r.is_cuda:
+        parts = torch.bmm(rs, cf, out_dtype=torch.float32)
+    else:
+        parts = torch.bmm(rs.float(), cf.float())
+    return parts.reshape(m, p, d, m).sum(1).reshape(m * d, m)
 
 
 def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
@@ -2305,7 +2318,7 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         r, z, rr, *mixer, dh, dr, dz, coef, dzy, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),
         SIGMOID=sigmoid, M_PAD=m_pad, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.mix_warps)
-    return dr, dphi_from(r, coef), dzy.sum(), dz.sum((0, 1))
+    return dr, dphi_from(r, coef, fp32_partials=blk.dphi_partials == "float32"), dzy.sum(), dz.sum((0, 1))
 
 
 def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -> tuple[Tensor, Tensor]:

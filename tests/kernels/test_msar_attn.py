@@ -619,6 +619,7 @@ def test_token_major_parts_equal_the_planes(case):
                                                     ("combine_from", "bf16", "'float32', 'kept'"),
                                                     ("part_sums", "cuda", "'torch', 'triton'"),
                                                     ("mix_dphi", "kernel", "'product', 'walk'"),
+                                                    ("dphi_partials", "bf16", "'kept', 'float32'"),
                                                     ("grad_streams", "bf16", "'float32', 'kept'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
     from kernels.msar_attn import fused
@@ -1122,6 +1123,27 @@ def test_mixer_backward_walking_sums_dphi_as_the_product(case):
 def triton_pow2_below(d: int) -> int:
     """The largest power of two below d (a channel tile that does not hold d)."""
     return 1 << ((d - 1).bit_length() - 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_dphi_partials_in_fp32_keep_dphi_to_fp32_round_off(device):
+    """Blocks.dphi_partials="float32": the product's partials of dφ from bf16 R come out in fp32 (on a GPU the
+    product's own fp32 output), so dφ is within fp32 round-off of its fp64 sum over the same bf16 values, while
+    the partials in R's dtype are each rounded to 8 bits (the measured 2.4e-3, an order of magnitude above)."""
+    from kernels.msar_attn import fused
+
+    g = torch.Generator().manual_seed(8)
+    m, B, T, d = 4, 2, 512, 48
+    r = torch.randn(m, B, T, d, generator=g).to(device=device, dtype=torch.bfloat16)
+    coef = torch.randn(B, T, m, generator=g).to(device)
+    cb = coef.to(torch.bfloat16).double()  # what both products take
+    want = torch.einsum("jnc,ni->jci", r.double().reshape(m, B * T, d), cb.reshape(B * T, m)).reshape(m * d, m)
+    fp32 = fused.dphi_from(r, coef, fp32_partials=True)
+    kept = fused.dphi_from(r, coef)
+    assert fp32.dtype == kept.dtype == torch.float32
+    assert rel_err(fp32.double(), want) < 1e-5
+    assert rel_err(kept.double(), want) > 10 * rel_err(fp32.double(), want)
 
 
 @pytest.mark.parametrize("B,T", [(2, 96), (1, 13), (3, 64)], ids=["split-64", "one-product", "split-64-odd-B"])
