@@ -322,6 +322,9 @@
 #              (4 tokens, 8 warps) at `small` (its fastest alone in mix_walk's sweep) and dφ's product partials in fp32
 #              (Blocks.dphi_partials=float32), each and both, in msar_block's small step alternating with the defaults;
 #              then the fp32 partials in the medium step (MEDIUM_LIMIT=0 leaves it out)
+#   mix_default one GPU (about 400 s with the start, estimated): with dφ's product partials in fp32 the default
+#              (Blocks.dphi_partials=float32, after mix_next): the op's GPU tests, then msar_block's 60-step training
+#              parity against the partials in bf16 (eager, seeds 0 1)
 #   mhc_phi_check one GPU (about 330 s with the start, estimated): the mHC GPU tests with φ's new blocks as the
 #              default, the race reduction with the read's second sweep (wgmma_race), then vanilla, mhc and msar_block's
 #              graphed small step profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
@@ -361,7 +364,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1494,6 +1497,14 @@ case "$PLAN" in
     [ "${MEDIUM_LIMIT:-230}" != 0 ] && step gpu0 msar_medium "${MEDIUM_LIMIT:-230}" python3 -m benchmarks.throughput \
       --models medium --residuals msar_block "msar_block@$FP32" msar_block "msar_block@$FP32" --compile model \
       --graphs on --steps 6 --set $COMBO --tag "${TAG:-_mix_next_medium}"
+    ;;
+  mix_default)
+    KEPT="py:kernels.msar_attn.fused.FIELDS={'dphi_partials':'kept'}"
+    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_msar_attn.py
+    step gpu0 parity "${PARITY_LIMIT:-230}" python3 -m benchmarks.backend_training --residuals msar_block \
+      --reference residual.backend=auto "$KEPT" --candidate residual.backend=auto --steps 60 --seeds 0 1 \
+      --set model=small trainer=gpu trainer.compile=false --name small_msar_block_dphi_fp32
     ;;
   views_medium)
     # msar_views' winners as the defaults: where the graphed small step goes now, then medium's steps against the

@@ -1951,9 +1951,11 @@ class Blocks:
     mix_dphi: str = "product"
     # the dtype of the product's partials of dφ (``dphi_from``, mix_dphi="product"): "kept" (R's, bf16 under autocast:
     # each of up to 64 partials rounded to 8 bits before their fp32 sum, dφ about 2.4e-3 off the walk's fp32 sums on an
-    # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md) or "float32" (the product's own fp32
-    # output on a GPU)
-    dphi_partials: str = "kept"
+    # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md; the setting before 2026-12-06, end)
+    # or "float32" (the product's own fp32 output on a GPU). H100, one process, alternating: msar_block's `small` step
+    # 38.4 / 38.4 ms against 38.5 / 38.4, `medium` 367.3 / 367.5 against 367.4 / 367.5 (throughput_{small,medium}_
+    # mix_next*_h100.md): the same time, dφ to fp32 round-off
+    dphi_partials: str = "float32"
     mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
     mix_walk_bt: int = 2  # tokens a step of it
     mix_walk_warps: int = 8
