@@ -322,9 +322,10 @@
 #              (4 tokens, 8 warps) at `small` (its fastest alone in mix_walk's sweep) and dφ's product partials in fp32
 #              (Blocks.dphi_partials=float32), each and both, in msar_block's small step alternating with the defaults;
 #              then the fp32 partials in the medium step (MEDIUM_LIMIT=0 leaves it out)
-#   mix_default one GPU (about 400 s with the start, estimated): with dφ's product partials in fp32 the default
-#              (Blocks.dphi_partials=float32, after mix_next): the op's GPU tests, then msar_block's 60-step training
-#              parity against the partials in bf16 (eager, seeds 0 1)
+#   mix_default one GPU (about 480 s with the start, estimated): with dφ's product partials in fp32 the default
+#              (Blocks.dphi_partials=float32, after mix_next): the op's GPU tests (with Blocks.pack_once too), msar_block's
+#              small step with the backward taking what the forward packed (pack_once, a candidate) alternating with the
+#              default, then msar_block's 60-step training parity against the partials in bf16 (eager, seeds 0 1)
 #   mhc_phi_check one GPU (about 330 s with the start, estimated): the mHC GPU tests with φ's new blocks as the
 #              default, the race reduction with the read's second sweep (wgmma_race), then vanilla, mhc and msar_block's
 #              graphed small step profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
@@ -1500,8 +1501,12 @@ case "$PLAN" in
     ;;
   mix_default)
     KEPT="py:kernels.msar_attn.fused.FIELDS={'dphi_partials':'kept'}"
+    PACK="py:kernels.msar_attn.fused.FIELDS={'pack_once':True}"
     step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
       tests/kernels/test_msar_attn.py
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-120}" python3 -m benchmarks.throughput --models small --residuals \
+      msar_block "msar_block@$PACK" msar_block "msar_block@$PACK" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_pack_once}"
     step gpu0 parity "${PARITY_LIMIT:-230}" python3 -m benchmarks.backend_training --residuals msar_block \
       --reference residual.backend=auto "$KEPT" --candidate residual.backend=auto --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu trainer.compile=false --name small_msar_block_dphi_fp32

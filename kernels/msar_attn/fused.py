@@ -1956,6 +1956,10 @@ class Blocks:
     # 38.4 / 38.4 ms against 38.5 / 38.4, `medium` 367.3 / 367.5 against 367.4 / 367.5 (throughput_{small,medium}_
     # mix_next*_h100.md): the same time, dφ to fp32 round-off
     dphi_partials: str = "float32"
+    # the backward of MsarFunction takes the packed taps, the folded queries and φᵀ the forward made (kept on ctx:
+    # (M_PAD·K_MAX + m + m·m)·d fp32 a read, 0.14 MB at `small`) instead of making them again: a fill, a fill, a copy a
+    # tap, a product and a transposed copy fewer a read (7 small kernels, 119 a `small` msar_block step)
+    pack_once: bool = False
     mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
     mix_walk_bt: int = 2  # tokens a step of it
     mix_walk_warps: int = 8
@@ -2501,10 +2505,16 @@ class MsarFunction(torch.autograd.Function):
         x, partial = _source_tensors(xs, n_src, buffer)
         d, m = x.shape[-1], queries.shape[0]
         packed, ks, _ = pack_taps(taps, d, x.device)
+        qg, mixer = folded_queries(queries, key_gains), _mixer_params(phi, alpha, bias)
         save = any(ctx.needs_input_grad)
+        # Blocks.pack_once: the backward takes the packed taps, the folded queries and φᵀ made here (a few small
+        # tensors a read, from parameters that do not change before the backward; they stay saved, so an in-place
+        # change still fails autograd's version check) instead of making them again
+        ctx.packed = (packed, ks, qg, mixer) if save and _blocks(x.shape[-2], d, triton.next_power_of_2(m),
+                                                                 max(ks)).pack_once else None
         ctx.kept = saved_streams_dtype(x)  # what R is kept in (autocast is on here, not in backward): rebuilt alike
-        h, lse, logits, saved, stats = forward(x, packed, ks, m, folded_queries(queries, key_gains), near,
-                                               key_norm=key_norm, eps=eps, mixer=_mixer_params(phi, alpha, bias),
+        h, lse, logits, saved, stats = forward(x, packed, ks, m, qg, near,
+                                               key_norm=key_norm, eps=eps, mixer=mixer,
                                                sigmoid=fusion == "sigmoid", store_logits=store_logits, save=save,
                                                partial=partial, save_dtype=ctx.kept, save_stats=save,
                                                keep_streams=not recompute_streams, out_dtype=out_dtype)
@@ -2529,12 +2539,16 @@ class MsarFunction(torch.autograd.Function):
         else:
             x, partial = _source_tensors(keep, ctx.n_src, None)  # (S, B, T, d), stacked again
         d = x.shape[-1]
-        packed, ks, _ = pack_taps(taps, d, x.device)
-        qg = folded_queries(queries, key_gains)
+        if ctx.packed is not None:
+            packed, ks, qg, mixer = ctx.packed
+            ctx.packed = None
+        else:
+            packed, ks, _ = pack_taps(taps, d, x.device)
+            qg, mixer = folded_queries(queries, key_gains), _mixer_params(phi, alpha, bias)
         with torch.autocast(device_type=x.device.type, enabled=False):
             if r is None:  # recompute_streams: the forward kept no R
                 r = rebuild_streams(x, packed, ks, near, logits, lse, partial=partial, dtype=ctx.kept)
-            dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), _mixer_params(phi, alpha, bias),
+            dr, dphi, dalpha, dbias = mixer_backward(dh.contiguous(), (r, z, rr), mixer,
                                                      eps=ctx.eps, sigmoid=ctx.fusion == "sigmoid")
             rows_grad = None if ctx.rows is None else ctx.grads.target(x.shape[0])
             dx, dtaps, dqg = streams_backward(dr, lse, x, taps, packed, ks, qg, near, key_norm=ctx.key_norm,

@@ -997,7 +997,7 @@ def check_fp32_matches_reference(case, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2", "combine-float32", "part-sums-torch",
-                                   "grad-streams-kept", "mix-dphi-walk"])
+                                   "grad-streams-kept", "mix-dphi-walk", "pack-once"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
@@ -1006,7 +1006,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     (Blocks.combine_from="float32", the combine before 2026-12-06 night), and with the source gradients' partials
     summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
     "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
-    backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product)."""
+    backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and with the
+    backward taking the taps, queries and φᵀ the forward packed (Blocks.pack_once, a candidate)."""
     if pass2 == "lean":
         _with_lean(monkeypatch)
     if pass2 == "src-ahead2":
@@ -1019,6 +1020,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
         _with_fields(monkeypatch, grad_streams="kept")
     if pass2 == "mix-dphi-walk":
         _with_fields(monkeypatch, mix_dphi="walk")
+    if pass2 == "pack-once":
+        _with_fields(monkeypatch, pack_once=True)
     check_bf16_matches_fp32_reference(case, "cuda")
 
 
@@ -1049,6 +1052,37 @@ def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
     if dtype == "fp32-mix-walk":
         _with_fields(monkeypatch, mix_dphi="walk", mix_walk=4)
     (check_fp32_matches_reference if dtype.startswith("fp32") else check_bf16_matches_fp32_reference)(case, "cpu")
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CPU_TWIN_CASES[:1] + [(("S2-B1-T7-d8-k3-rawkeys-no-gains", 2, 1, 7, 8, (3,), False,
+                                                         False, "sigmoid"), None)], ids=["gains", "no-gains"])
+def test_backward_takes_what_the_forward_packed(case, monkeypatch):
+    """Blocks.pack_once: the backward takes the packed taps, the folded queries and the mixer's φᵀ that the forward
+    made, instead of making them again: pack_taps, folded_queries and _mixer_params run once a read instead of twice,
+    and h and every gradient are the same to the bit (random upstream gradient; queries with and without key gains)."""
+    from kernels.msar_attn import fused
+
+    calls = []
+    for name in ("pack_taps", "folded_queries", "_mixer_params"):
+        inner = getattr(fused, name)
+        monkeypatch.setattr(fused, name, lambda *a, _f=inner, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    runs = {}
+    for once in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            _with_fields(mp, pack_once=once)
+            named, doc_ids, key_norm, fusion = _low_precision_inputs(case[0], torch.float32, "cpu")
+            calls.clear()
+            h, _ = _call(named, doc_ids, key_norm, fusion, "triton")
+            up = torch.randn(h.shape, generator=torch.Generator().manual_seed(6))
+            grads = torch.autograd.grad((h * up).sum(), [t for _, t in named])
+            runs[once] = (h, grads, sorted(calls))
+    (h1, g1, c1), (h0, g0, c0) = runs[True], runs[False]
+    assert c1 == sorted(["pack_taps", "folded_queries", "_mixer_params"]) and c0 == sorted(c1 * 2), (c1, c0)
+    assert torch.equal(h1, h0)
+    for a, b in zip(g1, g0):
+        assert torch.equal(a, b)
+    assert any(g.abs().max() > 0 for g in g1)
 
 
 # (id, S, B, T, d, kernels, mix_walk, mix_walk_bt, fusion): M_PAD above m, tokens that do not fill the last program
