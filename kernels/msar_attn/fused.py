@@ -1958,8 +1958,10 @@ class Blocks:
     dphi_partials: str = "float32"
     # the backward of MsarFunction takes the packed taps, the folded queries and φᵀ the forward made (kept on ctx:
     # (M_PAD·K_MAX + m + m·m)·d fp32 a read, 0.14 MB at `small`) instead of making them again: a fill, a fill, a copy a
-    # tap, a product and a transposed copy fewer a read (7 small kernels, 119 a `small` msar_block step)
-    pack_once: bool = False
+    # tap, a product and a transposed copy fewer a read (7 small kernels, 119 a `small` msar_block step). H100, one
+    # process, alternating (throughput_small_pack_once_h100.md): msar_block's `small` step 38.4 / 38.4 -> 38.3 / 38.3 ms,
+    # the same results to the bit; False makes them again (the setting before 2026-12-06, final session)
+    pack_once: bool = True
     mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
     mix_walk_bt: int = 2  # tokens a step of it
     mix_walk_warps: int = 8
