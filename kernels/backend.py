@@ -7,6 +7,7 @@ A backend that cannot run the inputs is an error, never a silent fallback.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -40,3 +41,9 @@ def check_triton_device(x: Tensor, op: str) -> None:
     if not x.is_cuda and not interpreting():
         raise RuntimeError(f"{op}: backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton "
                            f"is imported to run on {x.device.type}; use backend='torch' or backend='auto'")
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a GPU, queried once per device (a per-backward query is host time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -45,7 +45,6 @@ All math is fp32 whatever the streams' dtype; inputs are made contiguous by the 
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
@@ -53,7 +52,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..backend import interpreting
+from ..backend import interpreting, sm_count as _sm_count
 from .recompute import StreamRecompute
 
 # Precision of the projections z = x'φ, φ dz and Σ xᵀ dz (tl.dot on fp32 operands). The paper keeps φ
@@ -1483,12 +1482,6 @@ def phi_grad(x, w):
         x, w, part, N, nd, blocks, K=k, KP=_pow2(k, 16), BLOCK_T=block_t, BLOCK_R=block_r,
         DOT_PRECISION=DOT_PRECISION, SPLIT3=split3, INTERP=interpreting(), **launch)
     return part.sum(0)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a GPU, queried once per device (a per-backward query is host time)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def post_fwd(x, f, h_post, h_res):

@@ -59,7 +59,6 @@ All math is fp32 whatever x's dtype (bf16 on the GPU).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,7 +68,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..backend import interpreting
+from ..backend import interpreting, sm_count
 
 
 
@@ -2274,12 +2273,6 @@ def saved_streams_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a GPU, queried once per device (a per-backward query is host time)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def dphi_from(r: Tensor, coef: Tensor, *, fp32_partials: bool = False) -> Tensor:
     """dφ = Σ_t vec R ⊗ coef (m·d, m) fp32 from R (m, B, T, d) and coef (B, T, m) fp32: one long
     reduction over the tokens, split into up to 64 batched products of a few hundred tokens each
@@ -2313,7 +2306,7 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
     if blk.mix_dphi == "walk" and d <= blk.bwd_bd:  # one tile holds every channel: dφ inside the kernel
         n, bt = B * T, blk.mix_walk_bt
         # 0: one program a multiprocessor (four under the interpreter), every program the same number of steps
-        walk = blk.mix_walk or triton.cdiv(n, 4 if r.device.type == "cpu" else _sm_count(r.device))
+        walk = blk.mix_walk or triton.cdiv(n, 4 if r.device.type == "cpu" else sm_count(r.device))
         n_walk = triton.cdiv(walk, bt)
         n_prog = triton.cdiv(n, n_walk * bt)
         part = torch.empty(n_prog, m * d * m + m + 1, **f32)
