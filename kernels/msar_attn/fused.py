@@ -1946,14 +1946,19 @@ class Blocks:
     # (programs, m·d·m + m + 1) fp32 buffer that one torch.sum reduces; the products from R in fp32, not from the
     # bf16 product of bf16 R and coef). "walk" applies where one tile of the mixer backward holds all of d
     # (bwd_bd >= d: d·m_pad <= 4096 on the GPU, `small` and `medium`), elsewhere the product runs. ptxas (sm_90a,
-    # `small`, 8 warps): 225 registers (one program an SM; φ's tile is loaded once a program), none spilled
+    # `small`, 8 warps): 225 registers (one program an SM; φ's tile is loaded once a program), none spilled. H100, one
+    # process, alternating (throughput_small_mix_walk_h100.md): msar_block's `small` step 39.0 / 39.0 ms against 38.5 /
+    # 38.4 with the product (its programs wait on their loads): opt-in, a measured counter-example
     mix_dphi: str = "product"
+    mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
+    mix_walk_bt: int = 2  # tokens a step of it
+    mix_walk_warps: int = 8
     # the dtype of the product's partials of dφ (``dphi_from``, mix_dphi="product"): "kept" (R's, bf16 under autocast:
     # each of up to 64 partials rounded to 8 bits before their fp32 sum, dφ about 2.4e-3 off the walk's fp32 sums on an
-    # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md; the setting before 2026-12-06, end)
-    # or "float32" (the product's own fp32 output on a GPU). H100, one process, alternating: msar_block's `small` step
-    # 38.4 / 38.4 ms against 38.5 / 38.4, `medium` 367.3 / 367.5 against 367.4 / 367.5 (throughput_{small,medium}_
-    # mix_next*_h100.md): the same time, dφ to fp32 round-off
+    # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md; the setting before 2026-12-06, final
+    # session) or "float32" (the product's own fp32 output on a GPU). H100, one process, alternating: msar_block's
+    # `small` step 38.4 / 38.4 ms against 38.5 / 38.4, `medium` 367.3 / 367.5 against 367.4 / 367.5
+    # (throughput_{small,medium}_mix_next*_h100.md): the same time, dφ to fp32 round-off
     dphi_partials: str = "float32"
     # the backward of MsarFunction takes the packed taps, the folded queries and φᵀ the forward made (kept on ctx:
     # (M_PAD·K_MAX + m + m·m)·d fp32 a read, 0.14 MB at `small`) instead of making them again: a fill, a fill, a copy a
@@ -1961,9 +1966,6 @@ class Blocks:
     # process, alternating (throughput_small_pack_once_h100.md): msar_block's `small` step 38.4 / 38.4 -> 38.3 / 38.3 ms,
     # the same results to the bit; False makes them again (the setting before 2026-12-06, final session)
     pack_once: bool = True
-    mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
-    mix_walk_bt: int = 2  # tokens a step of it
-    mix_walk_warps: int = 8
     # (register caps per kernel, Triton's ``maxnreg`` at 168 and 128, were timed on an H200 at `small` and withdrawn:
     # the forward 10-25%, the stats 12% and the source gradients 72-76% slower; docs/kernel_msar.md)
 
