@@ -476,8 +476,9 @@ stream_rule_times() {  # TILES SMALL MEDIUM (limits; 0 skips): the forward strea
   step gpu0 medium "$3" python3 -m benchmarks.throughput --models medium --residuals vanilla attnres \
     "attnres@$chunks" --compile model --graphs on --steps 6 --set $COMBO --tag "${TAG:-_stream_rule}"
 }
+# the MSAR op's GPU tests (msar_tests LIMIT [PYTEST_K]): the whole file, or the tests -k selects
 msar_tests() { step gpu0 gpu_tests "$1" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-  tests/kernels/test_msar_attn.py; }
+  tests/kernels/test_msar_attn.py ${2:+-k "$2"}; }
 msar_step() {  # MODEL TAG LIMIT STEPS
   step gpu0 "$1" "$3" python3 -m benchmarks.throughput --models "$1" --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} \
     --compile model --graphs on --steps "$4" --set $COMBO --tag ${TAG:-$2}
@@ -1478,8 +1479,7 @@ case "$PLAN" in
     # product that reads R a third time and two torch sums (built 2026-12-06, CPU only; sm_90a at small: 225 registers
     # at 8 warps, one program an SM, no spills)
     WALK="py:kernels.msar_attn.fused.FIELDS={'mix_dphi':'walk'}"
-    step gpu0 gpu_tests "${TEST_LIMIT:-120}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_msar_attn.py -k "plain or walk or test_gpu_fp32"
+    msar_tests "${TEST_LIMIT:-120}" "plain or walk or test_gpu_fp32"
     step gpu0 mix_tiles "${TILES_LIMIT:-150}" python3 -m benchmarks.msar_tiles --shapes small medium \
       --kernels "mixer backward" --tag "${TAG:-_mix_walk}"
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals vanilla \
@@ -1490,8 +1490,7 @@ case "$PLAN" in
     TILES="py:kernels.msar_attn.fused.FIELDS={'bwd_bt':4,'mix_warps':8}"
     FP32="py:kernels.msar_attn.fused.FIELDS={'dphi_partials':'float32'}"
     BOTH="py:kernels.msar_attn.fused.FIELDS={'bwd_bt':4,'mix_warps':8,'dphi_partials':'float32'}"
-    step gpu0 gpu_tests "${TEST_LIMIT:-60}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_msar_attn.py -k "dphi_partials"
+    msar_tests "${TEST_LIMIT:-60}" "dphi_partials"
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-260}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$TILES" "msar_block@$FP32" "msar_block@$BOTH" msar_block "msar_block@$TILES" \
       "msar_block@$FP32" "msar_block@$BOTH" --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_mix_next}"
@@ -1502,8 +1501,7 @@ case "$PLAN" in
   mix_default)
     KEPT="py:kernels.msar_attn.fused.FIELDS={'dphi_partials':'kept'}"
     PACK="py:kernels.msar_attn.fused.FIELDS={'pack_once':True}"
-    step gpu0 gpu_tests "${TEST_LIMIT:-150}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/kernels/test_msar_attn.py
+    msar_tests "${TEST_LIMIT:-150}"
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-120}" python3 -m benchmarks.throughput --models small --residuals \
       msar_block "msar_block@$PACK" msar_block "msar_block@$PACK" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_pack_once}"

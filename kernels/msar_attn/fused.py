@@ -2501,14 +2501,13 @@ class MsarFunction(torch.autograd.Function):
         xs, taps = tensors[:split], tensors[split:]
         x, partial = _source_tensors(xs, n_src, buffer)
         d, m = x.shape[-1], queries.shape[0]
-        packed, ks, _ = pack_taps(taps, d, x.device)
+        packed, ks, m_pad = pack_taps(taps, d, x.device)
         qg, mixer = folded_queries(queries, key_gains), _mixer_params(phi, alpha, bias)
         save = any(ctx.needs_input_grad)
         # Blocks.pack_once: the backward takes the packed taps, the folded queries and φᵀ made here (a few small
         # tensors a read, from parameters that do not change before the backward; they stay saved, so an in-place
         # change still fails autograd's version check) instead of making them again
-        ctx.packed = (packed, ks, qg, mixer) if save and _blocks(x.shape[-2], d, triton.next_power_of_2(m),
-                                                                 max(ks)).pack_once else None
+        ctx.packed = (packed, ks, qg, mixer) if save and _blocks(x.shape[-2], d, m_pad, max(ks)).pack_once else None
         ctx.kept = saved_streams_dtype(x)  # what R is kept in (autocast is on here, not in backward): rebuilt alike
         h, lse, logits, saved, stats = forward(x, packed, ks, m, qg, near,
                                                key_norm=key_norm, eps=eps, mixer=mixer,

@@ -1133,31 +1133,20 @@ def test_mixer_backward_walking_sums_dphi_as_the_product(case):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
         assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
         assert b.abs().max() > 0, name
-    # dφ by its definition, in fp64: z = R·φ, y = ρ_R z, g = gate(α y + b), dz from dg_j = dh·R_j
-    r = saved[0].double()  # (m, B, T, d)
-    rv = r.permute(1, 2, 0, 3).reshape(B, T, m * d)  # vec R
-    p64 = phi.detach().double().reshape(m * d, m).requires_grad_()
-    a64 = alpha.detach().double().reshape(()).requires_grad_()
-    b64 = bias.detach().double().requires_grad_()
-    y = (rv @ p64) * torch.rsqrt(rv.pow(2).mean(-1, keepdim=True) + 1e-6)
-    g = torch.sigmoid(a64 * y + b64) if sigmoid else torch.softmax(a64 * y + b64, -1)
-    h = torch.einsum("btj,jbtc->btc", g, r)
+    # dφ, dα, db by their definition: the reference mixer in fp64 on the same streams
+    p64, a64, b64 = (t.detach().double().requires_grad_() for t in (phi, alpha, bias))
+    h = reference.mix(saved[0].double(), p64, a64, b64, fusion=fusion, eps=1e-6)
     want = torch.autograd.grad((h * dh.double()).sum(), [p64, a64, b64])
     for name, a, b in zip(("dφ", "dα", "db"), walked[1:], want):
         assert rel_err(a.double().reshape(b.shape), b) < 1e-5, f"{name} against fp64: {rel_err(a.double(), b):.2e}"
     # several channel tiles: the product, whatever mix_dphi says
     with pytest.MonkeyPatch.context() as mp:
-        tiled = dataclasses.replace(base, bwd_bd=triton_pow2_below(d), mix_dphi="walk")
+        tiled = dataclasses.replace(base, bwd_bd=1 << ((d - 1).bit_length() - 1), mix_dphi="walk")  # below d
         mp.setattr(fused, "_blocks", lambda *_a: tiled)
         mp.setattr(fused, "_mix_bwd_walk_kernel", None)  # not called
         for name, a, b in zip(("dR", "dφ", "dα", "db"), fused.mixer_backward(dh, saved, mixer, eps=1e-6,
                                                                             sigmoid=sigmoid), product):
             assert rel_err(a, b) < 1e-5, f"tiled {name}: {rel_err(a, b):.2e}"
-
-
-def triton_pow2_below(d: int) -> int:
-    """The largest power of two below d (a channel tile that does not hold d)."""
-    return 1 << ((d - 1).bit_length() - 1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
