@@ -326,6 +326,13 @@
 #              (Blocks.dphi_partials=float32, after mix_next): the op's GPU tests (with Blocks.pack_once too), msar_block's
 #              small step with the backward taking what the forward packed (pack_once, a candidate) alternating with the
 #              default, then msar_block's 60-step training parity against the partials in bf16 (eager, seeds 0 1)
+#   dphi_reduce one GPU (about 520 s with the start, estimated): dφ, Σ dz and Σ dz·y by one reduction kernel after
+#              MSAR's mixer backward (Blocks.mix_dphi=reduce, a candidate): the op's GPU tests with it, the mixer
+#              backward alone with the reduction's tiles at small and medium, msar_block's small step alternating with
+#              the product (the default); RED sets the candidate's fields (a dict's body, default 'mix_dphi':'reduce')
+#   dphi_medium one GPU (about 480 s with the start, estimated): after dphi_reduce, msar_block's medium step alternating
+#              with the reduction (RED as there), then msar_block's 60-step training parity with it against the product
+#              (eager, seeds 0 1; PARITY_LIMIT=0 leaves it out)
 #   mhc_phi_check one GPU (about 330 s with the start, estimated): the mHC GPU tests with φ's new blocks as the
 #              default, the race reduction with the read's second sweep (wgmma_race), then vanilla, mhc and msar_block's
 #              graphed small step profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
@@ -365,7 +372,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1508,6 +1515,26 @@ case "$PLAN" in
     step gpu0 parity "${PARITY_LIMIT:-230}" python3 -m benchmarks.backend_training --residuals msar_block \
       --reference residual.backend=auto "$KEPT" --candidate residual.backend=auto --steps 60 --seeds 0 1 \
       --set model=small trainer=gpu trainer.compile=false --name small_msar_block_dphi_fp32
+    ;;
+  dphi_reduce)
+    RED="py:kernels.msar_attn.fused.FIELDS={${RED:-'mix_dphi':'reduce'}}"
+    msar_tests "${TEST_LIMIT:-90}" "plain or reduce or test_gpu_fp32"
+    step gpu0 mix_tiles "${TILES_LIMIT:-120}" python3 -m benchmarks.msar_tiles --shapes small medium \
+      --kernels "mixer backward" --only mix_dphi=reduce mix_dphi=reduce,dphi_bt=4 mix_dphi=reduce,dphi_bt=16 \
+      mix_dphi=reduce,dphi_bd=256 mix_dphi=reduce,dphi_bd=256,dphi_warps=8 mix_dphi=reduce,dphi_bd=64,dphi_warps=2 \
+      mix_dphi=reduce,dphi_waves=2 mix_dphi=reduce,dphi_waves=8 --tag "${TAG:-_dphi_reduce}"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$RED" msar_block "msar_block@$RED" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_dphi_reduce}"
+    ;;
+  dphi_medium)
+    RED="py:kernels.msar_attn.fused.FIELDS={${RED:-'mix_dphi':'reduce'}}"
+    step gpu0 msar_medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium --residuals \
+      msar_block "msar_block@$RED" msar_block "msar_block@$RED" --compile model --graphs on --steps 6 --set $COMBO \
+      --tag "${TAG:-_dphi_medium}"
+    [ "${PARITY_LIMIT:-200}" != 0 ] && step gpu0 parity "${PARITY_LIMIT:-200}" python3 -m benchmarks.backend_training \
+      --residuals msar_block --reference residual.backend=auto --candidate residual.backend=auto "$RED" --steps 60 \
+      --seeds 0 1 --set model=small trainer=gpu trainer.compile=false --name small_msar_block_dphi_reduce
     ;;
   views_medium)
     # msar_views' winners as the defaults: where the graphed small step goes now, then medium's steps against the

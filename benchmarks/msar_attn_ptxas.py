@@ -211,6 +211,11 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                dict(**mixer, r_ptr=x_type, z_ptr=F32, rr_ptr=F32, dh_ptr=x_type, dr_ptr=dr_type, part_ptr=F32,
                     eps="fp32"),
                dict(SIGMOID=True, BT=blk.mix_walk_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_walk_warps)
+    if hasattr(blk, "dphi_bt"):  # Blocks.mix_dphi="reduce" (2026-12-07): dφ, Σ dz, Σ dz·y in one kernel after it
+        tag = "" if blk.mix_dphi == "reduce" else " (candidate)"
+        yield (f"mixer backward, dφ reduction{tag}", fused._dphi_kernel,
+               dict(r_ptr=x_type, coef_ptr=F32, dz_ptr=F32, dzy_ptr=F32, part_ptr=F32),
+               dict(M_PAD=m_pad, BT=blk.dphi_bt, BD=blk.dphi_bd, INTERP=False), blk.dphi_warps)
     if getattr(blk, "stats_mode", "tile") == "serial":
         ptok = getattr(blk, "parts_layout", "planes") == "token"
         stats = dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,

@@ -102,7 +102,14 @@ def candidates(blk) -> dict[str, list[dict]]:
                           + [dict(mix_dphi="walk", mix_walk=w, mix_walk_bt=bt, mix_walk_warps=nw)
                              for w, bt, nw in ((0, 1, 8), (0, 4, 8), (0, 2, 16), (0, 4, 16), (64, 2, 8),
                                                (256, 2, 8), (0, 1, 4))
-                             if (w, bt, nw) != (blk.mix_walk, blk.mix_walk_bt, blk.mix_walk_warps)],
+                             if (w, bt, nw) != (blk.mix_walk, blk.mix_walk_bt, blk.mix_walk_warps)]
+                          # dφ, Σ dz and Σ dz·y by one reduction kernel after the mixer's (mix_dphi="reduce"), or the
+                          # product once the reduction is the default; then the reduction's tiles
+                          + [dict(mix_dphi="reduce" if blk.mix_dphi != "reduce" else "product")]
+                          + [dict(mix_dphi="reduce", dphi_bt=bt, dphi_bd=bd, dphi_warps=nw, dphi_waves=wv)
+                             for bt, bd, nw, wv in ((4, 128, 4, 4), (16, 128, 4, 4), (8, 64, 2, 4), (8, 256, 4, 4),
+                                                    (8, 256, 8, 4), (8, 128, 4, 2), (8, 128, 4, 8))
+                             if (bt, bd, nw, wv) != (blk.dphi_bt, blk.dphi_bd, blk.dphi_warps, blk.dphi_waves)],
         "stats": [{}] + v3 + [dict(stats_glue=other_stats_glue)]
                  # the stats kernel's sums token-major (sm_90a at `small`: 436 -> 413 instructions a trip, 157 -> 150
                  # registers), or in planes once token-major is the default
@@ -220,7 +227,8 @@ def parse_candidate(text: str) -> dict:
 
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps", "mix_dphi", "mix_walk",
-                                                                  "mix_walk_bt", "mix_walk_warps"),
+                                                                  "mix_walk_bt", "mix_walk_warps", "dphi_bt", "dphi_bd",
+                                                                  "dphi_warps", "dphi_waves"),
             "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps",
                       "stats_pairs", "parts_layout"),
             "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch",

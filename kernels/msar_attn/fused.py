@@ -507,6 +507,74 @@ def _mix_bwd_walk_kernel(
     tl.store(row + M * D * M + M, tl.sum(dzy_sum, axis=0))
 
 
+@triton.jit(do_not_specialize=("N", "chunk"))  # token counts: one compile for every batch shape
+def _dphi_kernel(
+    r_ptr,  # the streams R (m, B·T, d) as the forward saved them
+    coef_ptr,  # α ρ_R dz (B·T, m) fp32, from _mix_bwd_kernel
+    dz_ptr,  # dL/dz (B·T, m) fp32
+    dzy_ptr,  # Σ_i dz_i y_i (B·T,) fp32
+    part_ptr,  # result: one row a token chunk, (n_chunk, m·d·m + m + 1) fp32: partial dφ, Σ dz, Σ dz·y
+    N, D, M, chunk,
+    M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+):
+    """The mixer's parameter gradients as one reduction (``Blocks.mix_dphi="reduce"``): program (channel tile, token
+    chunk) reads its tile of R over its chunk once, BT tokens a step, and sums dφ[j·d + c, i] = Σ_t R_j[t, c]
+    coef_i[t] in fp32 registers (a tuple over i of (M_PAD, BD) tiles), written once into its chunk's row; the
+    programs of the first channel tile also sum dz and dz·y over the chunk. One sum over the rows finishes all three
+    (deterministic, no atomics). The steps' loop a ``range`` on the GPU (pipelined), a ``while`` under the
+    interpreter (whose ``range`` takes no run-time bound): the same steps in the same order."""
+    dt = tl.program_id(0)
+    ck = tl.program_id(1)
+    jv = tl.arange(0, M_PAD)
+    mask_j = jv < M
+    offs_d = dt * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    first = dt == 0
+    lo = ck * chunk
+    hi = tl.minimum(lo + chunk, N)
+    acc = ()
+    for i in tl.static_range(M_PAD):
+        acc = acc + (tl.zeros((M_PAD, BD), dtype=tl.float32),)
+    dz_sum = tl.zeros((BT, M_PAD), dtype=tl.float32)
+    dzy_sum = tl.zeros((BT,), dtype=tl.float32)
+    if INTERP:
+        n0 = lo
+        while n0 < hi:
+            acc, dz_sum, dzy_sum = _dphi_step(r_ptr, coef_ptr, dz_ptr, dzy_ptr, n0, hi, N, D, M, jv, mask_j, offs_d,
+                                              mask_d, first, acc, dz_sum, dzy_sum, M_PAD, BT)
+            n0 += BT
+    else:
+        for n0 in range(lo, hi, BT):
+            acc, dz_sum, dzy_sum = _dphi_step(r_ptr, coef_ptr, dz_ptr, dzy_ptr, n0, hi, N, D, M, jv, mask_j, offs_d,
+                                              mask_d, first, acc, dz_sum, dzy_sum, M_PAD, BT)
+    row = part_ptr + ck.to(tl.int64) * (M * D * M + M + 1)
+    out = (jv[:, None] * D + offs_d[None, :]) * M  # dφ[j·d + c, i] at (j·d + c)·m + i
+    for i in tl.static_range(M_PAD):
+        tl.store(row + out + i, acc[i], mask=mask_j[:, None] & mask_d[None, :] & (i < M))
+    tl.store(row + M * D * M + jv, tl.sum(dz_sum, axis=0), mask=mask_j & first)
+    tl.store(row + M * D * M + M, tl.sum(dzy_sum, axis=0), mask=first)
+
+
+@triton.jit
+def _dphi_step(r_ptr, coef_ptr, dz_ptr, dzy_ptr, n0, hi, N, D, M, jv, mask_j, offs_d, mask_d, first, acc, dz_sum,
+               dzy_sum, M_PAD: tl.constexpr, BT: tl.constexpr):
+    """One step of _dphi_kernel: BT tokens from n0 (masked at the chunk's end hi)."""
+    offs_n = n0 + tl.arange(0, BT)
+    mask_n = offs_n < hi
+    rows = offs_n.to(tl.int64)
+    tile = (jv[:, None, None].to(tl.int64) * N + rows[None, :, None]) * D + offs_d[None, None, :]
+    r = tl.load(r_ptr + tile, mask=mask_j[:, None, None] & mask_n[None, :, None] & mask_d[None, None, :],
+                other=0.0).to(tl.float32)  # (M_PAD, BT, BD)
+    nacc = ()
+    for i in tl.static_range(M_PAD):
+        ci = tl.load(coef_ptr + rows * M + i, mask=mask_n & (i < M), other=0.0)  # (BT,)
+        nacc = nacc + (acc[i] + tl.sum(r * ci[None, :, None], axis=1),)  # (M_PAD, BD)
+    stat = rows[:, None] * M + jv[None, :]  # (BT, M_PAD)
+    dz_sum += tl.load(dz_ptr + stat, mask=mask_n[:, None] & mask_j[None, :] & first, other=0.0)
+    dzy_sum += tl.load(dzy_ptr + rows, mask=mask_n & first, other=0.0)
+    return nacc, dz_sum, dzy_sum
+
+
 @triton.jit(do_not_specialize=("S", "n_buf"))  # counts of sources: one compile for every count
 def _stats_kernel(
     x_ptr,  # sources (S, B, T, d)
@@ -1953,6 +2021,14 @@ class Blocks:
     mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
     mix_walk_bt: int = 2  # tokens a step of it
     mix_walk_warps: int = 8
+    # mix_dphi="reduce" (``_dphi_kernel``, after the mixer's backward, which writes coef, dz and dz·y as for the
+    # product): tokens a step, channels and warps a program, the programs a multiprocessor it aims at (the token
+    # chunks are as many as that takes), or a fixed chunk of tokens (0: from dphi_waves)
+    dphi_bt: int = 8
+    dphi_bd: int = 128
+    dphi_warps: int = 4
+    dphi_waves: int = 4
+    dphi_chunk: int = 0
     # the dtype of the product's partials of dφ (``dphi_from``, mix_dphi="product"): "kept" (R's, bf16 under autocast:
     # each of up to 64 partials rounded to 8 bits before their fp32 sum, dφ about 2.4e-3 off the walk's fp32 sums on an
     # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md; the setting before 2026-12-06, final
@@ -1975,7 +2051,7 @@ class Blocks:
                                ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token")),
                                ("parts_layout", ("planes", "token")), ("combine_from", COMBINE_FROM),
                                ("part_sums", ("torch", "triton")), ("grad_streams", ("float32", "kept")),
-                               ("mix_dphi", ("product", "walk")), ("dphi_partials", ("kept", "float32"))):
+                               ("mix_dphi", ("product", "walk", "reduce")), ("dphi_partials", ("kept", "float32"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -2321,7 +2397,31 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         r, z, rr, *mixer, dh, dr, dz, coef, dzy, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),
         SIGMOID=sigmoid, M_PAD=m_pad, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.mix_warps)
+    if blk.mix_dphi == "reduce":
+        sums = dphi_reduce(r, coef, dz, dzy, blk)
+        return dr, sums[:m * d * m].view(m * d, m), sums[-1], sums[m * d * m:m * d * m + m]
     return dr, dphi_from(r, coef, fp32_partials=blk.dphi_partials == "float32"), dzy.sum(), dz.sum((0, 1))
+
+
+def dphi_reduce(r: Tensor, coef: Tensor, dz: Tensor, dzy: Tensor, blk: Blocks) -> Tensor:
+    """dφ, Σ dz and Σ dz·y as one vector (m·d·m + m + 1,) fp32 (``Blocks.mix_dphi="reduce"``, ``_dphi_kernel``):
+    R (m, B, T, d) read once in channel tiles of ``dphi_bd`` over token chunks, as many chunks as give about
+    ``dphi_waves`` programs a multiprocessor (under the interpreter ``dphi_chunk`` tokens a chunk when set, else
+    four chunks), each chunk a multiple of ``dphi_bt`` tokens; the chunks' rows summed by ``Blocks.part_sums``."""
+    m, B, T, d = r.shape
+    n = B * T
+    n_dt = triton.cdiv(d, blk.dphi_bd)
+    if blk.dphi_chunk:
+        chunk = blk.dphi_chunk
+    else:
+        want = 4 if r.device.type == "cpu" else max(1, blk.dphi_waves * sm_count(r.device) // n_dt)
+        chunk = triton.cdiv(n, want)
+    chunk = triton.cdiv(chunk, blk.dphi_bt) * blk.dphi_bt
+    n_chunk = triton.cdiv(n, chunk)
+    part = torch.empty(n_chunk, m * d * m + m + 1, device=r.device, dtype=torch.float32)
+    _dphi_kernel[(n_dt, n_chunk)](r, coef, dz, dzy, part, n, d, m, chunk, M_PAD=triton.next_power_of_2(m),
+                                  BT=blk.dphi_bt, BD=blk.dphi_bd, INTERP=interpreting(), num_warps=blk.dphi_warps)
+    return sum_rows(part) if blk.part_sums == "triton" else part.sum(0)
 
 
 def src_scratch(n_prog: int, m_pad: int, npair: int, bt: int, bd: int, device) -> tuple[Tensor, Tensor]:

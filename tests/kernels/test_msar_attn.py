@@ -618,7 +618,7 @@ def test_token_major_parts_equal_the_planes(case):
                                                     ("parts_layout", "token-major", "'planes', 'token'"),
                                                     ("combine_from", "bf16", "'float32', 'kept'"),
                                                     ("part_sums", "cuda", "'torch', 'triton'"),
-                                                    ("mix_dphi", "kernel", "'product', 'walk'"),
+                                                    ("mix_dphi", "kernel", "'product', 'walk', 'reduce'"),
                                                     ("dphi_partials", "bf16", "'kept', 'float32'"),
                                                     ("grad_streams", "bf16", "'float32', 'kept'")])
 def test_an_unknown_kernel_mode_is_an_error(field, value, choices, monkeypatch):
@@ -903,8 +903,9 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # layouts token-major by default since 2026-12-05, the planes the listed candidates; the source gradients with
     # two tokens' loads in flight, a candidate), the mixer, the stats and the sources with dR in bf16 (candidates,
     # Blocks.grad_streams), the source gradients' partial sums (Blocks.part_sums="triton", the default), and the
-    # mixer's backward with dφ summed inside (Blocks.mix_dphi="walk", a candidate)
-    assert len(lines) == 29, stdout
+    # mixer's backward with dφ summed inside (Blocks.mix_dphi="walk", a candidate) or by a reduction kernel after it
+    # (Blocks.mix_dphi="reduce", a candidate)
+    assert len(lines) == 30, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -997,7 +998,7 @@ def check_fp32_matches_reference(case, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2", "combine-float32", "part-sums-torch",
-                                   "grad-streams-kept", "mix-dphi-walk", "pack-twice"])
+                                   "grad-streams-kept", "mix-dphi-walk", "mix-dphi-reduce", "pack-twice"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
@@ -1006,8 +1007,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     (Blocks.combine_from="float32", the combine before 2026-12-06 night), and with the source gradients' partials
     summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
     "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
-    backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and with the
-    backward packing the taps, queries and φᵀ again (Blocks.pack_once=False; taking the forward's is the default since
+    backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and by one
+    reduction kernel after it (Blocks.mix_dphi="reduce", a candidate, at every d), and with the backward packing the taps, queries and φᵀ again (Blocks.pack_once=False; taking the forward's is the default since
     2026-12-06, final session, when both ran on an H100 and passed)."""
     if pass2 == "lean":
         _with_lean(monkeypatch)
@@ -1021,6 +1022,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
         _with_fields(monkeypatch, grad_streams="kept")
     if pass2 == "mix-dphi-walk":
         _with_fields(monkeypatch, mix_dphi="walk")
+    if pass2 == "mix-dphi-reduce":
+        _with_fields(monkeypatch, mix_dphi="reduce")
     if pass2 == "pack-twice":
         _with_fields(monkeypatch, pack_once=False)
     check_bf16_matches_fp32_reference(case, "cuda")
@@ -1034,13 +1037,15 @@ def test_gpu_fp32_matches_reference(d):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean", "bf16-float32-combine", "fp32-mix-walk"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean", "bf16-float32-combine", "fp32-mix-walk",
+                                   "bf16-mix-reduce"])
 @pytest.mark.parametrize("case, blocks", CPU_TWIN_CASES, ids=[c[0][0] for c in CPU_TWIN_CASES])
 def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
     """The two GPU tests' checks, under the interpreter at small shapes (one tile, and tiled channels; bf16 also
     with the lean pass 2, whose unmasked loads read bf16 sources, and with h combined from fp32 streams,
     Blocks.combine_from="float32"; fp32 also with dφ summed inside the mixer's backward, Blocks.mix_dphi="walk",
-    which the tiled case's channel tiles turn into the product): the comparison logic itself runs in CI."""
+    which the tiled case's channel tiles turn into the product; bf16 also with dφ, Σ dz and Σ dz·y by the reduction
+    kernel, Blocks.mix_dphi="reduce"): the comparison logic itself runs in CI."""
     if blocks is not None:
         from kernels.msar_attn import fused
 
@@ -1052,6 +1057,8 @@ def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
         _with_fields(monkeypatch, combine_from="float32")
     if dtype == "fp32-mix-walk":
         _with_fields(monkeypatch, mix_dphi="walk", mix_walk=4)
+    if dtype == "bf16-mix-reduce":
+        _with_fields(monkeypatch, mix_dphi="reduce", dphi_bt=4, dphi_bd=16)
     (check_fp32_matches_reference if dtype.startswith("fp32") else check_bf16_matches_fp32_reference)(case, "cpu")
 
 
@@ -1147,6 +1154,59 @@ def test_mixer_backward_walking_sums_dphi_as_the_product(case):
         for name, a, b in zip(("dR", "dφ", "dα", "db"), fused.mixer_backward(dh, saved, mixer, eps=1e-6,
                                                                             sigmoid=sigmoid), product):
             assert rel_err(a, b) < 1e-5, f"tiled {name}: {rel_err(a, b):.2e}"
+
+
+# (id, S, B, T, d, kernels, dphi_chunk, dphi_bt, dphi_bd, fusion): M_PAD above m, chunks and steps that the tokens do
+# not fill, one chunk for every token, channel tiles that d does not fill, the default chunks
+DPHI_REDUCE = [
+    ("m3-ragged-chunks", 2, 2, 13, 24, (2, 3), 8, 4, 16, "sigmoid"),
+    ("m4-softmax-one-step-chunks", 3, 1, 11, 12, (3, 5, 2), 2, 2, 8, "softmax"),
+    ("m2-one-chunk", 1, 3, 7, 20, (4,), 64, 8, 32, "sigmoid"),
+    ("m5-M_PAD-8-odd-steps", 2, 2, 9, 10, (2, 3, 2, 4), 12, 8, 4, "sigmoid"),
+    ("m3-default-chunks", 2, 2, 13, 40, (2, 3), 0, 8, 128, "sigmoid"),  # 0: four chunks under the interpreter
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("part_sums", ["triton", "torch"])
+@pytest.mark.parametrize("case", DPHI_REDUCE, ids=[c[0] for c in DPHI_REDUCE])
+def test_dphi_reduce_sums_dphi_as_the_product(case, part_sums):
+    """Blocks.mix_dphi="reduce": dφ, Σ dz and Σ dz·y summed by one kernel after the mixer's backward (a program a
+    channel tile and a token chunk, R read once) give the product's dR, dφ, dα and db, with a random upstream
+    gradient, M_PAD above m, sigmoid and softmax gates, chunks of one step, one chunk for every token, a last chunk
+    and step that the tokens do not fill, channel tiles narrower and wider than d, the chunks' rows summed by either
+    part_sums; dφ, dα and db also against their fp64 definition (the reference mixer's backward)."""
+    import dataclasses
+
+    from kernels.msar_attn import fused
+
+    _, S, B, T, d, kernels, chunk, bt, bd, fusion = case
+    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=5)
+    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+    mixer = fused._mixer_params(phi, alpha, bias)
+    sigmoid = fusion == "sigmoid"
+    _, _, _, saved, _ = fused.forward(x, packed, ks, 1 + len(taps), fused.folded_queries(queries, key_gains),
+                                      fused.doc_window(doc_ids), mixer=mixer, save=True, key_norm=True, eps=1e-6,
+                                      sigmoid=sigmoid)
+    dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(10))
+    base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), part_sums=part_sums)
+
+    def grads(**fields):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fused, "_blocks", lambda *_a, _b=dataclasses.replace(base, **fields): _b)
+            return fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=sigmoid)
+
+    product = grads(mix_dphi="product")
+    reduced = grads(mix_dphi="reduce", dphi_chunk=chunk, dphi_bt=bt, dphi_bd=bd)
+    for name, a, b in zip(("dR", "dφ", "dα", "db"), reduced, product):
+        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
+        assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
+        assert b.abs().max() > 0, name
+    p64, a64, b64 = (t.detach().double().requires_grad_() for t in (phi, alpha, bias))
+    h = reference.mix(saved[0].double(), p64, a64, b64, fusion=fusion, eps=1e-6)
+    want = torch.autograd.grad((h * dh.double()).sum(), [p64, a64, b64])
+    for name, a, b in zip(("dφ", "dα", "db"), reduced[1:], want):
+        assert rel_err(a.double().reshape(b.shape), b) < 1e-5, f"{name} against fp64: {rel_err(a.double(), b):.2e}"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
