@@ -329,7 +329,8 @@
 #   dphi_reduce one GPU (about 520 s with the start, estimated): dφ, Σ dz and Σ dz·y by one reduction kernel after
 #              MSAR's mixer backward (Blocks.mix_dphi=reduce, a candidate): the op's GPU tests with it, the mixer
 #              backward alone with the reduction's tiles at small and medium, msar_block's small step alternating with
-#              the product (the default); RED sets the candidate's fields (a dict's body, default 'mix_dphi':'reduce')
+#              the product (the default); RED sets the candidate's fields (a dict's body, default 'mix_dphi':'reduce');
+#              PARITY_LIMIT (default 0: left out) adds msar_block's 60-step training parity with it against the product
 #   dphi_medium one GPU (about 480 s with the start, estimated): after dphi_reduce, msar_block's medium step alternating
 #              with the reduction (RED as there), then msar_block's 60-step training parity with it against the product
 #              (eager, seeds 0 1; PARITY_LIMIT=0 leaves it out)
@@ -1526,6 +1527,9 @@ case "$PLAN" in
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$RED" msar_block "msar_block@$RED" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_dphi_reduce}"
+    [ "${PARITY_LIMIT:-0}" != 0 ] && step gpu0 parity "$PARITY_LIMIT" python3 -m benchmarks.backend_training \
+      --residuals msar_block --reference residual.backend=auto --candidate residual.backend=auto "$RED" --steps 60 \
+      --seeds 0 1 --set model=small trainer=gpu trainer.compile=false --name small_msar_block_dphi_reduce
     ;;
   dphi_medium)
     RED="py:kernels.msar_attn.fused.FIELDS={${RED:-'mix_dphi':'reduce'}}"
