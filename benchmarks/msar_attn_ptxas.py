@@ -215,7 +215,10 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
         tag = "" if blk.mix_dphi == "reduce" else " (candidate)"
         yield (f"mixer backward, dφ reduction{tag}", fused._dphi_kernel,
                dict(r_ptr=x_type, coef_ptr=F32, dz_ptr=F32, dzy_ptr=F32, part_ptr=F32),
-               dict(M_PAD=m_pad, BT=blk.dphi_bt, BD=blk.dphi_bd, INTERP=False), blk.dphi_warps)
+               dict(M_PAD=m_pad, BT=blk.dphi_bt, BD=blk.dphi_bd, INTERP=False, LATE=blk.dphi_late), blk.dphi_warps)
+        yield ("mixer backward, dφ reduction summed late (candidate)", fused._dphi_kernel,
+               dict(r_ptr=x_type, coef_ptr=F32, dz_ptr=F32, dzy_ptr=F32, part_ptr=F32),
+               dict(M_PAD=m_pad, BT=4, BD=blk.dphi_bd, INTERP=False, LATE=True), blk.dphi_warps)
     if getattr(blk, "stats_mode", "tile") == "serial":
         ptok = getattr(blk, "parts_layout", "planes") == "token"
         stats = dict(KS=common["KS"], KOFF=koff, KW=k_max, BD=blk.stats_serial_bd,

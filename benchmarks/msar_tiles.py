@@ -109,7 +109,10 @@ def candidates(blk) -> dict[str, list[dict]]:
                           + [dict(mix_dphi="reduce", dphi_bt=bt, dphi_bd=bd, dphi_warps=nw, dphi_waves=wv)
                              for bt, bd, nw, wv in ((4, 128, 4, 4), (16, 128, 4, 4), (8, 64, 2, 4), (8, 256, 4, 4),
                                                     (8, 256, 8, 4), (8, 128, 4, 2), (8, 128, 4, 8))
-                             if (bt, bd, nw, wv) != (blk.dphi_bt, blk.dphi_bd, blk.dphi_warps, blk.dphi_waves)],
+                             if (bt, bd, nw, wv) != (blk.dphi_bt, blk.dphi_bd, blk.dphi_warps, blk.dphi_waves)]
+                          # its products kept per token and summed once at the end (Blocks.dphi_late)
+                          + [dict(mix_dphi="reduce", dphi_late=not blk.dphi_late, dphi_bt=bt, dphi_warps=nw)
+                             for bt, nw in ((4, 4), (8, 4), (4, 8), (8, 8))],
         "stats": [{}] + v3 + [dict(stats_glue=other_stats_glue)]
                  # the stats kernel's sums token-major (sm_90a at `small`: 436 -> 413 instructions a trip, 157 -> 150
                  # registers), or in planes once token-major is the default
@@ -228,7 +231,7 @@ def parse_candidate(text: str) -> dict:
 def _fields(kernel: str) -> tuple[str, ...]:
     return {"forward": ("bt", "bd", "single", "warps"), "mixer backward": ("bwd_bt", "bwd_bd", "mix_warps", "mix_dphi", "mix_walk",
                                                                   "mix_walk_bt", "mix_walk_warps", "dphi_bt", "dphi_bd",
-                                                                  "dphi_warps", "dphi_waves"),
+                                                                  "dphi_warps", "dphi_waves", "dphi_late"),
             "stats": ("stats_mode", "stats_serial_bd", "stats_serial_ch", "stats_bt", "stats_bd", "stats_warps",
                       "stats_pairs", "parts_layout"),
             "source gradients": ("src_mode", "serial_ch", "serial_bd", "serial_warps", "serial_prefetch",

@@ -515,14 +515,16 @@ def _dphi_kernel(
     dzy_ptr,  # Σ_i dz_i y_i (B·T,) fp32
     part_ptr,  # result: one row a token chunk, (n_chunk, m·d·m + m + 1) fp32: partial dφ, Σ dz, Σ dz·y
     N, D, M, chunk,
-    M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+    M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr, LATE: tl.constexpr,
 ):
     """The mixer's parameter gradients as one reduction (``Blocks.mix_dphi="reduce"``): program (channel tile, token
     chunk) reads its tile of R over its chunk once, BT tokens a step, and sums dφ[j·d + c, i] = Σ_t R_j[t, c]
     coef_i[t] in fp32 registers (a tuple over i of (M_PAD, BD) tiles), written once into its chunk's row; the
     programs of the first channel tile also sum dz and dz·y over the chunk. One sum over the rows finishes all three
     (deterministic, no atomics). The steps' loop a ``range`` on the GPU (pipelined), a ``while`` under the
-    interpreter (whose ``range`` takes no run-time bound): the same steps in the same order."""
+    interpreter (whose ``range`` takes no run-time bound): the same steps in the same order. ``LATE``
+    (``Blocks.dphi_late``): each i's products kept per token as (M_PAD, BT, BD) tiles, a multiply-add a step, and
+    summed over the BT rows once at the end, instead of a sum over the step's tokens every step."""
     dt = tl.program_id(0)
     ck = tl.program_id(1)
     jv = tl.arange(0, M_PAD)
@@ -534,30 +536,36 @@ def _dphi_kernel(
     hi = tl.minimum(lo + chunk, N)
     acc = ()
     for i in tl.static_range(M_PAD):
-        acc = acc + (tl.zeros((M_PAD, BD), dtype=tl.float32),)
+        if LATE:
+            acc = acc + (tl.zeros((M_PAD, BT, BD), dtype=tl.float32),)
+        else:
+            acc = acc + (tl.zeros((M_PAD, BD), dtype=tl.float32),)
     dz_sum = tl.zeros((BT, M_PAD), dtype=tl.float32)
     dzy_sum = tl.zeros((BT,), dtype=tl.float32)
     if INTERP:
         n0 = lo
         while n0 < hi:
             acc, dz_sum, dzy_sum = _dphi_step(r_ptr, coef_ptr, dz_ptr, dzy_ptr, n0, hi, N, D, M, jv, mask_j, offs_d,
-                                              mask_d, first, acc, dz_sum, dzy_sum, M_PAD, BT)
+                                              mask_d, first, acc, dz_sum, dzy_sum, M_PAD, BT, LATE)
             n0 += BT
     else:
         for n0 in range(lo, hi, BT):
             acc, dz_sum, dzy_sum = _dphi_step(r_ptr, coef_ptr, dz_ptr, dzy_ptr, n0, hi, N, D, M, jv, mask_j, offs_d,
-                                              mask_d, first, acc, dz_sum, dzy_sum, M_PAD, BT)
+                                              mask_d, first, acc, dz_sum, dzy_sum, M_PAD, BT, LATE)
     row = part_ptr + ck.to(tl.int64) * (M * D * M + M + 1)
     out = (jv[:, None] * D + offs_d[None, :]) * M  # dφ[j·d + c, i] at (j·d + c)·m + i
     for i in tl.static_range(M_PAD):
-        tl.store(row + out + i, acc[i], mask=mask_j[:, None] & mask_d[None, :] & (i < M))
+        if LATE:
+            tl.store(row + out + i, tl.sum(acc[i], axis=1), mask=mask_j[:, None] & mask_d[None, :] & (i < M))
+        else:
+            tl.store(row + out + i, acc[i], mask=mask_j[:, None] & mask_d[None, :] & (i < M))
     tl.store(row + M * D * M + jv, tl.sum(dz_sum, axis=0), mask=mask_j & first)
     tl.store(row + M * D * M + M, tl.sum(dzy_sum, axis=0), mask=first)
 
 
 @triton.jit
 def _dphi_step(r_ptr, coef_ptr, dz_ptr, dzy_ptr, n0, hi, N, D, M, jv, mask_j, offs_d, mask_d, first, acc, dz_sum,
-               dzy_sum, M_PAD: tl.constexpr, BT: tl.constexpr):
+               dzy_sum, M_PAD: tl.constexpr, BT: tl.constexpr, LATE: tl.constexpr):
     """One step of _dphi_kernel: BT tokens from n0 (masked at the chunk's end hi)."""
     offs_n = n0 + tl.arange(0, BT)
     mask_n = offs_n < hi
@@ -568,7 +576,10 @@ def _dphi_step(r_ptr, coef_ptr, dz_ptr, dzy_ptr, n0, hi, N, D, M, jv, mask_j, of
     nacc = ()
     for i in tl.static_range(M_PAD):
         ci = tl.load(coef_ptr + rows * M + i, mask=mask_n & (i < M), other=0.0)  # (BT,)
-        nacc = nacc + (acc[i] + tl.sum(r * ci[None, :, None], axis=1),)  # (M_PAD, BD)
+        if LATE:
+            nacc = nacc + (acc[i] + r * ci[None, :, None],)  # (M_PAD, BT, BD)
+        else:
+            nacc = nacc + (acc[i] + tl.sum(r * ci[None, :, None], axis=1),)  # (M_PAD, BD)
     stat = rows[:, None] * M + jv[None, :]  # (BT, M_PAD)
     dz_sum += tl.load(dz_ptr + stat, mask=mask_n[:, None] & mask_j[None, :] & first, other=0.0)
     dzy_sum += tl.load(dzy_ptr + rows, mask=mask_n & first, other=0.0)
@@ -2016,7 +2027,12 @@ class Blocks:
     # (bwd_bd >= d: d·m_pad <= 4096 on the GPU, `small` and `medium`), elsewhere the product runs. ptxas (sm_90a,
     # `small`, 8 warps): 225 registers (one program an SM; φ's tile is loaded once a program), none spilled. H100, one
     # process, alternating (throughput_small_mix_walk_h100.md): msar_block's `small` step 39.0 / 39.0 ms against 38.5 /
-    # 38.4 with the product (its programs wait on their loads): opt-in, a measured counter-example
+    # 38.4 with the product (its programs wait on their loads): opt-in, a measured counter-example. "reduce" (2026-12-07):
+    # ``_dphi_kernel`` after the mixer's backward sums dφ, Σ dz and Σ dz·y from R, coef, dz and dz·y in one pass (a
+    # program a channel tile and a token chunk, fp32 products), one sum over its rows (7 kernels a read -> 3), at any
+    # d. H100, one process, alternating (throughput_{small,medium}_dphi_reduce*_h100.md): msar_block's `small` step 40.2
+    # / 40.2 ms against 38.3 / 38.4, `medium` 383.5 / 383.7 against 367.2 / 367.1 (its per-step sums across threads
+    # wait on each other); 60 training steps within the spread (gap 0.0039 against 0.0572): opt-in, a counter-example
     mix_dphi: str = "product"
     mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
     mix_walk_bt: int = 2  # tokens a step of it
@@ -2029,6 +2045,9 @@ class Blocks:
     dphi_warps: int = 4
     dphi_waves: int = 4
     dphi_chunk: int = 0
+    # the reduction's products summed over a step's tokens every step (False, as timed 2026-12-07) or kept per token
+    # in registers and summed once at the end (True: a multiply-add a step, no cross-thread sum; not yet timed)
+    dphi_late: bool = False
     # the dtype of the product's partials of dφ (``dphi_from``, mix_dphi="product"): "kept" (R's, bf16 under autocast:
     # each of up to 64 partials rounded to 8 bits before their fp32 sum, dφ about 2.4e-3 off the walk's fp32 sums on an
     # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md; the setting before 2026-12-06, final
@@ -2420,7 +2439,8 @@ def dphi_reduce(r: Tensor, coef: Tensor, dz: Tensor, dzy: Tensor, blk: Blocks) -
     n_chunk = triton.cdiv(n, chunk)
     part = torch.empty(n_chunk, m * d * m + m + 1, device=r.device, dtype=torch.float32)
     _dphi_kernel[(n_dt, n_chunk)](r, coef, dz, dzy, part, n, d, m, chunk, M_PAD=triton.next_power_of_2(m),
-                                  BT=blk.dphi_bt, BD=blk.dphi_bd, INTERP=interpreting(), num_warps=blk.dphi_warps)
+                                  BT=blk.dphi_bt, BD=blk.dphi_bd, INTERP=interpreting(), LATE=blk.dphi_late,
+                                  num_warps=blk.dphi_warps)
     return sum_rows(part) if blk.part_sums == "triton" else part.sum(0)
 
 

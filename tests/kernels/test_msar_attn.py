@@ -904,8 +904,8 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # two tokens' loads in flight, a candidate), the mixer, the stats and the sources with dR in bf16 (candidates,
     # Blocks.grad_streams), the source gradients' partial sums (Blocks.part_sums="triton", the default), and the
     # mixer's backward with dφ summed inside (Blocks.mix_dphi="walk", a candidate) or by a reduction kernel after it
-    # (Blocks.mix_dphi="reduce", a candidate)
-    assert len(lines) == 30, stdout
+    # (Blocks.mix_dphi="reduce", a candidate; its products summed every step or once at the end, Blocks.dphi_late)
+    assert len(lines) == 31, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
@@ -1168,14 +1168,15 @@ DPHI_REDUCE = [
 
 
 @needs_triton
-@pytest.mark.parametrize("part_sums", ["triton", "torch"])
+@pytest.mark.parametrize("part_sums, late", [("triton", False), ("torch", False), ("triton", True)],
+                         ids=["sum-rows", "torch-sum", "sum-rows-late"])
 @pytest.mark.parametrize("case", DPHI_REDUCE, ids=[c[0] for c in DPHI_REDUCE])
-def test_dphi_reduce_sums_dphi_as_the_product(case, part_sums):
+def test_dphi_reduce_sums_dphi_as_the_product(case, part_sums, late):
     """Blocks.mix_dphi="reduce": dφ, Σ dz and Σ dz·y summed by one kernel after the mixer's backward (a program a
     channel tile and a token chunk, R read once) give the product's dR, dφ, dα and db, with a random upstream
     gradient, M_PAD above m, sigmoid and softmax gates, chunks of one step, one chunk for every token, a last chunk
     and step that the tokens do not fill, channel tiles narrower and wider than d, the chunks' rows summed by either
-    part_sums; dφ, dα and db also against their fp64 definition (the reference mixer's backward)."""
+    part_sums, the products summed every step or once at the end (Blocks.dphi_late); dφ, dα and db also against their fp64 definition (the reference mixer's backward)."""
     import dataclasses
 
     from kernels.msar_attn import fused
@@ -1197,7 +1198,7 @@ def test_dphi_reduce_sums_dphi_as_the_product(case, part_sums):
             return fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=sigmoid)
 
     product = grads(mix_dphi="product")
-    reduced = grads(mix_dphi="reduce", dphi_chunk=chunk, dphi_bt=bt, dphi_bd=bd)
+    reduced = grads(mix_dphi="reduce", dphi_chunk=chunk, dphi_bt=bt, dphi_bd=bd, dphi_late=late)
     for name, a, b in zip(("dR", "dφ", "dα", "db"), reduced, product):
         assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
         assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
