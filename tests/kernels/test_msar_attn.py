@@ -1093,6 +1093,49 @@ def test_backward_takes_what_the_forward_packed(case, monkeypatch):
     assert any(g.abs().max() > 0 for g in g1)
 
 
+class _MixerSums:
+    """A fused forward's saved streams and a random dh at (S, B, T, d, kernels, fusion): ``grads(**fields)`` runs
+    the mixer's backward with those fields of the chosen tiles replaced; ``check(candidate)`` holds a candidate's dR,
+    dφ, dα and db to the product's, and its dφ, dα and db to their fp64 definition (the reference mixer's backward
+    on the same streams)."""
+
+    def __init__(self, S, B, T, d, kernels, fusion, *, seed, dh_seed, **base_fields):
+        import dataclasses
+
+        from kernels.msar_attn import fused
+
+        self.fused = fused
+        x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=seed)
+        packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
+        self.params, self.fusion, self.sigmoid = (phi, alpha, bias), fusion, fusion == "sigmoid"
+        self.mixer = fused._mixer_params(phi, alpha, bias)
+        _, _, _, self.saved, _ = fused.forward(x, packed, ks, 1 + len(taps), fused.folded_queries(queries, key_gains),
+                                               fused.doc_window(doc_ids), mixer=self.mixer, save=True, key_norm=True,
+                                               eps=1e-6, sigmoid=self.sigmoid)
+        self.dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(dh_seed))
+        self.base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), **base_fields)
+        self.product = self.grads(mix_dphi="product")
+
+    def grads(self, **fields):
+        import dataclasses
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(self.fused, "_blocks", lambda *_a, _b=dataclasses.replace(self.base, **fields): _b)
+            return self.fused.mixer_backward(self.dh, self.saved, self.mixer, eps=1e-6, sigmoid=self.sigmoid)
+
+    def check(self, candidate, label=""):
+        for name, a, b in zip(("dR", "dφ", "dα", "db"), candidate, self.product):
+            assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, label + name
+            assert rel_err(a, b) < 1e-5, f"{label}{name}: {rel_err(a, b):.2e}"
+            assert b.abs().max() > 0, label + name
+        p64, a64, b64 = (t.detach().double().requires_grad_() for t in self.params)
+        h = reference.mix(self.saved[0].double(), p64, a64, b64, fusion=self.fusion, eps=1e-6)
+        want = torch.autograd.grad((h * self.dh.double()).sum(), [p64, a64, b64])
+        for name, a, b in zip(("dφ", "dα", "db"), candidate[1:], want):
+            assert rel_err(a.double().reshape(b.shape), b) < 1e-5, \
+                f"{label}{name} against fp64: {rel_err(a.double(), b):.2e}"
+
+
 # (id, S, B, T, d, kernels, mix_walk, mix_walk_bt, fusion): M_PAD above m, tokens that do not fill the last program
 # or its last step, a program of one step, a program longer than every row, d not a power of two
 MIX_WALK = [
@@ -1114,45 +1157,17 @@ def test_mixer_backward_walking_sums_dphi_as_the_product(case):
     α ρ_R dz, from an fp64 reference of the gate's backward. Where d needs several channel tiles the product runs."""
     import dataclasses
 
-    from kernels.msar_attn import fused
-
     _, S, B, T, d, kernels, walk, bt, fusion = case
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=4)
-    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
-    m = 1 + len(taps)
-    mixer = fused._mixer_params(phi, alpha, bias)
-    sigmoid = fusion == "sigmoid"
-    _, _, _, saved, _ = fused.forward(x, packed, ks, m, fused.folded_queries(queries, key_gains),
-                                      fused.doc_window(doc_ids), mixer=mixer, save=True, key_norm=True, eps=1e-6,
-                                      sigmoid=sigmoid)
-    dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(9))
-    base = fused._blocks(T, d, m_pad, max(ks))
-    assert base.bwd_bd >= d  # one tile: the walking kernel runs
-
-    def grads(**fields):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fused, "_blocks", lambda *_a, _b=dataclasses.replace(base, **fields): _b)
-            return fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=sigmoid)
-
-    product = grads(mix_dphi="product")
-    walked = grads(mix_dphi="walk", mix_walk=walk, mix_walk_bt=bt)
-    for name, a, b in zip(("dR", "dφ", "dα", "db"), walked, product):
-        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
-        assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
-        assert b.abs().max() > 0, name
-    # dφ, dα, db by their definition: the reference mixer in fp64 on the same streams
-    p64, a64, b64 = (t.detach().double().requires_grad_() for t in (phi, alpha, bias))
-    h = reference.mix(saved[0].double(), p64, a64, b64, fusion=fusion, eps=1e-6)
-    want = torch.autograd.grad((h * dh.double()).sum(), [p64, a64, b64])
-    for name, a, b in zip(("dφ", "dα", "db"), walked[1:], want):
-        assert rel_err(a.double().reshape(b.shape), b) < 1e-5, f"{name} against fp64: {rel_err(a.double(), b):.2e}"
+    sums = _MixerSums(S, B, T, d, kernels, fusion, seed=4, dh_seed=9)
+    assert sums.base.bwd_bd >= d  # one tile: the walking kernel runs
+    sums.check(sums.grads(mix_dphi="walk", mix_walk=walk, mix_walk_bt=bt))
     # several channel tiles: the product, whatever mix_dphi says
     with pytest.MonkeyPatch.context() as mp:
-        tiled = dataclasses.replace(base, bwd_bd=1 << ((d - 1).bit_length() - 1), mix_dphi="walk")  # below d
-        mp.setattr(fused, "_blocks", lambda *_a: tiled)
-        mp.setattr(fused, "_mix_bwd_walk_kernel", None)  # not called
-        for name, a, b in zip(("dR", "dφ", "dα", "db"), fused.mixer_backward(dh, saved, mixer, eps=1e-6,
-                                                                            sigmoid=sigmoid), product):
+        tiled = dataclasses.replace(sums.base, bwd_bd=1 << ((d - 1).bit_length() - 1), mix_dphi="walk")  # below d
+        mp.setattr(sums.fused, "_blocks", lambda *_a: tiled)
+        mp.setattr(sums.fused, "_mix_bwd_walk_kernel", None)  # not called
+        got = sums.fused.mixer_backward(sums.dh, sums.saved, sums.mixer, eps=1e-6, sigmoid=sums.sigmoid)
+        for name, a, b in zip(("dR", "dφ", "dα", "db"), got, sums.product):
             assert rel_err(a, b) < 1e-5, f"tiled {name}: {rel_err(a, b):.2e}"
 
 
@@ -1176,38 +1191,11 @@ def test_dphi_reduce_sums_dphi_as_the_product(case, part_sums, late):
     channel tile and a token chunk, R read once) give the product's dR, dφ, dα and db, with a random upstream
     gradient, M_PAD above m, sigmoid and softmax gates, chunks of one step, one chunk for every token, a last chunk
     and step that the tokens do not fill, channel tiles narrower and wider than d, the chunks' rows summed by either
-    part_sums, the products summed every step or once at the end (Blocks.dphi_late); dφ, dα and db also against their fp64 definition (the reference mixer's backward)."""
-    import dataclasses
-
-    from kernels.msar_attn import fused
-
+    part_sums, the products summed every step or once at the end (Blocks.dphi_late); dφ, dα and db also against
+    their fp64 definition (the reference mixer's backward)."""
     _, S, B, T, d, kernels, chunk, bt, bd, fusion = case
-    x, taps, queries, key_gains, doc_ids, phi, alpha, bias = make_inputs(S, B, T, d, kernels, True, seed=5)
-    packed, ks, m_pad = fused.pack_taps(taps, d, x.device)
-    mixer = fused._mixer_params(phi, alpha, bias)
-    sigmoid = fusion == "sigmoid"
-    _, _, _, saved, _ = fused.forward(x, packed, ks, 1 + len(taps), fused.folded_queries(queries, key_gains),
-                                      fused.doc_window(doc_ids), mixer=mixer, save=True, key_norm=True, eps=1e-6,
-                                      sigmoid=sigmoid)
-    dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(10))
-    base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), part_sums=part_sums)
-
-    def grads(**fields):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fused, "_blocks", lambda *_a, _b=dataclasses.replace(base, **fields): _b)
-            return fused.mixer_backward(dh, saved, mixer, eps=1e-6, sigmoid=sigmoid)
-
-    product = grads(mix_dphi="product")
-    reduced = grads(mix_dphi="reduce", dphi_chunk=chunk, dphi_bt=bt, dphi_bd=bd, dphi_late=late)
-    for name, a, b in zip(("dR", "dφ", "dα", "db"), reduced, product):
-        assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
-        assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
-        assert b.abs().max() > 0, name
-    p64, a64, b64 = (t.detach().double().requires_grad_() for t in (phi, alpha, bias))
-    h = reference.mix(saved[0].double(), p64, a64, b64, fusion=fusion, eps=1e-6)
-    want = torch.autograd.grad((h * dh.double()).sum(), [p64, a64, b64])
-    for name, a, b in zip(("dφ", "dα", "db"), reduced[1:], want):
-        assert rel_err(a.double().reshape(b.shape), b) < 1e-5, f"{name} against fp64: {rel_err(a.double(), b):.2e}"
+    sums = _MixerSums(S, B, T, d, kernels, fusion, seed=5, dh_seed=10, part_sums=part_sums)
+    sums.check(sums.grads(mix_dphi="reduce", dphi_chunk=chunk, dphi_bt=bt, dphi_bd=bd, dphi_late=late))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
