@@ -2424,9 +2424,9 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
 
 def dphi_reduce(r: Tensor, coef: Tensor, dz: Tensor, dzy: Tensor, blk: Blocks) -> Tensor:
     """dφ, Σ dz and Σ dz·y as one vector (m·d·m + m + 1,) fp32 (``Blocks.mix_dphi="reduce"``, ``_dphi_kernel``):
-    R (m, B, T, d) read once in channel tiles of ``dphi_bd`` over token chunks, as many chunks as give about
-    ``dphi_waves`` programs a multiprocessor (under the interpreter ``dphi_chunk`` tokens a chunk when set, else
-    four chunks), each chunk a multiple of ``dphi_bt`` tokens; the chunks' rows summed by ``Blocks.part_sums``."""
+    R (m, B, T, d) read once in channel tiles of ``dphi_bd`` over token chunks: ``dphi_chunk`` tokens a chunk when
+    set, else as many chunks as give about ``dphi_waves`` programs a multiprocessor (four chunks off a GPU), each
+    chunk a multiple of ``dphi_bt`` tokens; the chunks' rows summed by ``Blocks.part_sums``."""
     m, B, T, d = r.shape
     n = B * T
     n_dt = triton.cdiv(d, blk.dphi_bd)
