@@ -491,11 +491,10 @@ msar_step() {  # MODEL TAG LIMIT STEPS
   step gpu0 "$1" "$3" python3 -m benchmarks.throughput --models "$1" --residuals ${SERIAL_RESIDUALS:-vanilla msar_block} \
     --compile model --graphs on --steps "$4" --set $COMBO --tag ${TAG:-$2}
 }
+# 60 training steps, seeds 0 1 (msar_parity NAME LIMIT [ARGS...]: ARGS go to backend_training, e.g. its two arms)
 msar_parity() { step gpu0 parity "$2" python3 -m benchmarks.backend_training --residuals ${PARITY_RESIDUALS:-msar_block} \
-  --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} --name ${PARITY_NAME:-$1}; }
-dphi_parity() { step gpu0 parity "$1" python3 -m benchmarks.backend_training --residuals msar_block --reference \
-  residual.backend=auto --candidate residual.backend=auto "$2" --steps 60 --seeds 0 1 --set model=small trainer=gpu \
-  trainer.compile=false --name small_msar_block_dphi_reduce; }
+  "${@:3}" --steps 60 --seeds 0 1 --set model=small trainer=gpu ${PARITY_SET:-trainer.compile=false} \
+  --name ${PARITY_NAME:-$1}; }
 counters_of() { step gpu0 "ncu_$1" "$2" ncu --clock-control none --section SpeedOfLight --section Occupancy \
   --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
   -c "${COUNTER_LAUNCHES:-8}" -k 'regex:^_[a-z_0-9]+_kernel$' python3 -m benchmarks.kernel_counters --ops "$1"; }
@@ -1530,14 +1529,16 @@ case "$PLAN" in
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-230}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$RED" msar_block "msar_block@$RED" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_dphi_reduce}"
-    [ "${PARITY_LIMIT:-0}" != 0 ] && dphi_parity "$PARITY_LIMIT" "$RED"
+    [ "${PARITY_LIMIT:-0}" != 0 ] && msar_parity small_msar_block_dphi_reduce "$PARITY_LIMIT" \
+      --reference residual.backend=auto --candidate residual.backend=auto "$RED"
     ;;
   dphi_medium)
     RED="py:kernels.msar_attn.fused.FIELDS={${RED:-'mix_dphi':'reduce'}}"
     step gpu0 msar_medium "${MEDIUM_LIMIT:-240}" python3 -m benchmarks.throughput --models medium --residuals \
       msar_block "msar_block@$RED" msar_block "msar_block@$RED" --compile model --graphs on --steps 6 --set $COMBO \
       --tag "${TAG:-_dphi_medium}"
-    [ "${PARITY_LIMIT:-200}" != 0 ] && dphi_parity "${PARITY_LIMIT:-200}" "$RED"
+    [ "${PARITY_LIMIT:-200}" != 0 ] && msar_parity small_msar_block_dphi_reduce "${PARITY_LIMIT:-200}" \
+      --reference residual.backend=auto --candidate residual.backend=auto "$RED"
     ;;
   views_medium)
     # msar_views' winners as the defaults: where the graphed small step goes now, then medium's steps against the

@@ -2411,15 +2411,21 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
             r, z, rr, *mixer, dh, dr, part, n, d, m, eps, n_walk,
             SIGMOID=sigmoid, M_PAD=m_pad, BT=bt, BD=blk.bwd_bd, num_warps=blk.mix_walk_warps)
         sums = part.sum(0)
-        return dr, sums[:m * d * m].view(m * d, m), sums[-1], sums[m * d * m:m * d * m + m]
+        return (dr, *_mixer_sums(sums, m, d))
     dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
     _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
         r, z, rr, *mixer, dh, dr, dz, coef, dzy, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),
         SIGMOID=sigmoid, M_PAD=m_pad, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.mix_warps)
     if blk.mix_dphi == "reduce":
         sums = dphi_reduce(r, coef, dz, dzy, blk)
-        return dr, sums[:m * d * m].view(m * d, m), sums[-1], sums[m * d * m:m * d * m + m]
+        return (dr, *_mixer_sums(sums, m, d))
     return dr, dphi_from(r, coef, fp32_partials=blk.dphi_partials == "float32"), dzy.sum(), dz.sum((0, 1))
+
+
+def _mixer_sums(sums: Tensor, m: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+    """dφ (m·d, m), dα and db from one summed row (m·d·m + m + 1,) of the walk's or the reduction's partials:
+    dφ, then Σ dz (db), then Σ dz·y (dα)."""
+    return sums[:m * d * m].view(m * d, m), sums[-1], sums[m * d * m:m * d * m + m]
 
 
 def dphi_reduce(r: Tensor, coef: Tensor, dz: Tensor, dzy: Tensor, blk: Blocks) -> Tensor:

@@ -1008,8 +1008,9 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
     "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
     backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and by one
-    reduction kernel after it (Blocks.mix_dphi="reduce", a candidate, at every d), and with the backward packing the taps, queries and φᵀ again (Blocks.pack_once=False; taking the forward's is the default since
-    2026-12-06, final session, when both ran on an H100 and passed)."""
+    reduction kernel after it (Blocks.mix_dphi="reduce", a candidate, at every d), and with the backward packing the
+    taps, queries and φᵀ again (Blocks.pack_once=False; taking the forward's is the default since 2026-12-06, final
+    session, when both ran on an H100 and passed)."""
     if pass2 == "lean":
         _with_lean(monkeypatch)
     if pass2 == "src-ahead2":
@@ -1123,17 +1124,16 @@ class _MixerSums:
             mp.setattr(self.fused, "_blocks", lambda *_a, _b=dataclasses.replace(self.base, **fields): _b)
             return self.fused.mixer_backward(self.dh, self.saved, self.mixer, eps=1e-6, sigmoid=self.sigmoid)
 
-    def check(self, candidate, label=""):
+    def check(self, candidate):
         for name, a, b in zip(("dR", "dφ", "dα", "db"), candidate, self.product):
-            assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, label + name
-            assert rel_err(a, b) < 1e-5, f"{label}{name}: {rel_err(a, b):.2e}"
-            assert b.abs().max() > 0, label + name
+            assert a.shape == b.shape and a.dtype == b.dtype == torch.float32, name
+            assert rel_err(a, b) < 1e-5, f"{name}: {rel_err(a, b):.2e}"
+            assert b.abs().max() > 0, name
         p64, a64, b64 = (t.detach().double().requires_grad_() for t in self.params)
         h = reference.mix(self.saved[0].double(), p64, a64, b64, fusion=self.fusion, eps=1e-6)
         want = torch.autograd.grad((h * self.dh.double()).sum(), [p64, a64, b64])
         for name, a, b in zip(("dφ", "dα", "db"), candidate[1:], want):
-            assert rel_err(a.double().reshape(b.shape), b) < 1e-5, \
-                f"{label}{name} against fp64: {rel_err(a.double(), b):.2e}"
+            assert rel_err(a.double().reshape(b.shape), b) < 1e-5, f"{name} against fp64: {rel_err(a.double(), b):.2e}"
 
 
 # (id, S, B, T, d, kernels, mix_walk, mix_walk_bt, fusion): M_PAD above m, tokens that do not fill the last program
