@@ -331,6 +331,7 @@
 #              backward alone with the reduction's tiles at small and medium, msar_block's small step alternating with
 #              the product (the default); RED sets the candidate's fields (a dict's body, default 'mix_dphi':'reduce');
 #              PARITY_LIMIT (default 0: left out) adds msar_block's 60-step training parity with it against the product
+#              TEST_K picks the GPU tests (a pytest -k; default: plain, reduce and fp32)
 #   dphi_medium one GPU (about 480 s with the start, estimated): after dphi_reduce, msar_block's medium step alternating
 #              with the reduction (RED as there), then msar_block's 60-step training parity with it against the product
 #              (eager, seeds 0 1; PARITY_LIMIT=0 leaves it out)
@@ -1521,7 +1522,7 @@ case "$PLAN" in
     ;;
   dphi_reduce)
     RED="py:kernels.msar_attn.fused.FIELDS={${RED:-'mix_dphi':'reduce'}}"
-    msar_tests "${TEST_LIMIT:-90}" "plain or reduce or test_gpu_fp32"
+    msar_tests "${TEST_LIMIT:-90}" "${TEST_K:-plain or reduce or test_gpu_fp32}"
     step gpu0 mix_tiles "${TILES_LIMIT:-120}" python3 -m benchmarks.msar_tiles --shapes small medium \
       --kernels "mixer backward" --only mix_dphi=reduce mix_dphi=reduce,dphi_bt=4 mix_dphi=reduce,dphi_bt=16 \
       mix_dphi=reduce,dphi_bd=256 mix_dphi=reduce,dphi_bd=256,dphi_warps=8 mix_dphi=reduce,dphi_bd=64,dphi_warps=2 \

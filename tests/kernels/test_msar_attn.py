@@ -998,7 +998,8 @@ def check_fp32_matches_reference(case, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2", "combine-float32", "part-sums-torch",
-                                   "grad-streams-kept", "mix-dphi-walk", "mix-dphi-reduce", "pack-twice"])
+                                   "grad-streams-kept", "mix-dphi-walk", "mix-dphi-reduce", "mix-dphi-late",
+                                   "pack-twice"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
@@ -1008,7 +1009,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
     "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
     backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and by one
-    reduction kernel after it (Blocks.mix_dphi="reduce", a candidate, at every d), and with the backward packing the
+    reduction kernel after it (Blocks.mix_dphi="reduce", a candidate, at every d; its products summed every step, or
+    kept per token and summed once at the end, Blocks.dphi_late at 4 tokens a step), and with the backward packing the
     taps, queries and φᵀ again (Blocks.pack_once=False; taking the forward's is the default since 2026-12-06, final
     session, when both ran on an H100 and passed)."""
     if pass2 == "lean":
@@ -1025,6 +1027,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
         _with_fields(monkeypatch, mix_dphi="walk")
     if pass2 == "mix-dphi-reduce":
         _with_fields(monkeypatch, mix_dphi="reduce")
+    if pass2 == "mix-dphi-late":
+        _with_fields(monkeypatch, mix_dphi="reduce", dphi_late=True, dphi_bt=4)
     if pass2 == "pack-twice":
         _with_fields(monkeypatch, pack_once=False)
     check_bf16_matches_fp32_reference(case, "cuda")
