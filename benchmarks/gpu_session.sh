@@ -332,6 +332,13 @@
 #              the product (the default); RED sets the candidate's fields (a dict's body, default 'mix_dphi':'reduce');
 #              PARITY_LIMIT (default 0: left out) adds msar_block's 60-step training parity with it against the product
 #              TEST_K picks the GPU tests (a pytest -k; default: plain, reduce and fp32)
+#   glue_next  one GPU (about 560 s with the start, estimated): two candidates of msar_block's glue, the dφ reduction
+#              summing once at the end (LATE, default 'mix_dphi':'reduce','dphi_late':True,'dphi_bt':4) and Σ dz, Σ dz·y
+#              summed by the mixer backward's programs (SUMS, default 'mix_sums':'kernel'): the op's GPU tests with them
+#              (TEST_K), msar_block's small step beside vanilla alternating with both
+#   glue_medium one GPU (about 520 s with the start, estimated): msar_block's medium step alternating with CAND (fields
+#              as a dict's body, default 'mix_sums':'kernel'), then its 60-step training parity against the default
+#              (PARITY_LIMIT=0 leaves it out)
 #   dphi_medium one GPU (about 480 s with the start, estimated): after dphi_reduce, msar_block's medium step alternating
 #              with the reduction (RED as there), then msar_block's 60-step training parity with it against the product
 #              (eager, seeds 0 1; PARITY_LIMIT=0 leaves it out)
@@ -374,7 +381,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1532,6 +1539,22 @@ case "$PLAN" in
       --tag "${TAG:-_dphi_reduce}"
     [ "${PARITY_LIMIT:-0}" != 0 ] && msar_parity small_msar_block_dphi_reduce "$PARITY_LIMIT" \
       --reference residual.backend=auto --candidate residual.backend=auto "$RED"
+    ;;
+  glue_next)
+    LATE="py:kernels.msar_attn.fused.FIELDS={${LATE:-'mix_dphi':'reduce','dphi_late':True,'dphi_bt':4}}"
+    SUMS="py:kernels.msar_attn.fused.FIELDS={${SUMS:-'mix_sums':'kernel'}}"
+    msar_tests "${TEST_LIMIT:-150}" "${TEST_K:-mix-dphi-late or mix-sums-kernel}"
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-340}" python3 -m benchmarks.throughput --models small --residuals vanilla \
+      msar_block "msar_block@$LATE" "msar_block@$SUMS" msar_block "msar_block@$LATE" "msar_block@$SUMS" \
+      --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_glue_next}"
+    ;;
+  glue_medium)
+    CAND="py:kernels.msar_attn.fused.FIELDS={${CAND:-'mix_sums':'kernel'}}"
+    step gpu0 msar_medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals \
+      msar_block "msar_block@$CAND" msar_block "msar_block@$CAND" --compile model --graphs on --steps 6 --set $COMBO \
+      --tag "${TAG:-_glue_medium}"
+    [ "${PARITY_LIMIT:-200}" != 0 ] && msar_parity "small_msar_block${TAG:-_glue_medium}" "${PARITY_LIMIT:-200}" \
+      --reference residual.backend=auto --candidate residual.backend=auto "$CAND"
     ;;
   dphi_medium)
     RED="py:kernels.msar_attn.fused.FIELDS={${RED:-'mix_dphi':'reduce'}}"

@@ -205,6 +205,11 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
     if hasattr(blk, "grad_streams"):
         yield f"{dr_label}: mixer backward", fused._mix_bwd_kernel, dict(**mix_types, dr_ptr=dr_other), mix, \
             blk.mix_warps
+    if "SUMS" in fused._mix_bwd_kernel.arg_names:  # Blocks.mix_sums (2026-12-07): Σ dz, Σ dz·y a row a program
+        kernel = getattr(blk, "mix_sums", "torch") == "kernel"
+        yield (f"mixer backward, Σ dz {'per token' if kernel else 'a row a program'} (candidate)", fused._mix_bwd_kernel,
+               dict(**mix_types, dr_ptr=dr_type, sums_ptr=F32),
+               dict(mix, SUMS=not kernel, **({"dz_ptr": None, "dzy_ptr": None} if not kernel else {})), blk.mix_warps)
     if hasattr(blk, "mix_dphi") and d <= blk.bwd_bd:  # Blocks.mix_dphi (2026-12-06): dφ summed inside, one tile
         tag = "" if blk.mix_dphi == "walk" else " (candidate)"
         yield (f"mixer backward, dφ inside{tag}", fused._mix_bwd_walk_kernel,

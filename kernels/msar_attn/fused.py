@@ -404,8 +404,10 @@ def _mix_bwd_kernel(
     dz_ptr,  # result: dL/dz (B, T, m) fp32 (db = Σ_t dz)
     coef_ptr,  # result: α ρ_R dz (B, T, m) fp32 (dφ = Σ_t vec R ⊗ coef)
     dzy_ptr,  # result: Σ_i dz_i y_i (B, T) fp32 (dα = Σ_t)
+    sums_ptr,  # result with SUMS: the program's Σ_t dz_j and Σ_t Σ_i dz_i y_i, one row (n_prog, m + 1) fp32
     B, T, D, M, eps, n_dt,
     SIGMOID: tl.constexpr, M_PAD: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    SUMS: tl.constexpr = False,  # Blocks.mix_sums="kernel": its tokens' sums of dz and dz·y, not dz and dz·y
 ):
     """Backward of the mixer from the streams the forward saved: two passes over the channel tiles of
     R and dh (dg_j = dh·r_j, then dR tile by tile; the second pass mostly hits L2)."""
@@ -449,9 +451,14 @@ def _mix_bwd_kernel(
         tl.store(dr_ptr + tile, dr.to(dr_ptr.dtype.element_ty), mask=m3)
         dt += 1
     tok = rows[None, :] * M + jv[:, None]  # (M_PAD, BT) index into (B, T, m)
-    tl.store(dz_ptr + tok, dz, mask=stat_mask)
     tl.store(coef_ptr + tok, (alpha * rho)[None, :] * dz, mask=stat_mask)
-    tl.store(dzy_ptr + rows, dzy, mask=mask_t)
+    if SUMS:  # one row a program: Σ_t dz_j (m), then Σ_t dz·y
+        row = sums_ptr + (b * tl.num_programs(0) + tb).to(tl.int64) * (M + 1)
+        tl.store(row + jv, tl.sum(tl.where(stat_mask, dz, 0.0), axis=1), mask=mask_j)
+        tl.store(row + M, tl.sum(tl.where(mask_t, dzy, 0.0), axis=0))
+    else:
+        tl.store(dz_ptr + tok, dz, mask=stat_mask)
+        tl.store(dzy_ptr + rows, dzy, mask=mask_t)
 
 
 @triton.jit
@@ -2055,6 +2062,11 @@ class Blocks:
     # `small` step 38.4 / 38.4 ms against 38.5 / 38.4, `medium` 367.3 / 367.5 against 367.4 / 367.5
     # (throughput_{small,medium}_mix_next*_h100.md): the same time, dφ to fp32 round-off
     dphi_partials: str = "float32"
+    # where the product's mixer backward sums dz and dz·y over the tokens (db and dα): "torch" (the kernel writes dz
+    # (B, T, m) and dz·y (B, T), then two torch sums, about 11 µs each a read in a `small` step's profile on an H100,
+    # throughput's reduce_kernel rows) or "kernel" (each program of ``_mix_bwd_kernel`` sums its tokens' dz and dz·y
+    # into one row of a (programs, m + 1) fp32 buffer, and one torch sum finishes both; not yet timed)
+    mix_sums: str = "torch"
     # the backward of MsarFunction takes the packed taps, the folded queries and φᵀ the forward made (kept on ctx:
     # (M_PAD·K_MAX + m + m·m)·d fp32 a read, 0.14 MB at `small`) instead of making them again: a fill, a fill, a copy a
     # tap, a product and a transposed copy fewer a read (7 small kernels, 119 a `small` msar_block step). H100, one
@@ -2070,7 +2082,8 @@ class Blocks:
                                ("stats_glue", ("torch", "triton")), ("coef_layout", ("planes", "token")),
                                ("parts_layout", ("planes", "token")), ("combine_from", COMBINE_FROM),
                                ("part_sums", ("torch", "triton")), ("grad_streams", ("float32", "kept")),
-                               ("mix_dphi", ("product", "walk", "reduce")), ("dphi_partials", ("kept", "float32"))):
+                               ("mix_dphi", ("product", "walk", "reduce")), ("dphi_partials", ("kept", "float32")),
+                               ("mix_sums", ("torch", "kernel"))):
             if getattr(self, field) not in choices:
                 raise ValueError(f"msar: Blocks.{field} {getattr(self, field)!r} is not one of "
                                  + ", ".join(map(repr, choices)))
@@ -2412,14 +2425,27 @@ def mixer_backward(dh, saved, mixer, *, eps, sigmoid):
             SIGMOID=sigmoid, M_PAD=m_pad, BT=bt, BD=blk.bwd_bd, num_warps=blk.mix_walk_warps)
         sums = part.sum(0)
         return (dr, *_mixer_sums(sums, m, d))
-    dz, coef, dzy = torch.empty(B, T, m, **f32), torch.empty(B, T, m, **f32), torch.empty(B, T, **f32)
-    _mix_bwd_kernel[(triton.cdiv(T, blk.bwd_bt), B)](
-        r, z, rr, *mixer, dh, dr, dz, coef, dzy, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),
-        SIGMOID=sigmoid, M_PAD=m_pad, BT=blk.bwd_bt, BD=blk.bwd_bd, num_warps=blk.mix_warps)
+    n_tb = triton.cdiv(T, blk.bwd_bt)
+    coef = torch.empty(B, T, m, **f32)
+    in_kernel = blk.mix_sums == "kernel" and blk.mix_dphi == "product"  # the reduction reads dz and dz·y per token
+    if in_kernel:  # each program's sums of dz and dz·y; dz and dz·y themselves not written
+        dz = dzy = None
+        sums = torch.empty(B * n_tb, m + 1, **f32)
+    else:
+        dz, dzy, sums = torch.empty(B, T, m, **f32), torch.empty(B, T, **f32), None
+    _mix_bwd_kernel[(n_tb, B)](
+        r, z, rr, *mixer, dh, dr, dz, coef, dzy, sums, B, T, d, m, eps, triton.cdiv(d, blk.bwd_bd),
+        SIGMOID=sigmoid, M_PAD=m_pad, BT=blk.bwd_bt, BD=blk.bwd_bd, SUMS=in_kernel, num_warps=blk.mix_warps)
     if blk.mix_dphi == "reduce":
         sums = dphi_reduce(r, coef, dz, dzy, blk)
         return (dr, *_mixer_sums(sums, m, d))
-    return dr, dphi_from(r, coef, fp32_partials=blk.dphi_partials == "float32"), dzy.sum(), dz.sum((0, 1))
+    dphi = dphi_from(r, coef, fp32_partials=blk.dphi_partials == "float32")
+    if in_kernel:
+        # (m + 1,): Σ dz, then Σ dz·y; torch's sum, which splits the rows over many programs (sum_rows would walk
+        # thousands of narrow rows in one program: a program a column block)
+        sums = sums.sum(0)
+        return dr, dphi, sums[m], sums[:m]
+    return dr, dphi, dzy.sum(), dz.sum((0, 1))
 
 
 def _mixer_sums(sums: Tensor, m: int, d: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -999,7 +999,7 @@ def check_fp32_matches_reference(case, device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2", "combine-float32", "part-sums-torch",
                                    "grad-streams-kept", "mix-dphi-walk", "mix-dphi-reduce", "mix-dphi-late",
-                                   "pack-twice"])
+                                   "mix-sums-kernel", "pack-twice"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
@@ -1010,7 +1010,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
     backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and by one
     reduction kernel after it (Blocks.mix_dphi="reduce", a candidate, at every d; its products summed every step, or
-    kept per token and summed once at the end, Blocks.dphi_late at 4 tokens a step), and with the backward packing the
+    kept per token and summed once at the end, Blocks.dphi_late at 4 tokens a step), with Σ dz and Σ dz·y summed by
+    the mixer's backward programs (Blocks.mix_sums="kernel", a candidate), and with the backward packing the
     taps, queries and φᵀ again (Blocks.pack_once=False; taking the forward's is the default since 2026-12-06, final
     session, when both ran on an H100 and passed)."""
     if pass2 == "lean":
@@ -1029,6 +1030,8 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
         _with_fields(monkeypatch, mix_dphi="reduce")
     if pass2 == "mix-dphi-late":
         _with_fields(monkeypatch, mix_dphi="reduce", dphi_late=True, dphi_bt=4)
+    if pass2 == "mix-sums-kernel":
+        _with_fields(monkeypatch, mix_sums="kernel")
     if pass2 == "pack-twice":
         _with_fields(monkeypatch, pack_once=False)
     check_bf16_matches_fp32_reference(case, "cuda")
@@ -1173,6 +1176,48 @@ def test_mixer_backward_walking_sums_dphi_as_the_product(case):
         got = sums.fused.mixer_backward(sums.dh, sums.saved, sums.mixer, eps=1e-6, sigmoid=sums.sigmoid)
         for name, a, b in zip(("dR", "dφ", "dα", "db"), got, sums.product):
             assert rel_err(a, b) < 1e-5, f"tiled {name}: {rel_err(a, b):.2e}"
+
+
+# (id, S, B, T, d, kernels, bwd_bt, fusion): M_PAD above m, a last token block that the tokens do not fill, one block
+# for every token, several channel tiles
+MIX_SUMS = [
+    ("m3-ragged-last-block", 2, 2, 13, 24, (2, 3), 4, "sigmoid"),
+    ("m4-softmax", 3, 1, 11, 12, (3, 5, 2), 2, "softmax"),
+    ("m2-one-block", 1, 3, 7, 20, (4,), 8, "sigmoid"),
+    ("m5-M_PAD-8", 2, 2, 9, 10, (2, 3, 2, 4), 4, "sigmoid"),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", MIX_SUMS, ids=[c[0] for c in MIX_SUMS])
+def test_mixer_backward_sums_dz_in_its_kernel(case):
+    """Blocks.mix_sums="kernel": each program of the mixer's backward sums its tokens' dz and dz·y into one row, and
+    one sum finishes db and dα. With a random upstream gradient, M_PAD above m, sigmoid and
+    softmax gates, a last token block the tokens do not fill and one block for every token, dR, dφ, dα and db equal
+    the torch sums' and dφ, dα, db their fp64 definition; the per-token dz and dz·y are not written (the candidate
+    passes no buffers for them), and with the reduction (which reads them) the setting gives the reduction's
+    results."""
+    _, S, B, T, d, kernels, bt, fusion = case
+    sums = _MixerSums(S, B, T, d, kernels, fusion, seed=6, dh_seed=11, bwd_bt=bt)
+    got = sums.grads(mix_sums="kernel")
+    sums.check(got)
+    assert got[2].shape == () and got[3].shape == sums.product[3].shape
+    calls = []
+    kernel = sums.fused._mix_bwd_kernel
+    with pytest.MonkeyPatch.context() as mp:  # what the kernel was given: no dz, no dz·y, one row a program
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    calls.append((grid, args[8], args[10], args[11], kw["SUMS"]))
+                    return kernel[grid](*args, **kw)
+                return launch
+        mp.setattr(sums.fused, "_mix_bwd_kernel", Spy())
+        sums.grads(mix_sums="kernel")
+        sums.check(sums.grads(mix_sums="kernel", mix_dphi="reduce", dphi_bt=4, dphi_bd=16))
+    (grid, dz, dzy, part, flag), (_, dz2, dzy2, part2, flag2) = calls
+    assert flag and dz is None and dzy is None and part.shape == (B * -(-T // bt), 1 + len(kernels) + 1)
+    assert grid == (-(-T // bt), B)
+    assert not flag2 and part2 is None and dz2.shape == (B, T, 1 + len(kernels)) and dzy2.shape == (B, T)
 
 
 # (id, S, B, T, d, kernels, dphi_chunk, dphi_bt, dphi_bd, fusion): M_PAD above m, chunks and steps that the tokens do
