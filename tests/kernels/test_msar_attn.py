@@ -904,8 +904,9 @@ def test_kernels_compile_for_sm90_with_few_spills(views_3d):
     # two tokens' loads in flight, a candidate), the mixer, the stats and the sources with dR in bf16 (candidates,
     # Blocks.grad_streams), the source gradients' partial sums (Blocks.part_sums="triton", the default), and the
     # mixer's backward with dφ summed inside (Blocks.mix_dphi="walk", a candidate) or by a reduction kernel after it
-    # (Blocks.mix_dphi="reduce", a candidate; its products summed every step or once at the end, Blocks.dphi_late)
-    assert len(lines) == 31, stdout
+    # (Blocks.mix_dphi="reduce", a candidate; its products summed every step or once at the end, Blocks.dphi_late),
+    # and the mixer's backward summing Σ dz and Σ dz·y a row a program (Blocks.mix_sums="kernel", a candidate)
+    assert len(lines) == 32, stdout
     spills = {line.split(" {")[0]: int(re.search(r"(\d+) bytes spill stores", line).group(1)) for line in lines}
     # a few hundred bytes at most: the tiles are chosen by timing (benchmarks.msar_tiles), and 4 warps
     # with a few spilled values beat 16 warps without; a tile that spills kilobytes costs far more.
