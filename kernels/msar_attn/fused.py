@@ -2064,7 +2064,7 @@ class Blocks:
     dphi_partials: str = "float32"
     # where the product's mixer backward sums dz and dz·y over the tokens (db and dα): "torch" (the kernel writes dz
     # (B, T, m) and dz·y (B, T), then two torch sums, about 11 µs each a read in a `small` step's profile on an H100,
-    # throughput's reduce_kernel rows) or "kernel" (each program of ``_mix_bwd_kernel`` sums its tokens' dz and dz·y
+    # profile_step's reduce_kernel rows) or "kernel" (each program of ``_mix_bwd_kernel`` sums its tokens' dz and dz·y
     # into one row of a (programs, m + 1) fp32 buffer, and one torch sum finishes both; not yet timed)
     mix_sums: str = "torch"
     # the backward of MsarFunction takes the packed taps, the folded queries and φᵀ the forward made (kept on ctx:
