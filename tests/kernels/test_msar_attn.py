@@ -1180,7 +1180,7 @@ def test_mixer_backward_walking_sums_dphi_as_the_product(case):
 
 
 # (id, S, B, T, d, kernels, bwd_bt, fusion): M_PAD above m, a last token block that the tokens do not fill, one block
-# for every token, several channel tiles
+# for every token (one channel tile each: the sums do not depend on the tiles, which only the passes over dR walk)
 MIX_SUMS = [
     ("m3-ragged-last-block", 2, 2, 13, 24, (2, 3), 4, "sigmoid"),
     ("m4-softmax", 3, 1, 11, 12, (3, 5, 2), 2, "softmax"),
