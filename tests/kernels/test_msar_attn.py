@@ -1179,13 +1179,14 @@ def test_mixer_backward_walking_sums_dphi_as_the_product(case):
             assert rel_err(a, b) < 1e-5, f"tiled {name}: {rel_err(a, b):.2e}"
 
 
-# (id, S, B, T, d, kernels, bwd_bt, fusion): M_PAD above m, a last token block that the tokens do not fill, one block
-# for every token (one channel tile each: the sums do not depend on the tiles, which only the passes over dR walk)
+# (id, S, B, T, d, kernels, bwd_bt, bwd_bd or None for _blocks', fusion): M_PAD above m, a last token block that the
+# tokens do not fill, one block for every token, channel tiles that d does not fill (dg summed over them)
 MIX_SUMS = [
-    ("m3-ragged-last-block", 2, 2, 13, 24, (2, 3), 4, "sigmoid"),
-    ("m4-softmax", 3, 1, 11, 12, (3, 5, 2), 2, "softmax"),
-    ("m2-one-block", 1, 3, 7, 20, (4,), 8, "sigmoid"),
-    ("m5-M_PAD-8", 2, 2, 9, 10, (2, 3, 2, 4), 4, "sigmoid"),
+    ("m3-ragged-last-block", 2, 2, 13, 24, (2, 3), 4, None, "sigmoid"),
+    ("m4-softmax", 3, 1, 11, 12, (3, 5, 2), 2, None, "softmax"),
+    ("m2-one-block", 1, 3, 7, 20, (4,), 8, None, "sigmoid"),
+    ("m5-M_PAD-8", 2, 2, 9, 10, (2, 3, 2, 4), 4, None, "sigmoid"),
+    ("m3-channel-tiles", 2, 2, 13, 20, (2, 3), 4, 8, "softmax"),
 ]
 
 
@@ -1193,13 +1194,14 @@ MIX_SUMS = [
 @pytest.mark.parametrize("case", MIX_SUMS, ids=[c[0] for c in MIX_SUMS])
 def test_mixer_backward_sums_dz_in_its_kernel(case):
     """Blocks.mix_sums="kernel": each program of the mixer's backward sums its tokens' dz and dz·y into one row, and
-    one sum finishes db and dα. With a random upstream gradient, M_PAD above m, sigmoid and
-    softmax gates, a last token block the tokens do not fill and one block for every token, dR, dφ, dα and db equal
-    the torch sums' and dφ, dα, db their fp64 definition; the per-token dz and dz·y are not written (the candidate
-    passes no buffers for them), and with the reduction (which reads them) the setting gives the reduction's
-    results."""
-    _, S, B, T, d, kernels, bt, fusion = case
-    sums = _MixerSums(S, B, T, d, kernels, fusion, seed=6, dh_seed=11, bwd_bt=bt)
+    one sum finishes db and dα. With a random upstream gradient, M_PAD above m, sigmoid and softmax gates, a last
+    token block the tokens do not fill, one block for every token and channel tiles d does not fill, dR, dφ, dα and
+    db equal the torch sums' and dφ, dα, db their fp64 definition; the per-token dz and dz·y are not written (the
+    candidate passes no buffers for them), and with the reduction (which reads them) the setting gives the
+    reduction's results."""
+    _, S, B, T, d, kernels, bt, bd, fusion = case
+    sums = _MixerSums(S, B, T, d, kernels, fusion, seed=6, dh_seed=11, bwd_bt=bt, **({} if bd is None else
+                                                                                   {"bwd_bd": bd}))
     got = sums.grads(mix_sums="kernel")
     sums.check(got)
     assert got[2].shape == () and got[3].shape == sums.product[3].shape
