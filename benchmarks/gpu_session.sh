@@ -332,12 +332,15 @@
 #              the product (the default); RED sets the candidate's fields (a dict's body, default 'mix_dphi':'reduce');
 #              PARITY_LIMIT (default 0: left out) adds msar_block's 60-step training parity with it against the product
 #              TEST_K picks the GPU tests (a pytest -k; default: plain, reduce and fp32)
-#   glue_next  one GPU (about 560 s with the start, estimated): two candidates of msar_block's glue, the dφ reduction
-#              summing once at the end (LATE, default 'mix_dphi':'reduce','dphi_late':True,'dphi_bt':4) and Σ dz, Σ dz·y
-#              summed by the mixer backward's programs (SUMS, default 'mix_sums':'kernel'): the op's GPU tests with them
-#              (TEST_K), msar_block's small step beside vanilla alternating with both
+#   glue_next  one GPU (about 700 s with the start on a cold host, estimated): three candidates of msar_block's glue,
+#              the dφ reduction summing once at the end (LATE, default 'mix_dphi':'reduce','dphi_late':True,
+#              'dphi_bt':4), Σ dz and Σ dz·y summed by the mixer backward's programs (SUMS, default
+#              'mix_sums':'kernel') and the reads' packing once a step (Msar.pack_step): the op's GPU tests with the
+#              first two (TEST_K), the graphed-step test with the third (GRAPHS_LIMIT=0 leaves it out), then
+#              msar_block's small step beside vanilla alternating with all three
 #   glue_medium one GPU (about 520 s with the start, estimated): msar_block's medium step alternating with CAND (fields
-#              as a dict's body, default 'mix_sums':'kernel'), then its 60-step training parity against the default
+#              as a dict's body, default 'mix_sums':'kernel'; or CAND_ROW, a whole code setting such as
+#              py:residuals.msar.Msar.pack_step=True), then its 60-step training parity against the default
 #              (PARITY_LIMIT=0 leaves it out)
 #   dphi_medium one GPU (about 480 s with the start, estimated): after dphi_reduce, msar_block's medium step alternating
 #              with the reduction (RED as there), then msar_block's 60-step training parity with it against the product
@@ -1543,13 +1546,18 @@ case "$PLAN" in
   glue_next)
     LATE="py:kernels.msar_attn.fused.FIELDS={${LATE:-'mix_dphi':'reduce','dphi_late':True,'dphi_bt':4}}"
     SUMS="py:kernels.msar_attn.fused.FIELDS={${SUMS:-'mix_sums':'kernel'}}"
+    PACK="py:residuals.msar.Msar.pack_step=True"
     msar_tests "${TEST_LIMIT:-150}" "${TEST_K:-mix-dphi-late or mix-sums-kernel}"
-    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-340}" python3 -m benchmarks.throughput --models small --residuals vanilla \
-      msar_block "msar_block@$LATE" "msar_block@$SUMS" msar_block "msar_block@$LATE" "msar_block@$SUMS" \
-      --compile model --graphs on --steps 8 --set $COMBO --tag "${TAG:-_glue_next}"
+    step gpu0 graphs_tests "${GRAPHS_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/platform/test_graphs.py -k packed_once
+    step gpu0 msar_small "${MSAR_SMALL_LIMIT:-430}" python3 -m benchmarks.throughput --models small \
+      --residuals vanilla msar_block "msar_block@$LATE" "msar_block@$SUMS" "msar_block@$PACK" msar_block \
+      "msar_block@$LATE" "msar_block@$SUMS" "msar_block@$PACK" --compile model --graphs on --steps 8 --set $COMBO \
+      --tag "${TAG:-_glue_next}"
     ;;
   glue_medium)
     CAND="py:kernels.msar_attn.fused.FIELDS={${CAND:-'mix_sums':'kernel'}}"
+    [ -n "${CAND_ROW:-}" ] && CAND=$CAND_ROW
     step gpu0 msar_medium "${MEDIUM_LIMIT:-300}" python3 -m benchmarks.throughput --models medium --residuals \
       msar_block "msar_block@$CAND" msar_block "msar_block@$CAND" --compile model --graphs on --steps 6 --set $COMBO \
       --tag "${TAG:-_glue_medium}"

@@ -1,6 +1,13 @@
 """The PyTorch operations around MSAR's fused kernels, per read: what each costs a launch on the GPU.
 
     python -m benchmarks.msar_glue_ops [--sources 5] [--tag _dec2]
+    python -m benchmarks.msar_glue_ops --step vanilla msar_block msar_block@py:residuals.msar.Msar.pack_step=True
+
+With ``--step`` it counts a whole training step instead: one forward and backward of a 2-block `tiny` backbone (bf16
+autocast, fused reads under the interpreter) for each row, a residual with optional ``@py:MODULE.NAME.ATTR=VALUE``
+code settings held for that row (as ``benchmarks.throughput`` takes them), every ATen operation that does work
+counted, copies included, except those the interpreter makes inside a kernel launch. Writes
+``msar_glue_ops_step{tag}.md``.
 
 Runs one fused read (``kernels.msar_attn.msar``, Triton backend, the split forward) forward and backward under
 Triton's interpreter on the CPU, with a dispatch mode that counts the ATen operations that do work (views, empty
@@ -64,11 +71,109 @@ def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, co
         fused._blocks = inner
 
 
+def _in_interpreter() -> bool:
+    """Whether the ATen call being dispatched comes from inside Triton's interpreter (a kernel launch's own copies)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/triton/runtime/interpreter" in name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def step_count(row: str, T: int = 16, seed: int = 0) -> collections.Counter:
+    """ATen operations that do work in one forward and backward of a 2-block `tiny` backbone with ``row`` (a
+    residual, optionally ``@py:`` code settings), bf16 autocast, fused reads (``residual.backend=triton``) under
+    the interpreter; the second of two steps is counted (the first warms the caches)."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from benchmarks.throughput import code_settings
+    from platform.config import compose, residual_config
+    from platform.model import Backbone
+
+    work = NOT_WORK - {"copy_"}  # a copy outside a kernel launch is work here
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in work and not _in_interpreter():
+                self.ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    name = row.split("@")[0]
+    settings = code_settings(row)
+    fused = name.startswith("msar") or name.startswith("attnres")
+    cfg = compose("model=tiny", f"residual={name}", "model.n_blocks=2",
+                  *(["residual.backend=triton"] if fused else []))
+    vocab = 37
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (1, T), generator=g)
+    docs = (torch.arange(T) >= T // 3).long()[None] + (torch.arange(T) >= 2 * T // 3).long()[None]
+    up = torch.randn(1, T, vocab, generator=g)
+    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
+    try:
+        for obj, attr, value in settings:
+            setattr(obj, attr, value)
+        torch.manual_seed(seed)
+        model = Backbone(cfg.model, vocab, residual_config(cfg))
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with Counting() as counted:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(tokens, docs)
+                out.float().backward(up)
+        return counted.ops
+    finally:
+        for obj, attr, value in saved:
+            setattr(obj, attr, value)
+
+
+def _listing(c) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def step_table(rows: list[str], argv: list[str]) -> str:
+    lines = ["| row | ATen ops a step | more than the first row | operations |", "|---|---:|---:|---|"]
+    first = None
+    for row in rows:
+        ops = step_count(row)
+        total = sum(ops.values())
+        first = total if first is None else first
+        lines.append(f"| `{row}` | {total} | {total - first:+d} | {_listing(ops)} |")
+    return "\n".join([
+        "# PyTorch operations of a training step around the fused residual ops", "",
+        f"- command: `python -m benchmarks.msar_glue_ops {' '.join(argv)}`",
+        f"- date {datetime.date.today()}; counted on the CPU under Triton's interpreter (no GPU): one forward and "
+        "backward of a 2-block `tiny` backbone (1 × 16 tokens, 3 documents, bf16 autocast, fused reads), the second "
+        "of two; ATen operations that do work (views and empty allocations left out; copies counted, but not the "
+        "interpreter's inside a kernel launch). On a GPU each is at least one kernel beside the ops' Triton kernels",
+        "", *lines, ""])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sources", type=int, default=5)
+    p.add_argument("--step", nargs="+", metavar="ROW", help="count whole steps of these rows instead of one read")
     p.add_argument("--tag", default="")
     args = p.parse_args(argv)
+    if args.step:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported, the settings' included
+        from benchmarks.throughput import code_settings
+
+        for row in args.step:
+            code_settings(row)  # a bad setting fails before any step runs
+        text = step_table(args.step, argv if argv is not None else sys.argv[1:])
+        print(text)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"msar_glue_ops_step{args.tag}.md").write_text(text)
+        return 0
     if args.sources < 1:
         raise SystemExit(f"error: --sources {args.sources}: a read has at least 1 source")
     rows = ["| Blocks.glue | forward ops | backward ops | forward | backward |", "|---|---:|---:|---|---|"]

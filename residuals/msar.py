@@ -35,6 +35,7 @@ from kernels.causal_conv import causal_conv
 from kernels.depth_attn import depth_attn
 from kernels.msar_attn import FUSIONS, MAX_K, BufferedSources
 from kernels.msar_attn import msar as msar_fused
+from kernels.msar_attn import pack_reads
 from kernels.msar_attn.reference import mix
 
 from .attnres import (DepthAttentionConfig, DepthAttentionResidual, PseudoQueries, check_choice, depth_attn_flops,
@@ -57,6 +58,7 @@ class ConsumerParams(NamedTuple):
     phi: Tensor  # (m·d, m)
     alpha: Tensor  # ()
     bias: Tensor  # (m,)
+    packed: object = None  # the read's ``Packed`` (kernels.msar_attn.pack_reads) with ``Msar.pack_step``, else None
 
 
 @register("msar")
@@ -129,6 +131,10 @@ class Msar(DepthAttentionResidual):
     # 0.462x vanilla's); `medium` 368.1 -> 367.3 ms (throughput_medium_views_medium_h100.md; its peaks 44.27 against
     # 45.52 GiB are the rows' order, as in the night's table: the first row after vanilla reads lower)
     params_once: bool = True
+    # with params_once, conv views: every fused read's packed taps, folded queries, φᵀ and the step's document window
+    # made once a step for every consumer (``pack_reads``, a few kernels a step at ``begin``) instead of by each read
+    # (8 small kernels a read, 136 a `small` msar_block step); the same values to the bit. A candidate, not yet timed
+    pack_step: bool = False
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)
@@ -179,7 +185,27 @@ class Msar(DepthAttentionResidual):
         return state
 
     def _with_consumer_params(self, state):
-        return replace(state, ctx=replace(state.ctx, params=self._consumer_params()))
+        params = self._consumer_params()
+        if self.pack_step and self.cfg.view == "conv":
+            params = self._packed(params, state.ctx.doc_ids)
+        return replace(state, ctx=replace(state.ctx, params=params))
+
+    def _packed(self, params: tuple[ConsumerParams, ...], doc_ids: Tensor) -> tuple[ConsumerParams, ...]:
+        """``params`` with each consumer's ``Packed`` (``pack_step``): the taps gathered to one (C, k_j, d) a view,
+        then ``pack_reads`` over every consumer at once. Consumers that share a group (per_block, shared) are
+        consecutive, so a view's taps are one concatenation of its groups expanded (no index tensor: nothing copied
+        from the host, which a CUDA graph's capture would refuse)."""
+        groups = [self._tap_group(c) for c in range(self.n_consumers)]
+        runs = [(g, groups.count(g)) for g in dict.fromkeys(groups)]  # (group, consumers) in consumer order
+        if [g for g, n in runs for _ in range(n)] != groups:
+            raise AssertionError(f"msar: the consumers of a tap group must be consecutive, got {groups}")
+        with torch.no_grad():
+            # per_sublayer: group c is consumer c's, the parameter as it is
+            taps = [t if groups == list(range(t.shape[0])) else
+                    torch.cat([t[g: g + 1].expand(n, -1, -1) for g, n in runs]) for t in self.conv_taps]
+            packs = pack_reads(taps, self.queries.weight, self.queries.key_gain, self.fusion_proj, self.fusion_scale,
+                               self.fusion_bias, doc_ids)
+        return tuple(p._replace(packed=k) for p, k in zip(params, packs))
 
     def _consumer_params(self) -> tuple[ConsumerParams, ...]:
         """Every consumer's ``ConsumerParams`` from one unbind of each parameter (taps: one per group)."""
@@ -224,7 +250,8 @@ class Msar(DepthAttentionResidual):
             # sources in place (BufferedSources: the buffer's rows and the open block's partial), never stacked
             res = msar_fused(sources, taps, p.query, p.gain, ctx.doc_ids, p.phi, p.alpha, p.bias,
                              key_norm=self.cfg.key_norm, fusion=self.cfg.fusion, return_weights=ctx.record,
-                             backend="triton", recompute_streams=self.cfg.recompute_streams)  # (B, T, d), with the
+                             backend="triton", recompute_streams=self.cfg.recompute_streams,
+                             packed=p.packed)  # (B, T, d), with the
             # weights (V, S, B, T) when recording
             if not ctx.record:
                 return res

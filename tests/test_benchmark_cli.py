@@ -542,6 +542,29 @@ def test_glue_kernels_take_the_small_steps_off_pytorch():
     assert not msar_glue_ops.NOT_WORK & (set(f_torch) | set(b_torch))  # views, allocations, copies not counted
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="counts under Triton's interpreter, set before the kernels are imported (a CPU run)")
+def test_glue_ops_count_a_step_with_its_code_settings():
+    """benchmarks.msar_glue_ops --step counts a whole step's ATen operations for each row with its code settings held
+    for that row alone: msar_block's reads packed once a step (Msar.pack_step) make fewer copies, fills and zero
+    tensors than reads packing their own, and the setting is restored after its row; a bad setting fails before any
+    step runs."""
+    from benchmarks import msar_glue_ops
+    from residuals.msar import Msar
+
+    own = msar_glue_ops.step_count("msar_block")
+    once = msar_glue_ops.step_count("msar_block@py:residuals.msar.Msar.pack_step=True")
+    assert Msar.pack_step is False  # restored
+    for op in ("copy_", "zeros", "clone"):
+        assert once[op] < own[op], (op, once[op], own[op])
+    assert once["fill_"] < own["fill_"] and sum(once.values()) < sum(own.values())
+    assert own["mm"] == once["mm"] > 0  # the same model, the same matmuls
+    assert "empty" not in own and "view" not in own  # no work
+    with pytest.raises(ValueError, match="pack_stepp"):
+        msar_glue_ops.main(["--step", "msar_block@py:residuals.msar.Msar.pack_stepp=True"])
+
+
 def test_a_row_can_carry_overrides_of_its_own(tmp_path, monkeypatch):
     """``mhc@residual.stream_dtype=bf16`` beside ``mhc`` and vanilla: that row alone is built with the override (the
     others would refuse it: vanilla has no stream_dtype), and a bad row override fails before any timing."""

@@ -1,6 +1,6 @@
 """MSAR as one op: conv views of the sources, per-view depth attention, H^pre mixer (``reference.py``).
 
-Two public functions, each with an explicit ``backend``:
+Two public functions, each with an explicit ``backend``, and ``pack_reads`` for the first:
 - ``msar``: the whole read, h (B, T, d). ``backend="triton"`` runs ``fused.py`` (views made inside
   the kernel, mixer in its epilogue: the forward writes only h and the per-view lse);
   ``backend="torch"`` runs ``reference.msar`` (the composition of ``causal_conv``, ``depth_attn``
@@ -133,7 +133,7 @@ def _doc_ids(doc_ids, shape, device):
 def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None, doc_ids: Tensor | None,
          phi: Tensor, alpha: Tensor, bias: Tensor, *, key_norm: bool = True, fusion: str = "sigmoid",
          eps: float = 1e-6, return_weights: bool = False, backend: str = "auto",
-         recompute_streams: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+         recompute_streams: bool = False, packed=None) -> Tensor | tuple[Tensor, Tensor]:
     """The whole MSAR read of one consumer: h = Σ_j g_j r^{(j)} (docs/method.md §4).
 
     Args:
@@ -148,6 +148,9 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
         recompute_streams: the fused backend keeps no streams R ``(m, B, T, d)`` for the mixer's backward and
             rebuilds them there (one more pass over the sources): less memory, more time. Fused backend only
             (an error with ``"torch"``, whose autograd keeps what it keeps; ``model.checkpoint_reads`` is its knob).
+        packed: this consumer's entry of ``pack_reads`` (made once a step from the same parameters and doc_ids):
+            the fused backend then takes its packed taps, folded queries, φᵀ and document window instead of making
+            them (8 small kernels a read). Fused backend only; it must match taps, queries and doc_ids.
 
     Returns:
         h ``(B, T, d)`` in x's dtype (``BufferedSources``: the dtype the buffer's sources were given in, its
@@ -158,6 +161,8 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
     backend = resolve_backend(backend, _first(x), "msar_attn")
     _check_mixer(queries.shape[0], shape[-1], phi, alpha, bias, fusion, device)
     doc_ids = _doc_ids(doc_ids, shape, device)
+    if packed is not None:
+        _check_packed(packed, backend, taps, queries, doc_ids)
     if backend == "torch":
         if recompute_streams:
             raise ValueError("msar: recompute_streams=True applies to the fused backend ('triton', or 'auto' on "
@@ -170,7 +175,50 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
     from . import fused  # imports triton: only when asked for
 
     return fused.msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, key_norm=key_norm, fusion=fusion,
-                      eps=eps, return_weights=return_weights, recompute_streams=recompute_streams)
+                      eps=eps, return_weights=return_weights, recompute_streams=recompute_streams, packed=packed)
+
+
+def pack_reads(taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None, phi: Tensor, alpha: Tensor,
+               bias: Tensor, doc_ids: Tensor) -> tuple:
+    """What the fused reads of C consumers take besides their sources, made once (a step) for all of them: each
+    consumer's packed taps, folded queries and φᵀ, and the document window, in a few kernels instead of 8 a read
+    (the fused backend only: it imports Triton). Pass entry c as ``msar(..., packed=...)`` of consumer c's read.
+
+    Args:
+        taps: ``m-1`` tensors ``(C, k_j, d)``, consumer c's taps at [c]; queries and key_gains ``(C, m, d)``
+            (key_gains or None); phi ``(C, m·d, m)``; alpha ``(C,)``; bias ``(C, m)``; doc_ids ``(B, T)`` integer.
+    Returns:
+        C ``fused.Packed``, detached (the reads' gradients still reach the parameters they are given).
+    """
+    if queries.dim() != 3:
+        raise ValueError(f"pack_reads: queries must be (C, m, d), got {tuple(queries.shape)}")
+    C, m, d = queries.shape
+    shapes = {"key_gains": (key_gains, (C, m, d)), "phi": (phi, (C, m * d, m)), "alpha": (alpha, (C,)),
+              "bias": (bias, (C, m))}
+    for name, (t, want) in shapes.items():
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"pack_reads: {name} must be {want} (C, m, d = {C}, {m}, {d}), got {tuple(t.shape)}")
+    if len(taps) != m - 1 or any(c.dim() != 3 or c.shape[0] != C or c.shape[2] != d or not 1 <= c.shape[1] <= MAX_K
+                                 for c in taps):
+        raise ValueError(f"pack_reads: taps must be m-1 = {m - 1} tensors (C, k, d) = ({C}, k, {d}) with "
+                         f"1 <= k <= {MAX_K}, got {[tuple(c.shape) for c in taps]}")
+    if doc_ids.dim() != 2 or doc_ids.is_floating_point():
+        raise ValueError(f"pack_reads: doc_ids must be integer (B, T), got {doc_ids.dtype} {tuple(doc_ids.shape)}")
+    from . import fused  # imports triton: only when asked for
+
+    return fused.pack_reads(taps, queries, key_gains, phi, alpha, bias, doc_ids)
+
+
+def _check_packed(packed, backend: str, taps, queries, doc_ids) -> None:
+    if backend != "triton":
+        raise ValueError(f"msar: packed (from pack_reads) applies to the fused backend ('triton', or 'auto' on CUDA), "
+                         f"got backend {backend!r}")
+    ks = (1, *(c.shape[0] for c in taps))
+    if (packed.ks != ks or packed.qg.shape != queries.shape or packed.near.shape != doc_ids.shape
+            or packed.taps.device != queries.device):
+        raise ValueError(f"msar: packed does not match this read: kernel sizes {packed.ks} against {ks}, queries "
+                         f"{tuple(packed.qg.shape)} against {tuple(queries.shape)}, doc_ids {tuple(packed.near.shape)} "
+                         f"against {tuple(doc_ids.shape)}, device {packed.taps.device} against {queries.device}")
 
 
 def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None,
@@ -196,4 +244,5 @@ def msar_attn(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Ten
                            return_weights=return_weights)
 
 
-__all__ = ["BACKENDS", "BufferedSources", "FUSIONS", "MAX_K", "check_triton_supported", "msar", "msar_attn"]
+__all__ = ["BACKENDS", "BufferedSources", "FUSIONS", "MAX_K", "check_triton_supported", "msar", "msar_attn",
+           "pack_reads"]

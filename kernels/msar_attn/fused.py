@@ -62,6 +62,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -2186,6 +2187,39 @@ def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]
     return packed, tuple(ks), m_pad
 
 
+class Packed(NamedTuple):
+    """What one read's kernels take besides its sources and that the read otherwise makes from its parameters (7
+    small kernels) and from the step's document ids (one): made once a step for every consumer by ``pack_reads``."""
+
+    taps: Tensor  # (M_PAD, K_MAX, d) fp32, as ``pack_taps`` packs them
+    ks: tuple[int, ...]  # (1, k_1, …)
+    qg: Tensor  # (m, d) fp32, as ``folded_queries`` folds them
+    mixer: tuple[Tensor, Tensor, Tensor]  # φᵀ (m, m·d), α (1,), b (m,) fp32, as ``_mixer_params`` makes them
+    near: Tensor  # (B, T) int32, ``doc_window`` of the step's document ids
+
+
+@torch.no_grad()
+def pack_reads(taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None, phi: Tensor, alpha: Tensor,
+               bias: Tensor, doc_ids: Tensor) -> tuple[Packed, ...]:
+    """Every consumer's ``Packed`` at once (``Msar.pack_step``): taps m-1 of (C, k_j, d) (each consumer's own, gathered
+    from shared groups by the caller), queries and key gains (C, m, d), φ (C, m·d, m), α (C,), b (C, m), the step's
+    document ids (B, T). A few kernels a step in place of 8 a read; each consumer's pieces are views of one tensor,
+    equal to the bit to what its read would make."""
+    C, m, d = queries.shape
+    ks = (1, *(c.shape[1] for c in taps))
+    k_max, m_pad = max(ks), triton.next_power_of_2(len(ks))
+    packed = torch.zeros(C, m_pad, k_max, d, device=queries.device, dtype=torch.float32)
+    packed[:, 0, 0] = 1.0
+    for j, c in enumerate(taps, start=1):
+        packed[:, j, : c.shape[1]] = c.float()
+    q = queries.float()
+    qg = (q if key_gains is None else q * key_gains.float()).contiguous()  # (C, m, d)
+    phis = phi.float().transpose(1, 2).contiguous()  # (C, m, m·d)
+    alphas, biases = alpha.float().reshape(C, 1).contiguous(), bias.float().contiguous()
+    near = doc_window(doc_ids)
+    return tuple(Packed(packed[c], ks, qg[c], (phis[c], alphas[c], biases[c]), near) for c in range(C))
+
+
 def folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
     q = queries.detach().float()
     return (q if key_gains is None else q * key_gains.detach().float()).contiguous()  # (m, d)
@@ -2628,8 +2662,9 @@ def _query_grads(dqg, queries, key_gains):
 
 
 class MsarFunction(torch.autograd.Function):
-    """The whole MSAR read. Inputs: n_src, buffer, queries, key_gains (or None), near, φ, α, b, flags, then
-    the sources and the taps: with n_src = 0 one stacked x (S, B, T, d), else n_src tensors (B, T, d).
+    """The whole MSAR read. Inputs: n_src, buffer, pre (a ``Packed`` or None), queries, key_gains (or None), near,
+    φ, α, b, flags, then the sources and the taps: with n_src = 0 one stacked x (S, B, T, d), else n_src tensors
+    (B, T, d). With ``pre`` the packed taps, folded queries and φᵀ are taken from it instead of made here.
     Without ``buffer`` those are stacked here and saved as they are (tensors the residual keeps anyway), so
     no stacked copy lives from forward to backward; the backward stacks them again. With ``buffer =
     (rows, grads)`` (``BufferedSources``) nothing is stacked: the kernels read ``rows`` (n, B, T,
@@ -2647,14 +2682,17 @@ class MsarFunction(torch.autograd.Function):
     logits (``rebuild_streams``, the split forward's pass 2), 2·m·d bytes a token and consumer less to keep."""
 
     @staticmethod
-    def forward(ctx, n_src, buffer, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion,
+    def forward(ctx, n_src, buffer, pre, queries, key_gains, near, phi, alpha, bias, key_norm, eps, fusion,
                 store_logits, recompute_streams, out_dtype, *tensors):
         split = max(n_src, 1)
         xs, taps = tensors[:split], tensors[split:]
         x, partial = _source_tensors(xs, n_src, buffer)
         d, m = x.shape[-1], queries.shape[0]
-        packed, ks, m_pad = pack_taps(taps, d, x.device)
-        qg, mixer = folded_queries(queries, key_gains), _mixer_params(phi, alpha, bias)
+        if pre is not None:  # Msar.pack_step: packed once a step for every consumer (``pack_reads``)
+            packed, ks, qg, mixer, m_pad = pre.taps, pre.ks, pre.qg, pre.mixer, pre.taps.shape[0]
+        else:
+            packed, ks, m_pad = pack_taps(taps, d, x.device)
+            qg, mixer = folded_queries(queries, key_gains), _mixer_params(phi, alpha, bias)
         save = any(ctx.needs_input_grad)
         # Blocks.pack_once: the backward takes the packed taps, the folded queries and φᵀ made here (a few small
         # tensors a read, from parameters that do not change before the backward; they stay saved, so an in-place
@@ -2706,7 +2744,7 @@ class MsarFunction(torch.autograd.Function):
             dxs = (None,) * x.shape[0] + (() if partial is None else (dx.to(partial.dtype),))
         else:
             dxs = dx.unbind(0) if ctx.n_src else (dx,)
-        return (None, None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
+        return (None, None, None, dq, dg, None, dphi.to(phi.dtype), dalpha.reshape(alpha.shape).to(alpha.dtype),
                 dbias.to(bias.dtype), None, None, None, None, None, None, *dxs,
                 *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
@@ -2753,18 +2791,19 @@ class StreamsFunction(torch.autograd.Function):
         return (dx, dq, dg, None, None, None, None, *(dc.to(c.dtype) for dc, c in zip(dtaps, taps)))
 
 
-def _prepare(taps, queries, key_gains, doc_ids):
+def _prepare(taps, queries, key_gains, doc_ids, near=None):
     return ([c.contiguous() for c in taps], queries.contiguous(),
-            None if key_gains is None else key_gains.contiguous(), doc_window(doc_ids))
+            None if key_gains is None else key_gains.contiguous(), doc_window(doc_ids) if near is None else near)
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the kernels run as they are
 def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=True, fusion="sigmoid",
-         eps=1e-6, return_weights=False, recompute_streams=False):
+         eps=1e-6, return_weights=False, recompute_streams=False, packed=None):
     """The fused MSAR read; inputs already validated by ``kernels.msar_attn.msar``. ``x``: the stacked
     sources (S, B, T, d) or a sequence of S tensors (B, T, d), which are not kept stacked for the
     backward. ``BufferedSources``: the buffer's rows and the partial read in place (the partial in the buffer's
-    dtype). Weights are returned detached (diagnostics)."""
+    dtype). ``packed``: this read's ``Packed`` from ``pack_reads`` (validated), else the read packs its own.
+    Weights are returned detached (diagnostics)."""
     from . import BufferedSources
 
     buffer, out_dtype = None, None
@@ -2775,10 +2814,11 @@ def msar(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm=Tru
     else:
         xs = (x.contiguous(),) if isinstance(x, Tensor) else tuple(t.contiguous() for t in x)
     n_src = 0 if isinstance(x, Tensor) else len(xs)
-    taps, queries, key_gains, near = _prepare(taps, queries, key_gains, doc_ids)
-    h, lse, logits = MsarFunction.apply(n_src, buffer, queries, key_gains, near, phi, alpha, bias, bool(key_norm),
-                                        float(eps), fusion, bool(return_weights), bool(recompute_streams), out_dtype,
-                                        *xs, *taps)
+    taps, queries, key_gains, near = _prepare(taps, queries, key_gains, doc_ids,
+                                              None if packed is None else packed.near)
+    h, lse, logits = MsarFunction.apply(n_src, buffer, packed, queries, key_gains, near, phi, alpha, bias,
+                                        bool(key_norm), float(eps), fusion, bool(return_weights),
+                                        bool(recompute_streams), out_dtype, *xs, *taps)
     if not return_weights:
         return h
     return h, softmax_weights(logits, lse)  # (m, S, B, T) fp32

@@ -1102,6 +1102,78 @@ def test_backward_takes_what_the_forward_packed(case, monkeypatch):
     assert any(g.abs().max() > 0 for g in g1)
 
 
+@needs_triton
+@pytest.mark.parametrize("gains", [True, False], ids=["gains", "no-gains"])
+def test_reads_take_what_pack_reads_made_once(gains):
+    """pack_reads (Msar.pack_step): every consumer's packed taps, folded queries, φᵀ and the document window made
+    once for C consumers equal to the bit what each read makes (pack_taps, folded_queries, _mixer_params,
+    doc_window); a read given its entry makes none of them, and its h and every gradient (random upstream) equal
+    the read that packs its own, to the bit."""
+    from kernels.msar_attn import fused, pack_reads
+
+    S, B, T, d, kernels, C = 3, 2, 11, 12, (2, 5), 3
+    per = [make_inputs(S, B, T, d, kernels, gains, seed=10 + c) for c in range(C)]
+    x, doc_ids = per[0][0], per[0][4]
+    stack = [torch.stack([p[i] for p in per]) for i in (2, 5, 6, 7)]  # queries, φ, α, b: (C, ...)
+    taps = [torch.stack([p[1][j] for p in per]) for j in range(len(kernels))]  # m-1 of (C, k_j, d)
+    gain = torch.stack([p[3] for p in per]) if gains else None
+    packs = pack_reads(taps, stack[0], gain, *stack[1:], doc_ids)
+    assert len(packs) == C
+    near = fused.doc_window(doc_ids)
+    for c, (_, tc, q, g, _, phi, alpha, bias) in enumerate(per):
+        packed, ks, _ = fused.pack_taps(tc, d, x.device)
+        assert packs[c].ks == ks and torch.equal(packs[c].taps, packed) and packs[c].taps.is_contiguous()
+        assert torch.equal(packs[c].qg, fused.folded_queries(q, g))
+        for a, b in zip(packs[c].mixer, fused._mixer_params(phi, alpha, bias)):
+            assert a.shape == b.shape and a.is_contiguous() and torch.equal(a, b)
+        assert torch.equal(packs[c].near, near)
+
+    c = 1
+    _, tc, q, g, _, phi, alpha, bias = per[c]
+    up = torch.randn(B, T, d, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for packed in (packs[c], None):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, q, phi, alpha, bias, *tc)]
+        xl, ql, phil, al, bl, *tl_ = leaves
+        calls = []
+        with pytest.MonkeyPatch.context() as mp:
+            for name in ("pack_taps", "folded_queries", "_mixer_params", "doc_window"):
+                inner = getattr(fused, name)
+                mp.setattr(fused, name, lambda *a, _f=inner, _n=name, **k: calls.append(_n) or _f(*a, **k))
+            h = msar(xl, tl_, ql, g, doc_ids, phil, al, bl, backend="triton", packed=packed)
+            grads = torch.autograd.grad((h * up).sum(), leaves)
+        runs.append((h, grads, calls))
+    (h1, g1, c1), (h0, g0, c0) = runs
+    assert c1 == [] and sorted(c0) == sorted(["pack_taps", "folded_queries", "_mixer_params", "doc_window"]), (c1, c0)
+    assert torch.equal(h1, h0)
+    for a, b in zip(g1, g0):
+        assert torch.equal(a, b)
+    assert all(t.abs().max() > 0 for t in g1)
+
+
+@needs_triton
+def test_pack_reads_refuses_what_does_not_match():
+    from kernels.msar_attn import pack_reads
+
+    x, taps, q, g, doc_ids, phi, alpha, bias = make_inputs(2, 1, 5, 8, (2, 3), True)
+    C = 2
+    ctaps = [t.expand(C, -1, -1) for t in taps]
+    cq, cg, cphi, ca, cb = (t.expand(C, *t.shape) for t in (q, g, phi, alpha, bias))
+    with pytest.raises(ValueError, match=r"phi must be \(2, 24, 3\)"):
+        pack_reads(ctaps, cq, cg, cphi[:, :-1], ca, cb, doc_ids)
+    with pytest.raises(ValueError, match="taps must be m-1 = 2 tensors"):
+        pack_reads(ctaps[:1], cq, cg, cphi, ca, cb, doc_ids)
+    with pytest.raises(ValueError, match="doc_ids must be integer"):
+        pack_reads(ctaps, cq, cg, cphi, ca, cb, doc_ids.float())
+    packs = pack_reads(ctaps, cq, cg, cphi, ca, cb, doc_ids)
+    with pytest.raises(ValueError, match="applies to the fused backend.*'torch'"):
+        msar(x, taps, q, g, doc_ids, phi, alpha, bias, backend="torch", packed=packs[0])
+    with pytest.raises(ValueError, match=r"kernel sizes \(1, 2, 3\) against \(1, 2, 4\)"):
+        msar(x, [taps[0], torch.randn(4, 8)], q, g, doc_ids, phi, alpha, bias, backend="triton", packed=packs[0])
+    with pytest.raises(ValueError, match=r"doc_ids \(1, 5\) against \(1, 4\)"):
+        msar(x[:, :, :4], taps, q, g, doc_ids[:, :4], phi, alpha, bias, backend="triton", packed=packs[0])
+
+
 class _MixerSums:
     """A fused forward's saved streams and a random dh at (S, B, T, d, kernels, fusion): ``grads(**fields)`` runs
     the mixer's backward with those fields of the chosen tiles replaced; ``check(candidate)`` holds a candidate's dR,

@@ -61,6 +61,16 @@ def test_graphed_steps_match_eager_steps(name):
         assert rel < 3e-2, (step, float(rel))
 
 
+@pytest.mark.parametrize("name", ["msar", "msar_block"])
+def test_graphed_steps_with_reads_packed_once_a_step(name, monkeypatch):
+    # Msar.pack_step (a candidate): what every read takes from its parameters and the document ids, made once a step
+    # at begin (kernels.msar_attn.pack_reads), is captured in the graph and replays as the eager step does
+    from residuals.msar import Msar
+
+    monkeypatch.setattr(Msar, "pack_step", True)
+    test_graphed_steps_match_eager_steps(name)
+
+
 def test_graphed_loss_reads_weights_and_routing_biases_changed_in_place():
     from platform.graphs import TrainLoss, graphed_loss
 

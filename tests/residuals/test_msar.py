@@ -360,14 +360,49 @@ def test_fused_reads_take_their_parameters_sliced_once_a_forward(name, taps, vie
         assert torch.equal(grads_1[n], grads_r[n]), n
 
 
+@pytest.mark.parametrize("name, taps", [("msar", "per_sublayer"), ("msar_block", "per_block"),
+                                         ("msar_block", "shared")])
+def test_fused_reads_take_what_the_step_packed(name, taps, monkeypatch):
+    # Msar.pack_step (a candidate): every fused read's packed taps, folded queries, φᵀ and document window are made
+    # once a step at ``begin`` for every consumer (kernels.msar_attn.pack_reads), shared taps gathered by consumer,
+    # and no read makes its own; the outputs and every gradient equal the reads packing their own, to the bit.
+    from kernels.msar_attn import fused
+    from residuals.msar import Msar
+    from tests.helpers import packed_batch, runs_on_and_off
+
+    calls = []
+    for fn in ("pack_taps", "folded_queries", "_mixer_params", "doc_window"):
+        inner = getattr(fused, fn)
+        monkeypatch.setattr(fused, fn, lambda *a, _f=inner, _n=fn, **k: calls.append(_n) or _f(*a, **k))
+
+    def build():
+        return fused_backbone(name, f"residual.taps={taps}")
+
+    tokens, docs = packed_batch(2, 11, 37, n_docs=3)
+    (out_1, grads_1, calls_1), (out_0, grads_0, calls_0) = runs_on_and_off(
+        monkeypatch, Msar, "pack_step", build, tokens, docs, calls)
+    n_reads = 4 + 1  # 2 Transformer blocks: 4 sublayers and the final output
+    assert calls_1 == ["doc_window"], calls_1  # once, at begin: pack_reads
+    assert sorted(calls_0) == sorted(["pack_taps", "folded_queries", "_mixer_params", "doc_window"] * n_reads), calls_0
+    assert torch.equal(out_1, out_0)
+    assert grads_1.keys() == grads_0.keys() and any(".conv_taps." in n for n in grads_1)
+    for n in grads_1:
+        assert torch.equal(grads_1[n], grads_0[n]), n
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("pack_step", [False, True], ids=["", "pack-step"])
 @pytest.mark.parametrize("name", ["msar", "msar_block"])
-def test_buffered_fused_reads_trace_under_torch_compile(name):
+def test_buffered_fused_reads_trace_under_torch_compile(name, pack_step, monkeypatch):
     # The whole-forward compile (trainer.compile_scope=model) over the buffered read: Dynamo (its eager backend:
     # the tracing, not Inductor) breaks the graph only at the buffer's store and at the read, which runs as one
     # eager call (`residuals.attnres.eager`, both torch.compiler.disable'd: test_model.py shows why), and the compiled
-    # forward and backward equal the eager ones (bf16 autocast, as the compiled grouped GEMM wants on the CPU).
+    # forward and backward equal the eager ones (bf16 autocast, as the compiled grouped GEMM wants on the CPU). With
+    # Msar.pack_step the reads' packed parameters, made at begin's eager call, pass through the compiled forward too.
+    from residuals.msar import Msar
     from tests.helpers import build_backbone, packed_batch
+
+    monkeypatch.setattr(Msar, "pack_step", pack_step)
 
     torch.manual_seed(0)
     model = build_backbone(name, vocab=37, n_blocks=2, residual_overrides=("residual.kernels=[2,3]",
