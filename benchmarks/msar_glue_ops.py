@@ -34,14 +34,10 @@ NOT_WORK = {"empty", "empty_strided", "new_empty", "new_empty_strided", "view", 
             "split", "unbind", "reshape", "_reshape_alias", "set_", "copy_", "lift_fresh", "lift_fresh_copy"}
 
 
-def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, collections.Counter]:
-    """(forward, backward) counts of the ATen operations that do work in one fused read with ``Blocks.glue``."""
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
-    import torch
+def _counting(skip: set[str], *, outside_interpreter: bool = False):
+    """A dispatch mode that counts the ATen operations it sees by name (``.ops``), those in ``skip`` left out and, with
+    ``outside_interpreter``, those Triton's interpreter makes inside a kernel launch."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from benchmarks.msar_attn import flat, make_inputs
-    from kernels.msar_attn import fused, msar
 
     class Counting(TorchDispatchMode):
         def __init__(self):
@@ -50,9 +46,20 @@ def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, co
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
-            if name not in NOT_WORK:
+            if name not in skip and not (outside_interpreter and _in_interpreter()):
                 self.ops[name] += 1
             return func(*args, **(kwargs or {}))
+
+    return Counting()
+
+
+def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, collections.Counter]:
+    """(forward, backward) counts of the ATen operations that do work in one fused read with ``Blocks.glue``."""
+    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    import torch
+
+    from benchmarks.msar_attn import flat, make_inputs
+    from kernels.msar_attn import fused, msar
 
     inner = fused._blocks
     fused._blocks = lambda *a: dataclasses.replace(inner(*a), fwd_mode="split", glue=glue, stats_glue=glue)
@@ -62,9 +69,9 @@ def count(glue: str, S: int = 5, seed: int = 0) -> tuple[collections.Counter, co
         leaves = [t.requires_grad_() for t in flat(inputs)]
         up = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(seed))
         for _ in range(2):  # the first read warms the caches; the second is counted
-            with Counting() as fwd:
+            with _counting(NOT_WORK) as fwd:
                 h = msar(x, taps, q, gains, doc, phi, alpha, bias, backend="triton")
-            with Counting() as bwd:
+            with _counting(NOT_WORK) as bwd:
                 torch.autograd.grad((h * up).sum(), leaves)
         return fwd.ops, bwd.ops
     finally:
@@ -88,24 +95,10 @@ def step_count(row: str, T: int = 16, seed: int = 0) -> collections.Counter:
     the interpreter; the second of two steps is counted (the first warms the caches)."""
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from benchmarks.throughput import code_settings
     from platform.config import compose, residual_config
     from platform.model import Backbone
-
-    work = NOT_WORK - {"copy_"}  # a copy outside a kernel launch is work here
-
-    class Counting(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name not in work and not _in_interpreter():
-                self.ops[name] += 1
-            return func(*args, **(kwargs or {}))
 
     name = row.split("@")[0]
     settings = code_settings(row)
@@ -125,7 +118,8 @@ def step_count(row: str, T: int = 16, seed: int = 0) -> collections.Counter:
         model = Backbone(cfg.model, vocab, residual_config(cfg))
         for _ in range(2):
             model.zero_grad(set_to_none=True)
-            with Counting() as counted:
+            # a copy outside a kernel launch is work here
+            with _counting(NOT_WORK - {"copy_"}, outside_interpreter=True) as counted:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     out = model(tokens, docs)
                 out.float().backward(up)
