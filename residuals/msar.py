@@ -133,7 +133,8 @@ class Msar(DepthAttentionResidual):
     params_once: bool = True
     # with params_once, conv views: every fused read's packed taps, folded queries, φᵀ and the step's document window
     # made once a step for every consumer (``pack_reads``, a few kernels a step at ``begin``) instead of by each read
-    # (8 small kernels a read, 136 a `small` msar_block step); the same values to the bit. A candidate, not yet timed
+    # (about 6 small kernels a read, about 100 a `small` msar_block step: msar_glue_ops_step_pack_step.md); the same
+    # values to the bit. A candidate, not yet timed
     pack_step: bool = False
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):

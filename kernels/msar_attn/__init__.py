@@ -150,7 +150,7 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
             (an error with ``"torch"``, whose autograd keeps what it keeps; ``model.checkpoint_reads`` is its knob).
         packed: this consumer's entry of ``pack_reads`` (made once a step from the same parameters and doc_ids):
             the fused backend then takes its packed taps, folded queries, φᵀ and document window instead of making
-            them (8 small kernels a read). Fused backend only; it must match taps, queries and doc_ids.
+            them (about 6 small kernels a read). Fused backend only; it must match taps, queries and doc_ids.
 
     Returns:
         h ``(B, T, d)`` in x's dtype (``BufferedSources``: the dtype the buffer's sources were given in, its
@@ -181,8 +181,8 @@ def msar(x: Tensor, taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor |
 def pack_reads(taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None, phi: Tensor, alpha: Tensor,
                bias: Tensor, doc_ids: Tensor) -> tuple:
     """What the fused reads of C consumers take besides their sources, made once (a step) for all of them: each
-    consumer's packed taps, folded queries and φᵀ, and the document window, in a few kernels instead of 8 a read
-    (the fused backend only: it imports Triton). Pass entry c as ``msar(..., packed=...)`` of consumer c's read.
+    consumer's packed taps, folded queries and φᵀ, and the document window, in a few kernels instead of about 6
+    a read (the fused backend only: it imports Triton). Pass entry c as ``msar(..., packed=...)`` of consumer c's read.
 
     Args:
         taps: ``m-1`` tensors ``(C, k_j, d)``, consumer c's taps at [c]; queries and key_gains ``(C, m, d)``

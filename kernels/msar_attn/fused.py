@@ -2188,8 +2188,8 @@ def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]
 
 
 class Packed(NamedTuple):
-    """What one read's kernels take besides its sources and that the read otherwise makes from its parameters (7
-    small kernels) and from the step's document ids (one): made once a step for every consumer by ``pack_reads``."""
+    """What one read's kernels take besides its sources and that the read otherwise makes from its parameters and
+    from the step's document ids (about 6 small kernels): made once a step for every consumer by ``pack_reads``."""
 
     taps: Tensor  # (M_PAD, K_MAX, d) fp32, as ``pack_taps`` packs them
     ks: tuple[int, ...]  # (1, k_1, …)
@@ -2203,8 +2203,8 @@ def pack_reads(taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None
                bias: Tensor, doc_ids: Tensor) -> tuple[Packed, ...]:
     """Every consumer's ``Packed`` at once (``Msar.pack_step``): taps m-1 of (C, k_j, d) (each consumer's own, gathered
     from shared groups by the caller), queries and key gains (C, m, d), φ (C, m·d, m), α (C,), b (C, m), the step's
-    document ids (B, T). A few kernels a step in place of 8 a read; each consumer's pieces are views of one tensor,
-    equal to the bit to what its read would make."""
+    document ids (B, T). A few kernels a step in place of about 6 a read; each consumer's pieces are views of one
+    tensor, equal to the bit to what its read would make."""
     C, m, d = queries.shape
     ks = (1, *(c.shape[1] for c in taps))
     k_max, m_pad = max(ks), triton.next_power_of_2(len(ks))
