@@ -187,7 +187,8 @@ def test_compiled_model_compiles_fused_reads_once_whatever_the_depth(name, monke
 
     @torch.compiler.disable
     def stand_in(x, taps, queries, key_gains, doc_ids, phi, alpha, bias, *, key_norm, fusion, eps, return_weights,
-                 recompute_streams=False):
+                 recompute_streams=False, packed=None):
+        assert packed is None  # Msar.pack_step is off by default: each read packs its own
         return reference.msar(torch.stack(list(x)), taps, queries, key_gains, doc_ids, phi, alpha, bias,
                               key_norm=key_norm, fusion=fusion, eps=eps, return_weights=return_weights)
 
