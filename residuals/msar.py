@@ -192,18 +192,10 @@ class Msar(DepthAttentionResidual):
         return replace(state, ctx=replace(state.ctx, params=params))
 
     def _packed(self, params: tuple[ConsumerParams, ...], doc_ids: Tensor) -> tuple[ConsumerParams, ...]:
-        """``params`` with each consumer's ``Packed`` (``pack_step``): the taps gathered to one (C, k_j, d) a view,
-        then ``pack_reads`` over every consumer at once. Consumers that share a group (per_block, shared) are
-        consecutive, so a view's taps are one concatenation of its groups expanded (no index tensor: nothing copied
-        from the host, which a CUDA graph's capture would refuse)."""
-        groups = [self._tap_group(c) for c in range(self.n_consumers)]
-        runs = [(g, groups.count(g)) for g in dict.fromkeys(groups)]  # (group, consumers) in consumer order
-        if [g for g, n in runs for _ in range(n)] != groups:
-            raise AssertionError(f"msar: the consumers of a tap group must be consecutive, got {groups}")
+        """``params`` with each consumer's ``Packed`` (``pack_step``): each view's taps stacked by consumer (C, k_j, d),
+        shared groups included, then ``pack_reads`` over every consumer at once."""
         with torch.no_grad():
-            # per_sublayer: group c is consumer c's, the parameter as it is
-            taps = [t if groups == list(range(t.shape[0])) else
-                    torch.cat([t[g: g + 1].expand(n, -1, -1) for g, n in runs]) for t in self.conv_taps]
+            taps = [torch.stack([p.taps[j] for p in params]) for j in range(self.n_views - 1)]
             packs = pack_reads(taps, self.queries.weight, self.queries.key_gain, self.fusion_proj, self.fusion_scale,
                                self.fusion_bias, doc_ids)
         return tuple(p._replace(packed=k) for p, k in zip(params, packs))

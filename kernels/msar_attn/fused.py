@@ -2176,14 +2176,16 @@ def pair_offsets(ks: Sequence[int]) -> tuple[int, ...]:
 
 
 def pack_taps(taps: Sequence[Tensor], d: int, device) -> tuple[Tensor, int, int]:
-    """All views' taps as one (M_PAD, K_MAX, d) fp32 tensor (view 0 the Dirac, zero rows past k_j
-    and for padded views), the kernel sizes (1, k_1, …) (the kernels' constexpr KS) and M_PAD."""
-    ks = [1, *(c.shape[0] for c in taps)]
+    """All views' taps as one (..., M_PAD, K_MAX, d) fp32 tensor (view 0 the Dirac, zero rows past k_j
+    and for padded views), the kernel sizes (1, k_1, …) (the kernels' constexpr KS) and M_PAD. Taps (..., k_j, d):
+    a read's (k_j, d), or every consumer's (C, k_j, d) at once (``pack_reads``)."""
+    ks = [1, *(c.shape[-2] for c in taps)]
     k_max, m_pad = max(ks), triton.next_power_of_2(len(ks))
-    packed = torch.zeros(m_pad, k_max, d, device=device, dtype=torch.float32)
-    packed[0, 0] = 1.0
+    lead = taps[0].shape[:-2] if taps else ()
+    packed = torch.zeros(*lead, m_pad, k_max, d, device=device, dtype=torch.float32)
+    packed[..., 0, 0, :] = 1.0
     for j, c in enumerate(taps, start=1):
-        packed[j, : c.shape[0]] = c.detach().float()
+        packed[..., j, : c.shape[-2], :] = c.detach().float()
     return packed, tuple(ks), m_pad
 
 
@@ -2205,17 +2207,10 @@ def pack_reads(taps: Sequence[Tensor], queries: Tensor, key_gains: Tensor | None
     from shared groups by the caller), queries and key gains (C, m, d), φ (C, m·d, m), α (C,), b (C, m), the step's
     document ids (B, T). A few kernels a step in place of about 6 a read; each consumer's pieces are views of one
     tensor, equal to the bit to what its read would make."""
-    C, m, d = queries.shape
-    ks = (1, *(c.shape[1] for c in taps))
-    k_max, m_pad = max(ks), triton.next_power_of_2(len(ks))
-    packed = torch.zeros(C, m_pad, k_max, d, device=queries.device, dtype=torch.float32)
-    packed[:, 0, 0] = 1.0
-    for j, c in enumerate(taps, start=1):
-        packed[:, j, : c.shape[1]] = c.float()
-    q = queries.float()
-    qg = (q if key_gains is None else q * key_gains.float()).contiguous()  # (C, m, d)
-    phis = phi.float().transpose(1, 2).contiguous()  # (C, m, m·d)
-    alphas, biases = alpha.float().reshape(C, 1).contiguous(), bias.float().contiguous()
+    C, _, d = queries.shape
+    packed, ks, _ = pack_taps(taps, d, queries.device)  # (C, M_PAD, K_MAX, d)
+    qg = folded_queries(queries, key_gains)  # (C, m, d)
+    phis, alphas, biases = _mixer_params(phi, alpha, bias)  # (C, m, m·d), (C, 1), (C, m)
     near = doc_window(doc_ids)
     return tuple(Packed(packed[c], ks, qg[c], (phis[c], alphas[c], biases[c]), near) for c in range(C))
 
@@ -2227,9 +2222,10 @@ def folded_queries(queries: Tensor, key_gains: Tensor | None) -> Tensor:
 
 def _mixer_params(phi, alpha, bias):
     """(φᵀ (m, m·d), α (1,), b (m,)) fp32 as the kernels take them: φ transposed, so that a program's
-    loads of column i run along the channels (φ itself is (m·d, m): a column is strided by m)."""
-    return (phi.detach().float().t().contiguous(), alpha.detach().float().reshape(1).contiguous(),
-            bias.detach().float().contiguous())
+    loads of column i run along the channels (φ itself is (m·d, m): a column is strided by m). With a leading
+    consumer dimension (φ (C, m·d, m), α (C,), b (C, m): ``pack_reads``) each gets it: (C, m, m·d), (C, 1), (C, m)."""
+    return (phi.detach().float().transpose(-1, -2).contiguous(),
+            alpha.detach().float().reshape(*phi.shape[:-2], 1).contiguous(), bias.detach().float().contiguous())
 
 
 OFFSET_BIAS = 1 << 40  # added to the element offsets the kernels take (``offset_arg``)
