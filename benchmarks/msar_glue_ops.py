@@ -91,31 +91,24 @@ def _in_interpreter() -> bool:
 
 def step_count(row: str, T: int = 16, seed: int = 0) -> collections.Counter:
     """ATen operations that do work in one forward and backward of a 2-block `tiny` backbone with ``row`` (a
-    residual, optionally ``@py:`` code settings), bf16 autocast, fused reads (``residual.backend=triton``) under
-    the interpreter; the second of two steps is counted (the first warms the caches)."""
+    residual, optionally with ``@`` overrides and ``@py:`` code settings, as ``benchmarks.throughput`` takes rows),
+    bf16 autocast, its fused ops (``residual.backend=triton``, where its config has a backend) under the interpreter; the second of two steps is counted (the first warms the caches)."""
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
     import torch
 
-    from benchmarks.throughput import code_settings
-    from platform.config import compose, residual_config
-    from platform.model import Backbone
+    from benchmarks.roofline import held
+    from benchmarks.throughput import build, code_settings
 
-    name = row.split("@")[0]
-    settings = code_settings(row)
-    fused = name.startswith("msar") or name.startswith("attnres")
-    cfg = compose("model=tiny", f"residual={name}", "model.n_blocks=2",
-                  *(["residual.backend=triton"] if fused else []))
-    vocab = 37
+    vocab, base = 37, ["model.n_blocks=2"]
+    _, plain = build("tiny", row, vocab, base, "meta")
+    fused = ["residual.backend=triton"] if "backend" in plain.residual else []  # where the residual has fused ops
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (1, T), generator=g)
     docs = (torch.arange(T) >= T // 3).long()[None] + (torch.arange(T) >= 2 * T // 3).long()[None]
     up = torch.randn(1, T, vocab, generator=g)
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in settings]
-    try:
-        for obj, attr, value in settings:
-            setattr(obj, attr, value)
+    with held(code_settings(row)):  # the row's py: settings, for its build and its steps alone
         torch.manual_seed(seed)
-        model = Backbone(cfg.model, vocab, residual_config(cfg))
+        model, _ = build("tiny", row, vocab, base + fused, "cpu")
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             # a copy outside a kernel launch is work here
@@ -123,10 +116,7 @@ def step_count(row: str, T: int = 16, seed: int = 0) -> collections.Counter:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     out = model(tokens, docs)
                 out.float().backward(up)
-        return counted.ops
-    finally:
-        for obj, attr, value in saved:
-            setattr(obj, attr, value)
+    return counted.ops
 
 
 def _listing(c) -> str:
