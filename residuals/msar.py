@@ -134,8 +134,11 @@ class Msar(DepthAttentionResidual):
     # with params_once, conv views: every fused read's packed taps, folded queries, φᵀ and the step's document window
     # made once a step for every consumer (``pack_reads``, a few kernels a step at ``begin``) instead of by each read
     # (about 6 small kernels a read, about 100 a `small` msar_block step: msar_glue_ops_step_pack_step.md); the same
-    # values to the bit. A candidate, not yet timed
-    pack_step: bool = False
+    # values to the bit. H100, one process, alternating (plan glue_next, throughput_small_glue_next_h100.md): msar_block's
+    # graphed `small` step 37.9 / 38.0 -> 37.8 / 37.7 ms; its graphed step replays as the eager one there
+    # (test_graphed_steps_with_reads_packed_once_a_step, gpu_tests_glue_both_h100.txt). The default since 2026-12-07;
+    # False: each read packs its own
+    pack_step: bool = True
 
     def __init__(self, cfg: Config, d_model: int, n_sublayers: int):
         super().__init__(cfg, d_model, n_sublayers)

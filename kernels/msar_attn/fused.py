@@ -2054,7 +2054,11 @@ class Blocks:
     dphi_waves: int = 4
     dphi_chunk: int = 0
     # the reduction's products summed over a step's tokens every step (False, as timed 2026-12-07) or kept per token
-    # in registers and summed once at the end (True: a multiply-add a step, no cross-thread sum; not yet timed)
+    # in registers and summed once at the end (True: a multiply-add a step, no cross-thread sum). With mix_dphi="reduce"
+    # and dphi_bt=4, H100, one process, alternating (plan glue_next, throughput_small_glue_next_h100.md): msar_block's
+    # graphed `small` step 37.9 / 38.0 ms with the product -> 37.7 / 37.6; its GPU tests passed at the `small` and
+    # `medium` shapes (d 2048 and 3000 not yet run). Not the default until its `medium` step is timed (the every-step
+    # form lost 16 ms there)
     dphi_late: bool = False
     # the dtype of the product's partials of dφ (``dphi_from``, mix_dphi="product"): "kept" (R's, bf16 under autocast:
     # each of up to 64 partials rounded to 8 bits before their fp32 sum, dφ about 2.4e-3 off the walk's fp32 sums on an
@@ -2066,7 +2070,9 @@ class Blocks:
     # where the product's mixer backward sums dz and dz·y over the tokens (db and dα): "torch" (the kernel writes dz
     # (B, T, m) and dz·y (B, T), then two torch sums, about 11 µs each a read in a `small` step's profile on an H100,
     # profile_step's reduce_kernel rows) or "kernel" (each program of ``_mix_bwd_kernel`` sums its tokens' dz and dz·y
-    # into one row of a (programs, m + 1) fp32 buffer, and one torch sum finishes both; not yet timed)
+    # into one row of a (programs, m + 1) fp32 buffer, and one torch sum finishes both). H100, one process, alternating
+    # (plan glue_next, throughput_small_glue_next_h100.md): msar_block's `small` step 37.9 / 38.0 -> 37.8 / 37.8 ms;
+    # dphi_late below gains more and does the same sums itself
     mix_sums: str = "torch"
     # the backward of MsarFunction takes the packed taps, the folded queries and φᵀ the forward made (kept on ctx:
     # (M_PAD·K_MAX + m + m·m)·d fp32 a read, 0.14 MB at `small`) instead of making them again: a fill, a fill, a copy a

@@ -1194,7 +1194,8 @@ class _MixerSums:
                                                fused.doc_window(doc_ids), mixer=self.mixer, save=True, key_norm=True,
                                                eps=1e-6, sigmoid=self.sigmoid)
         self.dh = torch.randn(B, T, d, generator=torch.Generator().manual_seed(dh_seed))
-        self.base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), **base_fields)
+        # the product's settings unless a case says otherwise: the candidates are compared with it
+        self.base = dataclasses.replace(fused._blocks(T, d, m_pad, max(ks)), **{"mix_dphi": "product", **base_fields})
         self.product = self.grads(mix_dphi="product")
 
     def grads(self, **fields):

@@ -69,7 +69,7 @@ def _msar_residuals():
 
 @pytest.mark.parametrize("name", _msar_residuals())
 def test_graphed_steps_with_reads_packed_once_a_step(name, monkeypatch):
-    # Msar.pack_step (a candidate): what every read takes from its parameters and the document ids, made once a step
+    # Msar.pack_step (the default since 2026-12-07): what every read takes from its parameters and the document ids, made once a step
     # at begin (kernels.msar_attn.pack_reads), is captured in the graph and replays as the eager step does
     from residuals.msar import Msar
 
