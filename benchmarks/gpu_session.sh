@@ -339,8 +339,9 @@
 #              first two (TEST_K), the graphed-step test with the third (GRAPHS_LIMIT=0 leaves it out), then
 #              msar_block's small step beside vanilla alternating with all three
 #   glue_both  one GPU (about 550 s with the start, estimated; split it by the limits): the two winners of glue_next
-#              together (the dφ reduction summed late, LATE as in glue_next, and the reads packed once a step): the op's GPU
-#              tests of the first (TEST_K), the graphed-step test of the second, msar_block's small and medium steps
+#              together (the dφ reduction summed late, LATE as in glue_next, and the reads packed once a step, the
+#              default since its first run): the op's GPU tests of the first (TEST_K), the msar residuals' graphed-step
+#              tests with the second on and off, msar_block's small and medium steps
 #              alternating with the default, its 60-step training parity (eager, seeds 0 1) and the small step
 #              profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
 #   glue_medium one GPU (about 520 s with the start, estimated): msar_block's medium step alternating with CAND (fields
@@ -1554,17 +1555,18 @@ case "$PLAN" in
     PACK="py:residuals.msar.Msar.pack_step=True"
     msar_tests "${TEST_LIMIT:-150}" "${TEST_K:-mix-dphi-late or mix-sums-kernel}"
     step gpu0 graphs_tests "${GRAPHS_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/platform/test_graphs.py -k packed_once
+      tests/platform/test_graphs.py -k 'msar and (match_eager or their_own)'
     step gpu0 msar_small "${MSAR_SMALL_LIMIT:-430}" python3 -m benchmarks.throughput --models small \
       --residuals vanilla msar_block "msar_block@$LATE" "msar_block@$SUMS" "msar_block@$PACK" msar_block \
       "msar_block@$LATE" "msar_block@$SUMS" "msar_block@$PACK" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_glue_next}"
     ;;
   glue_both)
-    BOTH="py:kernels.msar_attn.fused.FIELDS={${LATE:-'mix_dphi':'reduce','dphi_late':True,'dphi_bt':4}}@py:residuals.msar.Msar.pack_step=True"
+    # Msar.pack_step is the default since this plan's first run: its rows time the late sum beside it
+    BOTH="py:kernels.msar_attn.fused.FIELDS={${LATE:-'mix_dphi':'reduce','dphi_late':True,'dphi_bt':4}}"
     msar_tests "${TEST_LIMIT:-90}" "${TEST_K:-mix-dphi-late}"
     step gpu0 graphs_tests "${GRAPHS_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
-      tests/platform/test_graphs.py -k packed_once
+      tests/platform/test_graphs.py -k 'msar and (match_eager or their_own)'
     step gpu0 msar_small "${SMALL_LIMIT:-200}" python3 -m benchmarks.throughput --models small --residuals vanilla \
       msar_block "msar_block@$BOTH" msar_block "msar_block@$BOTH" --compile model --graphs on --steps 8 --set $COMBO \
       --tag "${TAG:-_glue_both}"

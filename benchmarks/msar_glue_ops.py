@@ -92,7 +92,8 @@ def _in_interpreter() -> bool:
 def step_count(row: str, T: int = 16, seed: int = 0) -> collections.Counter:
     """ATen operations that do work in one forward and backward of a 2-block `tiny` backbone with ``row`` (a
     residual, optionally with ``@`` overrides and ``@py:`` code settings, as ``benchmarks.throughput`` takes rows),
-    bf16 autocast, its fused ops (``residual.backend=triton``, where its config has a backend) under the interpreter; the second of two steps is counted (the first warms the caches)."""
+    bf16 autocast, its fused ops (``residual.backend=triton``, where its config has a backend) under the interpreter;
+    the second of two steps is counted (the first warms the caches)."""
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
     import torch
 

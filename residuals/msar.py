@@ -136,7 +136,7 @@ class Msar(DepthAttentionResidual):
     # (about 6 small kernels a read, about 100 a `small` msar_block step: msar_glue_ops_step_pack_step.md); the same
     # values to the bit. H100, one process, alternating (plan glue_next, throughput_small_glue_next_h100.md): msar_block's
     # graphed `small` step 37.9 / 38.0 -> 37.8 / 37.7 ms; its graphed step replays as the eager one there
-    # (test_graphed_steps_with_reads_packed_once_a_step, gpu_tests_glue_both_h100.txt). The default since 2026-12-07;
+    # (the graphed-step test of the time, gpu_tests_glue_both_h100.txt). The default since 2026-12-07;
     # False: each read packs its own
     pack_step: bool = True
 

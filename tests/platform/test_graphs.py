@@ -68,12 +68,13 @@ def _msar_residuals():
 
 
 @pytest.mark.parametrize("name", _msar_residuals())
-def test_graphed_steps_with_reads_packed_once_a_step(name, monkeypatch):
-    # Msar.pack_step (the default since 2026-12-07): what every read takes from its parameters and the document ids, made once a step
-    # at begin (kernels.msar_attn.pack_reads), is captured in the graph and replays as the eager step does
+def test_graphed_steps_with_reads_packing_their_own(name, monkeypatch):
+    # the generic test above runs the default, Msar.pack_step (since 2026-12-07: what every read takes from its
+    # parameters and the document ids made once a step at begin, kernels.msar_attn.pack_reads); this one the reads
+    # packing their own (pack_step=False), captured in the graph and replayed as the eager step does
     from residuals.msar import Msar
 
-    monkeypatch.setattr(Msar, "pack_step", True)
+    monkeypatch.setattr(Msar, "pack_step", False)
     test_graphed_steps_match_eager_steps(name)
 
 

@@ -363,9 +363,10 @@ def test_fused_reads_take_their_parameters_sliced_once_a_forward(name, taps, vie
 @pytest.mark.parametrize("name, taps", [("msar", "per_sublayer"), ("msar_block", "per_block"),
                                          ("msar_block", "shared")])
 def test_fused_reads_take_what_the_step_packed(name, taps, monkeypatch):
-    # Msar.pack_step (the default since 2026-12-07): every fused read's packed taps, folded queries, φᵀ and document window are made
-    # once a step at ``begin`` for every consumer (kernels.msar_attn.pack_reads), shared taps gathered by consumer,
-    # and no read makes its own; the outputs and every gradient equal the reads packing their own, to the bit.
+    # Msar.pack_step (the default since 2026-12-07): every fused read's packed taps, folded queries, φᵀ and document
+    # window are made once a step at ``begin`` for every consumer (kernels.msar_attn.pack_reads), shared taps
+    # gathered by consumer, and no read makes its own; the outputs and every gradient equal the reads packing their
+    # own, to the bit.
     from kernels.msar_attn import fused
     from residuals.msar import Msar
     from tests.helpers import packed_batch, runs_on_and_off
