@@ -344,6 +344,9 @@
 #              tests with the second on and off, msar_block's small and medium steps
 #              alternating with the default, its 60-step training parity (eager, seeds 0 1) and the small step
 #              profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
+#   dphi_default one GPU (about 400 s with the start, estimated): with the dφ reduction summed late the default
+#              (Blocks.mix_dphi="reduce", dphi_late), the msar residuals' graphed-step tests, then msar_block's 60-step
+#              training parity (eager, seeds 0 1) of the default against the product before it (PRODUCT)
 #   glue_medium one GPU (about 520 s with the start, estimated): msar_block's medium step alternating with CAND (fields
 #              as a dict's body, default 'mix_sums':'kernel'; or CAND_ROW, a whole code setting such as
 #              py:residuals.msar.Msar.pack_step=True), then its 60-step training parity against the default
@@ -390,7 +393,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both dphi_default"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1577,6 +1580,13 @@ case "$PLAN" in
       --reference residual.backend=auto --candidate residual.backend=auto "$BOTH"
     [ "${PROFILE_LIMIT:-120}" != 0 ] && mhc_profile_step "${PROFILE_LIMIT:-120}" "${TAG:-_glue_both}" vanilla \
       msar_block "msar_block@$BOTH"
+    ;;
+  dphi_default)
+    PRODUCT="py:kernels.msar_attn.fused.FIELDS={'mix_dphi':'product','dphi_late':False,'dphi_bt':8}"
+    step gpu0 graphs_tests "${GRAPHS_LIMIT:-100}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/platform/test_graphs.py -k 'msar and (match_eager or their_own)'
+    [ "${PARITY_LIMIT:-250}" != 0 ] && msar_parity "small_msar_block${TAG:-_dphi_default}" "${PARITY_LIMIT:-250}" \
+      --reference residual.backend=auto "$PRODUCT" --candidate residual.backend=auto
     ;;
   glue_medium)
     CAND="py:kernels.msar_attn.fused.FIELDS={${CAND:-'mix_sums':'kernel'}}"

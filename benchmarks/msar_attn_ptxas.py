@@ -217,12 +217,12 @@ def kernels_for(T: int, d: int, kernel_sizes: tuple[int, ...], x_type: str = "*b
                     eps="fp32"),
                dict(SIGMOID=True, BT=blk.mix_walk_bt, BD=blk.bwd_bd, M_PAD=m_pad), blk.mix_walk_warps)
     if hasattr(blk, "dphi_bt"):  # Blocks.mix_dphi="reduce" (2026-12-07): dφ, Σ dz, Σ dz·y in one kernel after it
-        # as set, and its other form of the sum (Blocks.dphi_late; summed late at 4 tokens a step)
+        # as set, and its other form of the sum (Blocks.dphi_late: summed late at 4 tokens a step, every step at 8)
         for late in (blk.dphi_late, not blk.dphi_late):
             tag = "" if blk.mix_dphi == "reduce" and late == blk.dphi_late else " (candidate)"
             yield (f"mixer backward, dφ reduction{' summed late' if late else ''}{tag}", fused._dphi_kernel,
                    dict(r_ptr=x_type, coef_ptr=F32, dz_ptr=F32, dzy_ptr=F32, part_ptr=F32),
-                   dict(M_PAD=m_pad, BT=4 if late and not blk.dphi_late else blk.dphi_bt, BD=blk.dphi_bd,
+                   dict(M_PAD=m_pad, BT=blk.dphi_bt if late == blk.dphi_late else 4 if late else 8, BD=blk.dphi_bd,
                         INTERP=False, LATE=late), blk.dphi_warps)
     if getattr(blk, "stats_mode", "tile") == "serial":
         ptok = getattr(blk, "parts_layout", "planes") == "token"

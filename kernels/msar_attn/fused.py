@@ -2040,26 +2040,29 @@ class Blocks:
     # program a channel tile and a token chunk, fp32 products), one sum over its rows (7 kernels a read -> 3), at any
     # d. H100, one process, alternating (throughput_{small,medium}_dphi_reduce*_h100.md): msar_block's `small` step 40.2
     # / 40.2 ms against 38.3 / 38.4, `medium` 383.5 / 383.7 against 367.2 / 367.1 (its per-step sums across threads
-    # wait on each other); 60 training steps within the spread (gap 0.0039 against 0.0572): opt-in, a counter-example
-    mix_dphi: str = "product"
+    # wait on each other); 60 training steps within the spread (gap 0.0039 against 0.0572). With dphi_late (below) the
+    # default; "product" (``dphi_from``) is the setting before
+    mix_dphi: str = "reduce"
     mix_walk: int = 0  # tokens a walking program; 0: one program a multiprocessor (a single wave)
     mix_walk_bt: int = 2  # tokens a step of it
     mix_walk_warps: int = 8
     # mix_dphi="reduce" (``_dphi_kernel``, after the mixer's backward, which writes coef, dz and dz·y as for the
     # product): tokens a step, channels and warps a program, the programs a multiprocessor it aims at (the token
     # chunks are as many as that takes), or a fixed chunk of tokens (0: from dphi_waves)
-    dphi_bt: int = 8
+    dphi_bt: int = 4  # 8 as timed every step (2026-12-07); 4 with dphi_late (114 registers)
     dphi_bd: int = 128
     dphi_warps: int = 4
     dphi_waves: int = 4
     dphi_chunk: int = 0
     # the reduction's products summed over a step's tokens every step (False, as timed 2026-12-07) or kept per token
-    # in registers and summed once at the end (True: a multiply-add a step, no cross-thread sum). With mix_dphi="reduce"
-    # and dphi_bt=4, H100, one process, alternating (plan glue_next, throughput_small_glue_next_h100.md): msar_block's
-    # graphed `small` step 37.9 / 38.0 ms with the product -> 37.7 / 37.6; its GPU tests passed at the `small` and
-    # `medium` shapes (d 2048 and 3000 not yet run). Not the default until its `medium` step is timed (the every-step
-    # form lost 16 ms there)
-    dphi_late: bool = False
+    # in registers and summed once at the end (True: a multiply-add a step, no cross-thread sum). The default since
+    # 2026-12-07 (last session), with mix_dphi="reduce" and dphi_bt=4. H100, one process, alternating with the product
+    # before it: msar_block's graphed `small` step 37.6 / 37.5 ms against 38.0 / 37.9 (throughput_small_dphi_default_
+    # h100.md; 37.7 / 37.6 against 37.9 / 38.0 in plan glue_next), `medium` 363.9 / 364.0 against 364.4 / 364.7
+    # (throughput_medium_glue_both_h100.md); its GPU tests passed at all four shapes, the graphed step replays as the
+    # eager one, and 60 training steps stay within the spread (gap 0.0183 against 0.0572,
+    # backend_training_small_msar_block_dphi_default_h100.md)
+    dphi_late: bool = True
     # the dtype of the product's partials of dφ (``dphi_from``, mix_dphi="product"): "kept" (R's, bf16 under autocast:
     # each of up to 64 partials rounded to 8 bits before their fp32 sum, dφ about 2.4e-3 off the walk's fp32 sums on an
     # H100 at `small` and `medium`, msar_tiles_nvidia_h100_80gb_hbm3_mix_walk.md; the setting before 2026-12-06, final

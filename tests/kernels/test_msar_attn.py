@@ -999,8 +999,8 @@ def check_fp32_matches_reference(case, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pass2", ["plain", "lean", "src-ahead2", "combine-float32", "part-sums-torch",
-                                   "grad-streams-kept", "mix-dphi-walk", "mix-dphi-reduce", "mix-dphi-late",
-                                   "mix-sums-kernel", "pack-twice"])
+                                   "grad-streams-kept", "mix-dphi-walk", "mix-dphi-product",
+                                   "mix-dphi-reduce", "mix-sums-kernel", "pack-twice"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     """On the GPU's tiles, with the split forward's plain pass 2 and its lean one (Blocks.split_lean: d 2048 and
@@ -1009,10 +1009,12 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     (Blocks.combine_from="float32", the combine before 2026-12-06 night), and with the source gradients' partials
     summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
     "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
-    backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and by one
-    reduction kernel after it (Blocks.mix_dphi="reduce", a candidate, at every d; its products summed every step, or
-    kept per token and summed once at the end, Blocks.dphi_late at 4 tokens a step), with Σ dz and Σ dz·y summed by
-    the mixer's backward programs (Blocks.mix_sums="kernel", a candidate), and with the backward packing the
+    backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and by the
+    product after it (Blocks.mix_dphi="product", the setting before 2026-12-07's last session; the default is one
+    reduction kernel after it, its products kept per token and summed once at the end, Blocks.dphi_late at 4 tokens a
+    step), by the reduction summing its products every step (Blocks.dphi_late=False at 8 tokens a step), with Σ dz
+    and Σ dz·y summed by the product's mixer backward programs (Blocks.mix_sums="kernel", a candidate), and with the
+    backward packing the
     taps, queries and φᵀ again (Blocks.pack_once=False; taking the forward's is the default since 2026-12-06, final
     session, when both ran on an H100 and passed)."""
     if pass2 == "lean":
@@ -1027,12 +1029,12 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
         _with_fields(monkeypatch, grad_streams="kept")
     if pass2 == "mix-dphi-walk":
         _with_fields(monkeypatch, mix_dphi="walk")
+    if pass2 == "mix-dphi-product":
+        _with_fields(monkeypatch, mix_dphi="product")
     if pass2 == "mix-dphi-reduce":
-        _with_fields(monkeypatch, mix_dphi="reduce")
-    if pass2 == "mix-dphi-late":
-        _with_fields(monkeypatch, mix_dphi="reduce", dphi_late=True, dphi_bt=4)
+        _with_fields(monkeypatch, mix_dphi="reduce", dphi_late=False, dphi_bt=8)
     if pass2 == "mix-sums-kernel":
-        _with_fields(monkeypatch, mix_sums="kernel")
+        _with_fields(monkeypatch, mix_dphi="product", mix_sums="kernel")
     if pass2 == "pack-twice":
         _with_fields(monkeypatch, pack_once=False)
     check_bf16_matches_fp32_reference(case, "cuda")
@@ -1047,14 +1049,15 @@ def test_gpu_fp32_matches_reference(d):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", ["bf16", "fp32", "bf16-lean", "bf16-float32-combine", "fp32-mix-walk",
-                                   "bf16-mix-reduce"])
+                                   "bf16-mix-reduce", "bf16-mix-product"])
 @pytest.mark.parametrize("case, blocks", CPU_TWIN_CASES, ids=[c[0][0] for c in CPU_TWIN_CASES])
 def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
     """The two GPU tests' checks, under the interpreter at small shapes (one tile, and tiled channels; bf16 also
     with the lean pass 2, whose unmasked loads read bf16 sources, and with h combined from fp32 streams,
     Blocks.combine_from="float32"; fp32 also with dφ summed inside the mixer's backward, Blocks.mix_dphi="walk",
     which the tiled case's channel tiles turn into the product; bf16 also with dφ, Σ dz and Σ dz·y by the reduction
-    kernel, Blocks.mix_dphi="reduce"): the comparison logic itself runs in CI."""
+    kernel summing every step, Blocks.dphi_late=False, and by the product, Blocks.mix_dphi="product", the default's
+    two alternatives): the comparison logic itself runs in CI."""
     if blocks is not None:
         from kernels.msar_attn import fused
 
@@ -1067,7 +1070,9 @@ def test_gpu_checks_on_cpu(case, blocks, dtype, monkeypatch):
     if dtype == "fp32-mix-walk":
         _with_fields(monkeypatch, mix_dphi="walk", mix_walk=4)
     if dtype == "bf16-mix-reduce":
-        _with_fields(monkeypatch, mix_dphi="reduce", dphi_bt=4, dphi_bd=16)
+        _with_fields(monkeypatch, mix_dphi="reduce", dphi_late=False, dphi_bt=4, dphi_bd=16)
+    if dtype == "bf16-mix-product":
+        _with_fields(monkeypatch, mix_dphi="product")
     (check_fp32_matches_reference if dtype.startswith("fp32") else check_bf16_matches_fp32_reference)(case, "cpu")
 
 
