@@ -26,7 +26,22 @@ from benchmarks.roofline import Table, bench_ms
 
 
 def candidates(blk) -> dict[str, list[dict]]:
-    """Per kernel, the field overrides to try (the default first)."""
+    """Per kernel, the field overrides to try (the default first), each giving tiles no earlier one gives."""
+    import dataclasses
+
+    def distinct(overrides: list[dict]) -> list[dict]:  # a repeat would time the same tiles twice, under two labels
+        seen, kept = set(), []
+        for over in overrides:
+            key = repr(dataclasses.replace(blk, **over))
+            if key not in seen:
+                seen.add(key)
+                kept.append(over)
+        return kept
+
+    return {kernel: distinct(overrides) for kernel, overrides in _candidates(blk).items()}
+
+
+def _candidates(blk) -> dict[str, list[dict]]:
     def around(bt):
         return sorted({max(1, bt // 2), bt, bt * 2})
 
@@ -98,7 +113,7 @@ def candidates(blk) -> dict[str, list[dict]]:
                                   if (bt, w) != (blk.bwd_bt, blk.mix_warps)]
                           # dφ, Σ dz and Σ dz·y summed inside the kernel (a program walks mix_walk tokens, its partial
                           # dφ in registers), or the product once the walk is the default; then the walk's tiles
-                          + [dict(mix_dphi="walk" if blk.mix_dphi == "product" else "product")]
+                          + [dict(mix_dphi="walk" if blk.mix_dphi != "walk" else "product")]
                           + [dict(mix_dphi="walk", mix_walk=w, mix_walk_bt=bt, mix_walk_warps=nw)
                              for w, bt, nw in ((0, 1, 8), (0, 4, 8), (0, 2, 16), (0, 4, 16), (64, 2, 8),
                                                (256, 2, 8), (0, 1, 4))

@@ -396,8 +396,9 @@ def test_saved_bytes_holds_a_rows_code_setting_for_that_row_alone(tmp_path, monk
 @pytest.mark.parametrize("T, d", [(1024, 512), (2048, 1024)], ids=["small", "medium"])
 def test_msar_tile_candidates_change_the_default_and_name_valid_modes(T, d):
     """benchmarks.msar_tiles times each candidate as fused.Blocks with its fields replaced: every candidate names
-    fields of Blocks, differs from the default (else it times the default twice under another label), and names a
-    kernel mode streams_backward runs (a misspelt mode would be an error on the GPU, after the compile)."""
+    fields of Blocks, differs from the default and from every other candidate of its kernel (else it times the same
+    tiles twice under another label), and names a kernel mode streams_backward runs (a misspelt mode would be an
+    error on the GPU, after the compile)."""
     import dataclasses
 
     from benchmarks.msar_tiles import candidates
@@ -410,6 +411,8 @@ def test_msar_tile_candidates_change_the_default_and_name_valid_modes(T, d):
             blk = dataclasses.replace(base, **over)
             assert blk != base, (kernel, over)
             assert blk.src_mode in ("serial", "ring") and blk.stats_mode in ("serial", "tile"), (kernel, over)
+        timed = [repr(dataclasses.replace(base, **over)) for over in overrides]
+        assert len(set(timed)) == len(timed), f"{kernel}: a candidate repeats another"
     src = candidates(base)["source gradients"]
     assert {"src_mode": "ring", "stats_mode": "tile"} in src  # the kernels before, beside the defaults
 
