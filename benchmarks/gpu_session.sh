@@ -343,7 +343,9 @@
 #              default since its first run): the op's GPU tests of the first (TEST_K), the msar residuals' graphed-step
 #              tests with the second on and off, msar_block's small and medium steps
 #              alternating with the default, its 60-step training parity (eager, seeds 0 1) and the small step
-#              profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out)
+#              profiled by kernel and kind (PROFILE_LIMIT=0 leaves it out). Since the late sum is the default
+#              (2026-12-07, final session) its rows time LATE against it: set LATE to another setting, e.g. the
+#              product before it, LATE="'mix_dphi':'product','dphi_late':False,'dphi_bt':8"
 #   dphi_default one GPU (about 400 s with the start, estimated): with the dφ reduction summed late the default
 #              (Blocks.mix_dphi="reduce", dphi_late), the msar residuals' graphed-step tests, then msar_block's 60-step
 #              training parity (eager, seeds 0 1) of the default against the product before it (PRODUCT)
