@@ -2056,7 +2056,7 @@ class Blocks:
     dphi_chunk: int = 0
     # the reduction's products summed over a step's tokens every step (False, as timed 2026-12-07) or kept per token
     # in registers and summed once at the end (True: a multiply-add a step, no cross-thread sum). The default since
-    # 2026-12-07 (last session), with mix_dphi="reduce" and dphi_bt=4. H100, one process, alternating with the product
+    # 2026-12-07 (final session), with mix_dphi="reduce" and dphi_bt=4. H100, one process, alternating with the product
     # before it: msar_block's graphed `small` step 37.6 / 37.5 ms against 38.0 / 37.9 (throughput_small_dphi_default_
     # h100.md; 37.7 / 37.6 against 37.9 / 38.0 in plan glue_next), `medium` 363.9 / 364.0 against 364.4 / 364.7
     # (throughput_medium_glue_both_h100.md); its GPU tests passed at all four shapes, the graphed step replays as the

@@ -1010,7 +1010,7 @@ def test_gpu_bf16_matches_fp32_reference(case, pass2, monkeypatch):
     summed by torch (Blocks.part_sums="torch", before the same night), and with dR in bf16 (Blocks.grad_streams=
     "kept", a candidate: the bf16 inputs make the kept streams bf16), and with dφ summed inside the mixer's
     backward (Blocks.mix_dphi="walk", a candidate: d 512 and 1024 run it, 2048 and 3000 the product), and by the
-    product after it (Blocks.mix_dphi="product", the setting before 2026-12-07's last session; the default is one
+    product after it (Blocks.mix_dphi="product", the setting before 2026-12-07's final session; the default is one
     reduction kernel after it, its products kept per token and summed once at the end, Blocks.dphi_late at 4 tokens a
     step), by the reduction summing its products every step (Blocks.dphi_late=False at 8 tokens a step), with Σ dz
     and Σ dz·y summed by the product's mixer backward programs (Blocks.mix_sums="kernel", a candidate), and with the
