@@ -27,14 +27,12 @@ from benchmarks.roofline import Table, bench_ms
 
 def candidates(blk) -> dict[str, list[dict]]:
     """Per kernel, the field overrides to try (the default first), each giving tiles no earlier one gives."""
-    import dataclasses
-
     def distinct(overrides: list[dict]) -> list[dict]:  # a repeat would time the same tiles twice, under two labels
-        seen, kept = set(), []
+        seen, kept = [], []
         for over in overrides:
-            key = repr(dataclasses.replace(blk, **over))
-            if key not in seen:
-                seen.add(key)
+            tiles = dataclasses.replace(blk, **over)
+            if tiles not in seen:  # Blocks compare by their fields, as --only matches them
+                seen.append(tiles)
                 kept.append(over)
         return kept
 
