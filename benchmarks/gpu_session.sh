@@ -395,7 +395,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both dphi_default"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both dphi_default ops_final"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1791,6 +1791,19 @@ case "$PLAN" in
       --reference residual.source_dtype=stream --candidate residual.backend=auto --steps ${PARITY_STEPS:-300} \
       --seeds 0 1 2 --set model=small trainer=gpu trainer.compile=true --name small_attnres_block_bf16_sources_compiled
     attnres_small "${SMALL_LIMIT:-180}" "residual.source_dtype=stream" "${TAG:-_sources2}"
+    ;;
+  ops_final)
+    # the issue's per-op tables with the day's defaults, each op in one process at small, medium and d = 2048: the fused
+    # op, its reference and torch.compile of it (for AttnRes also fast-attnres and fla, from .whl/ when present), its
+    # minimal bytes, FLOPs and roofline; PROFILE_LIMIT > 0 first profiles attnres_block's medium step beside vanilla by
+    # kind of kernel (about 200 s on a cold host)
+    step gpu0 where_medium "${PROFILE_LIMIT:-0}" python3 -m benchmarks.profile_step --model medium --residuals vanilla \
+      attnres_block --compile model --graphs on --top 40 --set $COMBO --tag ${TAG:-_final}
+    step gpu0 ops_attnres "${ATTNRES_LIMIT:-330}" python3 -m benchmarks.ops_attnres --shapes ${ATTNRES_SHAPES:-small medium d2048}
+    step gpu0 msar_attn "${MSAR_LIMIT:-240}" python3 -m benchmarks.msar_attn --shapes ${MSAR_SHAPES:-small medium wide} \
+      --sources 5
+    step gpu0 ops_mhc "${MHC_LIMIT:-240}" python3 -m benchmarks.ops_mhc --shapes ${MHC_SHAPES:-small medium d2048} \
+      --tag ${TAG:-_final}
     ;;
   ops_wide)
     # the depth-attention op beside its reference (and torch.compile of it at medium) at the issue's wider shapes
