@@ -84,18 +84,19 @@ def rel_err(a, b):
     return diff / ref if ref > 0 else diff
 
 
-def parity(S, T, d, seed) -> dict[str, float]:
-    """Relative error of h and every gradient: fused bf16 vs fp32 reference, on 2 rows."""
+def parity(S, T, d, seed, x_dtype=torch.bfloat16, device="cuda") -> dict[str, float]:
+    """Relative error of h and every gradient: the fused op on x_dtype sources (bf16 on the GPU; fp32 under the CPU
+    interpreter, where the tests run it) vs the fp32 reference on the same values, on 2 rows."""
     from kernels.msar_attn import msar
 
-    x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, 2, T, d, seed)
+    x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, 2, T, d, seed, x_dtype=x_dtype, device=device)
     fused_in = [x.requires_grad_(), [c.requires_grad_() for c in taps], q.requires_grad_(), g.requires_grad_(),
                 phi.requires_grad_(), alpha.requires_grad_(), bias.requires_grad_()]
     ref_in = [x.detach().float().requires_grad_(), [c.detach().clone().requires_grad_() for c in taps],
               *(t.detach().clone().requires_grad_() for t in fused_in[2:])]
     h = call(msar, fused_in, doc, backend="triton")
     ref = call(msar, ref_in, doc, backend="torch")
-    up = torch.randn(h.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1))
+    up = torch.randn(h.shape, device=device, generator=torch.Generator(device).manual_seed(seed + 1))
     errs = {"h": rel_err(h, ref)}
     names = ["x", *(f"taps{k}" for k in KERNELS), "queries", "gains", "phi", "alpha", "bias"]
     grads = torch.autograd.grad((h.float() * up).sum(), flat(fused_in))
@@ -143,19 +144,19 @@ def timings(fn, S, B, T, d, seed) -> dict[str, float]:
     return out
 
 
-def fused_breakdown(S, B, T, d, seed) -> dict[str, float]:
+def fused_breakdown(S, B, T, d, seed, x_dtype=torch.bfloat16, device="cuda") -> dict[str, float]:
     """Milliseconds of the fused op's pieces: the forward kernel (saving the streams for the
     backward, as in training), the mixer backward (from the saved streams, with dφ), the stats and
     source-gradient kernels (streams backward)."""
     from kernels.msar_attn import fused
 
-    x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, B, T, d, seed)
+    x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, B, T, d, seed, x_dtype=x_dtype, device=device)
     doc = fused.doc_window(doc)  # the window bits the kernels take (computed once per call of the op)
     m = 1 + len(taps)
     packed, ks, _ = fused.pack_taps(taps, d, x.device)
     qg = fused.folded_queries(q, g)
     mixer = fused._mixer_params(phi, alpha, bias)
-    dh = torch.randn(B, T, d, device="cuda", dtype=x.dtype)
+    dh = torch.randn(B, T, d, device=device, dtype=x.dtype)
     kw = dict(key_norm=True, eps=1e-6)
     _, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, save_stats=True, **kw)
     dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=kw["eps"], sigmoid=True)

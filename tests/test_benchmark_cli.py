@@ -803,3 +803,33 @@ def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path
     monkeypatch.setattr(wgmma_race, "DEFAULT_CONFIGS", [(32, 64, 2, False, True)])
     with pytest.raises(ValueError, match=r"\(32, 64, 2, False, True\): the second sweep .* needs the read-back"):
         wgmma_race.main(argv)
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1",
+                    reason="the fused kernels on CPU tensors need TRITON_INTERPRET=1")
+def test_msar_op_benchmark_checks_the_fused_op_it_times_and_its_pieces_run(monkeypatch):
+    """benchmarks.msar_attn on the CPU (fp32 under the interpreter): its parity of h and every gradient is tight for
+    the shipped op (T shorter than the longest tap, d not a multiple of a tile, 1 and 5 sources), it reports an op
+    that is off by 1% as off, and the pieces it times (forward, mixer backward, streams backward) run as called."""
+    import kernels.msar_attn as op
+    from benchmarks import msar_attn
+
+    for S, T, d in [(1, 7, 40), (5, 13, 24)]:
+        errs = msar_attn.parity(S, T, d, seed=S, x_dtype=torch.float32, device="cpu")
+        assert set(errs) >= {"h", "dx", "dqueries", "dgains", "dphi", "dalpha", "dbias"}
+        assert max(errs.values()) < 1e-4, errs
+    shipped = op.msar
+
+    def off(*args, backend="auto", **kwargs):
+        h = shipped(*args, backend=backend, **kwargs)
+        return h * 1.01 if backend == "triton" else h
+
+    monkeypatch.setattr(op, "msar", off)
+    errs = msar_attn.parity(2, 9, 16, seed=0, x_dtype=torch.float32, device="cpu")
+    assert 5e-3 < errs["h"] < 2e-2 and errs["dx"] > 5e-3
+    monkeypatch.setattr(op, "msar", shipped)
+
+    calls = []
+    monkeypatch.setattr(msar_attn, "bench_ms", lambda fn: calls.append(fn()) or 1.0)
+    parts = msar_attn.fused_breakdown(3, 1, 11, 24, seed=0, x_dtype=torch.float32, device="cpu")
+    assert parts == {"forward": 1.0, "mixer bwd": 1.0, "streams bwd": 1.0} and len(calls) == 3
