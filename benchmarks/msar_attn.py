@@ -210,6 +210,8 @@ def main(argv=None) -> int:
                f"tolerance {PARITY_TOL}"])
     impls = implementations(not args.no_compile)
     failed, verdicts, breakdown = [], [], []
+    gpu = torch.cuda.get_device_name()
+    name = f"msar_attn_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}"
     for shape in args.shapes:
         B, T, d = SHAPES[shape]
         for S in args.sources:
@@ -225,32 +227,35 @@ def main(argv=None) -> int:
             floor_f, floor_fb = ceil.floor_ms(fwd_bytes, fwd_flops), ceil.floor_ms(fb_bytes, fb_flops)
             bind_f, bind_fb = ceil.binding(fwd_bytes, fwd_flops), ceil.binding(fb_bytes, fb_flops)
             results = {}
-            for name, fn in impls.items():
+            parity_cell = f"{errs[worst]:.1e}: {worst} {'ok' if ok else 'FAIL'}"
+            for impl, fn in impls.items():  # each row saved as soon as it is timed (fused first: the others' speedup)
                 try:
-                    results[name] = timings(fn, S, B, T, d, args.seed)
+                    r = timings(fn, S, B, T, d, args.seed)
                 except torch.cuda.OutOfMemoryError as e:  # recorded in the table and printed, not hidden
-                    print(f"[{shape} S={S}] {name}: out of memory: {e}", flush=True)
-                    results[name] = None
+                    print(f"[{shape} S={S}] {impl}: out of memory: {e}", flush=True)
+                    r = None
                 except Exception:  # torch.compile failures: recorded in the table with the traceback printed
-                    print(f"[{shape} S={S}] {name} failed:\n{traceback.format_exc()}", flush=True)
-                    results[name] = "error"
+                    print(f"[{shape} S={S}] {impl} failed:\n{traceback.format_exc()}", flush=True)
+                    r = "error"
                 torch.cuda.empty_cache()
+                results[impl] = r
+                fused = results.get("fused")
+                if not isinstance(r, dict):
+                    table.add(shape, S, f"{B}×{T}", d, parity_cell, impl, "OOM" if r is None else "error",
+                              *["–"] * 7)
+                else:
+                    speed = (f"{r['fwd'] / fused['fwd']:.2f}× / {r['fb'] / fused['fb']:.2f}×"
+                             if isinstance(fused, dict) and impl != "fused" else "–")
+                    table.add(shape, S, f"{B}×{T}", d, parity_cell, impl, f"{r['fwd']:.3f}",
+                              f"{floor_f:.3f} ({bind_f})", f"{100 * floor_f / r['fwd']:.0f}%", f"{r['fb']:.3f}",
+                              f"{floor_fb:.3f} ({bind_fb})", f"{100 * floor_fb / r['fb']:.0f}%", f"{r['peak_gib']:.2f}",
+                              speed)
+                print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
+                table.write(name, partial=f"{len(table.rows)} rows")  # a run stopped by its time limit keeps them
             parts = fused_breakdown(S, B, T, d, args.seed)
             breakdown.append(f"{shape} S={S}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items()))
             print(f"[{shape} S={S}] fused pieces: {breakdown[-1]}", flush=True)
             fused = results.get("fused")
-            for name, r in results.items():
-                parity_cell = f"{errs[worst]:.1e}: {worst} {'ok' if ok else 'FAIL'}"
-                if not isinstance(r, dict):
-                    table.add(shape, S, f"{B}×{T}", d, parity_cell, name, "OOM" if r is None else "error",
-                              *["–"] * 7)
-                    continue
-                speed = (f"{r['fwd'] / fused['fwd']:.2f}× / {r['fb'] / fused['fb']:.2f}×"
-                         if isinstance(fused, dict) and name != "fused" else "–")
-                table.add(shape, S, f"{B}×{T}", d, parity_cell, name, f"{r['fwd']:.3f}", f"{floor_f:.3f} ({bind_f})",
-                          f"{100 * floor_f / r['fwd']:.0f}%", f"{r['fb']:.3f}", f"{floor_fb:.3f} ({bind_fb})",
-                          f"{100 * floor_fb / r['fb']:.0f}%", f"{r['peak_gib']:.2f}", speed)
-                print("| " + " | ".join(table.rows[-1]) + " |", flush=True)
             if isinstance(fused, dict):
                 frac_f, frac_fb = floor_f / fused["fwd"], floor_fb / fused["fb"]
                 verdicts.append(f"{shape} S={S}: fwd {100 * frac_f:.0f}% ({'met' if frac_f >= TARGET_FWD else 'MISSED'}"
@@ -260,8 +265,7 @@ def main(argv=None) -> int:
                        "stats + source-gradient kernels): " + "; ".join(breakdown))
     table.notes.append(f"targets (fused ≥ {TARGET_FWD:.0%} of roofline fwd, ≥ {TARGET_FB:.0%} fwd+bwd): "
                        + "; ".join(verdicts))
-    gpu = torch.cuda.get_device_name()
-    path = table.write(f"msar_attn_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}")
+    path = table.write(name)
     print(f"wrote {path}")
     print("\n".join(["targets:", *verdicts]))
     if failed:

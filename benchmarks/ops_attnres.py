@@ -264,6 +264,13 @@ def main(argv=None) -> None:
                "fast-attnres: one call per consumer over its source list, gain folded into its bf16 query, "
                "eps 2^-23; fla: fla.ops.attnres.fused_attnres, one call per consumer"])
     failed = []
+    gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower())
+    name = f"ops_attnres_{gpu}_{'_'.join(args.shapes)}{'_quick' if args.quick else ''}"
+
+    def row_done():  # printed, and saved as a partial table: a run stopped by its time limit keeps its rows
+        print(" | ".join(table.rows[-1]), flush=True)
+        table.write(name, partial=f"{len(table.rows)} rows")
+
     for shape in args.shapes:
         B, T, d = SHAPES[shape]
         for op in args.ops:
@@ -289,7 +296,7 @@ def main(argv=None) -> None:
                 if why is not None:
                     table.add(shape, op, f"{B}×{T}, {d}", f"{err:.1e} {'ok' if ok else 'FAIL'}", impl, why,
                               "", "", "", "", "")
-                    print(" | ".join(table.rows[-1]), flush=True)
+                    row_done()
                     continue
                 tf, tfb = times[impl]
                 speed = ""
@@ -298,16 +305,15 @@ def main(argv=None) -> None:
                 table.add(shape, op, f"{B}×{T}, {d}", f"{err:.1e} {'ok' if ok else 'FAIL'}", impl,
                           f"{tf:.3f}", f"{tfb:.3f}", f"{floor_f:.3f} / {floor_fb:.3f} ({binding})",
                           f"{100 * floor_f / tf:.0f}%", f"{100 * floor_fb / tfb:.0f}%", speed)
-                print(" | ".join(table.rows[-1]), flush=True)
+                row_done()
                 torch.cuda.empty_cache()
             if op == "block" and "fused" in args.impls and not args.no_breakdown:
-                for name, ms in kernel_breakdown(n, C, B, T, d):
-                    table.add(shape, op, f"{B}×{T}, {d}", "", f"fused: {name}", f"{ms:.3f}", "", "", "", "", "")
-                    print(" | ".join(table.rows[-1]), flush=True)
+                for kernel, ms in kernel_breakdown(n, C, B, T, d):
+                    table.add(shape, op, f"{B}×{T}, {d}", "", f"fused: {kernel}", f"{ms:.3f}", "", "", "", "", "")
+                    row_done()
                 torch.cuda.empty_cache()
     table.notes.append("fused speedup: the other implementation's time over the fused op's (> 1: fused faster)")
-    gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower())
-    table.write(f"ops_attnres_{gpu}_{'_'.join(args.shapes)}{'_quick' if args.quick else ''}")
+    table.write(name)
     if failed:
         raise SystemExit(f"parity check failed: {', '.join(failed)}")
 

@@ -833,3 +833,64 @@ def test_msar_op_benchmark_checks_the_fused_op_it_times_and_its_pieces_run(monke
     monkeypatch.setattr(msar_attn, "bench_ms", lambda fn: calls.append(fn()) or 1.0)
     parts = msar_attn.fused_breakdown(3, 1, 11, 24, seed=0, x_dtype=torch.float32, device="cpu")
     assert parts == {"forward": 1.0, "mixer bwd": 1.0, "streams bwd": 1.0} and len(calls) == 3
+
+
+def test_op_benchmarks_stopped_by_a_limit_leave_the_rows_they_timed(tmp_path, monkeypatch):
+    """benchmarks.ops_attnres and benchmarks.msar_attn save their table after every row, marked partial, so a run
+    stopped by its time limit (here an interrupt at the third implementation) leaves what it measured; the GPU is
+    faked (ceilings, device name, timings): what is tested is the writing, not the numbers."""
+    import benchmarks.roofline as roofline
+    from benchmarks import msar_attn, ops_attnres
+
+    class Ceil:
+        def describe(self):
+            return "fake ceilings"
+
+        def floor_ms(self, nbytes, flops):
+            return 0.5
+
+        def binding(self, nbytes, flops):
+            return "bytes"
+
+    monkeypatch.setattr(roofline, "RESULTS", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 80GB")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    for module in (ops_attnres, msar_attn):
+        monkeypatch.setattr(module.Ceilings, "measure", staticmethod(lambda: Ceil()))
+    calls = []
+
+    def timed(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a kill would: the end of the process, not a failing row
+        return 1.0, 2.0
+
+    monkeypatch.setattr(ops_attnres, "parity", lambda *a, **k: 1e-3)
+    monkeypatch.setattr(ops_attnres, "importable", lambda impl: None)
+    monkeypatch.setattr(ops_attnres, "measure", timed)
+    with pytest.raises(KeyboardInterrupt):
+        ops_attnres.main(["--shapes", "small", "--ops", "block", "--impls", "fused", "reference", "fast-attnres",
+                          "--no-breakdown"])
+    text = (tmp_path / "ops_attnres_fake_gpu_80gb_small.md").read_text()
+    assert "partial: 2 rows" in text and "- command:" in text
+    assert [line.split("|")[5].strip() for line in text.splitlines() if line.startswith("| small")] == [
+        "fused", "reference"]
+
+    calls.clear()
+    monkeypatch.setattr(msar_attn, "parity", lambda *a, **k: {"h": 1e-3})
+    monkeypatch.setattr(msar_attn, "fused_breakdown", lambda *a, **k: {"forward": 1.0})
+    monkeypatch.setattr(msar_attn, "implementations", lambda compile_reference: {
+        "fused": None, "reference": None, "reference, torch.compile": None})
+    monkeypatch.setattr(msar_attn, "timings", lambda *a: dict(zip(("fwd", "fb"), timed())) | {"peak_gib": 0.1})
+    with pytest.raises(KeyboardInterrupt):
+        msar_attn.main(["--shapes", "small", "--sources", "5", "2"])
+    text = (tmp_path / "msar_attn_fake_gpu_80gb.md").read_text()
+    assert "partial: 2 rows" in text
+    assert [line.split("|")[6].strip() for line in text.splitlines() if line.startswith("| small")] == [
+        "fused", "reference"]
+    calls.extend([1] * 10)  # past the interrupt: the run ends and replaces the partial table with the whole one
+    assert msar_attn.main(["--shapes", "small", "--sources", "5", "2"]) == 0
+    text = (tmp_path / "msar_attn_fake_gpu_80gb.md").read_text()
+    assert "partial" not in text and "targets (fused ≥ 50% of roofline fwd" in text
+    assert len([line for line in text.splitlines() if line.startswith("| small")]) == 6
