@@ -255,7 +255,6 @@ def main(argv=None) -> int:
             parts = fused_breakdown(S, B, T, d, args.seed)
             breakdown.append(f"{shape} S={S}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in parts.items()))
             print(f"[{shape} S={S}] fused pieces: {breakdown[-1]}", flush=True)
-            fused = results.get("fused")
             if isinstance(fused, dict):
                 frac_f, frac_fb = floor_f / fused["fwd"], floor_fb / fused["fb"]
                 verdicts.append(f"{shape} S={S}: fwd {100 * frac_f:.0f}% ({'met' if frac_f >= TARGET_FWD else 'MISSED'}"
