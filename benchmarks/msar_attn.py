@@ -1,6 +1,6 @@
 """The fused MSAR op (views + depth attention + H^pre mixer) against its reference, on a CUDA GPU.
 
-    python -m benchmarks.msar_attn [--shapes small medium wide] [--sources 2 5 9] [--no-compile]
+    python -m benchmarks.msar_attn [--shapes small medium wide] [--sources 2 5 9] [--no-compile] [--timer graphs]
 
 Everything in ONE process, so the ratios are measured side by side. First, once per shape and
 source count, a parity check: the fused op on bf16 sources (parameters fp32, as under autocast in
@@ -8,7 +8,9 @@ training) against the fp32 reference on the same bf16-rounded values, h and the 
 input (sources, queries, key gains, taps, φ, α, b) for a random upstream gradient, on 2 rows of
 the shape's length (``PARITY_TOL``). Then the median time (CUDA events) of forward (no grad) and
 forward+backward of: the fused op (``backend="triton"``), the reference (``backend="torch"``) and
-``torch.compile`` of the reference. The roofline of each is
+``torch.compile`` of the reference. ``--timer graphs`` times replays of a CUDA graph of the calls instead, as a
+graphed training step runs them (no gaps while the host launches a call's kernels, no L2 flush between calls;
+``benchmarks.roofline.TIMER``); its table is written beside the default one, named ``..._graphs.md``. The roofline of each is
 
     floor = max(minimal bytes / copy bandwidth, CUDA-core FLOPs / fp32 rate)
 
@@ -18,7 +20,8 @@ again, dh and the lse, and writing dx. FLOPs: the arithmetic of the op counted o
 k_j d per source, key RMS and logit 4 m d, weighted sum 2 m d, mixer 4 m d + 2 m² d); backward
 counted as twice the forward, so forward+backward = 3× forward (the backward's recomputation of the
 streams is not counted: it is the op's choice, not its cost). The fused op's pieces are timed too
-(forward kernel; mixer backward; stats + source-gradient kernels). The table is written to
+(forward saving nothing, as under no_grad; forward saving what the backward reads; mixer backward;
+stats + source-gradient kernels). The table is written to
 benchmarks/results/msar_attn_<gpu>.md with the command, the GPU and the date. Targets (issue 7):
 fused ≥ 50% of its roofline forward and ≥ 30% forward+backward; the last lines say which are met.
 The process exits non-zero if a parity check fails (after writing the table).
@@ -33,7 +36,8 @@ import traceback
 
 import torch
 
-from benchmarks.roofline import Ceilings, Table, bench_ms
+from benchmarks import roofline
+from benchmarks.roofline import Ceilings, Table, bench_ms, held
 
 KERNELS = (4, 8, 12)
 # (name, B, T, d): model=small is d=512 with 16×1024 tokens, model=medium d=1024 with 16×2048
@@ -145,9 +149,9 @@ def timings(fn, S, B, T, d, seed) -> dict[str, float]:
 
 
 def fused_breakdown(S, B, T, d, seed, x_dtype=torch.bfloat16, device="cuda") -> dict[str, float]:
-    """Milliseconds of the fused op's pieces: the forward kernel (saving the streams for the
-    backward, as in training), the mixer backward (from the saved streams, with dφ), the stats and
-    source-gradient kernels (streams backward)."""
+    """Milliseconds of the fused op's pieces: the forward kernels saving nothing (as the op runs under no_grad),
+    the forward kernels saving the streams and statistics for the backward (as in training), the mixer backward
+    (from the saved streams, with dφ), the stats and source-gradient kernels (streams backward)."""
     from kernels.msar_attn import fused
 
     x, taps, q, g, phi, alpha, bias, doc = make_inputs(S, B, T, d, seed, x_dtype=x_dtype, device=device)
@@ -161,6 +165,7 @@ def fused_breakdown(S, B, T, d, seed, x_dtype=torch.bfloat16, device="cuda") -> 
     _, lse, _, saved, stats = fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, save_stats=True, **kw)
     dr, *_ = fused.mixer_backward(dh, saved, mixer, eps=kw["eps"], sigmoid=True)
     return {  # as training runs them: the forward saves what the backward reads
+        "forward, saving nothing": bench_ms(lambda: fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, **kw)),
         "forward": bench_ms(lambda: fused.forward(x, packed, ks, m, qg, doc, mixer=mixer, save=True, save_stats=True,
                                                   **kw)),
         "mixer bwd": bench_ms(lambda: fused.mixer_backward(dh, saved, mixer, eps=kw["eps"], sigmoid=True)),
@@ -188,10 +193,18 @@ def main(argv=None) -> int:
     p.add_argument("--sources", nargs="+", type=int, default=[2, 5, 9])
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timer", default="events", choices=list(roofline.TIMERS),
+                   help="events: CUDA events around each call (the gaps while the host launches count); graphs: "
+                        "replays of a CUDA graph of the calls, as a graphed step runs them (benchmarks.roofline.TIMER)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.msar_attn needs a CUDA GPU (the CPU interpreter cannot time kernels)")
+    with held([(roofline, "TIMER", args.timer)]):
+        return _timed(args)
 
+
+def _timed(args) -> int:
+    """main's tables, timed under its --timer."""
     ceil = Ceilings.measure()
     print(f"{torch.cuda.get_device_name()}: {ceil.describe()}", flush=True)
     m = 1 + len(KERNELS)
@@ -202,7 +215,9 @@ def main(argv=None) -> int:
                  "peak fwd+bwd GiB", "fused speedup fwd / fwd+bwd"],
         notes=[f"ceilings measured in this run: {ceil.describe()}",
                f"kernels {KERNELS} (m = {m} views), key RMSNorm with gains, sigmoid fusion, ~2 documents per "
-               "1024 tokens; bf16 sources, fp32 parameters; fwd under no_grad; medians of CUDA-event timings",
+               "1024 tokens; bf16 sources, fp32 parameters; fwd under no_grad; "
+               + ("medians of CUDA-graph replays (no launch gaps, no L2 flush; --timer graphs)" if args.timer == "graphs"
+                  else "medians of CUDA-event timings around each call (launch gaps count)"),
                "minimal bytes: fwd reads the sources once, writes h and the lse; fwd+bwd also reads the sources, "
                "dh and the lse and writes dx. FLOPs: the op's arithmetic once (backward = 2× forward); the "
                "roofline is the larger of bytes / copy bandwidth and FLOPs / fp32 rate (binding term in brackets)",
@@ -211,7 +226,8 @@ def main(argv=None) -> int:
     impls = implementations(not args.no_compile)
     failed, verdicts, breakdown = [], [], []
     gpu = torch.cuda.get_device_name()
-    name = f"msar_attn_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}"
+    name = (f"msar_attn_{re.sub(r'[^a-z0-9]+', '_', gpu.lower()).strip('_')}"
+            f"{'_graphs' if args.timer == 'graphs' else ''}")
     for shape in args.shapes:
         B, T, d = SHAPES[shape]
         for S in args.sources:
@@ -260,8 +276,8 @@ def main(argv=None) -> int:
                 verdicts.append(f"{shape} S={S}: fwd {100 * frac_f:.0f}% ({'met' if frac_f >= TARGET_FWD else 'MISSED'}"
                                 f", bound by {bind_f}), fwd+bwd {100 * frac_fb:.0f}% "
                                 f"({'met' if frac_fb >= TARGET_FB else 'MISSED'}, bound by {bind_fb})")
-    table.notes.append("fused op's pieces (forward kernel saving the streams; mixer backward from the saved streams, with dφ; "
-                       "stats + source-gradient kernels): " + "; ".join(breakdown))
+    table.notes.append("fused op's pieces (forward kernels saving nothing, as under no_grad; forward kernels saving the "
+                       "streams; mixer backward from the saved streams, with dφ; stats + source-gradient kernels): " + "; ".join(breakdown))
     table.notes.append(f"targets (fused ≥ {TARGET_FWD:.0%} of roofline fwd, ≥ {TARGET_FB:.0%} fwd+bwd): "
                        + "; ".join(verdicts))
     path = table.write(name)

@@ -2,6 +2,7 @@
 
     python -m benchmarks.ops_attnres [--shapes small medium d2048] [--ops block full] [--impls ...]
     python -m benchmarks.ops_attnres --quick --shapes small medium   # no torch.compile: ~1 min
+    python -m benchmarks.ops_attnres --timer graphs ...   # replays of a CUDA graph: no host launch gaps
 
 Writes benchmarks/results/ops_attnres_<gpu>_<shapes>[_quick].md and prints each row as soon as it
 is measured. The fused kernels have fixed tiles (no autotuning: the first call per shape only
@@ -13,7 +14,9 @@ One process measures everything (timings on a shared host swing 13-17% between i
 - parity first: the fused op in bf16 against the fp32 reference on the same bf16-rounded inputs
   (every output and every gradient: sources, partials, queries, key gains), relative error in norm;
   the run fails if any exceeds 1e-2;
-- per shape and op, the median time (``triton.testing.do_bench``) of the forward (under no_grad) and
+- per shape and op, the median time (``triton.testing.do_bench``; with ``--timer graphs``
+  ``do_bench_cudagraph``: replays of a CUDA graph of the calls, as a graphed training step runs them, without
+  the gaps while the host launches a call's kernels, table named ``..._graphs.md``) of the forward (under no_grad) and
   of forward+backward (gradients of every input, random upstream gradients) of:
   ``fused`` (kernels/depth_attn, two-phase, the sources stored in its buffer as the residual stores them), ``reference`` (the residual's torch path: stack the
   sources at every read), ``torch.compile(reference)``, and as benchmark-only anchors, when
@@ -47,7 +50,8 @@ import traceback
 
 import torch
 
-from benchmarks.roofline import Ceilings, Table, bench_ms
+from benchmarks import roofline
+from benchmarks.roofline import Ceilings, Table, bench_ms, held
 
 # name -> (B, T, d)
 SHAPES = {"small": (16, 1024, 512), "medium": (16, 2048, 1024), "d2048": (16, 2048, 2048)}
@@ -242,12 +246,20 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fused + reference + fast-attnres + fla at the given shapes (no torch.compile)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel times of the fused op")
+    p.add_argument("--timer", default="events", choices=list(roofline.TIMERS),
+                   help="events: CUDA events around each call (the gaps while the host launches count); graphs: "
+                        "replays of a CUDA graph of the calls, as a graphed step runs them (benchmarks.roofline.TIMER)")
     args = p.parse_args(argv)
     if args.impls is None:
         args.impls = list(QUICK_IMPLS if args.quick else IMPLS)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.ops_attnres needs a CUDA GPU (the CPU interpreter cannot time kernels)")
+    with held([(roofline, "TIMER", args.timer)]):
+        _timed(args)
 
+
+def _timed(args) -> None:
+    """main's table, timed under its --timer."""
     ceilings = Ceilings.measure()
     print(ceilings.describe(), flush=True)
     table = Table(
@@ -262,10 +274,13 @@ def main(argv=None) -> None:
                "C upstream gradients, writes their gradients. FLOPs: 2d per tensor (sum of squares), 4d per "
                "(consumer, source) pair; fwd+bwd = 3× fwd",
                "fast-attnres: one call per consumer over its source list, gain folded into its bf16 query, "
-               "eps 2^-23; fla: fla.ops.attnres.fused_attnres, one call per consumer"])
+               "eps 2^-23; fla: fla.ops.attnres.fused_attnres, one call per consumer",
+               "timer: " + ("replays of a CUDA graph of the calls (no launch gaps, no L2 flush; --timer graphs)"
+                            if args.timer == "graphs" else "CUDA events around each call (launch gaps count)")])
     failed = []
     gpu = "".join(c if c.isalnum() else "_" for c in torch.cuda.get_device_name().lower())
-    name = f"ops_attnres_{gpu}_{'_'.join(args.shapes)}{'_quick' if args.quick else ''}"
+    name = (f"ops_attnres_{gpu}_{'_'.join(args.shapes)}{'_quick' if args.quick else ''}"
+            f"{'_graphs' if args.timer == 'graphs' else ''}")
 
     def row_done():  # printed, and saved as a partial table: a run stopped by its time limit keeps its rows
         print(" | ".join(table.rows[-1]), flush=True)

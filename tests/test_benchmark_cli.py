@@ -810,7 +810,8 @@ def test_wgmma_race_finds_no_race_under_the_interpreter_and_reports_one(tmp_path
 def test_msar_op_benchmark_checks_the_fused_op_it_times_and_its_pieces_run(monkeypatch):
     """benchmarks.msar_attn on the CPU (fp32 under the interpreter): its parity of h and every gradient is tight for
     the shipped op (T shorter than the longest tap, d not a multiple of a tile, 1 and 5 sources), it reports an op
-    that is off by 1% as off, and the pieces it times (forward, mixer backward, streams backward) run as called."""
+    that is off by 1% as off, and the pieces it times (forward saving nothing, forward saving for the backward, mixer
+    backward, streams backward) run as called."""
     import kernels.msar_attn as op
     from benchmarks import msar_attn
 
@@ -832,7 +833,11 @@ def test_msar_op_benchmark_checks_the_fused_op_it_times_and_its_pieces_run(monke
     calls = []
     monkeypatch.setattr(msar_attn, "bench_ms", lambda fn: calls.append(fn()) or 1.0)
     parts = msar_attn.fused_breakdown(3, 1, 11, 24, seed=0, x_dtype=torch.float32, device="cpu")
-    assert parts == {"forward": 1.0, "mixer bwd": 1.0, "streams bwd": 1.0} and len(calls) == 3
+    assert parts == {"forward, saving nothing": 1.0, "forward": 1.0, "mixer bwd": 1.0, "streams bwd": 1.0}
+    assert len(calls) == 4
+    nothing, saving = calls[0], calls[1]  # (h, lse, logits, saved, stats): the no-grad forward keeps nothing
+    assert nothing[3] is None and nothing[4] is None and saving[3] is not None and saving[4] is not None
+    torch.testing.assert_close(nothing[0], saving[0], rtol=0, atol=0)
 
 
 def test_op_benchmarks_stopped_by_a_limit_leave_the_rows_they_timed(tmp_path, monkeypatch):
@@ -894,3 +899,18 @@ def test_op_benchmarks_stopped_by_a_limit_leave_the_rows_they_timed(tmp_path, mo
     text = (tmp_path / "msar_attn_fake_gpu_80gb.md").read_text()
     assert "partial" not in text and "targets (fused ≥ 50% of roofline fwd" in text
     assert len([line for line in text.splitlines() if line.startswith("| small")]) == 6
+
+    # --timer graphs: every timing runs under bench_ms's graph timer, the table is named apart and says so, and the
+    # default timer is back afterwards
+    timers = []
+    monkeypatch.setattr(msar_attn, "timings", lambda *a: timers.append(roofline.TIMER) or {"fwd": 1., "fb": 2.,
+                                                                                          "peak_gib": 0.1})
+    assert msar_attn.main(["--shapes", "small", "--sources", "5", "--timer", "graphs"]) == 0
+    assert timers == ["graphs"] * 3 and roofline.TIMER == "events"
+    assert "CUDA-graph replays" in (tmp_path / "msar_attn_fake_gpu_80gb_graphs.md").read_text()
+    monkeypatch.setattr(ops_attnres, "measure", lambda *a: timers.append(roofline.TIMER) or (1.0, 2.0))
+    timers.clear()
+    ops_attnres.main(["--shapes", "small", "--ops", "block", "--impls", "fused", "reference", "--no-breakdown",
+                      "--timer", "graphs"])
+    assert timers == ["graphs"] * 2 and roofline.TIMER == "events"
+    assert "replays of a CUDA graph" in (tmp_path / "ops_attnres_fake_gpu_80gb_small_graphs.md").read_text()
