@@ -1799,11 +1799,12 @@ case "$PLAN" in
     # kind of kernel (about 200 s on a cold host)
     step gpu0 where_medium "${PROFILE_LIMIT:-0}" python3 -m benchmarks.profile_step --model medium --residuals vanilla \
       attnres_block --compile model --graphs on --top 40 --set $COMBO --tag ${TAG:-_final}
-    step gpu0 ops_attnres "${ATTNRES_LIMIT:-330}" python3 -m benchmarks.ops_attnres --shapes ${ATTNRES_SHAPES:-small medium d2048}
+    step gpu0 ops_attnres "${ATTNRES_LIMIT:-330}" python3 -m benchmarks.ops_attnres --shapes ${ATTNRES_SHAPES:-small medium d2048} \
+      --ops ${ATTNRES_OPS:-block full}
     step gpu0 msar_attn "${MSAR_LIMIT:-240}" python3 -m benchmarks.msar_attn --shapes ${MSAR_SHAPES:-small medium wide} \
       --sources 5
     step gpu0 ops_mhc "${MHC_LIMIT:-240}" python3 -m benchmarks.ops_mhc --shapes ${MHC_SHAPES:-small medium d2048} \
-      --tag ${TAG:-_final}
+      --variants ${MHC_VARIANTS:-default one_pass} --tag ${TAG:-_final}
     ;;
   timers)
     # the op tables' host side: the public AttnRes ops at medium and d = 2048 (block, events timer), then MSAR and
