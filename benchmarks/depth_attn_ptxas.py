@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         bt, bd, mw = fused._row_tiles(d)
         grads_types = dict(src_ptr=bf16, qg_ptr=f32, douts=(bf16,) * C, w_ptr=f32, dlr_ptr=f32, coef_ptr=f32,
                            dsrc_ptr=bf16, dqg_ptr=f32)  # the split gradients kernel's arguments, for each of its ways
-        fwd_types = dict(src_ptr=bf16, qg_ptr=f32, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32,
+        fwd_types = dict(src_ptr=bf16, qg_ptr=f32, out0_ptr=bf16, out_ptr=bf16, lse_ptr=f32, logits_ptr=f32, rstd_ptr=f32,
                          eps="fp32")  # both forward kernels' arguments
         stream = fused.fwd_stream(n)  # the forward the rule runs: streamed past one load (fused.FWD_STREAM)
         runs = [

@@ -66,6 +66,12 @@ def eager(fn, *args):
     return fn(*args)
 
 
+def _shares_storage(t: Tensor, others) -> bool:
+    """Whether ``t`` is a view of the same memory as any of ``others`` (e.g. rows of one stacked tensor)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(o.untyped_storage().data_ptr() == ptr for o in others)
+
+
 def depth_attn_flops(n_sources: int, d: int, *, views: int = 1, heads: int = 1, key_norm: bool = True) -> int:
     """Forward FLOPs per token of one consumer's depth attention over ``n_sources`` sources.
 
@@ -354,10 +360,11 @@ class DepthAttentionResidual(Residual):
             if state.ctx.record:
                 self._record(state.ctx, consumer, state.weights[c][None])
             h = self._sublayer_input(out, state)  # narrow under autocast: as it is; else in the stream's dtype
-            if h is out and len(state.outs) > 1 and not state.outs_kept:
+            if h is out and not state.outs_kept and _shares_storage(out, state.outs[1:]):
                 # a view of the group's phase-1 outputs (C, B, T, d): the consumer's sublayer keeps its input for
                 # backward and would keep all C with it, which nothing else needs (the merges keep their output, and
-                # phase 1 keeps its outputs only when they are narrower than the sources: ``outs_kept``)
+                # phase 1 keeps its outputs only when they are narrower than the sources: ``outs_kept``). The fused
+                # phase 1 writes this output to a tensor of its own (``summaries_fwd(first_apart=True)``): no copy.
                 h = out.clone()
             return self._after_read(h, consumer, state.ctx)
         h, w = depth_attn_merge(out, state.lses[c], state.partial, state.queries[consumer], None,

@@ -134,11 +134,16 @@ def _token_block(pid, N, D, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _store_output(out_ptr, lse_ptr, acc, m_i, l_i, c, tok, offs_d, mask_t, mask_td, N, D):
-    """Consumer c's normalised output (its online-softmax state divided by its sum) and log-sum-exp."""
-    out_rows = tok + c * N  # (T,) int64 in (C, N)
-    tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-             mask=mask_td)
+def _store_output(out0_ptr, out_ptr, lse_ptr, acc, m_i, l_i, c: tl.constexpr, tok, offs_d, mask_t, mask_td, N, D):
+    """Consumer c's normalised output (its online-softmax state divided by its sum) and log-sum-exp. Consumer 0's
+    output goes to ``out0_ptr`` (N, D), consumer c >= 1's to row c - 1 of ``out_ptr`` (C - 1, N, D): two views of one
+    (C, N, D) tensor, or consumer 0's output in a tensor of its own (``summaries_fwd(first_apart=True)``)."""
+    val = acc / l_i[:, None]
+    if c == 0:
+        tl.store(out0_ptr + tok[:, None] * D + offs_d[None, :], val.to(out0_ptr.dtype.element_ty), mask=mask_td)
+    else:
+        out_rows = tok + (c - 1) * N  # (T,) int64 in (C - 1, N)
+        tl.store(out_ptr + out_rows[:, None] * D + offs_d[None, :], val.to(out_ptr.dtype.element_ty), mask=mask_td)
     tl.store(lse_ptr + c * N + tok, m_i + tl.log(l_i), mask=mask_t)
 
 
@@ -146,7 +151,8 @@ def _store_output(out_ptr, lse_ptr, acc, m_i, l_i, c, tok, offs_d, mask_t, mask_
 def _summaries_fwd_kernel(
     src_ptr,  # sources (n_max, N, d) contiguous; rows [0, n) are read
     qg_ptr,  # gain-folded queries q_c ⊙ g_c (C, d) fp32
-    out_ptr,  # result: normalised outputs (C, N, d), the sources' dtype
+    out0_ptr,  # result: consumer 0's normalised output (N, d), in the outputs' dtype
+    out_ptr,  # result: consumers 1 .. C-1's normalised outputs (C - 1, N, d) (``_store_output``)
     lse_ptr,  # result: log-sum-exp of the logits over sources (C, N) fp32
     logits_ptr,  # result: raw logits (C, n, N) fp32, only when STORE_LOGITS
     rstd_ptr,  # result: the key norm's r_s (n, N) fp32, only when STORE_RSTD (for the split backward)
@@ -196,7 +202,7 @@ def _summaries_fwd_kernel(
                 if STORE_LOGITS:
                     tl.store(logits_ptr + c * n * N + rows_c, logit, mask=mask_sc[:, None] & mask_t[None, :])
                 s0 += BLOCK_S
-        _store_output(out_ptr, lse_ptr, acc, m_i, l_i, c, tok, offs_d, mask_t, mask_td, N, D)
+        _store_output(out0_ptr, out_ptr, lse_ptr, acc, m_i, l_i, c, tok, offs_d, mask_t, mask_td, N, D)
 
 
 @triton.jit
@@ -232,7 +238,7 @@ def _stream_chunk(x, r, mask_s, rows, mask_t, qg_ptr, logits_ptr, m_s, l_s, acc_
 
 @triton.jit
 def _summaries_fwd_stream_kernel(
-    src_ptr, qg_ptr, out_ptr, lse_ptr, logits_ptr, rstd_ptr,  # as ``_summaries_fwd_kernel``'s
+    src_ptr, qg_ptr, out0_ptr, out_ptr, lse_ptr, logits_ptr, rstd_ptr,  # as ``_summaries_fwd_kernel``'s
     n, N, D, eps,
     C: tl.constexpr, KEY_NORM: tl.constexpr, STORE_LOGITS: tl.constexpr, STORE_RSTD: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
@@ -261,7 +267,7 @@ def _summaries_fwd_stream_kernel(
             x, mask_s, rows = x_next, mask_next, rows_next
         s0 += BLOCK_S
     for c in tl.static_range(C):
-        _store_output(out_ptr, lse_ptr, acc_s[c], m_s[c], l_s[c], c, tok, offs_d, mask_t, mask_td, N, D)
+        _store_output(out0_ptr, out_ptr, lse_ptr, acc_s[c], m_s[c], l_s[c], c, tok, offs_d, mask_t, mask_td, N, D)
 
 
 @triton.jit
@@ -1185,15 +1191,24 @@ def _persistent_grid(kernel, args, meta, num_warps: int, n_tiles: int, device: t
 
 
 def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float, store_logits: bool,
-                  out_dtype: torch.dtype | None = None, store_rstd: bool = False):
+                  out_dtype: torch.dtype | None = None, store_rstd: bool = False, first_apart: bool = False):
     """src (n_max, B, T, d) contiguous, qg (C, d) fp32 -> out (C, B, T, d) in ``out_dtype`` (default: the
     sources'), lse (C, B, T) fp32, logits (C, n, B, T) fp32 or None, and the key norm's r_s (n, B, T) fp32 with
-    ``store_rstd`` (else, and for raw keys, None)."""
+    ``store_rstd`` (else, and for raw keys, None). With ``first_apart`` out is a tuple of C tensors (B, T, d): consumer
+    0's output in a tensor of its own (its sublayer keeps it for the backward without keeping the others' storage),
+    consumers 1 .. C-1's views of one (C - 1, B, T, d) tensor."""
     shape = src.shape[1:]
     N, d = src[0].numel() // src.shape[-1], src.shape[-1]
     C = qg.shape[0]
     t = tiles(n, d, C)
-    out = torch.empty(C, *shape, device=src.device, dtype=out_dtype or src.dtype)
+    dt = dict(device=src.device, dtype=out_dtype or src.dtype)
+    if first_apart:
+        out0, rest = torch.empty(shape, **dt), torch.empty(C - 1, *shape, **dt)
+        out = (out0, *rest.unbind(0))
+    else:
+        out = torch.empty(C, *shape, **dt)
+        out0, rest = out[0], out[1:]
+    rest = rest if C > 1 else out0  # (no consumer past the first: never written)
     lse = torch.empty(C, *shape[:-1], device=src.device, dtype=torch.float32)
     logits = torch.empty(C, n, *shape[:-1], device=src.device, dtype=torch.float32) if store_logits else lse
     store_rstd = store_rstd and key_norm
@@ -1201,12 +1216,12 @@ def summaries_fwd(src: Tensor, n: int, qg: Tensor, *, key_norm: bool, eps: float
     stream = fwd_stream(n)
     if stream:
         _summaries_fwd_stream_kernel[(_cdiv(N, t.block_t),)](
-            src, qg, out, lse, logits, rstd, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
+            src, qg, out0, rest, lse, logits, rstd, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
             STORE_RSTD=store_rstd, BLOCK_S=stream, BLOCK_T=t.block_t, BLOCK_D=t.block_d, PREFETCH=FWD_STREAM_PREFETCH,
             num_warps=t.num_warps)
         return out, lse, (logits if store_logits else None), (rstd if store_rstd else None)
     _summaries_fwd_kernel[(_cdiv(N, t.block_t),)](
-        src, qg, out, lse, logits, rstd, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
+        src, qg, out0, rest, lse, logits, rstd, n, N, d, eps, C=C, KEY_NORM=key_norm, STORE_LOGITS=store_logits,
         ONE_CHUNK=t.one_chunk, BLOCK_S=t.block_s, BLOCK_T=t.block_t, BLOCK_D=t.block_d, TAIL_S=t.tail_s,
         STORE_RSTD=store_rstd, num_warps=t.num_warps)
     return out, lse, (logits if store_logits else None), (rstd if store_rstd else None)
@@ -1383,16 +1398,18 @@ class SummariesFunction(torch.autograd.Function):
             raise ValueError("summaries: buffered rows need their buffer's RowGradients (SourceBuffer.grads), got None")
         # the split backward's scores kernel takes the logits and r_s from here (``scores_from_logits``)
         for_bwd = scores_from_logits(n, src.shape[-1], qg.shape[0])
+        # narrow outputs are kept for the backward's delta_c = dO_c·o_c (``summaries_bwd(out=)``): no first pass over
+        # the sources there; under autocast the consumer that reads its output as it is keeps their storage anyway
+        keep_out = keeps_outputs(src.dtype, out_dtype or src.dtype, n, qg.shape[0], src.shape[-1])
+        # split outputs that are not kept: the first in a tensor of its own, which its consumer's sublayer keeps for
+        # the backward without the others' storage (no copy of it in the residual)
         out, lse, logits, rstd = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps,
                                                store_logits=store_logits or for_bwd, out_dtype=out_dtype,
-                                               store_rstd=for_bwd)
+                                               store_rstd=for_bwd, first_apart=split and not keep_out)
         scores = ((logits,) + ((rstd,) if rstd is not None else ())) if for_bwd else ()  # saved for the backward
         if for_bwd and not store_logits:
             logits = None  # kept for the backward only
         ctx.key_norm, ctx.eps, ctx.n, ctx.split, ctx.buffered = key_norm, eps, n, split, bool(rows)
-        # narrow outputs are kept for the backward's delta_c = dO_c·o_c (``summaries_bwd(out=)``): no first pass over
-        # the sources there; under autocast the consumer that reads its output as it is keeps their storage anyway
-        keep_out = keeps_outputs(src.dtype, out.dtype, n, qg.shape[0], src.shape[-1])
         ctx.keep_out = keep_out
         kept = (out,) if keep_out else ()
         ctx.n_scores = len(scores)
@@ -1404,7 +1421,7 @@ class SummariesFunction(torch.autograd.Function):
         if logits is None:
             logits = lse.new_empty(0)
         ctx.mark_non_differentiable(logits)
-        outs = (*out.unbind(0), *lse.unbind(0)) if split else (out, lse)
+        outs = (*out, *lse.unbind(0)) if split else (out, lse)  # (a tuple of C, or (C, B, T, d) unbound)
         return (*outs, logits)
 
     @staticmethod
