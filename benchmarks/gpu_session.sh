@@ -395,7 +395,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both dphi_default ops_final timers"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both dphi_default ops_final timers apart"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1805,6 +1805,15 @@ case "$PLAN" in
       --sources 5
     step gpu0 ops_mhc "${MHC_LIMIT:-240}" python3 -m benchmarks.ops_mhc --shapes ${MHC_SHAPES:-small medium d2048} \
       --variants ${MHC_VARIANTS:-default one_pass} --tag ${TAG:-_final}
+    ;;
+  apart)
+    # phase 1's first output of a group in a tensor of its own (fused.FIRST_APART: no copy in the residual) against
+    # the one tensor of all C and the copy of before, alternating in attnres_block's medium step beside vanilla;
+    # first the depth-attention op's and the residual's GPU tests
+    step gpu0 gpu_tests "${TEST_LIMIT:-90}" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -m gpu \
+      tests/kernels/test_depth_attn_fused.py tests/residuals/test_attnres.py
+    medium_step "${MEDIUM_LIMIT:-400}" "${TAG:-_apart}" attnres_block "attnres_block@py:kernels.depth_attn.fused.FIRST_APART=False" \
+      attnres_block "attnres_block@py:kernels.depth_attn.fused.FIRST_APART=False"
     ;;
   timers)
     # the op tables' host side: the public AttnRes ops at medium and d = 2048 (block, events timer), then MSAR and

@@ -107,7 +107,8 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("peaks", ["cached", "uncached"]),
                                          ("parity_all", ["parity"]),
                                          ("ops_final", ["where_medium", "ops_attnres", "msar_attn", "ops_mhc"]),
-                                         ("timers", ["ops_attnres", "msar_graphs", "attnres_graphs", "msar_events"])])
+                                         ("timers", ["ops_attnres", "msar_graphs", "attnres_graphs", "msar_events"]),
+                                         ("apart", ["gpu_tests", "medium"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""

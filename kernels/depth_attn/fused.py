@@ -1370,6 +1370,13 @@ def delta_from_outputs(C: int, d: int) -> bool:
     return DELTA_FROM_OUTPUTS
 
 
+# Split phase-1 outputs that phase 1 does not keep: consumer 0's in a tensor of its own (``summaries_fwd(first_apart=)``),
+# which the residual hands to its sublayer as it is. False: one (C, B, T, d) tensor, and the residual copies consumer
+# 0's output so that its sublayer does not keep the other C - 1 for the backward (the way of before 2026-12-07, night;
+# for an A/B row: ``attnres_block@py:kernels.depth_attn.fused.FIRST_APART=False`` in benchmarks.throughput).
+FIRST_APART = True
+
+
 def keeps_outputs(src_dtype: torch.dtype, out_dtype: torch.dtype | None, n: int, C: int, d: int) -> bool:
     """Whether phase 1 over n sources of ``src_dtype`` keeps its C outputs of ``out_dtype`` for its backward: narrow
     outputs (``out_dtype`` set and not the sources') where ``delta_from_outputs`` says, unless the backward runs split
@@ -1405,7 +1412,7 @@ class SummariesFunction(torch.autograd.Function):
         # the backward without the others' storage (no copy of it in the residual)
         out, lse, logits, rstd = summaries_fwd(src, n, qg, key_norm=key_norm, eps=eps,
                                                store_logits=store_logits or for_bwd, out_dtype=out_dtype,
-                                               store_rstd=for_bwd, first_apart=split and not keep_out)
+                                               store_rstd=for_bwd, first_apart=split and not keep_out and FIRST_APART)
         scores = ((logits,) + ((rstd,) if rstd is not None else ())) if for_bwd else ()  # saved for the backward
         if for_bwd and not store_logits:
             logits = None  # kept for the backward only

@@ -414,14 +414,16 @@ def test_gpu_auto_backend_is_the_fused_op_and_matches_the_reference(name, overri
 
 
 @needs_interpreter
+@pytest.mark.parametrize("apart", [True, False])
 @pytest.mark.parametrize("mode", ["fp32", "autocast-delta-from-sources", "autocast-bf16-sources"])
 @pytest.mark.parametrize("name, overrides", [("attnres", ()), ("attnres_block", ("residual.block_size=4",))])
-def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overrides, mode, monkeypatch):
+def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overrides, mode, apart, monkeypatch):
     """Phase 1 writes the outputs of consumers 1 .. C-1 of a group into one (C - 1, B, T, d) tensor and consumer 0's
     into a tensor of its own. For backward the merges keep their own output, not the phase-1 output they read, and
     the read without a merge hands its sublayer consumer 0's tensor as it is (no copy): no autograd node keeps the
     group's shared phase-1 tensor, so it is freed when the next group opens (before, every group's C outputs lived
-    until the backward; `python -m benchmarks.saved_bytes`). Also under
+    until the backward; `python -m benchmarks.saved_bytes`). With ``fused.FIRST_APART=False`` (the way of before)
+    all C outputs share one tensor and the residual hands consumer 0 a copy of its output instead. Also under
     bf16 autocast with Block AttnRes's bf16 phase-1 outputs wherever phase 1 does not keep them for its own
     backward: its dO·o taken from the sources (``fused.DELTA_FROM_OUTPUTS=False``), or sources stored in bf16 under
     autocast (``residual.source_dtype=autocast``, Block AttnRes's default: the outputs are then no narrower than the
@@ -441,13 +443,15 @@ def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overr
         else:  # bf16 sources under autocast (Block AttnRes's default)
             overrides = (*overrides, "residual.source_dtype=autocast")
 
+    monkeypatch.setattr(fused, "FIRST_APART", apart)
     phase_one, firsts = [], []  # held here, so that no later tensor reuses their addresses
     real = fused.summaries
 
     def recording(*args, **kwargs):
         res = real(*args, **kwargs)
         if args[6].shape[0] > 1:  # C > 1 consumers (args[6]: their queries)
-            assert res[0].untyped_storage().nbytes() == res[0].nbytes  # consumer 0's output: a tensor of its own
+            # consumer 0's output: a tensor of its own, or (not apart) a view of the one tensor of all C
+            assert (res[0].untyped_storage().nbytes() == res[0].nbytes) == apart
             phase_one.append(res[1].detach())  # consumers 1 .. C-1: one storage
             firsts.append(res[0].detach())
         return res
@@ -469,7 +473,11 @@ def test_fused_path_keeps_no_group_of_phase_one_outputs_for_backward(name, overr
     assert len(phase_one) == (2 if name == "attnres" else 1)  # the groups of two sublayers, or the one block
     assert {t.dtype for t in phase_one} == {torch.bfloat16 if autocast else torch.float32}
     assert not {t.untyped_storage().data_ptr() for t in phase_one} & (kept | inputs)
-    assert {t.untyped_storage().data_ptr() for t in firsts} <= inputs  # handed to its sublayer as it is
+    first_ptrs = {t.untyped_storage().data_ptr() for t in firsts}
+    if apart:
+        assert first_ptrs <= inputs  # handed to its sublayer as it is
+    else:
+        assert not first_ptrs & (kept | inputs)  # (the same storage as the others': a copy is handed on)
     logits.backward(torch.randn_like(logits))  # and the backward runs from what is kept
     assert all(torch.isfinite(p.grad).all() for p in model.residual.parameters())
 
