@@ -395,7 +395,7 @@
 # (default OUTDIR.tar.gz), so the runs can be read back on another machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both dphi_default ops_final timers apart"
+PLANS="check study finish seeds scaling measure graphs kernels final closing sync lr mfu scope closing1 merge options combo sources glue attnref router counters dtiles verify evening evening2 evening3 buffered fixed parity eager memory serial serial2 saved split split2 split3 lean2 lean3 medium_all streams mhc mhc2 mhc3 chain chain2 chain3 closing2 ops_wide phase1 pairs phase1p phase1m delta closing3 launches folded auto_delta kept lean sources2 where wide narrow split_bwd rows_medium rows_small split_sweep scores_fwd fwd_check split_counters scores_chunks logits logits_check logits_where grads_cap grads_cap2 rows prefetch rows8 prefetch_all stream stream_rule stream_pairs pairs2 pairs_medium msar_full_sources attnres_next msar_next mhc_next msar_sources peaks mhc_long parity_all ahead ahead_medium src_ahead2 mhc_tc_bwd mhc_dx_rows mhc_next2 mhc_read64 mhc_bwd_blocks mhc_profile mhc_read_split mhc_split_step mhc_auto_read mhc_bwd_split mhc_phi_blocks mhc_race_bisect mhc_dx_tb mhc_phi_medium mhc_phi_check msar_glue msar_dr msar_partial msar_views views_medium mix_walk mix_next mix_default dphi_reduce dphi_medium glue_next glue_medium glue_both dphi_default ops_final timers apart final2"
 PLAN=${1:?plan: ${PLANS// / | }}
 case " $PLANS " in
   *" $PLAN "*) ;;
@@ -1805,6 +1805,16 @@ case "$PLAN" in
       --sources 5
     step gpu0 ops_mhc "${MHC_LIMIT:-240}" python3 -m benchmarks.ops_mhc --shapes ${MHC_SHAPES:-small medium d2048} \
       --variants ${MHC_VARIANTS:-default one_pass} --tag ${TAG:-_final}
+    ;;
+  final2)
+    # what ops_final left: the public AttnRes ops at d = 2048; Block AttnRes against them as CUDA-graph replays at small
+    # and medium (no launch gaps, as a graphed step runs them); mHC's op beside its reference at medium and d = 2048
+    step gpu0 attnres_d2048 "${D2048_LIMIT:-80}" python3 -m benchmarks.ops_attnres --shapes d2048 --ops block \
+      --impls fused fast-attnres "fla fused_attnres" --no-breakdown
+    step gpu0 attnres_graphs "${GRAPHS_LIMIT:-100}" python3 -m benchmarks.ops_attnres --shapes small medium --ops block \
+      --impls fused fast-attnres "fla fused_attnres" --no-breakdown --timer graphs
+    step gpu0 ops_mhc "${MHC_LIMIT:-260}" python3 -m benchmarks.ops_mhc --shapes ${MHC_SHAPES:-medium d2048} \
+      --variants default --tag ${TAG:-_final_md}
     ;;
   apart)
     # phase 1's first output of a group in a tensor of its own (fused.FIRST_APART: no copy in the residual) against

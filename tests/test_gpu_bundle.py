@@ -108,7 +108,8 @@ def test_gpu_session_step_with_limit_zero_is_skipped(tmp_path):
                                          ("parity_all", ["parity"]),
                                          ("ops_final", ["where_medium", "ops_attnres", "msar_attn", "ops_mhc"]),
                                          ("timers", ["ops_attnres", "msar_graphs", "attnres_graphs", "msar_events"]),
-                                         ("apart", ["gpu_tests", "medium"])])
+                                         ("apart", ["gpu_tests", "medium"]),
+                                         ("final2", ["attnres_d2048", "attnres_graphs", "ops_mhc"])])
 def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     """The MSAR plans' shared steps (the op's GPU tests, msar_block's step, its parity, the counters: shell functions)
     run under the names and limits the plans give them: with every limit at 0 each is listed as skipped, in order."""
@@ -118,7 +119,7 @@ def test_gpu_session_msar_plans_run_their_shared_steps(plan, steps, tmp_path):
     repo = tmp_path / "repo"
     (repo / "benchmarks" / "results").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "gpu_session.sh", repo / "benchmarks" / "gpu_session.sh")
-    limits = ("TEST", "SMALL", "PARITY", "MEDIUM", "DTILES", "TILES", "TILES17", "COUNTER", "STREAMS", "OPS", "OPS32", "PROFILE", "OPS2048", "SAVED", "GRADS", "MSAR_TILES", "COEF", "PEAKS", "ATTNRES", "MSAR", "MHC", "GRAPHS", "EVENTS")  # every *_LIMIT of these plans
+    limits = ("TEST", "SMALL", "PARITY", "MEDIUM", "DTILES", "TILES", "TILES17", "COUNTER", "STREAMS", "OPS", "OPS32", "PROFILE", "OPS2048", "SAVED", "GRADS", "MSAR_TILES", "COEF", "PEAKS", "ATTNRES", "MSAR", "MHC", "GRAPHS", "EVENTS", "D2048")  # every *_LIMIT of these plans
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "ARCHIVE": str(tmp_path / "a.tgz"),
            **{f"{name}_LIMIT": "0" for name in limits}}
     out = subprocess.run(["bash", str(repo / "benchmarks" / "gpu_session.sh"), plan, str(tmp_path / "o")],
