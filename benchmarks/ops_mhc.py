@@ -42,12 +42,12 @@ PARITY_TOL = {"bf16": 2e-2, "fp32": 1e-4}  # relative error (L2) of any output o
 SINKHORN_HALF_STEP = 5  # log-domain normalisation per entry: max, subtract, exp, sum, subtract (+ a log per row)
 
 
-def make_inputs(B, T, n, d, seed, *, dtype=torch.bfloat16):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def make_inputs(B, T, n, d, seed, *, dtype=torch.bfloat16, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
     k = n * n + 2 * n
 
     def rand(*shape, scale=1.0, shift=0.0):
-        return shift + scale * torch.randn(*shape, device="cuda", generator=g)
+        return shift + scale * torch.randn(*shape, device=device, generator=g)
 
     return {
         "x": rand(B, T, n, d).to(dtype),
@@ -55,7 +55,7 @@ def make_inputs(B, T, n, d, seed, *, dtype=torch.bfloat16):
         "alpha": rand(3, scale=0.2, shift=0.8),
         "b_pre": rand(n, scale=0.5),
         "b_post": rand(n, scale=0.5),
-        "b_res": rand(n, n, scale=0.5) + 2.0 * torch.eye(n, device="cuda"),
+        "b_res": rand(n, n, scale=0.5) + 2.0 * torch.eye(n, device=device),
         "out": rand(B, T, d).to(dtype),
     }
 
@@ -97,28 +97,43 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def parity(B, T, n, d, seed, dtype) -> float:
-    """Worst relative error of the fused ops on ``dtype`` streams (outputs and every gradient) vs the fp32
-    reference on the same values."""
-    inp = make_inputs(B, T, n, d, seed, dtype=dtype)
+LEAVES = ("x", "phi", "alpha", "b_pre", "b_post", "b_res", "out")  # make_inputs' tensors, in its order
+SUBLAYER_OUTS = ("h", "H_pre", "H_post", "H_res", "X'")  # sublayer's results
+POST_PRE_OUTS = ("X'", "h", "H_pre", "H_post", "H_res")  # post_pre's results (the write's X', then the next read)
+
+
+def parity_errors(B, T, n, d, seed, dtype, device="cuda") -> dict[str, float]:
+    """Relative error (L2) of every output and gradient of the fused ops on ``dtype`` streams vs the fp32 reference on
+    the same values, by name: the sublayer's read + write (``sublayer/h`` ..., ``sublayer/dx`` ...) and the write fused
+    with the next read (``post_pre/...``, also the gradients of the coefficients it takes, ``dH_post_in``,
+    ``dH_res_in``)."""
+    inp = make_inputs(B, T, n, d, seed, dtype=dtype, device=device)
     bf = {k: v.clone().requires_grad_() for k, v in inp.items()}
     ref_in = {k: v.detach().float().requires_grad_() for k, v in inp.items()}
+    errs = {}
     got, ref = sublayer("triton", bf), sublayer("torch", ref_in)
-    errs = [rel_err(a, b) for a, b in zip(got, ref)]
-    g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    ups = [torch.randn(o.shape, device="cuda", generator=g) for o in ref]
+    errs |= {f"sublayer/{k}": rel_err(a, b) for k, a, b in zip(SUBLAYER_OUTS, got, ref)}
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    ups = [torch.randn(o.shape, device=device, generator=g) for o in ref]
     ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()))
     gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()))
-    errs += [rel_err(a, b) for a, b in zip(ga, gb)]
+    errs |= {f"sublayer/d{k}": rel_err(a, b) for k, a, b in zip(LEAVES, ga, gb)}
     # the write fused with the next read (mhc_post_pre), on coefficients of the read above
     coeffs = [[t.detach().float().requires_grad_() for t in outs[2:4]] for outs in (got, ref)]
     got, ref = post_pre("triton", bf, *coeffs[0]), post_pre("torch", ref_in, *coeffs[1])
-    errs += [rel_err(a, b) for a, b in zip(got, ref)]
-    ups = [torch.randn(o.shape, device="cuda", generator=g) for o in ref]
+    errs |= {f"post_pre/{k}": rel_err(a, b) for k, a, b in zip(POST_PRE_OUTS, got, ref)}
+    ups = [torch.randn(o.shape, device=device, generator=g) for o in ref]
     ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()) + coeffs[0])
     gb = torch.autograd.grad(sum((o * u).sum() for o, u in zip(ref, ups)), list(ref_in.values()) + coeffs[1])
-    errs += [rel_err(a, b) for a, b in zip(ga, gb)]
-    return max(errs)
+    errs |= {f"post_pre/d{k}": rel_err(a, b) for k, a, b in zip((*LEAVES, "H_post_in", "H_res_in"), ga, gb)}
+    return errs
+
+
+def parity(B, T, n, d, seed, dtype, device="cuda") -> tuple[float, str]:
+    """(worst relative error, its name) over ``parity_errors``."""
+    errs = parity_errors(B, T, n, d, seed, dtype, device)
+    worst = max(errs, key=errs.get)
+    return errs[worst], worst
 
 
 def counts(N, n, d, elt=2) -> dict[str, tuple[float, float]]:
@@ -485,14 +500,14 @@ def _timed(args) -> None:
             if settings is not None:  # a fused variant: its parity first (all of them before any timing)
                 try:
                     with held((fused, k, v) for k, v in settings.items()):
-                        err = parity(B, T, n, d, args.seed, dtype)
+                        err, worst = parity(B, T, n, d, args.seed, dtype)
                 except Exception as e:  # a variant that fails is reported in the table, not skipped silently
                     print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
                     failed.append(f"{name} {label}: {type(e).__name__}")
                     table.add(name, f"{B}×{T}", d, n, "error", label, "all", f"error: {type(e).__name__}",
                               "", "", "", "", "")
                     continue
-                checks[label] = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'}"
+                checks[label] = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'} ({worst})"
                 print(f"{name} {label}: parity {checks[label]}", flush=True)
                 if err >= PARITY_TOL[args.dtype]:
                     failed.append(f"{name} {label}")
