@@ -102,16 +102,16 @@ SUBLAYER_OUTS = ("h", "H_pre", "H_post", "H_res", "X'")  # sublayer's results
 POST_PRE_OUTS = ("X'", "h", "H_pre", "H_post", "H_res")  # post_pre's results (the write's X', then the next read)
 
 
-def parity_errors(B, T, n, d, seed, dtype, device="cuda") -> dict[str, float]:
-    """Relative error (L2) of every output and gradient of the fused ops on ``dtype`` streams vs the fp32 reference on
-    the same values, by name: the sublayer's read + write (``sublayer/h`` ..., ``sublayer/dx`` ...) and the write fused
-    with the next read (``post_pre/...``, also the gradients of the coefficients it takes, ``dH_post_in``,
-    ``dH_res_in``)."""
+def parity_errors(B, T, n, d, seed, dtype, device="cuda", backend="triton") -> dict[str, float]:
+    """Relative error (L2) of every output and gradient of the ops of ``backend`` (the fused ops; "torch": the
+    reference itself) on ``dtype`` streams vs the fp32 reference on the same values, by name: the sublayer's read +
+    write (``sublayer/h`` ..., ``sublayer/dx`` ...) and the write fused with the next read (``post_pre/...``, also the
+    gradients of the coefficients it takes, ``dH_post_in``, ``dH_res_in``)."""
     inp = make_inputs(B, T, n, d, seed, dtype=dtype, device=device)
     bf = {k: v.clone().requires_grad_() for k, v in inp.items()}
     ref_in = {k: v.detach().float().requires_grad_() for k, v in inp.items()}
     errs = {}
-    got, ref = sublayer("triton", bf), sublayer("torch", ref_in)
+    got, ref = sublayer(backend, bf), sublayer("torch", ref_in)
     errs |= {f"sublayer/{k}": rel_err(a, b) for k, a, b in zip(SUBLAYER_OUTS, got, ref)}
     g = torch.Generator(device=device).manual_seed(seed + 1)
     ups = [torch.randn(o.shape, device=device, generator=g) for o in ref]
@@ -120,7 +120,7 @@ def parity_errors(B, T, n, d, seed, dtype, device="cuda") -> dict[str, float]:
     errs |= {f"sublayer/d{k}": rel_err(a, b) for k, a, b in zip(LEAVES, ga, gb)}
     # the write fused with the next read (mhc_post_pre), on coefficients of the read above
     coeffs = [[t.detach().float().requires_grad_() for t in outs[2:4]] for outs in (got, ref)]
-    got, ref = post_pre("triton", bf, *coeffs[0]), post_pre("torch", ref_in, *coeffs[1])
+    got, ref = post_pre(backend, bf, *coeffs[0]), post_pre("torch", ref_in, *coeffs[1])
     errs |= {f"post_pre/{k}": rel_err(a, b) for k, a, b in zip(POST_PRE_OUTS, got, ref)}
     ups = [torch.randn(o.shape, device=device, generator=g) for o in ref]
     ga = torch.autograd.grad(sum((o.float() * u).sum() for o, u in zip(got, ups)), list(bf.values()) + coeffs[0])
@@ -129,11 +129,19 @@ def parity_errors(B, T, n, d, seed, dtype, device="cuda") -> dict[str, float]:
     return errs
 
 
-def parity(B, T, n, d, seed, dtype, device="cuda") -> tuple[float, str]:
-    """(worst relative error, its name) over ``parity_errors``."""
+def parity(B, T, n, d, seed, dtype, device="cuda") -> tuple[float, str, bool, float | None]:
+    """(worst relative error of the fused ops, its name, whether they pass, the reference's own error there in
+    ``dtype``). They pass where every error is below PARITY_TOL, or, in bf16, no more than twice the error of the
+    reference run in bf16 itself (``parity_errors(backend="torch")``): a gradient that bf16 cannot hold to the
+    tolerance, whoever computes it. α's is one: 3 values, each a sum over every token and channel with much
+    cancellation; at d = 2048 on the CPU (seed 3) the fused ops' is 3.5e-2 off and the bf16 reference's 7.5e-2."""
+    tol = PARITY_TOL["bf16" if dtype == torch.bfloat16 else "fp32"]
     errs = parity_errors(B, T, n, d, seed, dtype, device)
     worst = max(errs, key=errs.get)
-    return errs[worst], worst
+    if errs[worst] < tol or dtype == torch.float32:
+        return errs[worst], worst, errs[worst] < tol, None
+    own = parity_errors(B, T, n, d, seed, dtype, device, backend="torch")
+    return errs[worst], worst, all(e < tol or e <= 2 * own[k] for k, e in errs.items()), own[worst]
 
 
 def counts(N, n, d, elt=2) -> dict[str, tuple[float, float]]:
@@ -397,7 +405,8 @@ def pick_variant(table: str, op: str, gain: float) -> str | None:
     when none is. Rows of variants that errored or failed their parity do not count."""
     times = {}
     for row in read_rows(table):
-        if row["op"] != op or not row["parity (vs fp32 ref)"].endswith(" ok"):
+        # "2.9e-03 ok", or since 2026-12-07 "2.9e-03 ok (worst tensor...)"
+        if row["op"] != op or row["parity (vs fp32 ref)"].split()[1:2] != ["ok"]:
             continue
         name = "default" if row["backend"] == "triton" else row["backend"].removeprefix("triton (").removesuffix(")")
         try:
@@ -479,7 +488,9 @@ def _timed(args) -> None:
                "fwd ops under no_grad; fwd+bwd = one sublayer's pre + post and the gradients of X, f, φ, α, b",
                "min MB: each op's inputs read once and outputs written once; GFLOP: CUDA-core FLOPs "
                "(see `counts` in benchmarks/ops_mhc.py); roofline = max(bytes / copy, FLOPs / fp32 rate)",
-               f"parity: worst L2 relative error over outputs and gradients; FAIL above {PARITY_TOL[args.dtype]}",
+               f"parity: worst L2 relative error over outputs and gradients (which, in brackets); FAIL above "
+               f"{PARITY_TOL[args.dtype]} unless, in bf16, within twice the reference's own error in bf16 there "
+               "(given in brackets: a gradient bf16 cannot hold, e.g. α's)",
                f"ms: median of {max(1, args.rounds)} round(s), every backend once a round, interleaved"
                + (" (range in brackets)" if args.rounds > 1 else "")
                + ("; each a CUDA graph's replays (no launch gaps, no L2 flush)" if args.timer == "graphs" else
@@ -500,16 +511,17 @@ def _timed(args) -> None:
             if settings is not None:  # a fused variant: its parity first (all of them before any timing)
                 try:
                     with held((fused, k, v) for k, v in settings.items()):
-                        err, worst = parity(B, T, n, d, args.seed, dtype)
+                        err, worst, ok, own = parity(B, T, n, d, args.seed, dtype)
                 except Exception as e:  # a variant that fails is reported in the table, not skipped silently
                     print(f"{name} {label}: {type(e).__name__}: {e}", flush=True)
                     failed.append(f"{name} {label}: {type(e).__name__}")
                     table.add(name, f"{B}×{T}", d, n, "error", label, "all", f"error: {type(e).__name__}",
                               "", "", "", "", "")
                     continue
-                checks[label] = f"{err:.1e} {'ok' if err < PARITY_TOL[args.dtype] else 'FAIL'} ({worst})"
+                checks[label] = (f"{err:.1e} {'ok' if ok else 'FAIL'} ({worst}"
+                                 + (f"; reference in {args.dtype}: {own:.1e})" if own is not None else ")"))
                 print(f"{name} {label}: parity {checks[label]}", flush=True)
-                if err >= PARITY_TOL[args.dtype]:
+                if not ok:
                     failed.append(f"{name} {label}")
             entries.append(label)
 
