@@ -624,7 +624,8 @@ def test_ops_mhc_pick_takes_the_largest_gain_past_the_threshold_over_ok_rows(tmp
         row("medium", "2.9e-03 ok", "triton", op, "4.000"),
         row("medium", "2.9e-03 ok", "triton (a)", op, "3.800"),  # 5%
         row("medium", "2.9e-03 ok (sublayer/dx)", "triton (b)", op, "3.000"),  # 25%
-        row("medium", "3.0e-01 FAIL (post_pre/dx; reference in bf16: 1.0e-03)", "triton (c)", op, "1.000"),  # fastest, but its parity failed
+        # fastest, but its parity failed
+        row("medium", "3.0e-01 FAIL (post_pre/dx; reference in bf16: 1.0e-03)", "triton (c)", op, "1.000"),
         row("medium", "error", "triton (d)", "all", "error: RuntimeError")])
     assert pick_variant(table, op, 0.03) == "b"
     assert pick_variant(table, op, 0.30) is None
