@@ -193,9 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--sources", nargs="+", type=int, default=[2, 5, 9])
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timer", default="events", choices=list(roofline.TIMERS),
-                   help="events: CUDA events around each call (the gaps while the host launches count); graphs: "
-                        "replays of a CUDA graph of the calls, as a graphed step runs them (benchmarks.roofline.TIMER)")
+    roofline.add_timer_option(p)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.msar_attn needs a CUDA GPU (the CPU interpreter cannot time kernels)")

@@ -246,9 +246,7 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fused + reference + fast-attnres + fla at the given shapes (no torch.compile)")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel times of the fused op")
-    p.add_argument("--timer", default="events", choices=list(roofline.TIMERS),
-                   help="events: CUDA events around each call (the gaps while the host launches count); graphs: "
-                        "replays of a CUDA graph of the calls, as a graphed step runs them (benchmarks.roofline.TIMER)")
+    roofline.add_timer_option(p)
     args = p.parse_args(argv)
     if args.impls is None:
         args.impls = list(QUICK_IMPLS if args.quick else IMPLS)

@@ -438,9 +438,7 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", nargs="+", default=["default", "one_pass"], choices=list(fused_variants()),
                     help="fused variants to time (kernels.mhc.fused.NAMED_VARIANTS: its module settings)")
     ap.add_argument("--tag", default="", help="suffix of the result file's name")
-    ap.add_argument("--timer", default="events", choices=list(roofline.TIMERS),
-                    help="events: CUDA events around each call (launch gaps count); graphs: replays of a CUDA graph "
-                         "of the calls, as a graphed step runs them (benchmarks.roofline.TIMER)")
+    roofline.add_timer_option(ap)
     ap.add_argument("--rounds", type=int, default=1,
                     help="time every backend this many times, interleaved round by round; the table gives the median "
                          "and, with more than one round, the range")

@@ -59,6 +59,14 @@ TIMERS = ("events", "graphs")
 TIMER = "events"
 
 
+def add_timer_option(parser) -> None:
+    """A benchmark's ``--timer`` (events or graphs), which its main holds as TIMER while it times."""
+    parser.add_argument("--timer", default="events", choices=list(TIMERS),
+                        help="events: CUDA events around each call (the gaps while the host launches count); "
+                             "graphs: replays of a CUDA graph of the calls, as a graphed step runs them "
+                             "(benchmarks.roofline.TIMER)")
+
+
 def bench_ms(fn, *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median milliseconds of ``fn()``, timed as TIMER says."""
     import triton.testing
